@@ -1,0 +1,146 @@
+"""Bytes held by a model and its optimizers, computed from the tensors themselves.
+
+Pure functions over modules, parameters and optimizers; no device counters.
+A tensor's bytes are ``numel() * element_size()``; two tensors over the same
+memory (tied weights, views) count once, under the first name met.
+
+Example::
+
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 3)                # 12 + 3 float32 values
+    >>> params = unique_parameters(model, torch.device("cpu"))
+    >>> dict(weight_bytes(params))
+    {'weight': 48, 'bias': 12}
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+__all__ = [
+    "tensor_bytes",
+    "same_device",
+    "unique_parameters",
+    "weight_bytes",
+    "gradient_bytes",
+    "buffer_bytes",
+    "optimizer_state_tensors",
+    "optimizer_state_bytes",
+    "optimizer_holds_any",
+]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the tensor's elements: ``numel() * element_size()``.
+
+    For a DTensor (FSDP2, tensor parallel) this is the local shard: what this
+    rank really holds.
+    """
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        tensor = local
+    return tensor.numel() * tensor.element_size()
+
+
+def same_device(tensor: torch.Tensor, device: torch.device) -> bool:
+    """True when ``tensor`` lives on ``device`` (an index-less device matches any index)."""
+    dev = tensor.device
+    return dev.type == device.type and (device.index is None or dev.index in (None, device.index))
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """Identifies the memory a tensor covers: start address, byte count, device index."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return (local.data_ptr(), tensor_bytes(local), local.device.index or 0)
+
+
+def unique_parameters(
+    model: torch.nn.Module, device: torch.device
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """The model's named parameters on ``device``, each piece of memory once.
+
+    ``named_parameters()`` already drops a Parameter registered under two
+    names; this also drops distinct Parameters that cover the same memory.
+    """
+    seen: set[tuple[int, int, int]] = set()
+    result = []
+    for name, param in model.named_parameters():
+        if param.device.type == "meta" or not same_device(param, device):
+            continue
+        key = _memory_key(param)
+        if key[1] and key in seen:
+            continue
+        seen.add(key)
+        result.append((name, param))
+    return result
+
+
+def weight_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of each parameter, in order."""
+    return [(name, tensor_bytes(p)) for name, p in params]
+
+
+def gradient_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[int]:
+    """Bytes of each parameter's ``.grad`` (0 where it is ``None``), in order."""
+    sizes = []
+    for _, p in params:
+        grad = p.grad
+        sizes.append(0 if grad is None else tensor_bytes(grad))
+    return sizes
+
+
+def buffer_bytes(model: torch.nn.Module, device: torch.device) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of the model's registered buffers on ``device``, each once."""
+    seen: set[tuple[int, int, int]] = set()
+    result = []
+    for name, buf in model.named_buffers():
+        if buf is None or buf.device.type == "meta" or not same_device(buf, device):
+            continue
+        key = _memory_key(buf)
+        if key[1] and key in seen:
+            continue
+        seen.add(key)
+        result.append((name, tensor_bytes(buf)))
+    return result
+
+
+def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    """Every tensor in the optimizers' ``state`` (moments, step counters, ...)."""
+    for opt in optimizers:
+        for per_param in list(opt.state.values()):
+            if isinstance(per_param, dict):
+                for value in per_param.values():
+                    if isinstance(value, torch.Tensor):
+                        yield value
+            elif isinstance(per_param, torch.Tensor):
+                yield per_param
+
+
+def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> int:
+    """Bytes of the optimizers' state tensors on ``device``, each piece of memory once.
+
+    Adam's ``step`` counters live on the CPU unless ``capturable`` or
+    ``fused`` is set, so on a GPU they do not count.
+    """
+    seen: set[tuple[int, int, int]] = set()
+    total = 0
+    for tensor in optimizer_state_tensors(optimizers):
+        if not same_device(tensor, device):
+            continue
+        key = _memory_key(tensor)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += key[1]
+    return total
+
+
+def optimizer_holds_any(optimizer: torch.optim.Optimizer, param_ids: set[int]) -> bool:
+    """True when the optimizer steps at least one parameter whose ``id`` is in ``param_ids``."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in param_ids:
+                return True
+    return False

@@ -1,0 +1,395 @@
+"""Device memory counters: the only module that calls a device's memory API.
+
+Every backend answers the same four questions through :class:`MemoryCounter`:
+bytes allocated to tensors now, the most allocated since the previous mark,
+bytes the caching allocator holds (reserved, "cached"), and its peak since
+the previous mark. Where a backend has no such counter the answer is ``None``
+(shown as "n/a"), never a made-up zero.
+
+On CPU PyTorch keeps no counters, so :class:`CpuCounter` counts live tensor
+storages itself with a dispatch mode and weak references.
+
+Example::
+
+    >>> import torch
+    >>> from pytorch_mem_profiler.devices import make_counter
+    >>> counter = make_counter(torch.device("cpu"))
+    >>> counter.start()
+    >>> x = torch.zeros(256)            # 1024 bytes of float32
+    >>> counter.read().allocated >= 1024
+    True
+    >>> counter.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any, Iterable, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+__all__ = [
+    "Reading",
+    "MemoryCounter",
+    "CudaCounter",
+    "MpsCounter",
+    "XpuCounter",
+    "AcceleratorCounter",
+    "CpuCounter",
+    "make_counter",
+    "resolve_device",
+    "device_used_memory",
+]
+
+_log = logging.getLogger("pytorch_mem_profiler")
+
+
+class Reading(NamedTuple):
+    """One look at a device's counters, in bytes.
+
+    ``peak_allocated`` and ``peak_reserved`` cover the interval since the
+    counter's previous :meth:`MemoryCounter.mark` (or since it started).
+    ``None`` means the device has no such counter.
+    """
+
+    allocated: int
+    peak_allocated: int | None
+    reserved: int | None
+    peak_reserved: int | None
+
+
+class MemoryCounter:
+    """The interface every device backend implements.
+
+    ``mark()`` reads the counters and starts a new peak interval; it is called
+    at phase boundaries (forward start, backward end, ...), so the peak of each
+    interval is known exactly. Resetting peaks is global to the device: after
+    ``mark()``, ``torch.cuda.max_memory_allocated()`` reports the peak since
+    that mark, not since the program started.
+    """
+
+    device: torch.device
+    #: whether ``peak_allocated`` is ever known on this device
+    has_peak: bool = True
+    #: whether ``reserved`` (the allocator's cache) is known on this device
+    has_reserved: bool = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start(self) -> None:
+        """Begin counting (a no-op where the device counts by itself)."""
+
+    def stop(self) -> None:
+        """Stop counting and release what :meth:`start` installed."""
+
+    def read(self) -> Reading:
+        """Current counters; peaks since the previous mark."""
+        raise NotImplementedError
+
+    def mark(self) -> Reading:
+        """Read the counters, then start a new peak interval."""
+        reading = self.read()
+        self.reset_peak()
+        return reading
+
+    def reset_peak(self) -> None:
+        """Start a new peak interval."""
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors that existed before :meth:`start` (CPU only)."""
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else 0
+
+
+class CudaCounter(MemoryCounter):
+    """CUDA and ROCm (HIP builds of torch expose the same ``torch.cuda`` API)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._idx = _index(device)
+        # One nested-dict call gives all four numbers; the public
+        # ``torch.cuda.memory_allocated()`` flattens ~150 entries per call.
+        self._nested = getattr(torch._C, "_cuda_memoryStats", None)
+        self._reset = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)
+
+    def read(self) -> Reading:
+        if self._nested is not None:
+            stats = self._nested(self._idx)
+            alloc = stats["allocated_bytes"]["all"]
+            res = stats["reserved_bytes"]["all"]
+            return Reading(alloc["current"], alloc["peak"], res["current"], res["peak"])
+        idx = self._idx
+        return Reading(
+            torch.cuda.memory_allocated(idx),
+            torch.cuda.max_memory_allocated(idx),
+            torch.cuda.memory_reserved(idx),
+            torch.cuda.max_memory_reserved(idx),
+        )
+
+    def reset_peak(self) -> None:
+        if self._reset is not None:
+            self._reset(self._idx)
+        else:
+            torch.cuda.reset_peak_memory_stats(self._idx)
+
+
+class MpsCounter(MemoryCounter):
+    """Apple MPS: allocated and driver-held memory; MPS keeps no peak."""
+
+    has_peak = False
+
+    def read(self) -> Reading:
+        return Reading(
+            int(torch.mps.current_allocated_memory()),
+            None,
+            int(torch.mps.driver_allocated_memory()),
+            None,
+        )
+
+
+class XpuCounter(MemoryCounter):
+    """Intel XPU through ``torch.xpu``."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._idx = _index(device)
+        xpu = torch.xpu
+        self.has_peak = hasattr(xpu, "max_memory_allocated")
+        self.has_reserved = hasattr(xpu, "memory_reserved")
+
+    def read(self) -> Reading:
+        xpu, idx = torch.xpu, self._idx
+        return Reading(
+            int(xpu.memory_allocated(idx)),
+            int(xpu.max_memory_allocated(idx)) if self.has_peak else None,
+            int(xpu.memory_reserved(idx)) if self.has_reserved else None,
+            int(xpu.max_memory_reserved(idx)) if self.has_reserved and self.has_peak else None,
+        )
+
+    def reset_peak(self) -> None:
+        if self.has_peak:
+            torch.xpu.reset_peak_memory_stats(self._idx)
+
+
+class AcceleratorCounter(MemoryCounter):
+    """Any other backend through the device-neutral ``torch.accelerator`` API."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._idx = _index(device)
+
+    def read(self) -> Reading:
+        acc, idx = torch.accelerator, self._idx
+        return Reading(
+            int(acc.memory_allocated(idx)),
+            int(acc.max_memory_allocated(idx)),
+            int(acc.memory_reserved(idx)),
+            int(acc.max_memory_reserved(idx)),
+        )
+
+    def reset_peak(self) -> None:
+        torch.accelerator.reset_peak_memory_stats(self._idx)
+
+
+class _StorageCountingMode(TorchDispatchMode):
+    """Sees every tensor an operator returns and hands CPU storages to the counter."""
+
+    def __init__(self, counter: CpuCounter) -> None:
+        super().__init__()
+        self.counter = counter
+        self.enabled = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if self.enabled:
+            if isinstance(out, torch.Tensor):
+                self.counter._track(out)
+            elif isinstance(out, (tuple, list)):
+                for item in out:
+                    if isinstance(item, torch.Tensor):
+                        self.counter._track(item)
+        return out
+
+
+class CpuCounter(MemoryCounter):
+    """Counts live CPU tensor storages, exactly, with a dispatch mode.
+
+    Every storage an operator returns while the counter runs is counted once,
+    by its ``nbytes()``, until its last reference dies (a weak-reference
+    callback subtracts it). Tensors made before :meth:`start` are counted
+    only when handed to :meth:`adopt` (the profiler adopts the model's and
+    optimizer's tensors). "Reserved" equals allocated: CPU has no cache that
+    PyTorch accounts for. Memory that kernels allocate internally and free
+    before returning is not seen, so peaks are those of live tensors.
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        super().__init__(device or torch.device("cpu"))
+        # Keyed by id(storage): torch keeps one Python object per live storage,
+        # and the weak-reference callback removes the key before the id can be
+        # reused.
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._allocated = 0
+        self._peak = 0
+        self._lock = threading.Lock()
+        self._mode: _StorageCountingMode | None = None
+
+    def start(self) -> None:
+        if self._mode is not None:
+            return
+        self._mode = _StorageCountingMode(self)
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return
+        mode.enabled = False
+        if _get_current_dispatch_mode() is mode:
+            mode.__exit__(None, None, None)
+        else:
+            # Another mode was entered after ours and is still active: popping
+            # now would remove that one. Ours stays, switched off, until it
+            # leaves the stack with the thread.
+            _log.warning(
+                "pytorch_mem_profiler: another TorchDispatchMode is active above the CPU "
+                "counter; the counter is switched off instead of removed"
+            )
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu":
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return  # sparse, nested or wrapper tensors without one plain storage
+        key = id(storage)
+        nbytes = storage.nbytes()
+        known = self._sizes.get(key)
+        if known is not None:
+            if known != nbytes:  # resized in place (``out=`` kernels)
+                self._sizes[key] = nbytes
+                self._add(nbytes - known)
+            return
+        self._sizes[key] = nbytes
+        self._refs[key] = weakref.ref(storage, _Release(self, key))
+        self._add(nbytes)
+
+    def _release(self, key: int) -> None:
+        self._refs.pop(key, None)
+        self._add(-self._sizes.pop(key, 0))
+
+    def _add(self, delta: int) -> None:
+        with self._lock:
+            self._allocated += delta
+            if self._allocated > self._peak:
+                self._peak = self._allocated
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor)
+
+    def read(self) -> Reading:
+        with self._lock:
+            return Reading(self._allocated, self._peak, self._allocated, self._peak)
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = self._allocated
+
+
+class _Release:
+    """Weak-reference callback that subtracts a dead storage's bytes.
+
+    Holds the counter weakly so that counted storages do not keep it alive.
+    """
+
+    __slots__ = ("counter", "key")
+
+    def __init__(self, counter: CpuCounter, key: int) -> None:
+        self.counter = weakref.ref(counter)
+        self.key = key
+
+    def __call__(self, _ref: weakref.ref) -> None:
+        counter = self.counter()
+        if counter is not None:
+            counter._release(self.key)
+
+
+def make_counter(device: torch.device) -> MemoryCounter:
+    """Return the counter for ``device``; ``ValueError`` for a device it cannot count.
+
+    Example::
+
+        >>> import torch
+        >>> type(make_counter(torch.device("cpu"))).__name__
+        'CpuCounter'
+    """
+    kind = device.type
+    if kind == "cpu":
+        return CpuCounter(device)
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device} was asked for, but CUDA is not available")
+        return CudaCounter(device)
+    if kind == "mps":
+        if not (hasattr(torch, "mps") and torch.backends.mps.is_available()):
+            raise ValueError(f"device={device} was asked for, but MPS is not available")
+        return MpsCounter(device)
+    if kind == "xpu":
+        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+            raise ValueError(f"device={device} was asked for, but XPU is not available")
+        return XpuCounter(device)
+    if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_allocated"):
+        return AcceleratorCounter(device)
+    raise ValueError(
+        f"device={device}: no memory counters for device type {kind!r} in torch {torch.__version__}"
+    )
+
+
+def resolve_device(model: torch.nn.Module, device: Any = None) -> torch.device:
+    """The device to profile: ``device`` if given, else the model's first parameter's.
+
+    A CUDA device without an index becomes the current one, so the counters
+    read the device the tensors are really on.
+
+    Example::
+
+        >>> import torch
+        >>> resolve_device(torch.nn.Linear(2, 2))
+        device(type='cpu')
+    """
+    if device is None:
+        first = next(iter(model.parameters()), None)
+        if first is None:
+            first = next(iter(model.buffers()), None)
+        resolved = first.device if first is not None else torch.device("cpu")
+    else:
+        try:
+            resolved = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device={device!r} is not a device torch understands: {err}") from err
+    if resolved.type == "cuda" and resolved.index is None and torch.cuda.is_available():
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def device_used_memory(device: torch.device) -> int | None:
+    """Bytes in use on the whole device (all processes), or ``None`` where unknown.
+
+    Reads through ``torch.cuda.mem_get_info``; it never initializes CUDA on a
+    device this process has not used, since that would itself take hundreds
+    of megabytes for a CUDA context.
+    """
+    if device.type != "cuda" or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    free, total = torch.cuda.mem_get_info(_index(device))
+    return int(total - free)

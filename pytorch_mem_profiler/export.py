@@ -1,0 +1,226 @@
+"""CSV files of the records, through pandas: the only module that imports pandas.
+
+One file per run in ``memory_csv_data/`` (or ``csv_dir``), named by date and
+time, never overwriting another. Its columns are a superset of the original
+tool's, under the original names, with values in the report's unit:
+
+``epoch, iteration, peak_cached, current_cached, total_feature_map_usage,
+total_weight_usage, <parameter>..., total_layer_weight_gradient_usage,
+<parameter>_grad..., intermediate_gradients``, then the figures the original
+lacked (see :data:`EXTRA_COLUMNS`). Empty cells mean "not known on this device".
+
+Rows are appended in one write per flush, so a crash between flushes loses no
+row already written and never leaves half a file.
+
+Example::
+
+    >>> import tempfile, pandas
+    >>> from pytorch_mem_profiler.stats import IterationRecord
+    >>> folder = tempfile.mkdtemp()
+    >>> log = CsvLog(folder, weight_names=["fc.weight"], unit="MB")
+    >>> log.add(IterationRecord(epoch=1, iteration=1, step=1, device="cpu", allocated=2_000_000))
+    >>> log.flush()
+    1
+    >>> float(pandas.read_csv(log.path)["allocated"][0])
+    2.0
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import pandas as pd
+
+from .report import UNITS
+from .stats import IterationRecord
+
+__all__ = ["CsvLog", "CsvFile", "record_columns", "record_row", "EXTRA_COLUMNS", "new_run_path"]
+
+#: Columns after the original tool's, in order. ``*_peak_allocated`` and
+#: ``*_end_allocated`` are per phase; ``iteration_time_s`` is in seconds and the
+#: counts are plain numbers, every other figure is in the file's ``unit``.
+EXTRA_COLUMNS = (
+    "allocated",
+    "peak_allocated",
+    "iteration_peak_allocated",
+    "optimizer_state",
+    "buffers",
+    "forward_end_allocated",
+    "forward_peak_allocated",
+    "backward_end_allocated",
+    "backward_peak_allocated",
+    "optimizer_end_allocated",
+    "optimizer_peak_allocated",
+    "peak_phase",
+    "forward_passes",
+    "backward_passes",
+    "optimizer_steps",
+    "iteration_time_s",
+    "step",
+    "device",
+    "unit",
+)
+
+
+def record_columns(weight_names: Sequence[str]) -> list[str]:
+    """The columns of a run's file, given its parameter names."""
+    return (
+        [
+            "epoch",
+            "iteration",
+            "peak_cached",
+            "current_cached",
+            "total_feature_map_usage",
+            "total_weight_usage",
+        ]
+        + list(weight_names)
+        + ["total_layer_weight_gradient_usage"]
+        + [f"{name}_grad" for name in weight_names]
+        + ["intermediate_gradients"]
+        + list(EXTRA_COLUMNS)
+    )
+
+
+def record_row(record: IterationRecord, weight_names: Sequence[str], unit: str) -> dict[str, Any]:
+    """One CSV row: the record's figures in ``unit`` under the file's column names."""
+    div = UNITS[unit]
+
+    def u(nbytes: int | None) -> float | None:
+        return None if nbytes is None else nbytes / div
+
+    row: dict[str, Any] = {
+        "epoch": record.epoch,
+        "iteration": record.iteration,
+        "peak_cached": u(record.peak_cached),
+        "current_cached": u(record.current_cached),
+        "total_feature_map_usage": u(record.feature_maps),
+        "total_weight_usage": u(record.weights),
+    }
+    weights, grads = record.weights_by_name, record.gradients_by_name
+    for name in weight_names:
+        row[name] = u(weights.get(name, 0))
+    row["total_layer_weight_gradient_usage"] = u(record.gradients)
+    for name in weight_names:
+        row[f"{name}_grad"] = u(grads.get(name, 0))
+    row["intermediate_gradients"] = u(record.intermediate_gradients)
+    row["allocated"] = u(record.allocated)
+    row["peak_allocated"] = u(record.peak_allocated)
+    row["iteration_peak_allocated"] = u(record.iteration_peak_allocated)
+    row["optimizer_state"] = u(record.optimizer_state)
+    row["buffers"] = u(record.buffers)
+    for phase in ("forward", "backward", "optimizer"):
+        stats = record.phases.get(phase)
+        row[f"{phase}_end_allocated"] = u(stats.allocated_at_end) if stats else None
+        row[f"{phase}_peak_allocated"] = u(stats.peak_allocated) if stats else None
+    row["peak_phase"] = record.peak_phase
+    row["forward_passes"] = record.forward_passes
+    row["backward_passes"] = record.backward_passes
+    row["optimizer_steps"] = record.optimizer_steps
+    row["iteration_time_s"] = record.iteration_time_s
+    row["step"] = record.step
+    row["device"] = record.device
+    row["unit"] = unit
+    return row
+
+
+def new_run_path(folder: Path, stem: str, suffix: str = ".csv") -> Path:
+    """A path in ``folder`` named ``<stem>_<date>-<time><suffix>`` that no file has yet.
+
+    The file is created empty at once (exclusively), so two runs started in
+    the same second, or two processes, never share a name.
+    """
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(10_000):
+        name = f"{stem}_{stamp}{'' if n == 0 else f'-{n}'}{suffix}"
+        path = folder / name
+        try:
+            with open(path, "x", encoding="utf-8"):
+                return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free file name for {stem}_{stamp}{suffix} in {folder}")
+
+
+def prepare_folder(folder: str | os.PathLike) -> Path:
+    """Create ``folder`` (parents too) and prove it writable; ``ValueError`` naming it if not."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".pytorch_mem_profiler_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"csv_dir={str(folder)!r} cannot be created or written: {err}") from err
+    return path
+
+
+class CsvFile:
+    """A CSV file that grows by whole rows: a header once, then one append per flush."""
+
+    def __init__(self, path: Path, columns: Sequence[str]) -> None:
+        self.path = path
+        self.columns = list(columns)
+        self._pending: list[Mapping[str, Any]] = []
+        self._header_written = path.exists() and path.stat().st_size > 0
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        self._pending.append(row)
+
+    def extend(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        self._pending.extend(rows)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def flush(self) -> int:
+        """Append the pending rows; returns how many were written."""
+        rows, self._pending = self._pending, []
+        if not rows and self._header_written:
+            return 0
+        frame = pd.DataFrame.from_records(rows, columns=self.columns)
+        text = frame.to_csv(index=False, header=not self._header_written)
+        with open(self.path, "a", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        self._header_written = True
+        return len(rows)
+
+
+class CsvLog:
+    """The run's main CSV file: one row per reported iteration.
+
+    Args:
+        folder: where the file goes (created if missing).
+        weight_names: the parameter names, which become columns.
+        unit: the unit of the figures (a key of :data:`~pytorch_mem_profiler.report.UNITS`).
+        stem: the file name's start; the date and time follow.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        weight_names: Sequence[str],
+        unit: str = "MB",
+        stem: str = "memory_stats",
+    ) -> None:
+        self.folder = prepare_folder(folder)
+        self.weight_names = list(weight_names)
+        self.unit = unit
+        self.path = new_run_path(self.folder, stem)
+        self._file = CsvFile(self.path, record_columns(self.weight_names))
+        self._file.flush()  # the header, so the file is a valid CSV from the start
+
+    def add(self, record: IterationRecord) -> None:
+        self._file.add(record_row(record, self.weight_names, self.unit))
+
+    @property
+    def pending(self) -> int:
+        return self._file.pending
+
+    def flush(self) -> int:
+        return self._file.flush()

@@ -1,0 +1,390 @@
+"""``MemoryProfiler`` (also ``memory_profiler``): the per-iteration training-loop memory report.
+
+The only module that knows all the others: it validates the arguments, picks
+the device counter, installs the hooks, turns each iteration's measurements
+into an :class:`~pytorch_mem_profiler.stats.IterationRecord`, prints the
+report and hands rows to the CSV file.
+
+Example::
+
+    >>> import io, torch
+    >>> from pytorch_mem_profiler import MemoryProfiler
+    >>> model = torch.nn.Linear(16, 4)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> out = io.StringIO()
+    >>> with MemoryProfiler(model, print_period=2, stream=out) as profiler:
+    ...     for _ in range(2):
+    ...         model(torch.randn(8, 16)).sum().backward()
+    ...         opt.step(); opt.zero_grad()
+    ...         record = profiler.record_stats()
+    ...     profiler.epoch_end()
+    >>> record.weights == (16 * 4 + 4) * 4 and record.gradients == record.weights
+    True
+    >>> "Memory Usage for Iteration 2 of Epoch 1" in out.getvalue()
+    True
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import time
+import weakref
+from collections import deque
+from types import MappingProxyType
+from typing import IO, Any, Iterable
+
+import torch
+
+from .accounting import (
+    buffer_bytes,
+    gradient_bytes,
+    optimizer_state_bytes,
+    optimizer_state_tensors,
+    unique_parameters,
+    weight_bytes,
+)
+from .devices import MemoryCounter, make_counter, resolve_device
+from .faults import FaultGuard
+from .hooks import StepMeasurements, TrainingStepHooks
+from .report import UNITS, format_report
+from .stats import IterationRecord, PhaseStats
+
+__all__ = ["MemoryProfiler", "memory_profiler"]
+
+_log = logging.getLogger("pytorch_mem_profiler")
+
+#: Rows kept in memory before they are written even without ``epoch_end()``.
+_FLUSH_EVERY_ROWS = 1000
+
+
+def _check_optimizers(optimizer: Any) -> list[torch.optim.Optimizer] | None:
+    if optimizer is None:
+        return None
+    opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else None
+    if opts is None:
+        try:
+            opts = list(optimizer)
+        except TypeError:
+            opts = []
+        if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+            raise TypeError(
+                "optimizer must be a torch.optim.Optimizer or a list of them, "
+                f"got {type(optimizer).__name__}"
+            )
+    return opts
+
+
+class MemoryProfiler:
+    """Reports, every few training iterations, where the device memory goes.
+
+    Add it to a training loop: make it once, call :meth:`record_stats` after
+    each iteration and :meth:`epoch_end` after each epoch. Hooks on the model
+    and optimizer find forward, backward and the optimizer step by themselves.
+
+    Args:
+        model: the model being trained.
+        print_period: print the report every this many iterations (an int >= 1).
+        csv: write a row per reported iteration to a CSV file in ``csv_dir``.
+        optimizer: the optimizer (or a list of them) whose state to count;
+            ``None`` finds those that step the model's parameters.
+        device: the device to profile; default: the model's first parameter's.
+        csv_dir: the CSV folder, created if missing.
+        stream: where the report goes; ``None`` means standard output.
+        units: ``"MB"`` (10^6 bytes, the default), ``"MiB"``, ``"GB"``, ``"GiB"``,
+            ``"KB"``, ``"KiB"`` or ``"B"``, for the report and the CSV.
+        strict: re-raise the profiler's own faults instead of switching off the
+            faulty part (meant for tests).
+        history: how many reported records :attr:`records` keeps in memory.
+
+    Weights and buffers are counted when the profiler is made and again at
+    each :meth:`epoch_end`; gradients, feature maps and the rest every iteration.
+
+    On CUDA the profiler resets the allocator's peak statistics at each phase
+    boundary (``torch.cuda.reset_peak_memory_stats``): read peaks from its
+    records (``peak_allocated``) rather than ``torch.cuda.max_memory_allocated()``.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Linear(4, 4)
+        >>> profiler = memory_profiler(model, 5, False, stream=open(os.devnull, "w"))
+        >>> profiler.print_period
+        5
+        >>> profiler.close()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        print_period: int = 1,
+        csv: bool = False,
+        *,
+        optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+        device: torch.device | str | int | None = None,
+        csv_dir: str | os.PathLike = "memory_csv_data",
+        stream: IO[str] | None = None,
+        units: str = "MB",
+        strict: bool = False,
+        history: int = 1000,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(print_period, bool) or not isinstance(print_period, int) or print_period < 1:
+            raise ValueError(f"print_period must be an integer >= 1, got {print_period!r}")
+        if not isinstance(csv, bool):
+            raise TypeError(f"csv must be True or False, got {csv!r}")
+        if units not in UNITS:
+            raise ValueError(f"units must be one of {', '.join(UNITS)}; got {units!r}")
+        if stream is not None and not callable(getattr(stream, "write", None)):
+            raise TypeError(f"stream must have a write() method, got {type(stream).__name__}")
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False, got {strict!r}")
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"history must be an integer >= 1, got {history!r}")
+        if not isinstance(csv_dir, (str, os.PathLike)):
+            raise TypeError(f"csv_dir must be a str or os.PathLike, got {type(csv_dir).__name__}")
+        optimizers = _check_optimizers(optimizer)
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError(
+                "model has parameters on the meta device, which hold no memory to profile; "
+                "materialize them first, e.g. model.to_empty(device='cuda')"
+            )
+
+        self.model = model
+        self.print_period = print_period
+        self.csv = csv
+        self.units = units
+        self.strict = strict
+        self.device = resolve_device(model, device)
+        self._stream = stream
+        self._guard = FaultGuard(strict)
+        self._counter: MemoryCounter = make_counter(self.device)
+        self._device_explicit = device is not None
+
+        self._csv = None
+        if csv:
+            from .export import CsvLog  # pandas is imported only when CSV is asked for
+
+            self._params = unique_parameters(model, self.device)
+            self._csv = CsvLog(csv_dir, [name for name, _ in self._params], unit=units)
+        self.csv_path = self._csv.path if self._csv is not None else None
+
+        self.epoch = 1
+        self.iteration = 0
+        self.step = 0
+        #: The reported records, the latest ``history`` of them (the CSV file has them all).
+        self.records: deque[IterationRecord] = deque(maxlen=history)
+        #: The first reported record, kept so the latest can be compared with it.
+        self.first_record: IterationRecord | None = None
+        self.last_record: IterationRecord | None = None
+        self._closed = False
+        self._optimizer_state_cache: dict[int, tuple[int, int]] = {}
+        self._adopted: weakref.WeakSet = weakref.WeakSet()
+        self._refresh_model_state()
+        self._counter.start()
+        self._counter.adopt(p for _, p in self._params)
+        self._counter.adopt(b for b in model.buffers())
+        self._counter.adopt(p.grad for _, p in self._params if p.grad is not None)
+        self._hooks = TrainingStepHooks(
+            model,
+            self._counter,
+            self._params,
+            optimizers,
+            self._guard,
+            on_optimizer_step=self._guard.wrap("optimizer state", self._optimizer_stepped),
+            on_forward_first_call=self._guard.wrap("device check", self._check_device_once),
+        )
+        self._hooks.install()
+        self._last_time = time.perf_counter()
+        self._atexit = _flush_at_exit(self)
+        atexit.register(self._atexit)
+
+    # -- the public loop API ---------------------------------------------------
+    def record_stats(self) -> IterationRecord | None:
+        """Count one iteration; print the report every ``print_period`` iterations.
+
+        Returns the iteration's record (all figures in bytes), the same one the
+        report and the CSV row are made from; ``None`` only if the profiler
+        failed and switched itself off.
+        """
+        return self._guard.wrap("record_stats", self._record_stats)()
+
+    def epoch_end(self) -> None:
+        """Print ``Epoch N finished``, write the epoch's rows, and start the next epoch."""
+        self._guard.wrap("epoch_end", self._epoch_end)()
+
+    def close(self) -> None:
+        """Remove every hook, write pending rows and stop counting. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._hooks.remove()
+            self._counter.stop()
+        finally:
+            self.flush()
+            atexit.unregister(self._atexit)
+
+    def flush(self) -> None:
+        """Write the rows recorded so far to the CSV file."""
+        if self._csv is not None:
+            self._guard.wrap("csv", self._csv.flush)()
+
+    def __enter__(self) -> MemoryProfiler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------
+    @property
+    def stream(self) -> IO[str]:
+        return self._stream if self._stream is not None else sys.stdout
+
+    def _refresh_model_state(self) -> None:
+        """Parameter list, weights and buffers: sizes that change only if the model does."""
+        self._params = unique_parameters(self.model, self.device)
+        weights = weight_bytes(self._params)
+        self._weights_by_name = MappingProxyType(dict(weights))
+        self._weights_total = sum(n for _, n in weights)
+        self._buffers_total = sum(n for _, n in buffer_bytes(self.model, self.device))
+        self._requires_grad = [p.requires_grad for _, p in self._params]
+
+    def _check_device_once(self) -> None:
+        now = resolve_device(self.model)
+        if self._device_explicit or now == self.device:
+            return
+        _log.warning(
+            "pytorch_mem_profiler: the model moved from %s to %s after the profiler was made; "
+            "profiling %s from now on (make the profiler after model.to(device))",
+            self.device,
+            now,
+            now,
+        )
+        self._counter.stop()
+        self.device = now
+        self._counter = make_counter(now)
+        self._counter.start()
+        self._hooks.counter = self._counter
+        self._hooks.device = now
+        self._counter.mark()
+        self._refresh_model_state()
+        self._hooks.set_params(self._params)
+
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer not in self._adopted:
+            # State made before the profiler started is invisible to the CPU counter.
+            self._counter.adopt(optimizer_state_tensors([optimizer]))
+            self._adopted.add(optimizer)
+
+    def _optimizer_state(self, reported: bool) -> int:
+        """Optimizer state bytes; between reports, reuse the last count while the state's size holds."""
+        total = 0
+        for opt in self._hooks.discovered_optimizers():
+            key = id(opt)
+            size = len(opt.state)
+            cached = self._optimizer_state_cache.get(key)
+            if reported or cached is None or cached[0] != size:
+                cached = (size, optimizer_state_bytes([opt], self.device))
+                self._optimizer_state_cache[key] = cached
+            total += cached[1]
+        return total
+
+    def _build_record(self, m: StepMeasurements, reported: bool) -> IterationRecord:
+        now = time.perf_counter()
+        elapsed, self._last_time = now - self._last_time, now
+        final = m.final
+        assert final is not None
+        sizes = m.gradient_sizes
+        if sizes is None or len(sizes) != len(self._params):
+            # No backward reached the model this iteration: take the gradients as they are.
+            sizes = gradient_bytes(self._params)
+        grads_by_name = MappingProxyType(
+            {
+                name: n
+                for (name, _), n, trainable in zip(self._params, sizes, self._requires_grad)
+                if trainable or n
+            }
+        )
+        phases = MappingProxyType(
+            {
+                phase: PhaseStats(
+                    m.phase_end_allocated.get(phase), m.phase_peak.get(phase), m.phase_count[phase]
+                )
+                for phase in ("forward", "backward", "optimizer")
+                if phase in m.phase_count
+            }
+        )
+        has_peak = self._counter.has_peak
+        return IterationRecord(
+            epoch=self.epoch,
+            iteration=self.iteration,
+            step=self.step,
+            device=str(self.device),
+            allocated=final.allocated,
+            peak_allocated=self._hooks.max_allocated if has_peak else None,
+            iteration_peak_allocated=m.iteration_peak,
+            peak_phase=m.peak_phase,
+            peak_cached=self._hooks.max_reserved if has_peak else None,
+            current_cached=final.reserved,
+            feature_maps=m.feature_maps,
+            intermediate_gradients=m.intermediate_gradients if has_peak else None,
+            weights=self._weights_total,
+            weights_by_name=self._weights_by_name,
+            gradients=sum(sizes),
+            gradients_by_name=grads_by_name,
+            optimizer_state=self._optimizer_state(reported),
+            buffers=self._buffers_total,
+            forward_passes=m.forward_passes,
+            backward_passes=m.backward_passes,
+            optimizer_steps=m.optimizer_steps,
+            iteration_time_s=elapsed,
+            phases=phases,
+        )
+
+    def _record_stats(self) -> IterationRecord:
+        if self._closed:
+            raise RuntimeError("record_stats() called after close()")
+        self.iteration += 1
+        self.step += 1
+        reported = self.iteration % self.print_period == 0
+        measurements = self._hooks.finish_iteration()
+        record = self._build_record(measurements, reported)
+        self.last_record = record
+        if reported:
+            if self.first_record is None:
+                self.first_record = record
+            self.records.append(record)
+            self.stream.write(format_report(record, self.units) + "\n")
+            if self._csv is not None:
+                self._csv.add(record)
+                if self._csv.pending >= _FLUSH_EVERY_ROWS:
+                    self.flush()
+        return record
+
+    def _epoch_end(self) -> None:
+        self.stream.write(f"Epoch {self.epoch} finished\n")
+        self.flush()
+        self._refresh_model_state()
+        self._hooks.set_params(self._params)
+        self.epoch += 1
+        self.iteration = 0
+
+
+def _flush_at_exit(profiler: MemoryProfiler) -> Any:
+    """An exit handler that writes the profiler's rows without keeping it alive."""
+    ref = weakref.ref(profiler)
+
+    def flush() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.flush()
+
+    return flush
+
+
+#: The original tool's name for :class:`MemoryProfiler`.
+memory_profiler = MemoryProfiler

@@ -1,0 +1,107 @@
+"""The printed report: text made from an :class:`~pytorch_mem_profiler.stats.IterationRecord`.
+
+No torch here. Units are decimal (``MB`` = 10^6 bytes, as the original tool
+printed) or binary (``MiB`` = 2^20 bytes).
+
+Example::
+
+    >>> from pytorch_mem_profiler.stats import IterationRecord
+    >>> rec = IterationRecord(epoch=1, iteration=5, step=5, device="cpu", allocated=35_454_208)
+    >>> print(format_report(rec).splitlines()[1])
+    Memory Usage for Iteration 5 of Epoch 1
+    >>> format_amount(35_454_208, "MB"), format_amount(131_072, "MB")
+    ('35 MB', '0.13 MB')
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .stats import IterationRecord
+
+__all__ = ["UNITS", "format_amount", "format_report", "dotted_line", "REPORT_WIDTH"]
+
+#: Bytes per unit; every printed or exported figure is in one of these.
+UNITS: Mapping[str, int] = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+}
+
+#: Width of the report's lines, the original tool's 43 characters.
+REPORT_WIDTH = 43
+
+_PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
+
+
+def format_amount(nbytes: int | float | None, unit: str = "MB") -> str:
+    """``nbytes`` in ``unit``: whole units from 1 up, as the original printed them, and two
+    significant digits below 1 so small layers do not all read 0; ``None`` is ``n/a``."""
+    if nbytes is None:
+        return "n/a"
+    value = nbytes / UNITS[unit]
+    if value == 0:
+        text = "0"
+    elif abs(value) >= 1:
+        text = f"{value:.0f}"
+    else:
+        text = f"{value:.2g}"
+        if "e" in text:  # 2.5e-05 reads worse than 0.000025
+            text = f"{value:.{_decimals(value)}f}"
+    return f"{text} {unit}"
+
+
+def _decimals(value: float) -> int:
+    digits = 0
+    while abs(value) < 10 and digits < 12:
+        value *= 10
+        digits += 1
+    return digits
+
+
+def dotted_line(label: str, value: str, width: int = REPORT_WIDTH) -> str:
+    """``label`` and ``value`` joined by a dot leader to ``width`` (at least two dots)."""
+    dots = max(2, width - len(label) - len(value))
+    return f"{label}{'.' * dots}{value}"
+
+
+def format_report(record: IterationRecord, unit: str = "MB") -> str:
+    """The report of one iteration, in the original tool's layout plus the figures it lacked."""
+    fmt = lambda n: format_amount(n, unit)  # noqa: E731
+    names = list(record.weights_by_name) + [f"{n} grad" for n in record.gradients_by_name]
+    width = max([REPORT_WIDTH] + [len(n) + 2 + 2 + 10 for n in names])
+    stars = "*" * width
+    line = lambda label, n: dotted_line(label, fmt(n), width)  # noqa: E731
+    out = [
+        stars,
+        f"Memory Usage for Iteration {record.iteration} of Epoch {record.epoch}",
+        stars,
+        line("Peak cached", record.peak_cached),
+        line("Current cached", record.current_cached),
+        line("Total feature map usage", record.feature_maps),
+        "",
+        line("Total layer weight usage", record.weights),
+    ]
+    out += [line(f"  {name}", n) for name, n in record.weights_by_name.items()]
+    out.append(line("Total layer weight gradient usage", record.gradients))
+    out += [line(f"  {name} grad", n) for name, n in record.gradients_by_name.items()]
+    out.append(line("Intermediate gradients", record.intermediate_gradients))
+    out += [
+        "",
+        line("Optimizer state", record.optimizer_state),
+        line("Buffers", record.buffers),
+        line("Current allocated", record.allocated),
+        line("Peak allocated, this iteration", record.iteration_peak_allocated),
+        line("Peak allocated, since start", record.peak_allocated),
+    ]
+    if record.peak_phase is not None and record.iteration_peak_allocated is not None:
+        where = _PHASE_LABELS.get(record.peak_phase, "between phases")
+        out.append(f"Peak during: {where}, {fmt(record.iteration_peak_allocated)}")
+    if record.iteration_time_s is not None:
+        out.append(dotted_line("Iteration time", f"{record.iteration_time_s * 1e3:.1f} ms", width))
+    out.append(f"({unit} = {UNITS[unit]:,} bytes; device {record.device})")
+    return "\n".join(out)

@@ -1,0 +1,110 @@
+"""One iteration's memory figures, in bytes: the record every output is made from.
+
+``MemoryProfiler.record_stats()`` returns an :class:`IterationRecord`; the
+printed report and the CSV row are views of that same record. A figure the
+device cannot know (MPS keeps no peak) is ``None``, shown as "n/a".
+
+Example::
+
+    >>> rec = IterationRecord(epoch=1, iteration=1, step=1, device="cpu", allocated=0)
+    >>> rec.weights, rec.feature_maps
+    (0, 0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+__all__ = ["PhaseStats", "IterationRecord", "PHASES", "frozen_mapping"]
+
+#: The phases of an iteration, in order. "other" is everything between them:
+#: data loading, the loss, gradient clipping, ``zero_grad()``.
+PHASES = ("forward", "backward", "optimizer", "other")
+
+
+
+def _empty() -> Mapping:
+    return MappingProxyType({})
+
+
+def frozen_mapping(pairs: object) -> Mapping:
+    """A read-only dict, so a frozen record cannot be changed through its fields."""
+    return MappingProxyType(dict(pairs))  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True)
+class PhaseStats:
+    """Allocated bytes at the end of a phase and the peak reached inside it.
+
+    With gradient accumulation a phase occurs several times in an iteration:
+    ``allocated_at_end`` is that of its last occurrence, ``peak_allocated``
+    the largest of all.
+    """
+
+    allocated_at_end: int | None
+    peak_allocated: int | None
+    occurrences: int = 1
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """The memory figures of one training iteration, all in bytes.
+
+    Attributes:
+        epoch: epoch number, from 1.
+        iteration: iteration within the epoch, from 1.
+        step: iterations recorded since the profiler started, from 1.
+        device: the profiled device, e.g. ``"cuda:0"``.
+        allocated: bytes allocated to tensors when ``record_stats()`` ran.
+        peak_allocated: most bytes allocated since the profiler started.
+        iteration_peak_allocated: most bytes allocated during this iteration.
+        peak_phase: the phase in which this iteration's peak was reached.
+        peak_cached: most bytes the caching allocator reserved since the profiler started.
+        current_cached: bytes the caching allocator reserves now.
+        feature_maps: allocated when forward ended minus when it started (the
+            largest forward of the iteration).
+        intermediate_gradients: peak allocated during backward minus allocated
+            when it started, minus the weight gradients it created (largest backward).
+        weights: bytes of the model's parameters (unique storages).
+        weights_by_name: bytes per parameter name.
+        gradients: bytes of the parameters' ``.grad`` when backward ended.
+        gradients_by_name: bytes per parameter name (parameters with a gradient).
+        optimizer_state: bytes of the tensors in the optimizers' ``state``.
+        buffers: bytes of the model's registered buffers.
+        forward_passes: forwards of the model (with grad enabled) in this iteration.
+        backward_passes: backwards through the model in this iteration.
+        optimizer_steps: optimizer steps over the model's parameters in this iteration.
+        iteration_time_s: host wall time since the previous ``record_stats()``.
+        phases: :class:`PhaseStats` by phase name (see :data:`PHASES`).
+    """
+
+    epoch: int
+    iteration: int
+    step: int
+    device: str
+    allocated: int
+    peak_allocated: int | None = None
+    iteration_peak_allocated: int | None = None
+    peak_phase: str | None = None
+    peak_cached: int | None = None
+    current_cached: int | None = None
+    feature_maps: int = 0
+    intermediate_gradients: int | None = 0
+    weights: int = 0
+    weights_by_name: Mapping[str, int] = field(default_factory=_empty)
+    gradients: int = 0
+    gradients_by_name: Mapping[str, int] = field(default_factory=_empty)
+    optimizer_state: int = 0
+    buffers: int = 0
+    forward_passes: int = 0
+    backward_passes: int = 0
+    optimizer_steps: int = 0
+    iteration_time_s: float | None = None
+    phases: Mapping[str, PhaseStats] = field(default_factory=_empty)
+
+    @property
+    def model_state(self) -> int:
+        """Weights, gradients, optimizer state and buffers together."""
+        return self.weights + self.gradients + self.optimizer_state + self.buffers

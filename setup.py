@@ -1,0 +1,35 @@
+"""Install pytorch_mem_profiler: ``pip install -e .`` (tests: ``pip install -e '.[test]'``)."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+here = Path(__file__).parent
+version = {}
+for line in (here / "pytorch_mem_profiler" / "__init__.py").read_text().splitlines():
+    if line.startswith("__version__"):
+        exec(line, version)
+
+setup(
+    name="pytorch_mem_profiler",
+    version=version["__version__"],
+    description="Where a PyTorch training loop's GPU memory goes, layer by layer, every few iterations.",
+    long_description=(here / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["pytorch_mem_profiler", "pytorch_mem_profiler.*"]),
+    package_data={"pytorch_mem_profiler": ["py.typed"]},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "pandas>=1.5"],
+    extras_require={
+        "test": ["pytest>=7"],
+        "plot": ["matplotlib>=3.5"],
+        "nvml": ["nvidia-ml-py>=12"],
+        "tensorboard": ["tensorboard>=2.10"],
+    },
+    entry_points={"console_scripts": []},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "License :: OSI Approved :: MIT License",
+    ],
+)
