@@ -68,7 +68,10 @@ class MemoryCounter:
     at phase boundaries (forward start, backward end, ...), so the peak of each
     interval is known exactly. Resetting peaks is global to the device: after
     ``mark()``, ``torch.cuda.max_memory_allocated()`` reports the peak since
-    that mark, not since the program started.
+    that mark, not since the program started. Several counters of one device
+    (a profiler and a ``memory_usage`` block inside it, say) stay right
+    together: before one resets the device's peaks, the others fold the peak
+    reached so far into their own interval.
     """
 
     device: torch.device
@@ -76,9 +79,15 @@ class MemoryCounter:
     has_peak: bool = True
     #: whether ``reserved`` (the allocator's cache) is known on this device
     has_reserved: bool = True
+    #: whether resetting this counter's peak resets it for every counter of the device
+    shares_peaks: bool = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._folded_allocated: int | None = None
+        self._folded_reserved: int | None = None
+        if self.shares_peaks:
+            _peers(device).add(self)
 
     def start(self) -> None:
         """Begin counting (a no-op where the device counts by itself)."""
@@ -86,21 +95,66 @@ class MemoryCounter:
     def stop(self) -> None:
         """Stop counting and release what :meth:`start` installed."""
 
-    def read(self) -> Reading:
-        """Current counters; peaks since the previous mark."""
+    def _read_device(self) -> Reading:
+        """The device's own counters, peaks since the device's last reset by anyone."""
         raise NotImplementedError
+
+    def read(self) -> Reading:
+        """Current counters; peaks since this counter's previous mark."""
+        return self._merge(self._read_device())
 
     def mark(self) -> Reading:
         """Read the counters, then start a new peak interval."""
-        reading = self.read()
+        raw = self._read_device()
+        reading = self._merge(raw)
+        self._folded_allocated = self._folded_reserved = None
+        if self.shares_peaks and raw.peak_allocated is not None:
+            for peer in list(_peers(self.device)):
+                if peer is not self:
+                    peer._fold(raw)
         self.reset_peak()
         return reading
 
+    def _merge(self, raw: Reading) -> Reading:
+        """``raw`` with the peaks other counters' resets folded into this interval."""
+        if self._folded_allocated is None and self._folded_reserved is None:
+            return raw
+        return Reading(
+            raw.allocated,
+            _max(raw.peak_allocated, self._folded_allocated),
+            raw.reserved,
+            _max(raw.peak_reserved, self._folded_reserved),
+        )
+
+    def _fold(self, raw: Reading) -> None:
+        self._folded_allocated = _max(self._folded_allocated, raw.peak_allocated)
+        self._folded_reserved = _max(self._folded_reserved, raw.peak_reserved)
+
     def reset_peak(self) -> None:
-        """Start a new peak interval."""
+        """Start a new peak interval on the device (use :meth:`mark` to keep peers right)."""
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that existed before :meth:`start` (CPU only)."""
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a if a >= b else b
+
+
+_PEERS: dict[tuple[str, int], weakref.WeakSet] = {}
+
+
+def _peers(device: torch.device) -> weakref.WeakSet:
+    """The live counters of one device, which share its peak statistics."""
+    key = (device.type, device.index or 0)
+    peers = _PEERS.get(key)
+    if peers is None:
+        peers = _PEERS[key] = weakref.WeakSet()
+    return peers
 
 
 def _index(device: torch.device) -> int:
@@ -118,7 +172,7 @@ class CudaCounter(MemoryCounter):
         self._nested = getattr(torch._C, "_cuda_memoryStats", None)
         self._reset = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)
 
-    def read(self) -> Reading:
+    def _read_device(self) -> Reading:
         if self._nested is not None:
             stats = self._nested(self._idx)
             alloc = stats["allocated_bytes"]["all"]
@@ -143,8 +197,9 @@ class MpsCounter(MemoryCounter):
     """Apple MPS: allocated and driver-held memory; MPS keeps no peak."""
 
     has_peak = False
+    shares_peaks = False
 
-    def read(self) -> Reading:
+    def _read_device(self) -> Reading:
         return Reading(
             int(torch.mps.current_allocated_memory()),
             None,
@@ -163,7 +218,7 @@ class XpuCounter(MemoryCounter):
         self.has_peak = hasattr(xpu, "max_memory_allocated")
         self.has_reserved = hasattr(xpu, "memory_reserved")
 
-    def read(self) -> Reading:
+    def _read_device(self) -> Reading:
         xpu, idx = torch.xpu, self._idx
         return Reading(
             int(xpu.memory_allocated(idx)),
@@ -184,7 +239,7 @@ class AcceleratorCounter(MemoryCounter):
         super().__init__(device)
         self._idx = _index(device)
 
-    def read(self) -> Reading:
+    def _read_device(self) -> Reading:
         acc, idx = torch.accelerator, self._idx
         return Reading(
             int(acc.memory_allocated(idx)),
@@ -228,6 +283,8 @@ class CpuCounter(MemoryCounter):
     PyTorch accounts for. Memory that kernels allocate internally and free
     before returning is not seen, so peaks are those of live tensors.
     """
+
+    shares_peaks = False  # each CPU counter counts by itself
 
     def __init__(self, device: torch.device | None = None) -> None:
         super().__init__(device or torch.device("cpu"))
@@ -297,7 +354,7 @@ class CpuCounter(MemoryCounter):
             if isinstance(tensor, torch.Tensor):
                 self._track(tensor)
 
-    def read(self) -> Reading:
+    def _read_device(self) -> Reading:
         with self._lock:
             return Reading(self._allocated, self._peak, self._allocated, self._peak)
 
