@@ -21,6 +21,7 @@ import torch
 
 __all__ = [
     "tensor_bytes",
+    "allocation_bytes",
     "same_device",
     "unique_parameters",
     "weight_bytes",
@@ -42,6 +43,18 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     if isinstance(local, torch.Tensor):
         tensor = local
     return tensor.numel() * tensor.element_size()
+
+
+def allocation_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of memory the tensor holds: its elements, or its storage when that is smaller.
+
+    An expanded view (``torch.ones(()).expand(1000)``, as autograd makes for
+    the gradient of a sum) has 1000 elements over 4 bytes of storage.
+    """
+    try:
+        return min(tensor_bytes(tensor), tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return tensor_bytes(tensor)
 
 
 def same_device(tensor: torch.Tensor, device: torch.device) -> bool:

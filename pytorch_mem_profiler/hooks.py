@@ -39,7 +39,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from .accounting import gradient_bytes, optimizer_holds_any, same_device, tensor_bytes
+from .accounting import allocation_bytes, gradient_bytes, optimizer_holds_any, same_device
 from .devices import MemoryCounter, Reading
 from .faults import FaultGuard
 
@@ -249,7 +249,7 @@ class TrainingStepHooks:
             # The gradients of the outputs are already allocated when the
             # gradient reaches the model: they belong to backward's transient memory.
             out_grads = sum(
-                tensor_bytes(g)
+                allocation_bytes(g)
                 for g in grad_outputs
                 if isinstance(g, torch.Tensor) and same_device(g, self.device)
             )

@@ -1,0 +1,52 @@
+"""Small models and loops shared by the tests, with their byte counts computed by hand."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """The independent byte count the tests compare against."""
+    return t.numel() * t.element_size()
+
+
+def mlp(d_in: int = 32, hidden: int = 64, d_out: int = 10) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, x: torch.Tensor) -> None:
+    out = model(x)
+    out.pow(2).mean().backward()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+class BackwardScratch(torch.autograd.Function):
+    """Identity whose backward allocates a known temporary: a transient of backward."""
+
+    SCRATCH_ELEMS = 1_000_000  # 4 MB of float32
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        scratch = torch.ones(BackwardScratch.SCRATCH_ELEMS, device=grad.device)
+        return grad * scratch[0]
+
+
+class ScratchNet(nn.Module):
+    """Linear -> backward scratch -> ReLU -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(64, 256)
+        self.b = nn.Linear(256, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(BackwardScratch.apply(self.a(x)).relu())

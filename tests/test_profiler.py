@@ -1,0 +1,344 @@
+"""The profiler on CPU: exact bytes of every figure, the loop API, bad input, faults."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+import pytorch_mem_profiler
+from pytorch_mem_profiler import IterationRecord, MemoryProfiler, memory_profiler
+from pytorch_mem_profiler.devices import CpuCounter
+
+from .helpers import BackwardScratch, ScratchNet, mlp, nbytes, train_step
+
+
+def make(model, stream, **kw) -> MemoryProfiler:
+    kw.setdefault("strict", True)
+    return MemoryProfiler(model, kw.pop("print_period", 1), kw.pop("csv", False), stream=stream, **kw)
+
+
+def test_star_import_exposes_the_seed_api():
+    namespace: dict = {}
+    exec("from pytorch_mem_profiler import *", namespace)
+    assert namespace["memory_profiler"] is namespace["MemoryProfiler"]
+    assert pytorch_mem_profiler.__version__
+
+
+def test_mlp_weights_gradients_and_feature_maps_by_hand(stream):
+    model = mlp(32, 64, 10)
+    batch = 16
+    with make(model, stream) as profiler:
+        train_step(model, None, torch.randn(batch, 32))
+        record = profiler.record_stats()
+    assert isinstance(record, IterationRecord)
+    w1, b1, w2, b2 = (64 * 32 * 4, 64 * 4, 10 * 64 * 4, 10 * 4)
+    assert dict(record.weights_by_name) == {"0.weight": w1, "0.bias": b1, "2.weight": w2, "2.bias": b2}
+    assert record.weights == w1 + b1 + w2 + b2 == sum(nbytes(p) for p in model.parameters())
+    assert dict(record.gradients_by_name) == dict(record.weights_by_name)
+    assert record.gradients == record.weights
+    # What forward leaves for backward: ReLU's output (saved by ReLU and by the
+    # second Linear) and the model's output. The first Linear's output dies
+    # once ReLU has used it.
+    assert record.feature_maps == batch * 64 * 4 + batch * 10 * 4
+    assert record.forward_passes == record.backward_passes == 1
+
+
+def test_intermediate_gradients_match_a_manual_bracket_around_backward(stream):
+    x = torch.randn(128, 64)
+    # Independent measurement: a separate counter read around loss.backward(),
+    # in the usual loop shape where the output stays referenced.
+    model = ScratchNet()
+    counter = CpuCounter()
+    counter.start()
+    try:
+        counter.adopt(model.parameters())
+        output = model(x)
+        loss = output.pow(2).mean()
+        before = counter.mark().allocated
+        loss.backward()
+        peak = counter.mark().peak_allocated
+        created = sum(nbytes(p.grad) for p in model.parameters())
+        manual = peak - before - created
+    finally:
+        counter.stop()
+    del loss, output
+    assert manual > BackwardScratch.SCRATCH_ELEMS * 4  # the scratch dominates
+
+    model = ScratchNet()
+    with make(model, stream) as profiler:
+        output = model(x)
+        output.pow(2).mean().backward()
+        record = profiler.record_stats()
+    # Only the loss's own 4-byte gradient seed lies outside the model's backward.
+    assert abs(record.intermediate_gradients - manual) <= 4
+
+
+def test_intermediate_gradients_are_never_negative(stream):
+    model = mlp()
+    with make(model, stream) as profiler:
+        train_step(model, None, torch.randn(8, 32))
+        assert profiler.record_stats().intermediate_gradients >= 0
+
+
+def test_tied_weights_count_once(stream):
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 8)
+            self.head = nn.Linear(8, 50, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, idx):
+            return self.head(self.embed(idx))
+
+    model = Tied()
+    with make(model, stream) as profiler:
+        model(torch.tensor([1, 2, 3])).sum().backward()
+        record = profiler.record_stats()
+    assert dict(record.weights_by_name) == {"embed.weight": 50 * 8 * 4}
+    assert dict(record.gradients_by_name) == {"embed.weight": 50 * 8 * 4}
+
+
+def test_frozen_layers_have_no_gradient(stream):
+    model = mlp()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    with make(model, stream) as profiler:
+        train_step(model, None, torch.randn(4, 32))
+        record = profiler.record_stats()
+    assert set(record.gradients_by_name) == {"2.weight", "2.bias"}
+    assert record.gradients == nbytes(model[2].weight) + nbytes(model[2].bias)
+    assert record.weights == sum(nbytes(p) for p in model.parameters())
+    assert "0.weight grad" not in stream.getvalue()
+
+
+def test_batchnorm_buffers(stream):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+    with make(model, stream) as profiler:
+        model(torch.randn(2, 3, 8, 8)).mean().backward()
+        record = profiler.record_stats()
+    bn = model[1]
+    assert record.buffers == nbytes(bn.running_mean) + nbytes(bn.running_var) + nbytes(bn.num_batches_tracked)
+    assert record.buffers == 8 * 4 * 2 + 8
+
+
+def test_adam_state_found_without_being_passed(stream):
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters())
+    unrelated = torch.optim.SGD([nn.Parameter(torch.zeros(1000))], lr=0.1, momentum=0.9)
+    with make(model, stream) as profiler:
+        train_step(model, opt, torch.randn(4, 32))
+        unrelated.param_groups[0]["params"][0].grad = torch.ones(1000)
+        unrelated.step()
+        record = profiler.record_stats()
+    params = list(model.parameters())
+    # exp_avg + exp_avg_sq per parameter, and a 4-byte float32 step each (on CPU, the profiled device)
+    assert record.optimizer_state == 2 * sum(nbytes(p) for p in params) + 4 * len(params)
+    assert record.optimizer_steps == 1
+
+
+def test_adam_state_of_a_given_optimizer(stream):
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters())
+    with make(model, stream, optimizer=opt) as profiler:
+        assert profiler.record_stats().optimizer_state == 0
+        train_step(model, opt, torch.randn(4, 32))
+        record = profiler.record_stats()
+    expected = sum(nbytes(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    assert record.optimizer_state == expected > 0
+
+
+def test_gradient_accumulation_reports_the_largest_forward(stream):
+    model = mlp(32, 64, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with make(model, stream) as profiler:
+        for batch in (8, 24, 16):  # three micro-batches, one optimizer step
+            model(torch.randn(batch, 32)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        record = profiler.record_stats()
+    assert record.forward_passes == 3 and record.backward_passes == 3
+    assert record.feature_maps == 24 * (64 + 10) * 4
+    assert record.phases["forward"].occurrences == 3
+
+
+def test_zero_grad_before_record_stats_keeps_the_gradients(stream):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with make(model, stream) as profiler:
+        model(torch.randn(4, 32)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in model.parameters())
+        record = profiler.record_stats()
+    assert record.gradients == sum(nbytes(p) for p in model.parameters())
+
+
+def test_no_grad_forward_is_not_a_training_forward(stream):
+    model = mlp()
+    with make(model, stream) as profiler:
+        with torch.no_grad():
+            model(torch.randn(4, 32))
+        record = profiler.record_stats()
+    assert record.forward_passes == 0 and record.feature_maps == 0
+
+
+def test_print_period_and_epoch_numbering(stream):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    with make(model, stream, print_period=3) as profiler:
+        for _epoch in range(2):
+            for _ in range(7):
+                train_step(model, opt, torch.randn(4, 32))
+                rec = profiler.record_stats()
+                seen.append((rec.epoch, rec.iteration, rec.step))
+            profiler.epoch_end()
+    text = stream.getvalue()
+    headers = [line for line in text.splitlines() if line.startswith("Memory Usage")]
+    assert headers == [
+        "Memory Usage for Iteration 3 of Epoch 1",
+        "Memory Usage for Iteration 6 of Epoch 1",
+        "Memory Usage for Iteration 3 of Epoch 2",
+        "Memory Usage for Iteration 6 of Epoch 2",
+    ]
+    assert text.count("Epoch 1 finished") == 1 and text.count("Epoch 2 finished") == 1
+    assert seen[0] == (1, 1, 1) and seen[6] == (1, 7, 7) and seen[7] == (2, 1, 8)
+    assert [r.iteration for r in profiler.records] == [3, 6, 3, 6]
+
+
+def test_iteration_peak_is_the_largest_phase_peak(stream):
+    model = ScratchNet()
+    opt = torch.optim.Adam(model.parameters())
+    with make(model, stream) as profiler:
+        train_step(model, opt, torch.randn(64, 64))
+        record = profiler.record_stats()
+    phases = record.phases
+    assert set(phases) == {"forward", "backward", "optimizer"}
+    assert record.iteration_peak_allocated == max(p.peak_allocated for p in phases.values())
+    assert record.peak_phase == "backward"  # the 4 MB scratch
+    assert record.iteration_peak_allocated >= BackwardScratch.SCRATCH_ELEMS * 4
+    assert record.peak_allocated >= record.iteration_peak_allocated
+    assert "Peak during: backward" in stream.getvalue()
+
+
+def test_model_without_parameters_gives_a_zero_report(stream):
+    with make(nn.ReLU(), stream) as profiler:
+        nn.ReLU()(torch.randn(4, requires_grad=True)).sum().backward()
+        record = profiler.record_stats()
+    assert record.weights == record.gradients == record.optimizer_state == 0
+    assert "Total layer weight usage...............0 MB" in stream.getvalue()
+
+
+def test_units(stream):
+    model = nn.Linear(256, 1024, bias=False)  # exactly 1 MiB of float32
+    with make(model, stream, units="MiB") as profiler:
+        profiler.record_stats()
+    assert "Total layer weight usage" + "." * 14 + "1 MiB" in stream.getvalue()
+
+
+def test_close_removes_every_hook():
+    model = mlp()
+    pre, post = len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)
+    profiler = MemoryProfiler(model, stream=io.StringIO())
+    assert model._forward_pre_hooks and model._forward_hooks
+    assert len(_global_optimizer_pre_hooks) == pre + 1
+    profiler.close()
+    profiler.close()  # twice is harmless
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == (pre, post)
+
+
+# -- bad input ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", [None, "resnet", torch.zeros(3), [nn.Linear(2, 2)]])
+def test_model_must_be_a_module(model):
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got"):
+        memory_profiler(model)
+
+
+@pytest.mark.parametrize("period", [0, -1, 1.5, "5", True, None])
+def test_print_period_must_be_a_positive_int(period):
+    with pytest.raises(ValueError, match=r"print_period must be an integer >= 1, got"):
+        memory_profiler(nn.Linear(2, 2), period)
+
+
+def test_other_bad_arguments_name_themselves():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="units must be one of"):
+        memory_profiler(model, units="megabytes")
+    with pytest.raises(TypeError, match="optimizer must be"):
+        memory_profiler(model, optimizer="adam")
+    with pytest.raises(TypeError, match="stream must have a write"):
+        memory_profiler(model, stream=42)
+    with pytest.raises(TypeError, match="csv must be True or False"):
+        memory_profiler(model, 1, "yes")
+    with pytest.raises(ValueError, match="device="):
+        memory_profiler(model, device="gpu0")
+
+
+def test_unwritable_csv_folder_fails_at_construction(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValueError, match="csv_dir=.*cannot be created or written"):
+        memory_profiler(nn.Linear(2, 2), 1, True, csv_dir=blocker / "sub")
+
+
+def test_meta_model_gets_a_clear_message():
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="meta device"):
+        memory_profiler(model)
+
+
+# -- faults never stop training ------------------------------------------------
+
+
+def test_a_fault_is_logged_once_and_training_goes_on(monkeypatch, caplog, stream):
+    import pytorch_mem_profiler.profiler as profiler_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated profiler bug")
+
+    monkeypatch.setattr(profiler_module, "optimizer_state_bytes", broken)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters())
+    with caplog.at_level(logging.WARNING, logger="pytorch_mem_profiler"):
+        profiler = MemoryProfiler(model, stream=stream)
+        for _ in range(3):
+            train_step(model, opt, torch.randn(4, 32))
+            assert profiler.record_stats() is None  # the record could not be made
+        profiler.close()
+    faults = [r for r in caplog.records if "switched off" in r.getMessage()]
+    assert len(faults) == 1 and "simulated profiler bug" in faults[0].getMessage()
+    assert all(p.grad is None for p in model.parameters())  # the loop really ran
+
+
+def test_a_fault_inside_backward_does_not_break_backward(monkeypatch, stream):
+    import pytorch_mem_profiler.hooks as hooks_module
+
+    monkeypatch.setattr(hooks_module, "allocation_bytes", lambda t: 1 / 0)
+    model = mlp()
+    profiler = MemoryProfiler(model, stream=stream)
+    model(torch.randn(4, 32)).sum().backward()
+    assert model[0].weight.grad is not None
+    profiler.close()
+
+
+def test_strict_reraises(monkeypatch, stream):
+    import pytorch_mem_profiler.profiler as profiler_module
+
+    monkeypatch.setattr(profiler_module, "optimizer_state_bytes", lambda *a: 1 / 0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters())
+    with make(model, stream) as profiler:
+        train_step(model, opt, torch.randn(4, 32))
+        with pytest.raises(ZeroDivisionError):
+            profiler.record_stats()
