@@ -95,12 +95,21 @@ def weight_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[tuple
     return [(name, tensor_bytes(p)) for name, p in params]
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def gradient_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[int]:
     """Bytes of each parameter's ``.grad`` (0 where it is ``None``), in order."""
+    # Runs after every backward: plain tensors take the short way.
     sizes = []
     for _, p in params:
         grad = p.grad
-        sizes.append(0 if grad is None else tensor_bytes(grad))
+        if grad is None:
+            sizes.append(0)
+        elif type(grad) in _PLAIN_TENSORS:
+            sizes.append(grad.nbytes)
+        else:
+            sizes.append(tensor_bytes(grad))
     return sizes
 
 

@@ -86,8 +86,10 @@ class MemoryCounter:
         self.device = device
         self._folded_allocated: int | None = None
         self._folded_reserved: int | None = None
+        self._peer_set: weakref.WeakSet | None = None
         if self.shares_peaks:
-            _peers(device).add(self)
+            self._peer_set = _peers(device)
+            self._peer_set.add(self)
 
     def start(self) -> None:
         """Begin counting (a no-op where the device counts by itself)."""
@@ -105,11 +107,15 @@ class MemoryCounter:
 
     def mark(self) -> Reading:
         """Read the counters, then start a new peak interval."""
+        # On the hot path (several times per training iteration): keep it lean.
         raw = self._read_device()
-        reading = self._merge(raw)
-        self._folded_allocated = self._folded_reserved = None
-        if self.shares_peaks and raw.peak_allocated is not None:
-            for peer in list(_peers(self.device)):
+        reading = raw
+        if self._folded_allocated is not None or self._folded_reserved is not None:
+            reading = self._merge(raw)
+            self._folded_allocated = self._folded_reserved = None
+        peers = self._peer_set
+        if peers is not None and len(peers) > 1 and raw.peak_allocated is not None:
+            for peer in list(peers):
                 if peer is not self:
                     peer._fold(raw)
         self.reset_peak()

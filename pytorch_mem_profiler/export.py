@@ -37,7 +37,17 @@ import pandas as pd
 from .report import UNITS
 from .stats import IterationRecord
 
-__all__ = ["CsvLog", "CsvFile", "record_columns", "record_row", "EXTRA_COLUMNS", "new_run_path"]
+__all__ = [
+    "CsvLog",
+    "CsvFile",
+    "LayerCsv",
+    "LAYER_COLUMNS",
+    "record_columns",
+    "record_row",
+    "layer_rows",
+    "EXTRA_COLUMNS",
+    "new_run_path",
+]
 
 #: Columns after the original tool's, in order. ``*_peak_allocated`` and
 #: ``*_end_allocated`` are per phase; ``iteration_time_s`` is in seconds and the
@@ -62,6 +72,14 @@ EXTRA_COLUMNS = (
     "step",
     "device",
     "unit",
+    "peak_location",
+    "device_used",
+    "process_used",
+    "outside_pytorch",
+    "fragmentation",
+    "layers_total_feature_maps",
+    "layers_input",
+    "layers_unattributed",
 )
 
 
@@ -123,6 +141,15 @@ def record_row(record: IterationRecord, weight_names: Sequence[str], unit: str) 
     row["step"] = record.step
     row["device"] = record.device
     row["unit"] = unit
+    row["peak_location"] = record.peak_location
+    row["device_used"] = u(record.device_used)
+    row["process_used"] = u(record.process_used)
+    row["outside_pytorch"] = u(record.outside_pytorch)
+    row["fragmentation"] = u(record.fragmentation)
+    layers = record.layers
+    row["layers_total_feature_maps"] = u(layers.total) if layers else None
+    row["layers_input"] = u(layers.inputs) if layers else None
+    row["layers_unattributed"] = u(layers.unattributed) if layers else None
     return row
 
 
@@ -221,6 +248,51 @@ class CsvLog:
     @property
     def pending(self) -> int:
         return self._file.pending
+
+    def flush(self) -> int:
+        return self._file.flush()
+
+
+#: Columns of the per-layer file, one row per (iteration, module, category), in long format
+#: for spreadsheet pivots. ``bytes`` is in bytes whatever the run's unit.
+LAYER_COLUMNS = ("epoch", "iteration", "step", "module", "category", "calls", "bytes")
+
+
+def layer_rows(record: IterationRecord) -> list[dict[str, Any]]:
+    """The per-layer rows of one record: each module's saved bytes, then the totals.
+
+    Totals are under module names in parentheses: ``(input)``, ``(not saved by a
+    module)``, ``(total by layer)``, ``(allocator delta)``.
+    """
+    layers = record.layers
+    if layers is None:
+        return []
+    base = {"epoch": record.epoch, "iteration": record.iteration, "step": record.step}
+    rows = [
+        {**base, "module": module, "category": category, "calls": layers.calls.get(module), "bytes": n}
+        for (module, category), n in sorted(layers.by_module.items(), key=lambda kv: -kv[1])
+    ]
+    for module, n in (
+        ("(not saved by a module)", layers.unattributed),
+        ("(total by layer)", layers.total),
+        ("(allocator delta)", record.feature_maps),
+    ):
+        rows.append({**base, "module": module, "category": "total", "calls": None, "bytes": n})
+    return rows
+
+
+class LayerCsv:
+    """The run's per-layer file, beside the main one: ``<main file stem>_layers.csv``."""
+
+    def __init__(self, main_path: Path) -> None:
+        self.path = main_path.with_name(main_path.stem + "_layers.csv")
+        with open(self.path, "x", encoding="utf-8"):
+            pass
+        self._file = CsvFile(self.path, LAYER_COLUMNS)
+        self._file.flush()
+
+    def add(self, record: IterationRecord) -> None:
+        self._file.extend(layer_rows(record))
 
     def flush(self) -> int:
         return self._file.flush()

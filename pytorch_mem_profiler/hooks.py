@@ -42,6 +42,7 @@ from torch.optim.optimizer import (
 from .accounting import allocation_bytes, gradient_bytes, optimizer_holds_any, same_device
 from .devices import MemoryCounter, Reading
 from .faults import FaultGuard
+from .layers import LayerAttribution, LayerBreakdown
 
 __all__ = ["StepMeasurements", "TrainingStepHooks", "output_grad_nodes"]
 
@@ -64,6 +65,11 @@ class StepMeasurements:
     phase_count: dict[str, int] = field(default_factory=dict)
     #: the device reading taken when ``record_stats()`` closed the iteration
     final: Reading | None = None
+    #: the module running when the iteration's peak was reached (per-layer mode)
+    peak_location: str | None = None
+    #: what the largest forward saved, by module (per-layer mode), and its allocator delta
+    layers: LayerBreakdown | None = None
+    layers_kept: int = 0
 
 
 def output_grad_nodes(output: Any, limit: int = 64) -> list[torch.autograd.graph.Node]:
@@ -144,6 +150,12 @@ class TrainingStepHooks:
         self._pending: _BackwardPass | None = None
         self._backward_base: tuple[int, int] | None = None
         self._optimizer_depth = 0
+        self._location: str | None = None
+        self._attributing = False
+        #: per-layer attribution, used on iterations marked ``detailed``
+        self.attribution: LayerAttribution | None = None
+        #: whether the running iteration is one that will be reported
+        self.detailed = False
         self.current = StepMeasurements()
         self.max_reserved: int | None = None
         self.max_allocated: int | None = None
@@ -181,6 +193,9 @@ class TrainingStepHooks:
             handle.remove()
         self._handles.clear()
         self._pending = None
+        if self.attribution is not None:
+            self.attribution.close()
+        self._attributing = False
 
     def set_params(self, params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
         """Measure the gradients of ``params`` from now on (after the model changed)."""
@@ -189,8 +204,12 @@ class TrainingStepHooks:
         self._holds = weakref.WeakKeyDictionary()
 
     # -- boundaries --------------------------------------------------------
-    def _mark(self, next_phase: str) -> Reading:
-        """Close the running interval (recording its peak) and open ``next_phase``."""
+    def _mark(self, next_phase: str, location: str | None = None) -> Reading:
+        """Close the running interval (recording its peak) and open the next one.
+
+        ``next_phase`` equal to the running phase splits it at a module boundary
+        (per-layer mode), to learn where its peak was reached.
+        """
         reading = self.counter.mark()
         m = self.current
         ended = self._phase
@@ -201,16 +220,28 @@ class TrainingStepHooks:
             if m.iteration_peak is None or peak > m.iteration_peak:
                 m.iteration_peak = peak
                 m.peak_phase = ended
+                m.peak_location = self._location
             if self.max_allocated is None or peak > self.max_allocated:
                 self.max_allocated = peak
         if reading.peak_reserved is not None:
             if self.max_reserved is None or reading.peak_reserved > self.max_reserved:
                 self.max_reserved = reading.peak_reserved
-        if ended != "other":
+        if ended != "other" and next_phase != ended:
             m.phase_end_allocated[ended] = reading.allocated
             m.phase_count[ended] = m.phase_count.get(ended, 0) + 1
         self._phase = next_phase
+        self._location = location
         return reading
+
+    def forward_location(self, name: str) -> None:
+        """A tracked module's forward starts or ends: the code now runs in ``name``."""
+        if self._phase == "forward":
+            self._mark("forward", name)
+
+    def backward_location(self, name: str) -> None:
+        """Backward reached the outputs of the tracked module ``name``."""
+        if self._phase == "backward":
+            self._mark("backward", name)
 
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         self._forward_depth += 1
@@ -221,20 +252,36 @@ class TrainingStepHooks:
         if self._on_forward_first_call is not None:
             callback, self._on_forward_first_call = self._on_forward_first_call, None
             callback()
-        self._forward_start = self._mark("forward")
+        self._forward_start = self._mark("forward", "" if self.detailed else None)
+        if self.detailed and self.attribution is not None and "per-layer attribution" not in self.guard.disabled:
+            try:
+                self.attribution.start(args)
+                self._attributing = True
+            except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
+                self.attribution.close()
+                self.guard.fault("per-layer attribution", exc)
         return None
 
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._forward_depth -= 1
+        if self._forward_depth > 0:
+            return None
         start, self._forward_start = self._forward_start, None
-        if self._forward_depth > 0 or start is None:
+        breakdown = None
+        if self._attributing:
+            self._attributing = False
+            assert self.attribution is not None
+            breakdown = self.guard.wrap("per-layer attribution", self.attribution.stop)()
+        if start is None:
             return None
         end = self._mark("other")
         m = self.current
         m.forward_passes += 1
         kept = end.allocated - start.allocated
-        if kept > m.feature_maps:
-            m.feature_maps = kept
+        if kept > m.feature_maps or m.forward_passes == 1:
+            m.feature_maps = max(kept, m.feature_maps)
+            if breakdown is not None:
+                m.layers, m.layers_kept = breakdown, kept
         nodes = output_grad_nodes(output)
         if nodes:
             pending = _BackwardPass(self)
@@ -245,7 +292,7 @@ class TrainingStepHooks:
 
     def _backward_started(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
         try:
-            start = self._mark("backward")
+            start = self._mark("backward", "" if self.detailed else None)
             # The gradients of the outputs are already allocated when the
             # gradient reaches the model: they belong to backward's transient memory.
             out_grads = sum(

@@ -49,8 +49,11 @@ from .accounting import (
 from .devices import MemoryCounter, make_counter, resolve_device
 from .faults import FaultGuard
 from .hooks import StepMeasurements, TrainingStepHooks
+from .layers import LayerAttribution, LayerBreakdown, is_compiled
+from .leaks import LeakDetector
+from .outside import DeviceMemoryReader
 from .report import UNITS, format_report
-from .stats import IterationRecord, PhaseStats
+from .stats import IterationRecord, LayerFeatureMaps, PhaseStats
 
 __all__ = ["MemoryProfiler", "memory_profiler"]
 
@@ -98,6 +101,11 @@ class MemoryProfiler:
         strict: re-raise the profiler's own faults instead of switching off the
             faulty part (meant for tests).
         history: how many reported records :attr:`records` keeps in memory.
+        by_layer: attribute feature maps to the modules that saved them and find
+            the module where each iteration peaked (on reported iterations only;
+            adds a ``<run>_layers.csv`` file when ``csv`` is on).
+        leak_window: warn (:class:`~pytorch_mem_profiler.leaks.LeakWarning`) when
+            allocated memory grows in this many reported iterations in a row.
 
     Weights and buffers are counted when the profiler is made and again at
     each :meth:`epoch_end`; gradients, feature maps and the rest every iteration.
@@ -129,6 +137,8 @@ class MemoryProfiler:
         units: str = "MB",
         strict: bool = False,
         history: int = 1000,
+        by_layer: bool = False,
+        leak_window: int = 5,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -144,6 +154,10 @@ class MemoryProfiler:
             raise TypeError(f"strict must be True or False, got {strict!r}")
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
             raise ValueError(f"history must be an integer >= 1, got {history!r}")
+        if not isinstance(by_layer, bool):
+            raise TypeError(f"by_layer must be True or False, got {by_layer!r}")
+        if isinstance(leak_window, bool) or not isinstance(leak_window, int) or leak_window < 2:
+            raise ValueError(f"leak_window must be an integer >= 2, got {leak_window!r}")
         if not isinstance(csv_dir, (str, os.PathLike)):
             raise TypeError(f"csv_dir must be a str or os.PathLike, got {type(csv_dir).__name__}")
         optimizers = _check_optimizers(optimizer)
@@ -164,13 +178,20 @@ class MemoryProfiler:
         self._counter: MemoryCounter = make_counter(self.device)
         self._device_explicit = device is not None
 
+        self.by_layer = by_layer
         self._csv = None
+        self._layers_csv = None
         if csv:
-            from .export import CsvLog  # pandas is imported only when CSV is asked for
+            from .export import CsvLog, LayerCsv  # pandas is imported only when CSV is asked for
 
             self._params = unique_parameters(model, self.device)
             self._csv = CsvLog(csv_dir, [name for name, _ in self._params], unit=units)
+            if by_layer:
+                self._layers_csv = LayerCsv(self._csv.path)
         self.csv_path = self._csv.path if self._csv is not None else None
+        self.layers_csv_path = self._layers_csv.path if self._layers_csv is not None else None
+        self._outside = DeviceMemoryReader(self.device)
+        self._leaks = LeakDetector(leak_window)
 
         self.epoch = 1
         self.iteration = 0
@@ -197,7 +218,21 @@ class MemoryProfiler:
             on_optimizer_step=self._guard.wrap("optimizer state", self._optimizer_stepped),
             on_forward_first_call=self._guard.wrap("device check", self._check_device_once),
         )
+        if by_layer:
+            if is_compiled(model):
+                _log.warning(
+                    "pytorch_mem_profiler: the model runs through torch.compile; feature maps are "
+                    "reported in total, not by layer"
+                )
+            else:
+                self._hooks.attribution = LayerAttribution(
+                    model,
+                    self.device,
+                    on_enter=self._guard.wrap("per-layer attribution", self._hooks.forward_location),
+                    on_backward_enter=self._guard.wrap("per-layer attribution", self._hooks.backward_location),
+                )
         self._hooks.install()
+        self._update_detail()
         self._last_time = time.perf_counter()
         self._atexit = _flush_at_exit(self)
         atexit.register(self._atexit)
@@ -229,9 +264,11 @@ class MemoryProfiler:
             atexit.unregister(self._atexit)
 
     def flush(self) -> None:
-        """Write the rows recorded so far to the CSV file."""
+        """Write the rows recorded so far to the CSV files."""
         if self._csv is not None:
             self._guard.wrap("csv", self._csv.flush)()
+        if self._layers_csv is not None:
+            self._guard.wrap("csv", self._layers_csv.flush)()
 
     def __enter__(self) -> MemoryProfiler:
         return self
@@ -252,6 +289,8 @@ class MemoryProfiler:
         self._weights_total = sum(n for _, n in weights)
         self._buffers_total = sum(n for _, n in buffer_bytes(self.model, self.device))
         self._requires_grad = [p.requires_grad for _, p in self._params]
+        self._last_gradient_sizes: list[int] | None = None
+        self._gradients_by_name: Any = MappingProxyType({})
 
     def _check_device_once(self) -> None:
         now = resolve_device(self.model)
@@ -280,14 +319,19 @@ class MemoryProfiler:
             self._counter.adopt(optimizer_state_tensors([optimizer]))
             self._adopted.add(optimizer)
 
-    def _optimizer_state(self, reported: bool) -> int:
-        """Optimizer state bytes; between reports, reuse the last count while the state's size holds."""
+    def _optimizer_state(self, recount: bool = False) -> int:
+        """Optimizer state bytes, counted again only when an optimizer's state changed in size.
+
+        State tensors keep their sizes once made (Adam makes its moments at the
+        first step), so the count is reused while ``len(optimizer.state)``
+        holds; ``epoch_end()`` recounts everything.
+        """
         total = 0
         for opt in self._hooks.discovered_optimizers():
             key = id(opt)
             size = len(opt.state)
             cached = self._optimizer_state_cache.get(key)
-            if reported or cached is None or cached[0] != size:
+            if recount or cached is None or cached[0] != size:
                 cached = (size, optimizer_state_bytes([opt], self.device))
                 self._optimizer_state_cache[key] = cached
             total += cached[1]
@@ -302,13 +346,15 @@ class MemoryProfiler:
         if sizes is None or len(sizes) != len(self._params):
             # No backward reached the model this iteration: take the gradients as they are.
             sizes = gradient_bytes(self._params)
-        grads_by_name = MappingProxyType(
-            {
-                name: n
-                for (name, _), n, trainable in zip(self._params, sizes, self._requires_grad)
-                if trainable or n
-            }
-        )
+        if sizes != self._last_gradient_sizes:
+            self._last_gradient_sizes = sizes
+            self._gradients_by_name = MappingProxyType(
+                {
+                    name: n
+                    for (name, _), n, trainable in zip(self._params, sizes, self._requires_grad)
+                    if trainable or n
+                }
+            )
         phases = MappingProxyType(
             {
                 phase: PhaseStats(
@@ -319,6 +365,10 @@ class MemoryProfiler:
             }
         )
         has_peak = self._counter.has_peak
+        usage = self._guard.wrap("device memory", self._outside.read)() if reported else None
+        outside = None
+        if usage is not None and final.reserved is not None:
+            outside = usage.device_used - final.reserved
         return IterationRecord(
             epoch=self.epoch,
             iteration=self.iteration,
@@ -335,14 +385,19 @@ class MemoryProfiler:
             weights=self._weights_total,
             weights_by_name=self._weights_by_name,
             gradients=sum(sizes),
-            gradients_by_name=grads_by_name,
-            optimizer_state=self._optimizer_state(reported),
+            gradients_by_name=self._gradients_by_name,
+            optimizer_state=self._optimizer_state(),
             buffers=self._buffers_total,
             forward_passes=m.forward_passes,
             backward_passes=m.backward_passes,
             optimizer_steps=m.optimizer_steps,
             iteration_time_s=elapsed,
             phases=phases,
+            peak_location=m.peak_location,
+            layers=_feature_maps_by_layer(m.layers, m.layers_kept) if reported else None,
+            device_used=usage.device_used if usage is not None else None,
+            process_used=usage.process_used if usage is not None else None,
+            outside_pytorch=outside,
         )
 
     def _record_stats(self) -> IterationRecord:
@@ -354,6 +409,7 @@ class MemoryProfiler:
         measurements = self._hooks.finish_iteration()
         record = self._build_record(measurements, reported)
         self.last_record = record
+        self._update_detail()
         if reported:
             if self.first_record is None:
                 self.first_record = record
@@ -361,17 +417,44 @@ class MemoryProfiler:
             self.stream.write(format_report(record, self.units) + "\n")
             if self._csv is not None:
                 self._csv.add(record)
+                if self._layers_csv is not None:
+                    self._layers_csv.add(record)
                 if self._csv.pending >= _FLUSH_EVERY_ROWS:
                     self.flush()
+            leak = self._leaks.observe(record)
+            if leak is not None:
+                self._leaks.warn(leak, UNITS[self.units], self.units)
         return record
+
+    def _update_detail(self) -> None:
+        """Per-layer hooks run only in iterations that will be reported."""
+        next_reported = (self.iteration + 1) % self.print_period == 0
+        self._hooks.detailed = self._hooks.attribution is not None and next_reported
 
     def _epoch_end(self) -> None:
         self.stream.write(f"Epoch {self.epoch} finished\n")
         self.flush()
         self._refresh_model_state()
         self._hooks.set_params(self._params)
+        self._optimizer_state(recount=True)
         self.epoch += 1
         self.iteration = 0
+        self._update_detail()
+        if self._hooks.attribution is not None:
+            self._hooks.attribution.refresh()
+
+
+def _feature_maps_by_layer(breakdown: LayerBreakdown | None, kept: int) -> LayerFeatureMaps | None:
+    if breakdown is None:
+        return None
+    total = breakdown.total
+    return LayerFeatureMaps(
+        by_module=MappingProxyType(dict(breakdown.by_module)),
+        calls=MappingProxyType(dict(breakdown.calls)),
+        total=total,
+        inputs=breakdown.inputs,
+        unattributed=kept - total,
+    )
 
 
 def _flush_at_exit(profiler: MemoryProfiler) -> Any:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
-__all__ = ["PhaseStats", "IterationRecord", "PHASES", "frozen_mapping"]
+__all__ = ["PhaseStats", "LayerFeatureMaps", "IterationRecord", "PHASES", "frozen_mapping", "diff_records"]
 
 #: The phases of an iteration, in order. "other" is everything between them:
 #: data loading, the loss, gradient clipping, ``zero_grad()``.
@@ -46,6 +46,25 @@ class PhaseStats:
     allocated_at_end: int | None
     peak_allocated: int | None
     occurrences: int = 1
+
+
+@dataclass(frozen=True)
+class LayerFeatureMaps:
+    """What one forward saved for backward, by the module that saved it, in bytes.
+
+    ``by_module`` maps ``(module name, category)`` to bytes; categories are
+    ``"activations"`` and ``"weight copies"`` (autocast's casts of weights);
+    the model's inputs are under the module name ``"(input)"``. ``total`` is
+    what modules saved (inputs not included); ``unattributed`` what the
+    allocator shows kept by forward beyond that (outputs, temporaries still
+    referenced, what checkpointed blocks keep).
+    """
+
+    by_module: Mapping[tuple[str, str], int]
+    calls: Mapping[str, int]
+    total: int
+    inputs: int
+    unattributed: int
 
 
 @dataclass(frozen=True)
@@ -78,6 +97,13 @@ class IterationRecord:
         optimizer_steps: optimizer steps over the model's parameters in this iteration.
         iteration_time_s: host wall time since the previous ``record_stats()``.
         phases: :class:`PhaseStats` by phase name (see :data:`PHASES`).
+        peak_location: the module running when this iteration's peak was reached
+            (per-layer mode only; ``""`` is the model's own code outside its tracked modules).
+        layers: feature maps by layer (per-layer mode, reported iterations only).
+        device_used: bytes in use on the whole device (NVML, or ``mem_get_info``).
+        process_used: bytes this process uses on the device (NVML, where it can tell).
+        outside_pytorch: device used minus the allocator's reserved bytes: the CUDA
+            context, library workspaces, other processes.
     """
 
     epoch: int
@@ -103,8 +129,53 @@ class IterationRecord:
     optimizer_steps: int = 0
     iteration_time_s: float | None = None
     phases: Mapping[str, PhaseStats] = field(default_factory=_empty)
+    peak_location: str | None = None
+    layers: LayerFeatureMaps | None = None
+    device_used: int | None = None
+    process_used: int | None = None
+    outside_pytorch: int | None = None
 
     @property
     def model_state(self) -> int:
         """Weights, gradients, optimizer state and buffers together."""
         return self.weights + self.gradients + self.optimizer_state + self.buffers
+
+    @property
+    def fragmentation(self) -> int | None:
+        """Bytes the allocator holds but no tensor uses: reserved minus allocated."""
+        if self.current_cached is None:
+            return None
+        return self.current_cached - self.allocated
+
+
+#: Figures compared by :func:`diff_records`.
+_DIFFED = (
+    "allocated",
+    "current_cached",
+    "feature_maps",
+    "intermediate_gradients",
+    "weights",
+    "gradients",
+    "optimizer_state",
+    "buffers",
+    "iteration_peak_allocated",
+    "outside_pytorch",
+)
+
+
+def diff_records(first: IterationRecord, last: IterationRecord) -> dict[str, int]:
+    """Bytes each figure changed by from ``first`` to ``last`` (figures unknown in either left out).
+
+    Example::
+
+        >>> a = IterationRecord(epoch=1, iteration=1, step=1, device="cpu", allocated=100)
+        >>> b = IterationRecord(epoch=1, iteration=9, step=9, device="cpu", allocated=900)
+        >>> diff_records(a, b)["allocated"]
+        800
+    """
+    changes = {}
+    for name in _DIFFED:
+        a, b = getattr(first, name), getattr(last, name)
+        if a is not None and b is not None:
+            changes[name] = b - a
+    return changes

@@ -1,0 +1,108 @@
+"""Where the profiler's per-iteration cost goes: ablations and a cProfile of the hot path.
+
+    python benchmarks/hot_path.py --workload tiny_mlp --steps 300
+
+Times the workload without the profiler, with it, and with parts of it
+replaced by no-ops (the device reads; the backward hooks), alternating in one
+process, then prints the functions of this package that cost most per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workloads import WORKLOADS, median  # noqa: E402
+
+import pytorch_mem_profiler.profiler as profiler_module  # noqa: E402
+from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
+from pytorch_mem_profiler.devices import MemoryCounter, Reading  # noqa: E402
+from pytorch_mem_profiler.hooks import TrainingStepHooks  # noqa: E402
+
+
+class NullCounter(MemoryCounter):
+    """A counter that reads nothing: isolates the Python cost of the hooks."""
+
+    shares_peaks = False
+
+    def _read_device(self) -> Reading:
+        return Reading(0, 0, 0, 0)
+
+
+def run(work, steps: int, profiler: MemoryProfiler | None, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        work.step()
+        if profiler is not None:
+            profiler.record_stats()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="tiny_mlp", choices=sorted(WORKLOADS))
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--print-period", type=int, default=1)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    work = WORKLOADS[args.workload](device)
+    for _ in range(10):
+        work.step()
+    sink = open(os.devnull, "w")
+    real_make_counter = profiler_module.make_counter
+    real_backward_started = TrainingStepHooks._backward_started
+
+    variants = {
+        "full": {},
+        "null counter": {"counter": True},
+        "no backward hooks": {"backward": True},
+        "null counter, no backward hooks": {"counter": True, "backward": True},
+    }
+    times: dict[str, list[float]] = {"baseline": [], **{name: [] for name in variants}}
+    for _ in range(args.rounds):
+        times["baseline"].append(run(work, args.steps, None, device))
+        for name, parts in variants.items():
+            profiler_module.make_counter = (lambda d: NullCounter(d)) if parts.get("counter") else real_make_counter
+            TrainingStepHooks._backward_started = (lambda self, g: None) if parts.get("backward") else real_backward_started
+            prof = MemoryProfiler(work.model, args.print_period, stream=sink)
+            times[name].append(run(work, args.steps, prof, device))
+            prof.close()
+    profiler_module.make_counter = real_make_counter
+    TrainingStepHooks._backward_started = real_backward_started
+
+    base = median(times["baseline"])
+    print(f"{args.workload} on {device}, print_period={args.print_period}: median us/step over {args.rounds} rounds")
+    for name, values in times.items():
+        print(f"  {name:34s} {median(values):9.1f} us   (+{median(values) - base:7.1f})")
+
+    prof = MemoryProfiler(work.model, args.print_period, stream=sink)
+    out = io.StringIO()
+    profile = cProfile.Profile()
+    profile.enable()
+    run(work, args.steps, prof, device)
+    profile.disable()
+    prof.close()
+    stats = pstats.Stats(profile, stream=out)
+    stats.sort_stats("tottime").print_stats("pytorch_mem_profiler|autograd|optim|_C", 25)
+    print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()

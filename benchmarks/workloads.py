@@ -1,0 +1,182 @@
+"""Training workloads for the benchmarks, on synthetic data.
+
+Each workload builds a model, an optimizer and a batch, and gives a ``step()``
+that runs forward, loss, backward, optimizer step and ``zero_grad()``.
+
+- ``gpt2``: a GPT-2-small-size decoder (124M parameters, tied embeddings),
+  bf16 autocast, batch 8 x 512 tokens, AdamW;
+- ``resnet50``: torchvision's ResNet-50, fp32, batch 64, SGD with momentum;
+- ``neumf``: NeuMF with the MovieLens-20M sizes, batch 65,536, Adam;
+- ``tiny_mlp``: 8 x Linear(1024), batch 64, where any Python cost shows.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+
+@dataclass
+class Workload:
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: Callable[[], torch.Tensor]
+    description: str
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 small: 12 layers, 12 heads, 768 wide, 50,257 tokens, 1,024 positions, tied head."""
+
+    def __init__(self, vocab: int = 50_257, ctx: int = 1024, dim: int = 768, layers: int = 12, heads: int = 12) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(ctx, dim)
+        self.h = nn.ModuleList(DecoderBlock(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def gpt2(device: torch.device, batch: int = 8, seq: int = 512) -> Workload:
+    torch.manual_seed(0)
+    model = GPT().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx = torch.randint(0, 50_257, (batch, seq + 1), device=device)
+    x, y = idx[:, :-1], idx[:, 1:]
+    autocast = device.type in ("cuda", "cpu")
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    n = sum(p.numel() for p in model.parameters())
+    return Workload("gpt2", model, opt, step, f"GPT-2 small ({n / 1e6:.0f}M params, tied), bf16 autocast, batch {batch}x{seq}, AdamW")
+
+
+def resnet50(device: torch.device, batch: int = 64) -> Workload:
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(batch, 3, 224, 224, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+
+    def step() -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return Workload("resnet50", model, opt, step, f"ResNet-50, fp32, batch {batch}, SGD momentum")
+
+
+def neumf(device: torch.device, batch: int = 65_536) -> Workload:
+    from neumf import NUM_ITEMS, NUM_USERS, NeuMF
+
+    torch.manual_seed(0)
+    model = NeuMF().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    users = torch.randint(0, NUM_USERS, (batch,), device=device)
+    items = torch.randint(0, NUM_ITEMS, (batch,), device=device)
+    labels = torch.randint(0, 2, (batch,), device=device).float()
+
+    def step() -> torch.Tensor:
+        loss = F.binary_cross_entropy_with_logits(model(users, items), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return Workload("neumf", model, opt, step, f"NeuMF (MovieLens-20M sizes), batch {batch}, Adam")
+
+
+def tiny_mlp(device: torch.device, batch: int = 64, width: int = 1024, depth: int = 8) -> Workload:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, width, device=device)
+
+    def step() -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return Workload("tiny_mlp", model, opt, step, f"{depth} x Linear({width}), batch {batch}, Adam")
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "gpt2": gpt2,
+    "resnet50": resnet50,
+    "neumf": neumf,
+    "tiny_mlp": tiny_mlp,
+}
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
