@@ -47,13 +47,13 @@ def time_steps(work: Workload, device: torch.device, steps: int, per_step: Calla
     return (time.perf_counter() - start) / steps
 
 
-def profiler_tool(print_period: int) -> Callable[[Workload], ContextManager]:
+def profiler_tool(print_period: int, **options) -> Callable[[Workload], ContextManager]:
     """The profiler as a benchmark tool: made before the timed steps, closed after."""
 
     @contextlib.contextmanager
     def tool(work: Workload):
         sink = open(os.devnull, "w")
-        profiler = MemoryProfiler(work.model, print_period, stream=sink)
+        profiler = MemoryProfiler(work.model, print_period, stream=sink, **options)
         try:
             yield profiler.record_stats
         finally:
@@ -66,6 +66,8 @@ def profiler_tool(print_period: int) -> Callable[[Workload], ContextManager]:
 TOOLS: dict[str, Callable[[Workload], ContextManager]] = {
     "profiler, print_period=1": profiler_tool(1),
     "profiler, print_period=10": profiler_tool(10),
+    "profiler by_layer, print_period=1": profiler_tool(1, by_layer=True),
+    "profiler by_layer, print_period=10": profiler_tool(10, by_layer=True),
 }
 
 
