@@ -49,6 +49,7 @@ from .accounting import (
 from .devices import MemoryCounter, make_counter, resolve_device
 from .faults import FaultGuard
 from .hooks import StepMeasurements, TrainingStepHooks
+from .oom import OomPostmortem, dump_on_oom, plain_data
 from .report import UNITS, format_report
 from .stats import IterationRecord, PhaseStats
 
@@ -98,6 +99,9 @@ class MemoryProfiler:
         strict: re-raise the profiler's own faults instead of switching off the
             faulty part (meant for tests).
         history: how many reported records :attr:`records` keeps in memory.
+        oom_dir: on a CUDA out-of-memory error, write a post-mortem folder here
+            (the last report, the failing iteration, the allocator's stats; see
+            :func:`~pytorch_mem_profiler.dump_on_oom`).
 
     Weights and buffers are counted when the profiler is made and again at
     each :meth:`epoch_end`; gradients, feature maps and the rest every iteration.
@@ -129,6 +133,7 @@ class MemoryProfiler:
         units: str = "MB",
         strict: bool = False,
         history: int = 1000,
+        oom_dir: str | os.PathLike | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -163,6 +168,11 @@ class MemoryProfiler:
         self._guard = FaultGuard(strict)
         self._counter: MemoryCounter = make_counter(self.device)
         self._device_explicit = device is not None
+        #: The text of the last printed report.
+        self.last_report: str | None = None
+        self.oom_postmortem: OomPostmortem | None = None
+        if oom_dir is not None:
+            self.oom_postmortem = dump_on_oom(oom_dir, profiler=self)
 
         self._csv = None
         if csv:
@@ -222,6 +232,8 @@ class MemoryProfiler:
             return
         self._closed = True
         try:
+            if self.oom_postmortem is not None:
+                self.oom_postmortem.remove()
             self._hooks.remove()
             self._counter.stop()
         finally:
@@ -232,6 +244,26 @@ class MemoryProfiler:
         """Write the rows recorded so far to the CSV file."""
         if self._csv is not None:
             self._guard.wrap("csv", self._csv.flush)()
+
+    def postmortem(self) -> dict[str, Any]:
+        """What an OOM post-mortem writes about the run: plain data, ready for JSON.
+
+        ``epoch``, ``iteration`` and ``step`` of the iteration in progress (the
+        one that failed), its ``phase``, the measurements made in it so far
+        (``in_progress``), the ``last_record`` completed (bytes), and the text
+        of the last printed ``report``.
+        """
+        hooks = getattr(self, "_hooks", None)
+        return {
+            "device": str(self.device),
+            "epoch": getattr(self, "epoch", 1),
+            "iteration": getattr(self, "iteration", 0) + 1,
+            "step": getattr(self, "step", 0) + 1,
+            "phase": getattr(hooks, "_phase", None),
+            "in_progress": plain_data(getattr(hooks, "current", None)),
+            "last_record": plain_data(getattr(self, "last_record", None)),
+            "report": self.last_report,
+        }
 
     def __enter__(self) -> MemoryProfiler:
         return self
@@ -358,7 +390,8 @@ class MemoryProfiler:
             if self.first_record is None:
                 self.first_record = record
             self.records.append(record)
-            self.stream.write(format_report(record, self.units) + "\n")
+            self.last_report = format_report(record, self.units)
+            self.stream.write(self.last_report + "\n")
             if self._csv is not None:
                 self._csv.add(record)
                 if self._csv.pending >= _FLUSH_EVERY_ROWS:
