@@ -42,6 +42,9 @@ __all__ = [
     "make_counter",
     "resolve_device",
     "device_used_memory",
+    "current_device",
+    "allocator_stats",
+    "allocator_summary",
 ]
 
 _log = logging.getLogger("pytorch_mem_profiler")
@@ -269,13 +272,37 @@ class _StorageCountingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if self.enabled:
+            aliases = _aliasing_returns(func)
             if isinstance(out, torch.Tensor):
-                self.counter._track(out)
+                self.counter._track(out, bool(aliases) and aliases[0])
             elif isinstance(out, (tuple, list)):
-                for item in out:
+                for i, item in enumerate(out):
                     if isinstance(item, torch.Tensor):
-                        self.counter._track(item)
+                        # One list return (split, unbind) describes all its items.
+                        alias = aliases[i] if i < len(aliases) else bool(aliases) and aliases[-1]
+                        self.counter._track(item, alias)
         return out
+
+
+_ALIASING: dict[Any, tuple[bool, ...]] = {}
+
+
+def _aliasing_returns(func: Any) -> tuple[bool, ...]:
+    """For each return of an operator, whether it shares an input's storage (views, in-place, out=).
+
+    Such a result allocates nothing new: counting it would count a tensor made
+    before the counter started (``weight.t()`` inside ``F.linear``) as new.
+    """
+    known = _ALIASING.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        returns = getattr(schema, "returns", ())
+        known = tuple(r.alias_info is not None for r in returns)
+        if func is getattr(torch.ops.aten.lift_fresh, "default", None):
+            # lift_fresh aliases the brand-new tensor torch.tensor() made outside the mode.
+            known = (False,) * len(known)
+        _ALIASING[func] = known
+    return known
 
 
 class CpuCounter(MemoryCounter):
@@ -326,7 +353,7 @@ class CpuCounter(MemoryCounter):
                 "counter; the counter is switched off instead of removed"
             )
 
-    def _track(self, tensor: torch.Tensor) -> None:
+    def _track(self, tensor: torch.Tensor, alias: bool = False) -> None:
         if tensor.device.type != "cpu":
             return
         try:
@@ -336,6 +363,8 @@ class CpuCounter(MemoryCounter):
         key = id(storage)
         nbytes = storage.nbytes()
         known = self._sizes.get(key)
+        if known is None and alias:
+            return  # a view or in-place result of a storage made before counting began
         if known is not None:
             if known != nbytes:  # resized in place (``out=`` kernels)
                 self._sizes[key] = nbytes
@@ -456,3 +485,42 @@ def device_used_memory(device: torch.device) -> int | None:
         return None
     free, total = torch.cuda.mem_get_info(_index(device))
     return int(total - free)
+
+
+def current_device() -> torch.device:
+    """The device tensors go to by default here: the current CUDA, MPS or XPU device, else CPU.
+
+    Example::
+
+        >>> import torch
+        >>> current_device().type in ("cuda", "mps", "xpu", "cpu")
+        True
+    """
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if hasattr(torch, "mps") and torch.backends.mps.is_available():
+        return torch.device("mps")
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
+def allocator_stats(device: torch.device) -> dict[str, Any]:
+    """The caching allocator's full statistics for ``device`` (``{}`` where it keeps none).
+
+    On CUDA this is ``torch.cuda.memory_stats``: counts and bytes, current,
+    peak, allocated and freed, for all, small and large pools, plus the number
+    of OOMs and of cudaMalloc retries.
+    """
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return dict(torch.cuda.memory_stats(_index(device)))
+    if device.type == "xpu" and hasattr(torch, "xpu") and hasattr(torch.xpu, "memory_stats"):
+        return dict(torch.xpu.memory_stats(_index(device)))
+    return {}
+
+
+def allocator_summary(device: torch.device) -> str | None:
+    """``torch.cuda.memory_summary``'s table for ``device``; ``None`` off CUDA."""
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.memory_summary(_index(device))
+    return None

@@ -52,6 +52,7 @@ from .hooks import StepMeasurements, TrainingStepHooks
 from .layers import LayerAttribution, LayerBreakdown, is_compiled
 from .leaks import LeakDetector
 from .outside import DeviceMemoryReader
+from .oom import OomPostmortem, dump_on_oom, plain_data
 from .report import UNITS, format_report
 from .stats import IterationRecord, LayerFeatureMaps, PhaseStats
 
@@ -106,6 +107,9 @@ class MemoryProfiler:
             adds a ``<run>_layers.csv`` file when ``csv`` is on).
         leak_window: warn (:class:`~pytorch_mem_profiler.leaks.LeakWarning`) when
             allocated memory grows in this many reported iterations in a row.
+        oom_dir: on a CUDA out-of-memory error, write a post-mortem folder here
+            (the last report, the failing iteration, the allocator's stats; see
+            :func:`~pytorch_mem_profiler.dump_on_oom`).
 
     Weights and buffers are counted when the profiler is made and again at
     each :meth:`epoch_end`; gradients, feature maps and the rest every iteration.
@@ -139,6 +143,7 @@ class MemoryProfiler:
         history: int = 1000,
         by_layer: bool = False,
         leak_window: int = 5,
+        oom_dir: str | os.PathLike | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -177,6 +182,11 @@ class MemoryProfiler:
         self._guard = FaultGuard(strict)
         self._counter: MemoryCounter = make_counter(self.device)
         self._device_explicit = device is not None
+        #: The text of the last printed report.
+        self.last_report: str | None = None
+        self.oom_postmortem: OomPostmortem | None = None
+        if oom_dir is not None:
+            self.oom_postmortem = dump_on_oom(oom_dir, profiler=self)
 
         self.by_layer = by_layer
         self._csv = None
@@ -257,6 +267,8 @@ class MemoryProfiler:
             return
         self._closed = True
         try:
+            if self.oom_postmortem is not None:
+                self.oom_postmortem.remove()
             self._hooks.remove()
             self._counter.stop()
         finally:
@@ -269,6 +281,26 @@ class MemoryProfiler:
             self._guard.wrap("csv", self._csv.flush)()
         if self._layers_csv is not None:
             self._guard.wrap("csv", self._layers_csv.flush)()
+
+    def postmortem(self) -> dict[str, Any]:
+        """What an OOM post-mortem writes about the run: plain data, ready for JSON.
+
+        ``epoch``, ``iteration`` and ``step`` of the iteration in progress (the
+        one that failed), its ``phase``, the measurements made in it so far
+        (``in_progress``), the ``last_record`` completed (bytes), and the text
+        of the last printed ``report``.
+        """
+        hooks = getattr(self, "_hooks", None)
+        return {
+            "device": str(self.device),
+            "epoch": getattr(self, "epoch", 1),
+            "iteration": getattr(self, "iteration", 0) + 1,
+            "step": getattr(self, "step", 0) + 1,
+            "phase": getattr(hooks, "_phase", None),
+            "in_progress": plain_data(getattr(hooks, "current", None)),
+            "last_record": plain_data(getattr(self, "last_record", None)),
+            "report": self.last_report,
+        }
 
     def __enter__(self) -> MemoryProfiler:
         return self
@@ -414,7 +446,8 @@ class MemoryProfiler:
             if self.first_record is None:
                 self.first_record = record
             self.records.append(record)
-            self.stream.write(format_report(record, self.units) + "\n")
+            self.last_report = format_report(record, self.units)
+            self.stream.write(self.last_report + "\n")
             if self._csv is not None:
                 self._csv.add(record)
                 if self._layers_csv is not None:
