@@ -41,6 +41,7 @@ __all__ = [
     "CpuCounter",
     "make_counter",
     "resolve_device",
+    "parse_device",
     "device_used_memory",
     "current_device",
     "allocator_stats",
@@ -459,16 +460,26 @@ def resolve_device(model: torch.nn.Module, device: Any = None) -> torch.device:
         >>> resolve_device(torch.nn.Linear(2, 2))
         device(type='cpu')
     """
-    if device is None:
-        first = next(iter(model.parameters()), None)
-        if first is None:
-            first = next(iter(model.buffers()), None)
-        resolved = first.device if first is not None else torch.device("cpu")
-    else:
-        try:
-            resolved = torch.device(device)
-        except (RuntimeError, TypeError) as err:
-            raise ValueError(f"device={device!r} is not a device torch understands: {err}") from err
+    if device is not None:
+        return parse_device(device)
+    first = next(iter(model.parameters()), None)
+    if first is None:
+        first = next(iter(model.buffers()), None)
+    return parse_device(first.device if first is not None else "cpu")
+
+
+def parse_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device``, a CUDA one with its index; ``ValueError`` naming it if invalid.
+
+    Example::
+
+        >>> parse_device("cpu")
+        device(type='cpu')
+    """
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} is not a device torch understands: {err}") from err
     if resolved.type == "cuda" and resolved.index is None and torch.cuda.is_available():
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved

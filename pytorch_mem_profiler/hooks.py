@@ -43,8 +43,9 @@ from .accounting import allocation_bytes, gradient_bytes, optimizer_holds_any, s
 from .devices import MemoryCounter, Reading
 from .faults import FaultGuard
 from .layers import LayerAttribution, LayerBreakdown
+from .trees import output_grad_nodes
 
-__all__ = ["StepMeasurements", "TrainingStepHooks", "output_grad_nodes"]
+__all__ = ["StepMeasurements", "TrainingStepHooks"]
 
 
 @dataclass
@@ -70,25 +71,6 @@ class StepMeasurements:
     #: what the largest forward saved, by module (per-layer mode), and its allocator delta
     layers: LayerBreakdown | None = None
     layers_kept: int = 0
-
-
-def output_grad_nodes(output: Any, limit: int = 64) -> list[torch.autograd.graph.Node]:
-    """Distinct autograd nodes of the tensors in a module's output (tensor, tuple, dict...)."""
-    nodes: list = []
-    seen: set[int] = set()
-    stack = [output]
-    while stack and len(seen) < limit:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            node = obj.grad_fn
-            if node is not None and id(node) not in seen:
-                seen.add(id(node))
-                nodes.append(node)
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-    return nodes
 
 
 class _BackwardPass:

@@ -43,6 +43,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from .accounting import same_device
+from .trees import output_grad_nodes, tensors_in
 
 __all__ = [
     "LayerAttribution",
@@ -161,7 +162,7 @@ class LayerAttribution:
         self._current = LayerBreakdown()
         self._seen = set()
         self._inputs = set()
-        for t in _tensors(inputs):
+        for t in tensors_in(inputs):
             self._inputs.add(_storage_key(t))
         self._stack = [(self._root, "")]
         self._handles = [
@@ -211,8 +212,6 @@ class LayerAttribution:
                 self._watch_backward(name, output)
 
     def _watch_backward(self, name: str, output: Any) -> None:
-        from .hooks import output_grad_nodes
-
         callback = self.on_backward_enter
         fired = [False]
 
@@ -271,17 +270,3 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     local = getattr(t, "_local_tensor", t)
     return (local.untyped_storage().data_ptr(), local.device.index or 0)
-
-
-def _tensors(obj: Any, limit: int = 64) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    stack = [obj]
-    while stack and len(found) < limit:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return found

@@ -35,7 +35,7 @@ from typing import IO, Any
 
 import torch
 
-from .devices import MemoryCounter, Reading, current_device, make_counter
+from .devices import MemoryCounter, Reading, current_device, make_counter, parse_device
 
 __all__ = ["MemoryUsage", "memory_usage", "print_cuda_memory_usage", "memory_stats", "GB"]
 
@@ -50,15 +50,7 @@ _DEVICE_NAMES = {"cuda": "CUDA", "cpu": "CPU", "mps": "MPS", "xpu": "XPU"}
 
 
 def _resolve(device: Any) -> torch.device:
-    if device is None:
-        return current_device()
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device={device!r} is not a device torch understands: {err}") from err
-    if resolved.type == "cuda" and resolved.index is None and torch.cuda.is_available():
-        resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
+    return current_device() if device is None else parse_device(device)
 
 
 def _gb(nbytes: int) -> str:
