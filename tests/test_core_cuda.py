@@ -125,3 +125,19 @@ def test_iteration_peak_equals_max_memory_allocated_of_the_same_iteration():
 
 def test_neumf_report_on_gpu():
     check_neumf_report(DEV, batch=65_536)
+
+
+def test_both_ways_of_reading_the_allocator_agree():
+    """The nested-stats binding and the public torch.cuda functions give the same numbers."""
+    from pytorch_mem_profiler.devices import CudaCounter
+
+    keep = torch.empty(3_000_000, device=DEV)
+    fast, public = CudaCounter(DEV), CudaCounter(DEV)
+    public._nested = None  # what a torch without torch._C._cuda_memoryStats would use
+    public._reset = None
+    a, b = fast.read(), public.read()
+    assert a.allocated == b.allocated == torch.cuda.memory_allocated(DEV)
+    assert a.reserved == b.reserved == torch.cuda.memory_reserved(DEV)
+    public.mark()
+    del keep
+    assert public.read().peak_allocated == torch.cuda.max_memory_allocated(DEV)

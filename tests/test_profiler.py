@@ -342,3 +342,26 @@ def test_strict_reraises(monkeypatch, stream):
         train_step(model, opt, torch.randn(4, 32))
         with pytest.raises(ZeroDivisionError):
             profiler.record_stats()
+
+
+def test_a_device_without_peak_counters_reads_na(monkeypatch, stream):
+    """MPS keeps no peak: the figures that need one say n/a, never a wrong 0."""
+    import pytorch_mem_profiler.profiler as profiler_module
+    from pytorch_mem_profiler.devices import CpuCounter, Reading
+
+    class NoPeaks(CpuCounter):
+        has_peak = False
+
+        def _read_device(self) -> Reading:
+            now = super()._read_device()
+            return Reading(now.allocated, None, now.reserved, None)
+
+    monkeypatch.setattr(profiler_module, "make_counter", lambda device: NoPeaks(device))
+    model = mlp()
+    with make(model, stream) as profiler:
+        train_step(model, None, torch.randn(4, 32))
+        record = profiler.record_stats()
+    assert record.peak_cached is None and record.intermediate_gradients is None
+    assert record.iteration_peak_allocated is None and record.peak_allocated is None
+    assert record.feature_maps == 4 * (64 + 10) * 4  # allocated deltas still work
+    assert "Peak cached" + "." * 29 + "n/a" in stream.getvalue()
