@@ -166,7 +166,7 @@ def _memtracker(work: Workload, device: torch.device) -> Iterator[PerStep]:
 def _memlab_check(device: torch.device) -> str | None:
     try:
         # Imported here, not in the timed blocks: importing it empties the CUDA cache once.
-        with contextlib.redirect_stdout(open(os.devnull, "w")):
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
             import pytorch_memlab  # noqa: F401
     except ImportError as err:
         return f"pytorch_memlab is not installed (pip install pytorch-memlab): {err}"

@@ -30,9 +30,10 @@ def test_figures_match_independent_measurements(name):
     peak = by_figure["iteration peak"]
     # Allocations repeat exactly from one warmed-up step to the next.
     assert abs(peak.error) <= 0.001 * peak.independent, (peak.profiler, peak.independent, peak.method)
-    # What the categories and the batch leave of memory_allocated() is small: rounding, workspaces.
+    # The categories and the batch never exceed memory_allocated(); what they leave is rounding to
+    # 512-byte blocks and cuBLAS workspaces (one per thread that multiplies: forward's and backward's).
     rest = by_figure["categories + other"]
-    assert rest.error <= 0 and -rest.error < 0.05 * rest.independent + 64 * 2**20
+    assert rest.error <= 0 and -rest.error < 256 * 2**20, (rest.profiler, rest.independent)
 
 
 def test_profiler_adds_no_device_memory_to_a_step():
