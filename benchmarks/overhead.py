@@ -1,127 +1,639 @@
-"""Step time with the profiler over step time without it, in one process, alternating rounds.
+"""Step time with a memory tool over step time without it: this profiler and its peers, side by side.
 
-    python benchmarks/overhead.py --workloads gpt2 tiny_mlp --rounds 5 --steps 30
+    python benchmarks/overhead.py                        # every workload and tool (about 5 min on an H200)
+    python benchmarks/overhead.py --workloads tiny_mlp --tools "profiler, print_period=1"
+    python benchmarks/overhead.py --device cpu --quick    # a smoke test in seconds
 
-Each round times ``--steps`` training steps without any tool, then the same
-number with the tool, on the same model and batch (the GPU synchronized at
-both ends of each timed block); the ratio is the median over rounds. Prints a
-Markdown table and writes it as CSV (``--csv``). Absolute times mean something
-only on the machine where they were taken.
+Each round times a block of training steps without any tool, then a block
+with the tool, on the same model and batch in the same process (the GPU
+synchronized at both ends of each block); a block lasts about
+``--round-seconds``. The ratio is the median over the rounds. Tools:
+
+- this profiler, ``print_period`` 1 and 10, by default and with ``by_layer=True``;
+- ``torch.profiler.profile(profile_memory=True, record_shapes=True)``;
+- ``torch.cuda.memory._record_memory_history``, ``stacks="python"`` and ``"all"``;
+- torch's ``MemTracker``, which tracks one step only and refuses a second: each
+  round times one tracked step against one untracked step;
+- pytorch_memlab's ``MemReporter(model).report()`` after every step.
+
+A tool that is missing or fails gets ``unavailable: <reason>`` in its row and
+the run goes on. Also measured: the device memory the profiler adds to a step
+(its peak, what it allocates, what it keeps) and the host memory its records
+take over ``--records`` iterations.
+
+Prints Markdown tables; with ``--out DIR`` (default: ``$OUT`` when set) writes
+``overhead.md``, ``overhead.csv``, ``overhead_device_memory.csv`` and
+``overhead_host_memory.csv`` there.
+Absolute times mean something only on the machine where they were taken.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
+import gc
+import math
 import os
 import sys
 import time
+import tracemalloc
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workloads import WORKLOADS, Workload, median  # noqa: E402
+from benchutil import environment_line, markdown_table, mb, output_dir, sync, write_csv  # noqa: E402
+from workloads import WORKLOADS, Workload, WorkloadUnavailable, build, median  # noqa: E402
 
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
 
+#: The goals for this profiler's step-time ratio (print_period=1).
+GOAL_LARGE = 1.01
+GOAL_TINY = 1.05
+GOAL_BY_LAYER = 1.03
+TINY_WORKLOADS = ("tiny_mlp",)
 
-def _sync(device: torch.device) -> None:
+PerStep = Callable[[], Any] | None
+
+
+@dataclass
+class Tool:
+    """A memory tool as the benchmark sees it.
+
+    ``open(work, device)`` is a context manager that starts the tool and gives
+    what to call after each step (or ``None``); ``check(device)`` returns why
+    the tool cannot run here, or ``None``. A ``single_step`` tool is timed one
+    step at a time (MemTracker).
+    """
+
+    name: str
+    open: Callable[[Workload, torch.device], ContextManager[PerStep]]
+    check: Callable[[torch.device], str | None] = lambda device: None
+    single_step: bool = False
+    ours: bool = False
+    by_layer: bool = False
+    print_period: int = 0
+    note: str = ""
+
+
+# -- the tools -----------------------------------------------------------------
+
+
+def profiler_tool(print_period: int, by_layer: bool = False) -> Tool:
+    @contextlib.contextmanager
+    def open_(work: Workload, device: torch.device) -> Iterator[PerStep]:
+        with open(os.devnull, "w") as sink:
+            # strict: a fault raises instead of switching a part off, so no row times half a profiler.
+            profiler = MemoryProfiler(work.model, print_period, stream=sink, by_layer=by_layer, strict=True)
+            try:
+                yield profiler.record_stats
+            finally:
+                profiler.close()
+
+    name = f"profiler{' by_layer' if by_layer else ''}, print_period={print_period}"
+    return Tool(name, open_, ours=True, by_layer=by_layer, print_period=print_period)
+
+
+def _torch_profiler_check(device: torch.device) -> str | None:
+    try:
+        import torch.profiler  # noqa: F401
+    except ImportError as err:
+        return f"torch.profiler cannot be imported ({err})"
+    return None
+
+
+@contextlib.contextmanager
+def _torch_profiler(work: Workload, device: torch.device) -> Iterator[PerStep]:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, profile_memory=True, record_shapes=True):
+        yield None
 
 
-def time_steps(work: Workload, device: torch.device, steps: int, per_step: Callable[[], None] | None) -> float:
+def _history_check(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "needs a CUDA device"
+    if not hasattr(torch.cuda.memory, "_record_memory_history"):
+        return f"torch {torch.__version__} has no torch.cuda.memory._record_memory_history"
+    return None
+
+
+def history_tool(stacks: str, max_entries: int) -> Tool:
+    @contextlib.contextmanager
+    def open_(work: Workload, device: torch.device) -> Iterator[PerStep]:
+        torch.cuda.memory._record_memory_history(enabled="all", stacks=stacks, max_entries=max_entries)
+        try:
+            yield None
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    return Tool(
+        f'_record_memory_history, stacks="{stacks}"',
+        open_,
+        _history_check,
+        note=f"max_entries={max_entries:,}",
+    )
+
+
+def _memtracker_check(device: torch.device) -> str | None:
+    if not torch.distributed.is_available():
+        return "torch.distributed is not available in this build"
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker  # noqa: F401
+    except ImportError as err:
+        return f"torch {torch.__version__} has no torch.distributed._tools.mem_tracker ({err})"
+    return None
+
+
+@contextlib.contextmanager
+def _memtracker(work: Workload, device: torch.device) -> Iterator[PerStep]:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(work.model, work.optimizer)
+    with tracker:
+        yield None
+
+
+def _memlab_check(device: torch.device) -> str | None:
+    try:
+        # Imported here, not in the timed blocks: importing it empties the CUDA cache once.
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            import pytorch_memlab  # noqa: F401
+    except ImportError as err:
+        return f"pytorch_memlab is not installed (pip install pytorch-memlab): {err}"
+    return None
+
+
+@contextlib.contextmanager
+def _memreporter(work: Workload, device: torch.device) -> Iterator[PerStep]:
+    from pytorch_memlab import MemReporter
+
+    with open(os.devnull, "w") as sink:
+
+        def report() -> None:
+            with contextlib.redirect_stdout(sink):
+                MemReporter(work.model).report()
+
+        yield report
+
+
+def make_tools(max_entries: int) -> dict[str, Tool]:
+    tools = [
+        profiler_tool(1),
+        profiler_tool(10),
+        profiler_tool(1, by_layer=True),
+        profiler_tool(10, by_layer=True),
+        Tool("torch.profiler(profile_memory, record_shapes)", _torch_profiler, _torch_profiler_check),
+        history_tool("python", max_entries),
+        history_tool("all", max_entries),
+        Tool(
+            "MemTracker",
+            _memtracker,
+            _memtracker_check,
+            single_step=True,
+            note="one tracked step vs one untracked step per round (it refuses a second step)",
+        ),
+        Tool("MemReporter(model).report() each step", _memreporter, _memlab_check, note="pytorch_memlab"),
+    ]
+    return {tool.name: tool for tool in tools}
+
+
+# -- timing ---------------------------------------------------------------------
+
+
+def time_steps(work: Workload, device: torch.device, steps: int, per_step: PerStep) -> float:
     """Seconds per step over ``steps`` steps."""
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         work.step()
         if per_step is not None:
             per_step()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - start) / steps
 
 
-def profiler_tool(print_period: int, **options) -> Callable[[Workload], ContextManager]:
-    """The profiler as a benchmark tool: made before the timed steps, closed after."""
+def steps_for(seconds: float, step_s: float, minimum: int, maximum: int) -> int:
+    """How many steps of ``step_s`` seconds fill ``seconds``, within bounds."""
+    return max(minimum, min(maximum, math.ceil(seconds / max(step_s, 1e-9))))
 
-    @contextlib.contextmanager
-    def tool(work: Workload):
-        sink = open(os.devnull, "w")
-        profiler = MemoryProfiler(work.model, print_period, stream=sink, **options)
+
+@dataclass
+class Settings:
+    rounds: int = 5
+    peer_rounds: int = 3
+    round_seconds: float = 0.5
+    min_steps: int = 5
+    max_steps: int = 500
+
+
+@dataclass
+class Row:
+    workload: str
+    tool: str
+    status: str = "ok"
+    ratio: float | None = None
+    base_ms: float | None = None
+    tool_ms: float | None = None
+    rounds: int = 0
+    base_steps: int = 0
+    tool_steps: int = 0
+    stop_s: float | None = None
+    goal: float | None = None
+    note: str = ""
+    ratios: list[float] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        if self.goal is None or self.ratio is None:
+            return ""
+        return f"<= {self.goal:.2f}x: {'met' if self.ratio <= self.goal else 'missed'}"
+
+
+def goal_for(tool: Tool, workload: str) -> float | None:
+    if not tool.ours or tool.print_period != 1:
+        return None
+    if tool.by_layer:
+        return GOAL_BY_LAYER
+    return GOAL_TINY if workload in TINY_WORKLOADS else GOAL_LARGE
+
+
+def measure_loop(work: Workload, device: torch.device, tool: Tool, rounds: int, base_step_s: float, s: Settings) -> Row:
+    """Alternating rounds: a block without the tool, then a block with it."""
+    row = Row(work.name, tool.name, rounds=rounds, note=tool.note)
+    row.base_steps = steps_for(s.round_seconds, base_step_s, s.min_steps, s.max_steps)
+    bases, withs, stops = [], [], []
+    for _ in range(rounds):
+        base = time_steps(work, device, row.base_steps, None)
+        cm = tool.open(work, device)
+        per_step = cm.__enter__()
         try:
-            yield profiler.record_stats
+            time_steps(work, device, 2, per_step)  # the tool's own warm-up (CUPTI starts, caches fill)
+            if not row.tool_steps:
+                # Slow tools (MemReporter) get fewer steps, so each block lasts about the same.
+                estimate = time_steps(work, device, 2, per_step)
+                row.tool_steps = steps_for(s.round_seconds, estimate, 3, s.max_steps)
+            with_tool = time_steps(work, device, row.tool_steps, per_step)
+        except BaseException:
+            cm.__exit__(*sys.exc_info())
+            raise
+        stop = time.perf_counter()
+        cm.__exit__(None, None, None)
+        stops.append(time.perf_counter() - stop)
+        bases.append(base)
+        withs.append(with_tool)
+        row.ratios.append(with_tool / base)
+    row.ratio, row.base_ms, row.tool_ms = median(row.ratios), median(bases) * 1e3, median(withs) * 1e3
+    row.stop_s = median(stops)
+    return row
+
+
+def time_one_step(work: Workload, device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    work.step()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def measure_single_step(work: Workload, device: torch.device, tool: Tool, rounds: int) -> Row:
+    """One untracked step, then one step inside a fresh tool, per round."""
+    row = Row(work.name, tool.name, rounds=rounds, base_steps=1, tool_steps=1, note=tool.note)
+    bases, withs, stops = [], [], []
+    for _ in range(rounds):
+        base = time_one_step(work, device)
+        with tool.open(work, device):
+            with_tool = time_one_step(work, device)
+            stop = time.perf_counter()
+        stops.append(time.perf_counter() - stop)
+        bases.append(base)
+        withs.append(with_tool)
+        row.ratios.append(with_tool / base)
+    row.ratio, row.base_ms, row.tool_ms = median(row.ratios), median(bases) * 1e3, median(withs) * 1e3
+    row.stop_s = median(stops)
+    return row
+
+
+def measure_tool(work: Workload, device: torch.device, tool: Tool, base_step_s: float, s: Settings) -> Row:
+    """The tool's row; a tool that is missing or fails gets ``unavailable: <reason>``."""
+    reason = tool.check(device)
+    if reason is not None:
+        return Row(work.name, tool.name, status=f"unavailable: {reason}", note=tool.note)
+    rounds = s.rounds if tool.ours or tool.single_step else s.peer_rounds
+    try:
+        if tool.single_step:
+            row = measure_single_step(work, device, tool, max(rounds, 3))
+        else:
+            row = measure_loop(work, device, tool, rounds, base_step_s, s)
+    except Exception as exc:  # noqa: BLE001 - one failing tool must not end the run
+        # A step cut short leaves gradients behind; the next tool starts clean.
+        work.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        message = " ".join(str(exc).split())[:200]
+        return Row(work.name, tool.name, status=f"unavailable: {type(exc).__name__}: {message}", note=tool.note)
+    row.goal = goal_for(tool, work.name)
+    return row
+
+
+# -- memory the profiler adds ---------------------------------------------------------
+
+
+class PeakMeter:
+    """The allocator's peak over an interval, kept right across anyone's peak resets.
+
+    The profiler resets CUDA's peak statistics at each phase boundary; while
+    the meter is open, every reset first folds ``max_memory_allocated()`` into
+    the meter's own peak. Make the profiler inside the meter: its counter looks
+    the reset function up when it is made.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+        self._original: Any = None
+
+    def __enter__(self) -> PeakMeter:
+        original = self._original = torch._C._cuda_resetPeakMemoryStats
+
+        def reset(index: int) -> None:
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(index))
+            original(index)
+
+        torch._C._cuda_resetPeakMemoryStats = reset
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._cuda_resetPeakMemoryStats = self._original
+
+    def start(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak = 0
+
+    def stop(self) -> int:
+        return max(self.peak, torch.cuda.max_memory_allocated(self.device))
+
+
+@dataclass
+class StepMemory:
+    peak: int
+    allocated_after: int
+    bytes_allocated: int
+    allocations: int
+
+
+def measure_step_memory(work: Workload, device: torch.device, by_layer: bool | None) -> StepMemory:
+    """One step's device memory, without the profiler (``by_layer`` None) or with it."""
+    with PeakMeter(device) as meter, open(os.devnull, "w") as sink:
+        profiler = None
+        if by_layer is not None:
+            profiler = MemoryProfiler(work.model, 1, stream=sink, by_layer=by_layer, strict=True)
+        try:
+            for _ in range(2):
+                work.step()
+                if profiler is not None:
+                    profiler.record_stats()
+            sync(device)
+            meter.start()
+            before = torch.cuda.memory_stats(device)
+            work.step()
+            if profiler is not None:
+                profiler.record_stats()
+            sync(device)
+            peak = meter.stop()
+            after = torch.cuda.memory_stats(device)
+        finally:
+            if profiler is not None:
+                profiler.close()
+    return StepMemory(
+        peak=peak,
+        allocated_after=after["allocated_bytes.all.current"],
+        bytes_allocated=after["allocated_bytes.all.allocated"] - before["allocated_bytes.all.allocated"],
+        allocations=after["allocation.all.allocated"] - before["allocation.all.allocated"],
+    )
+
+
+def device_memory_rows(work: Workload, device: torch.device) -> list[list[Any]]:
+    """The profiler's device memory: one step's figures with it minus without it."""
+    if device.type != "cuda":
+        return [[work.name, "device memory", "n/a on CPU (no allocator counters)", "", "", ""]]
+    without = measure_step_memory(work, device, None)
+    rows = []
+    for label, by_layer in (("profiler, print_period=1", False), ("profiler by_layer, print_period=1", True)):
+        with_ = measure_step_memory(work, device, by_layer)
+        rows.append(
+            [
+                work.name,
+                label,
+                with_.peak - without.peak,
+                with_.bytes_allocated - without.bytes_allocated,
+                with_.allocations - without.allocations,
+                with_.allocated_after - without.allocated_after,
+            ]
+        )
+    return rows
+
+
+def host_memory_of_records(device: torch.device, iterations: int, by_layer: bool) -> tuple[int, int, int]:
+    """Host bytes the profiler holds after ``iterations`` reported iterations (history kept whole).
+
+    A cheap step on a small model; tracemalloc counts what Python allocates
+    from the first recorded iteration on. Returns (bytes held at the end,
+    peak bytes, records kept).
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 32, device=device)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with open(os.devnull, "w") as sink:
+        profiler = MemoryProfiler(model, 1, stream=sink, history=iterations, by_layer=by_layer, strict=True)
+        try:
+            for _ in range(3):
+                step()
+                profiler.record_stats()
+            profiler.records.clear()
+            gc.collect()
+            tracemalloc.start()
+            try:
+                for _ in range(iterations):
+                    step()
+                    profiler.record_stats()
+                gc.collect()
+                held, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            kept = len(profiler.records)
         finally:
             profiler.close()
-            sink.close()
-
-    return tool
+    return held, peak, kept
 
 
-TOOLS: dict[str, Callable[[Workload], ContextManager]] = {
-    "profiler, print_period=1": profiler_tool(1),
-    "profiler, print_period=10": profiler_tool(10),
-    "profiler by_layer, print_period=1": profiler_tool(1, by_layer=True),
-    "profiler by_layer, print_period=10": profiler_tool(10, by_layer=True),
-}
+# -- the run ----------------------------------------------------------------------
 
 
-def measure(work: Workload, device: torch.device, tool, rounds: int, steps: int) -> tuple[float, float, float]:
-    """(median ratio, median baseline s/step, median tool s/step)."""
-    ratios, base_times, tool_times = [], [], []
-    for _ in range(rounds):
-        base = time_steps(work, device, steps, None)
-        with tool(work) as per_step:
-            time_steps(work, device, 2, per_step)  # the tool's own warm-up
-            with_tool = time_steps(work, device, steps, per_step)
-        ratios.append(with_tool / base)
-        base_times.append(base)
-        tool_times.append(with_tool)
-    return median(ratios), median(base_times), median(tool_times)
-
-
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", default=["gpt2", "tiny_mlp"], choices=sorted(WORKLOADS))
-    parser.add_argument("--tools", nargs="+", default=list(TOOLS), choices=list(TOOLS))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    tools = make_tools(100_000)
+    parser.add_argument("--tools", nargs="+", default=list(tools), choices=list(tools), metavar="TOOL")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds for this profiler and MemTracker")
+    parser.add_argument("--peer-rounds", type=int, default=3, help="rounds for the other peer tools")
+    parser.add_argument("--round-seconds", type=float, default=0.5, help="about how long each timed block lasts")
+    parser.add_argument("--max-steps", type=int, default=500, help="most steps in one timed block")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--max-entries", type=int, default=100_000, help="_record_memory_history's max_entries")
+    parser.add_argument("--records", type=int, default=10_000, help="iterations for the host-memory measurement")
+    parser.add_argument("--time-limit", type=float, default=420.0, help="seconds; tools after it are skipped")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--csv", default=None, help="also write the table as CSV here")
+    parser.add_argument("--quick", action="store_true", help="small models and short blocks: a smoke test")
+    parser.add_argument("--out", default=None, help="folder for overhead.md and the CSV files (default: $OUT)")
+    parser.add_argument("--csv", default=None, help="also write the ratio table as CSV here")
     args = parser.parse_args(argv)
+    for name in ("rounds", "peer_rounds", "max_steps", "records"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     device = torch.device(args.device)
+    tools = make_tools(args.max_entries)
+    settings = Settings(args.rounds, args.peer_rounds, args.round_seconds, max_steps=args.max_steps)
+    if args.quick:
+        settings.round_seconds = min(settings.round_seconds, 0.05)
+        settings.min_steps = 2
+    deadline = time.monotonic() + args.time_limit
+    out = output_dir(args.out)
+    lines: list[str] = []
 
-    rows = []
+    def emit(text: str = "") -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    rows: list[Row] = []
+    memory_rows: list[list[Any]] = []
+    descriptions: list[str] = []
     for name in args.workloads:
-        work = WORKLOADS[name](device)
+        if time.monotonic() > deadline:
+            rows += [Row(name, t, status="skipped: --time-limit reached") for t in args.tools]
+            continue
+        try:
+            work = build(name, device, quick=args.quick)
+        except WorkloadUnavailable as exc:
+            rows += [Row(name, t, status=f"unavailable: {exc}") for t in args.tools]
+            print(f"{name}: unavailable: {exc}", flush=True)
+            continue
+        descriptions.append(f"- {name}: {work.description}")
         for _ in range(args.warmup):
             work.step()
+        base_step_s = median([time_steps(work, device, 1, None) for _ in range(3)])
         for tool_name in args.tools:
-            ratio, base, with_tool = measure(work, device, TOOLS[tool_name], args.rounds, args.steps)
-            rows.append((name, tool_name, ratio, base * 1e3, with_tool * 1e3))
-            print(f"{name:10s} {tool_name:32s} {ratio:.4f}x  ({base * 1e3:.2f} -> {with_tool * 1e3:.2f} ms)", flush=True)
+            tool = tools[tool_name]
+            if time.monotonic() > deadline:
+                row = Row(name, tool_name, status="skipped: --time-limit reached", note=tool.note)
+            else:
+                row = measure_tool(work, device, tool, base_step_s, settings)
+            rows.append(row)
+            if row.ratio is not None:
+                print(f"{name:9s} {tool_name:48s} {row.ratio:7.3f}x  ({row.base_ms:.2f} -> {row.tool_ms:.2f} ms)", flush=True)
+            else:
+                print(f"{name:9s} {tool_name:48s} {row.status}", flush=True)
+        if any(tools[t].ours for t in args.tools) and time.monotonic() < deadline:
+            memory_rows += device_memory_rows(work, device)
         del work
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"\nDevice: {gpu}; torch {torch.__version__}; {args.rounds} rounds x {args.steps} steps, median ratio\n")
-    print("| Workload | Tool | Step time ratio | Step without (ms) | Step with (ms) |")
-    print("| --- | --- | --- | --- | --- |")
-    for name, tool_name, ratio, base, with_tool in rows:
-        print(f"| {name} | {tool_name} | {ratio:.3f}x | {base:.2f} | {with_tool:.2f} |")
+    records = min(args.records, 300) if args.quick else args.records
+    host_rows = []
+    for by_layer in (False, True):
+        held, peak, kept = host_memory_of_records(device, records, by_layer)
+        label = "profiler by_layer, print_period=1" if by_layer else "profiler, print_period=1"
+        host_rows.append([label, records, kept, held, peak, held // max(kept, 1)])
+
+    emit()
+    emit(environment_line(device))
+    emit(
+        f"Median over rounds ({settings.rounds} for this profiler and MemTracker, {settings.peer_rounds} for the "
+        f"other peers) of step time with the tool / step time without it, alternating, in one process."
+    )
+    emit()
+    emit("Workloads:")
+    for text in descriptions:
+        emit(text)
+    emit()
+    headers = ["Workload", "Tool", "Step time ratio", "Goal", "Step without (ms)", "Step with (ms)", "Rounds x steps", "Tool stop (s)", "Note"]
+    table = []
+    for r in rows:
+        if r.ratio is None:
+            table.append([r.workload, r.tool, r.status, "", "", "", "", "", r.note])
+        else:
+            table.append(
+                [
+                    r.workload,
+                    r.tool,
+                    f"{r.ratio:.3f}x",
+                    r.verdict,
+                    f"{r.base_ms:.2f}",
+                    f"{r.tool_ms:.2f}",
+                    f"{r.rounds} x {r.base_steps}/{r.tool_steps}",
+                    f"{r.stop_s:.2f}",
+                    r.note,
+                ]
+            )
+    emit(markdown_table(headers, table))
+    emit()
+    emit("Device memory the profiler adds to one training step (with it minus without it, bytes):")
+    emit()
+    mem_headers = ["Workload", "Mode", "Peak allocated", "Bytes allocated in the step", "Allocations in the step", "Allocated after the step"]
+    emit(markdown_table(mem_headers, memory_rows) if memory_rows else "(not measured)")
+    emit()
+    emit(f"Host memory of the profiler's records (Python heap, tracemalloc; history={records}):")
+    emit()
+    host_headers = ["Mode", "Iterations", "Records kept", "Bytes held", "Peak bytes", "Bytes per record"]
+    emit(
+        markdown_table(
+            host_headers,
+            [[m, f"{n:,}", f"{k:,}", f"{h:,} ({mb(h)} MB)", f"{p:,} ({mb(p)} MB)", f"{b:,}"] for m, n, k, h, p, b in host_rows],
+        )
+    )
+    emit()
+    emit("Tool stop: seconds to leave the tool's context after a block (torch.profiler processes its trace then).")
+
+    csv_headers = [
+        "workload", "tool", "status", "ratio", "step_ms_without", "step_ms_with", "rounds", "steps_without",
+        "steps_with", "tool_stop_s", "goal", "ratios", "note", "device", "torch",
+    ]  # fmt: skip
+    gpu = environment_line(device)
+    csv_rows = [
+        [
+            r.workload, r.tool, r.status, r.ratio, r.base_ms, r.tool_ms, r.rounds, r.base_steps, r.tool_steps,
+            r.stop_s, r.goal, " ".join(f"{x:.4f}" for x in r.ratios), r.note, gpu, torch.__version__,
+        ]  # fmt: skip
+        for r in rows
+    ]
     if args.csv:
-        with open(args.csv, "w", newline="") as handle:
-            writer = csv.writer(handle)
-            writer.writerow(["workload", "tool", "ratio", "step_ms_without", "step_ms_with", "device", "torch"])
-            for row in rows:
-                writer.writerow([*row, gpu, torch.__version__])
+        write_csv(Path(args.csv), csv_headers, csv_rows)
+    if out is not None:
+        write_csv(out / "overhead.csv", csv_headers, csv_rows)
+        write_csv(out / "overhead_device_memory.csv", mem_headers, memory_rows)
+        write_csv(out / "overhead_host_memory.csv", host_headers, host_rows)
+        (out / "overhead.md").write_text("\n".join(lines) + "\n")
+        print(f"\nwrote overhead.md, overhead.csv, overhead_device_memory.csv, overhead_host_memory.csv in {out}")
+    return rows
 
 
 if __name__ == "__main__":

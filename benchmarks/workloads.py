@@ -8,6 +8,10 @@ that runs forward, loss, backward, optimizer step and ``zero_grad()``.
 - ``resnet50``: torchvision's ResNet-50, fp32, batch 64, SGD with momentum;
 - ``neumf``: NeuMF with the MovieLens-20M sizes, batch 65,536, Adam;
 - ``tiny_mlp``: 8 x Linear(1024), batch 64, where any Python cost shows.
+
+``build(name, device, quick=True)`` makes each of them small enough for a
+CPU smoke test in seconds; ``WorkloadUnavailable`` says why one cannot be
+built here (ResNet-50 needs torchvision).
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ class Workload:
     optimizer: torch.optim.Optimizer
     step: Callable[[], torch.Tensor]
     description: str
+    #: the batch tensors that stay alive from one step to the next
+    inputs: tuple[torch.Tensor, ...] = ()
+
+
+class WorkloadUnavailable(RuntimeError):
+    """The workload cannot be built on this machine (a missing package, say)."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -85,11 +95,11 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def gpt2(device: torch.device, batch: int = 8, seq: int = 512) -> Workload:
+def gpt2(device: torch.device, batch: int = 8, seq: int = 512, **sizes: int) -> Workload:
     torch.manual_seed(0)
-    model = GPT().to(device)
+    model = GPT(**sizes).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    idx = torch.randint(0, 50_257, (batch, seq + 1), device=device)
+    idx = torch.randint(0, model.wte.num_embeddings, (batch, seq + 1), device=device)
     x, y = idx[:, :-1], idx[:, 1:]
     autocast = device.type in ("cuda", "cpu")
 
@@ -103,16 +113,21 @@ def gpt2(device: torch.device, batch: int = 8, seq: int = 512) -> Workload:
         return loss
 
     n = sum(p.numel() for p in model.parameters())
-    return Workload("gpt2", model, opt, step, f"GPT-2 small ({n / 1e6:.0f}M params, tied), bf16 autocast, batch {batch}x{seq}, AdamW")
+    return Workload(
+        "gpt2", model, opt, step, f"GPT-2 ({n / 1e6:.1f}M params, tied), bf16 autocast, batch {batch}x{seq}, AdamW", (idx,)
+    )
 
 
-def resnet50(device: torch.device, batch: int = 64) -> Workload:
-    import torchvision
+def resnet50(device: torch.device, batch: int = 64, image: int = 224) -> Workload:
+    try:
+        import torchvision
+    except ImportError as err:
+        raise WorkloadUnavailable(f"resnet50 needs torchvision ({err})") from err
 
     torch.manual_seed(0)
     model = torchvision.models.resnet50().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = torch.randn(batch, 3, 224, 224, device=device)
+    x = torch.randn(batch, 3, image, image, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)
 
     def step() -> torch.Tensor:
@@ -122,17 +137,18 @@ def resnet50(device: torch.device, batch: int = 64) -> Workload:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return Workload("resnet50", model, opt, step, f"ResNet-50, fp32, batch {batch}, SGD momentum")
+    return Workload("resnet50", model, opt, step, f"ResNet-50, fp32, batch {batch}x{image}x{image}, SGD momentum", (x, y))
 
 
-def neumf(device: torch.device, batch: int = 65_536) -> Workload:
+def neumf(device: torch.device, batch: int = 65_536, num_users: int = 0, num_items: int = 0) -> Workload:
     from neumf import NUM_ITEMS, NUM_USERS, NeuMF
 
+    num_users, num_items = num_users or NUM_USERS, num_items or NUM_ITEMS
     torch.manual_seed(0)
-    model = NeuMF().to(device)
+    model = NeuMF(num_users, num_items).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    users = torch.randint(0, NUM_USERS, (batch,), device=device)
-    items = torch.randint(0, NUM_ITEMS, (batch,), device=device)
+    users = torch.randint(0, num_users, (batch,), device=device)
+    items = torch.randint(0, num_items, (batch,), device=device)
     labels = torch.randint(0, 2, (batch,), device=device).float()
 
     def step() -> torch.Tensor:
@@ -142,7 +158,8 @@ def neumf(device: torch.device, batch: int = 65_536) -> Workload:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return Workload("neumf", model, opt, step, f"NeuMF (MovieLens-20M sizes), batch {batch}, Adam")
+    sizes = "MovieLens-20M sizes" if (num_users, num_items) == (NUM_USERS, NUM_ITEMS) else f"{num_users} users, {num_items} items"
+    return Workload("neumf", model, opt, step, f"NeuMF ({sizes}), batch {batch}, Adam", (users, items, labels))
 
 
 def tiny_mlp(device: torch.device, batch: int = 64, width: int = 1024, depth: int = 8) -> Workload:
@@ -161,7 +178,7 @@ def tiny_mlp(device: torch.device, batch: int = 64, width: int = 1024, depth: in
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return Workload("tiny_mlp", model, opt, step, f"{depth} x Linear({width}), batch {batch}, Adam")
+    return Workload("tiny_mlp", model, opt, step, f"{depth} x Linear({width}), batch {batch}, Adam", (x,))
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
@@ -170,6 +187,25 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "neumf": neumf,
     "tiny_mlp": tiny_mlp,
 }
+
+#: Sizes for a smoke test on a CPU: each step takes milliseconds.
+QUICK: dict[str, dict[str, int]] = {
+    "gpt2": {"batch": 2, "seq": 32, "vocab": 512, "ctx": 64, "dim": 64, "layers": 2, "heads": 2},
+    "resnet50": {"batch": 2, "image": 64},
+    "neumf": {"batch": 512, "num_users": 2_000, "num_items": 500},
+    "tiny_mlp": {"batch": 16, "width": 128, "depth": 8},
+}
+
+
+def build(name: str, device: torch.device, quick: bool = False) -> Workload:
+    """The workload ``name`` on ``device``, at full size or at the ``QUICK`` sizes.
+
+    Raises:
+        WorkloadUnavailable: it cannot be built here (e.g. torchvision is missing).
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {name!r}")
+    return WORKLOADS[name](device, **(QUICK[name] if quick else {}))
 
 
 def median(values: list[float]) -> float:

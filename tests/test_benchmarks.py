@@ -1,0 +1,120 @@
+"""The benchmark scripts run on a CPU with tiny sizes, and the accuracy script's exact figures are exact."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import accuracy  # noqa: E402
+import overhead  # noqa: E402
+from workloads import QUICK, WorkloadUnavailable, build, median  # noqa: E402
+
+CPU_QUICK = ["--device", "cpu", "--quick"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny steps on a small shared machine time more steadily on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _tiny_mlp_bytes() -> tuple[int, int]:
+    """Parameter bytes and parameter count of the quick tiny MLP, from its sizes."""
+    width, depth = QUICK["tiny_mlp"]["width"], QUICK["tiny_mlp"]["depth"]
+    return depth * (width * width + width) * 4, 2 * depth
+
+
+def test_accuracy_weights_gradients_optimizer_state_are_exact_on_cpu(tmp_path):
+    results = accuracy.main([*CPU_QUICK, "--workloads", "tiny_mlp", "--out", str(tmp_path)])
+    by_figure = {c.figure: c for c in results if c.workload == "tiny_mlp"}
+    weights, n_params = _tiny_mlp_bytes()
+    # Adam keeps two moments per parameter, and a float32 step counter each on the CPU.
+    expected = {"weights": weights, "gradients": weights, "optimizer state": 2 * weights + 4 * n_params}
+    for figure, nbytes in expected.items():
+        c = by_figure[figure]
+        assert c.independent == nbytes, figure
+        assert c.profiler == nbytes, figure
+        assert c.error == 0 and c.error_pct == 0.0, figure
+    # ReLU saves its output and each Linear its input: 8 outputs of (16, 128) float32, the first
+    # Linear's input being the batch, left out.
+    saved = by_figure["feature maps by layer"]
+    batch, width = QUICK["tiny_mlp"]["batch"], QUICK["tiny_mlp"]["width"]
+    assert saved.independent == 8 * batch * width * 4
+    assert saved.error == 0
+    assert by_figure["iteration peak"].status.startswith("n/a on CPU")
+
+    rows = list(csv.DictReader(open(tmp_path / "accuracy.csv")))
+    errors = {r["figure"]: r["error_bytes"] for r in rows}
+    assert errors["weights"] == errors["gradients"] == errors["optimizer state"] == "0"
+    assert "| tiny_mlp | weights |" in (tmp_path / "accuracy.md").read_text()
+
+
+def test_accuracy_skips_a_workload_it_cannot_build(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # import fails as where torchvision is missing
+    with pytest.raises(WorkloadUnavailable, match="torchvision"):
+        build("resnet50", torch.device("cpu"), quick=True)
+    results = accuracy.main([*CPU_QUICK, "--workloads", "resnet50", "tiny_mlp", "--out", str(tmp_path)])
+    assert [c.status for c in results if c.workload == "resnet50"] == [
+        "unavailable: resnet50 needs torchvision (import of torchvision halted; None in sys.modules)"
+    ]
+    assert {c.figure for c in results if c.workload == "tiny_mlp" and c.status == "ok"} >= {"weights", "gradients"}
+
+
+def test_overhead_runs_every_tool_or_says_why_not(tmp_path):
+    args = [*CPU_QUICK, "--workloads", "tiny_mlp", "--rounds", "3", "--peer-rounds", "3", "--records", "40"]
+    rows = overhead.main([*args, "--round-seconds", "0.02", "--warmup", "1", "--out", str(tmp_path)])
+    by_tool = {r.tool: r for r in rows}
+    assert set(by_tool) == set(overhead.make_tools(100_000))
+    for name in ("profiler, print_period=1", "profiler by_layer, print_period=10", "MemTracker"):
+        row = by_tool[name]
+        assert row.status == "ok", row.status
+        assert len(row.ratios) == 3
+        assert row.ratio == median(row.ratios) > 0
+        assert row.base_ms > 0 and row.tool_ms > 0
+    assert by_tool["MemTracker"].base_steps == by_tool["MemTracker"].tool_steps == 1
+    assert by_tool["profiler, print_period=1"].goal == overhead.GOAL_TINY
+    assert by_tool["profiler by_layer, print_period=1"].goal == overhead.GOAL_BY_LAYER
+    for stacks in ("python", "all"):
+        assert by_tool[f'_record_memory_history, stacks="{stacks}"'].status == "unavailable: needs a CUDA device"
+    memlab = by_tool["MemReporter(model).report() each step"]
+    assert memlab.status == "ok" or memlab.status.startswith("unavailable: pytorch_memlab is not installed")
+
+    table = list(csv.DictReader(open(tmp_path / "overhead.csv")))
+    assert len(table) == len(rows)
+    host = list(csv.DictReader(open(tmp_path / "overhead_host_memory.csv")))
+    assert [int(r["Records kept"]) for r in host] == [40, 40]
+    assert all(int(r["Bytes held"]) > 0 for r in host)
+    assert "Host memory of the profiler's records" in (tmp_path / "overhead.md").read_text()
+
+
+def test_overhead_goes_on_after_a_failing_tool(monkeypatch, tmp_path):
+    def broken(work, device):
+        raise RuntimeError("tool exploded")
+
+    tools = {
+        "broken": overhead.Tool("broken", broken),
+        "profiler, print_period=1": overhead.profiler_tool(1),
+    }
+    monkeypatch.setattr(overhead, "make_tools", lambda max_entries: tools)
+    rows = overhead.main(
+        [*CPU_QUICK, "--workloads", "tiny_mlp", "--rounds", "3", "--records", "5", "--round-seconds", "0.01", "--warmup", "1"]
+    )
+    assert rows[0].status == "unavailable: RuntimeError: tool exploded"
+    assert rows[1].status == "ok" and rows[1].ratio > 0
+
+
+def test_host_memory_of_records_grows_with_the_records_kept():
+    held_few, _, kept_few = overhead.host_memory_of_records(torch.device("cpu"), 20, by_layer=False)
+    held_many, _, kept_many = overhead.host_memory_of_records(torch.device("cpu"), 220, by_layer=False)
+    assert (kept_few, kept_many) == (20, 220)
+    per_record = (held_many - held_few) / 200
+    # A record is a frozen dataclass of ints sharing its by-name maps: well under 10 kB.
+    assert 0 < per_record < 10_000
