@@ -53,6 +53,57 @@ def run(work, steps: int, profiler: MemoryProfiler | None, device: torch.device)
     return (time.perf_counter() - start) / steps * 1e6
 
 
+_TIMED = (
+    "_forward_pre",
+    "_forward_post",
+    "_backward_started",
+    "_backward_finishing",
+    "_backward_finished",
+    "_optimizer_pre",
+    "_optimizer_post",
+)
+
+
+def print_time_inside_hooks(work, args, device: torch.device, sink) -> None:
+    """Wall time spent inside each of the profiler's hooks per step (autograd's threads included).
+
+    What the step loses beyond their sum is the cost of reaching them: module
+    call overhead, and the hand-over of Python's lock to autograd's device thread.
+    """
+    spent: dict[str, float] = {}
+    originals = {name: getattr(TrainingStepHooks, name) for name in _TIMED}
+    original_record = MemoryProfiler._record_stats
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(TrainingStepHooks, name, timed(name, fn))
+    MemoryProfiler._record_stats = timed("record_stats", original_record)
+    try:
+        base = median([run(work, args.steps, None, device) for _ in range(3)])
+        prof = MemoryProfiler(work.model, args.print_period, stream=sink)
+        spent.clear()
+        with_prof = run(work, args.steps, prof, device)
+        prof.close()
+    finally:
+        for name, fn in originals.items():
+            setattr(TrainingStepHooks, name, fn)
+        MemoryProfiler._record_stats = original_record
+    inside = sum(spent.values()) / args.steps * 1e6
+    print(f"time inside the hooks, us per step (step {base:.1f} -> {with_prof:.1f} us):")
+    for name, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:22s} {seconds / args.steps * 1e6:8.1f}")
+    print(f"  {'sum':22s} {inside:8.1f}   unaccounted: {with_prof - base - inside:8.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="tiny_mlp", choices=sorted(WORKLOADS))
@@ -91,6 +142,8 @@ def main() -> None:
     print(f"{args.workload} on {device}, print_period={args.print_period}: median us/step over {args.rounds} rounds")
     for name, values in times.items():
         print(f"  {name:34s} {median(values):9.1f} us   (+{median(values) - base:7.1f})")
+
+    print_time_inside_hooks(work, args, device, sink)
 
     prof = MemoryProfiler(work.model, args.print_period, stream=sink)
     out = io.StringIO()

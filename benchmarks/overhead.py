@@ -386,8 +386,11 @@ class PeakMeter:
 
 @dataclass
 class StepMemory:
-    peak: int
-    allocated_after: int
+    """One step's device memory, relative to what was allocated when it began: so two
+    measurements compare the step itself, not what else happened to be alive."""
+
+    peak: int  # peak above the step's start
+    allocated_after: int  # left allocated at the end, above the start
     bytes_allocated: int
     allocations: int
 
@@ -415,9 +418,10 @@ def measure_step_memory(work: Workload, device: torch.device, by_layer: bool | N
         finally:
             if profiler is not None:
                 profiler.close()
+    start = before["allocated_bytes.all.current"]
     return StepMemory(
-        peak=peak,
-        allocated_after=after["allocated_bytes.all.current"],
+        peak=peak - start,
+        allocated_after=after["allocated_bytes.all.current"] - start,
         bytes_allocated=after["allocated_bytes.all.allocated"] - before["allocated_bytes.all.allocated"],
         allocations=after["allocation.all.allocated"] - before["allocation.all.allocated"],
     )
