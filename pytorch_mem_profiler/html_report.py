@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import os
+import re
 from html import escape
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -195,10 +196,12 @@ def render_html(run: Run, unit: str | None = None) -> str:
                 ("Layer", escape(category_label(category))),
                 ((name, size(nbytes)) for name, nbytes in layers),
                 (False, True),
-                f"layers-{category.replace('_', '-')}",
+                f"layers-{_slug(category)}",
             )
         )
-    if run.layers is None:
+    if run.layers is not None:
+        parts.append(_layer_totals_table(run, unit))
+    else:
         parts.append(
             '<p class="note">This run has no per-layer file; feature maps by layer appear here '
             "when the profiler writes one.</p>"
@@ -208,6 +211,27 @@ def render_html(run: Run, unit: str | None = None) -> str:
     parts.append(_records_table(run, unit))
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def _layer_totals_table(run: Run, unit: str) -> str:
+    """The per-layer file's totals and the model's inputs, each at its largest over the run."""
+    layers = run.layers
+    assert layers is not None
+    rows = layers[(layers["category"] == "total") | (layers["module"] == "(input)")]
+    if not len(rows):
+        return ""
+    per_iteration = rows.groupby(["epoch", "iteration", "module"], sort=False)["bytes"].sum()
+    largest = per_iteration.groupby(level="module", sort=False).max()
+    return '<h3>Per-layer totals</h3>' + _table(
+        ("Row of the per-layer file", "Largest"),
+        ((name, format_size(nbytes, unit)) for name, nbytes in largest.items()),
+        (False, True),
+        "layer-totals",
+    )
 
 
 def _records_table(run: Run, unit: str) -> str:
@@ -221,16 +245,19 @@ def _records_table(run: Run, unit: str) -> str:
         ("optimizer_state", "Optimizer state"),
         ("feature_maps", "Feature maps"),
         ("intermediate_gradients", "Intermediate gradients"),
+        ("outside_pytorch", "Outside PyTorch"),
     )
+    # Figures this run's device or settings never produced are left out, not shown as n/a.
+    columns = tuple((c, label) for c, label in columns if run.records[c].notna().any())
     records = run.records.tail(_MAX_RECORD_ROWS)
     rows = (
         [str(int(r["epoch"])), str(int(r["iteration"]))]
         + [format_size(r[c], unit) for c, _ in columns]
-        + [format_seconds(r["iteration_time_s"]), "" if pd.isna(r["peak_phase"]) else str(r["peak_phase"])]
+        + [format_seconds(r["iteration_time_s"]), _text(r["peak_phase"]), _text(r["peak_location"])]
         for _, r in records.iterrows()
     )
-    header = ["Epoch", "Iteration"] + [label for _, label in columns] + ["Time", "Peak during"]
-    numeric = [False, False] + [True] * (len(columns) + 1) + [False]
+    header = ["Epoch", "Iteration"] + [label for _, label in columns] + ["Time", "Peak during", "Peak in"]
+    numeric = [False, False] + [True] * (len(columns) + 1) + [False, False]
     note = (
         f'<p class="note">The last {_MAX_RECORD_ROWS} of {len(run.records)} records; the CSV has all.</p>'
         if len(run.records) > _MAX_RECORD_ROWS
@@ -240,6 +267,10 @@ def _records_table(run: Run, unit: str) -> str:
         f"<details><summary>{len(records)} reported iterations</summary>"
         f"{_table(header, rows, numeric, 'records-table')}{note}</details>"
     )
+
+
+def _text(value: object) -> str:
+    return "" if value is None or pd.isna(value) else str(value)
 
 
 def write_html(run: Run, path: str | os.PathLike, unit: str | None = None) -> Path:

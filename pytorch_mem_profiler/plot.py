@@ -240,6 +240,7 @@ def plot_layers(
     figure = _new_figure(width, height, dpi)
     ax = figure.subplots()
     colours = {column: colour for column, _, colour in CATEGORIES}
+    colours.update(activations=colours["feature_maps"], **{"weight copies": "#937860"})
     bar = 0.8 / max(1, len(categories))
     for i, category in enumerate(categories):
         sizes = dict(by_category[category])

@@ -2,7 +2,7 @@
 
 A run is the CSV file one profiler wrote (``memory_stats_<date>-<time>.csv``)
 and, when present, its per-layer companion ``<run>_layers.csv`` in long format
-(``epoch, iteration, module, category, bytes``). :func:`load_run` turns them
+(``epoch, iteration, step, module, category, calls, bytes``). :func:`load_run` turns them
 into a :class:`Run` whose figures are all in bytes, under the names of
 :class:`~pytorch_mem_profiler.stats.IterationRecord`'s fields, whatever unit
 the file was written in.
@@ -48,10 +48,14 @@ __all__ = [
     "layers_path",
     "module_of",
     "RUN_GLOB",
+    "MODEL",
 ]
 
 #: The names of the profiler's run files in a CSV folder.
 RUN_GLOB = "memory_stats_*.csv"
+
+#: How the model itself is named where a module name is expected (its name is empty).
+MODEL = "(model)"
 
 #: The suffix of a run's per-layer companion file.
 _LAYERS_SUFFIX = "_layers.csv"
@@ -82,6 +86,13 @@ _AMOUNTS = (
     "backward_peak_allocated",
     "optimizer_end_allocated",
     "optimizer_peak_allocated",
+    "device_used",
+    "process_used",
+    "outside_pytorch",
+    "fragmentation",
+    "layers_total_feature_maps",
+    "layers_input",
+    "layers_unattributed",
 )
 
 #: Plain numbers: counts and seconds.
@@ -123,7 +134,8 @@ class Run:
         weights: bytes per parameter (columns) per reported iteration (rows).
         gradients: gradient bytes per parameter, same shape as ``weights``.
         layers: the per-layer file in long format (``epoch, iteration,
-            module, category, bytes``), or ``None`` when the run has none.
+            module, category, calls, bytes``; the model's own forward is the
+            module ``"(model)"``), or ``None`` when the run has none.
         warnings: problems that did not stop the reading, one line each
             (e.g. a per-layer file that could not be used).
     """
@@ -166,7 +178,7 @@ def module_of(parameter: str) -> str:
     Parameters of the model itself (no dot) belong to ``"(model)"``.
     """
     module, _, _ = parameter.rpartition(".")
-    return module or "(model)"
+    return module or MODEL
 
 
 def layers_path(path: str | os.PathLike) -> Path:
@@ -298,7 +310,7 @@ def load_run(path: str | os.PathLike) -> Run:
         records[absent] = float("nan")
     if records["step"].isna().all():
         records["step"] = range(1, len(records) + 1)
-    for text in ("device", "peak_phase"):
+    for text in ("device", "peak_phase", "peak_location"):
         records[text] = frame[text] if text in frame else None
 
     parameters = _parameters(columns)
@@ -326,7 +338,7 @@ def _load_layers(path: Path) -> tuple[pd.DataFrame | None, list[str]]:
         amounts = pd.to_numeric(frame["bytes"], errors="coerce")
     else:
         # A file in the run's unit: one figure column, and a unit column naming the unit.
-        figures = [c for c in frame.columns if c not in keys + ["unit", "step", "device"]]
+        figures = [c for c in frame.columns if c not in keys + ["unit", "step", "device", "calls"]]
         file_unit = str(frame["unit"].dropna().iloc[0]) if "unit" in frame and frame["unit"].notna().any() else None
         if len(figures) != 1 or file_unit not in UNITS:
             return None, [f"per-layer file {str(path)!r} ignored: no 'bytes' column"]
@@ -337,8 +349,10 @@ def _load_layers(path: Path) -> tuple[pd.DataFrame | None, list[str]]:
         {
             "epoch": pd.to_numeric(frame["epoch"], errors="coerce"),
             "iteration": pd.to_numeric(frame["iteration"], errors="coerce"),
-            "module": frame["module"].astype(str),
-            "category": frame["category"].astype(str),
+            # the model's own forward is the module with the empty name, read back as NaN
+            "module": frame["module"].fillna("").astype(str).replace("", MODEL),
+            "category": frame["category"].fillna("").astype(str),
+            "calls": pd.to_numeric(frame["calls"], errors="coerce") if "calls" in frame else float("nan"),
             "bytes": amounts.astype(float),
         }
     ).dropna(subset=["epoch", "iteration", "bytes"])

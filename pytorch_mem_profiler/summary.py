@@ -85,9 +85,16 @@ def format_seconds(seconds: float | None) -> str:
     return f"{_number(seconds * 1e3)} ms"
 
 
+#: How categories are named for people; the per-layer file's "activations" are feature maps.
+_CATEGORY_LABELS = {"activations": "feature maps", "weight copies": "autocast weight copies"}
+
+#: Per-layer file rows that are not layers: totals, and the model's inputs.
+_NOT_LAYERS = {"category": ("total",), "module": ("(input)",)}
+
+
 def category_label(category: str) -> str:
-    """``"feature_maps"`` -> ``"feature maps"``."""
-    return category.replace("_", " ")
+    """``"feature_maps"`` -> ``"feature maps"``; the per-layer file's ``"activations"`` too."""
+    return _CATEGORY_LABELS.get(category, category.replace("_", " "))
 
 
 def module_sizes(by_parameter: Mapping[str, float]) -> dict[str, float]:
@@ -153,7 +160,8 @@ def largest_layers(run: Run, top: int = 5) -> dict[str, list[tuple[str, float]]]
 
     ``weights`` and ``gradients`` come from the run's parameter columns, summed
     per module; a module's size is its largest over the records. Every category
-    of the per-layer file (e.g. feature maps) follows when the run has one.
+    of the per-layer file (``activations``: feature maps; ``weight copies``)
+    follows when the run has one, without its totals and the model's inputs.
     """
     out: dict[str, list[tuple[str, float]]] = {}
     for category, frame in (("weights", run.weights), ("gradients", run.gradients)):
@@ -161,10 +169,15 @@ def largest_layers(run: Run, top: int = 5) -> dict[str, list[tuple[str, float]]]
             continue
         by_module = frame.T.groupby(lambda name: module_of(name), sort=False).sum().T
         out[category] = _top(by_module.max(), top)
-    if run.layers is not None and len(run.layers):
-        per_iteration = run.layers.groupby(["category", "epoch", "iteration", "module"], sort=False)["bytes"].sum()
+    layers = run.layers
+    if layers is not None:
+        layers = layers[
+            ~layers["category"].isin(_NOT_LAYERS["category"]) & ~layers["module"].isin(_NOT_LAYERS["module"])
+        ]
+    if layers is not None and len(layers):
+        per_iteration = layers.groupby(["category", "epoch", "iteration", "module"], sort=False)["bytes"].sum()
         largest = per_iteration.groupby(level=["category", "module"], sort=False).max()
-        for category in run.layers["category"].unique():
+        for category in layers["category"].unique():
             out[str(category)] = _top(largest.loc[category], top)
     return out
 

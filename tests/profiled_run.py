@@ -41,13 +41,24 @@ def profile_tiny_model(
     print_period: int = 2,
     units: str = "KB",
     seed: int = 0,
+    by_layer: bool = False,
 ) -> tuple[Path, nn.Module]:
-    """Train :class:`TinyNet` with the profiler writing CSV into ``folder``; (CSV path, model)."""
+    """Train :class:`TinyNet` with the profiler writing CSV into ``folder``; (CSV path, model).
+
+    With ``by_layer`` the profiler also writes the per-layer file ``<run>_layers.csv``.
+    """
     torch.manual_seed(seed)
     model = TinyNet()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     profiler = memory_profiler(
-        model, print_period, True, csv_dir=folder, stream=io.StringIO(), units=units, strict=True
+        model,
+        print_period,
+        True,
+        csv_dir=folder,
+        stream=io.StringIO(),
+        units=units,
+        strict=True,
+        by_layer=by_layer,
     )
     with profiler:
         for _ in range(epochs):

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
-from profiled_run import REPO, png_size, profile_tiny_model, run_cli
+from .profiled_run import REPO, png_size, profile_tiny_model, run_cli
 from pytorch_mem_profiler.runs import module_of
 from pytorch_mem_profiler.summary import format_seconds, format_size
 
@@ -98,23 +98,21 @@ def test_summary_of_the_newest_run_in_dir(runs):
     assert lines[lines.index("Largest layers by weights:") + 2] == ""  # --top 1
 
 
-def test_summary_shows_the_layers_file(runs, tmp_path):
-    path = tmp_path / runs["small"].name
-    shutil.copy(runs["small"], path)
-    pd.DataFrame(
-        [
-            {"epoch": 1, "iteration": 2, "module": "head", "category": "feature_maps", "bytes": 256},
-            {"epoch": 1, "iteration": 2, "module": "encoder", "category": "feature_maps", "bytes": 1536},
-            {"epoch": 1, "iteration": 2, "module": "encoder", "category": "feature_maps", "bytes": 512},
-        ]
-    ).to_csv(tmp_path / f"{path.stem}_layers.csv", index=False)
-    result = run_cli("summary", path, "--units", "B", cwd=tmp_path)
+def test_summary_shows_the_layers_file(tmp_path):
+    path, _ = profile_tiny_model(tmp_path, by_layer=True, units="B")
+    result = run_cli("summary", path, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     at = lines.index("Largest layers by feature maps:")
-    # one iteration's figures of a module add up
-    assert lines[at + 1].split() == ["encoder", "2,048", "B"]
-    assert lines[at + 2].split() == ["head", "256", "B"]
+    # independently: each module's bytes per iteration, its largest over the run, totals left out
+    raw = pd.read_csv(f"{path.with_suffix('')}_layers.csv")
+    raw["module"] = raw["module"].fillna("(model)")
+    layers = raw[(raw["category"] == "activations") & (raw["module"] != "(input)")]
+    largest = layers.groupby(["step", "module"])["bytes"].sum().groupby("module").max()
+    largest = largest.sort_values(ascending=False, kind="stable")
+    shown = [line.split() for line in lines[at + 1 : at + 1 + len(largest)]]
+    assert [row[0] for row in shown] == list(largest.index)
+    assert [" ".join(row[1:]) for row in shown] == [format_size(n, "B") for n in largest]
 
 
 # -- plot --------------------------------------------------------------------------------

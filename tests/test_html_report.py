@@ -10,11 +10,12 @@ import tempfile
 from html.parser import HTMLParser
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
 
-from profiled_run import png_size, profile_tiny_model
+from .profiled_run import png_size, profile_tiny_model
 from pytorch_mem_profiler import memory_profiler
 from pytorch_mem_profiler.html_report import CONTENT_SECURITY_POLICY, render_html, write_html
 from pytorch_mem_profiler.runs import layers_path, load_run
@@ -163,13 +164,20 @@ def test_names_are_escaped(tmp_path):
     assert names == ["a<b>&c.weight", "a<b>&c.bias", "out.weight", "out.bias"]
 
 
-def test_layers_file_gets_its_table(tmp_path):
-    path, _ = profile_tiny_model(tmp_path, units="B")
-    layers_path(path).write_text(
-        "epoch,iteration,module,category,bytes\n1,2,encoder,feature_maps,1536\n1,2,head,feature_maps,256\n"
-    )
+def test_layers_file_gets_its_tables(tmp_path):
+    path, _ = profile_tiny_model(tmp_path, units="B", by_layer=True)
+    raw = pd.read_csv(layers_path(path))
+    raw["module"] = raw["module"].fillna("(model)")
     page = parse(render_html(load_run(path)))
-    assert page.tables["layers-feature-maps"] == [["Layer", "feature maps"], ["encoder", "1,536 B"], ["head", "256 B"]]
+    activations = raw[(raw["category"] == "activations") & (raw["module"] != "(input)")]
+    largest = activations.groupby(["step", "module"])["bytes"].sum().groupby("module").max()
+    largest = largest.sort_values(ascending=False, kind="stable")
+    assert page.tables["layers-activations"] == [["Layer", "feature maps"]] + [
+        [name, format_size(n, "B")] for name, n in largest.items()
+    ]
+    totals = dict(page.tables["layer-totals"][1:])
+    for module in ("(input)", "(total by layer)", "(allocator delta)"):
+        assert totals[module] == format_size(raw[raw["module"] == module]["bytes"].max(), "B")
 
 
 def _chromium(url: str, profile: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from profiled_run import REPO, png_size, run_cli
+from .profiled_run import REPO, png_size, run_cli
 
 pytestmark = pytest.mark.cuda
 

@@ -7,7 +7,7 @@ import importlib.util
 import pandas as pd
 import pytest
 
-from profiled_run import REPO
+from .profiled_run import REPO
 from pytorch_mem_profiler.runs import load_run
 
 

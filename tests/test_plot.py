@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from profiled_run import png_size, profile_tiny_model
+from .profiled_run import png_size, profile_tiny_model
 from pytorch_mem_profiler import memory_profiler
 from pytorch_mem_profiler.runs import load_run
 

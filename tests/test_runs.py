@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from profiled_run import TinyNet, profile_tiny_model
+from .profiled_run import TinyNet, profile_tiny_model
 from pytorch_mem_profiler import memory_profiler
 from pytorch_mem_profiler.report import UNITS
 from pytorch_mem_profiler.runs import RunFileError, find_run, layers_path, load_run, module_of, newest_run
@@ -135,19 +135,16 @@ def test_no_runs(tmp_path):
 
 
 def test_layers_file_is_read_when_present(tmp_path):
-    path, model = profile_tiny_model(tmp_path)
-    layers = pd.DataFrame(
-        [
-            {"epoch": 1, "iteration": 2, "module": "encoder", "category": "feature_maps", "bytes": 1536},
-            {"epoch": 1, "iteration": 2, "module": "head", "category": "feature_maps", "bytes": 256},
-            {"epoch": 2, "iteration": 4, "module": "encoder", "category": "feature_maps", "bytes": 1600},
-        ]
-    )
-    layers.to_csv(layers_path(path), index=False)
+    path, _ = profile_tiny_model(tmp_path, by_layer=True)
+    raw = pd.read_csv(layers_path(path))
     run = load_run(path)
     assert run.layers is not None
-    assert list(run.layers["bytes"]) == [1536, 256, 1600]
-    assert list(run.layers["module"]) == ["encoder", "head", "encoder"]
+    assert len(run.layers) == len(raw)
+    assert list(run.layers["bytes"]) == list(raw["bytes"])
+    assert list(run.layers["category"]) == list(raw["category"])
+    # the model's own forward has the empty module name: it reads back as "(model)"
+    assert list(run.layers["module"]) == list(raw["module"].fillna("(model)"))
+    assert "(model)" in set(run.layers["module"]) and "norm" in set(run.layers["module"])
 
 
 def test_bad_layers_file_is_a_warning_not_an_error(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from profiled_run import profile_tiny_model
+from .profiled_run import profile_tiny_model
 from pytorch_mem_profiler.compare import (
     Comparison,
     compare_runs,
