@@ -15,7 +15,7 @@ optimizer state together, which is where both techniques act.
 Each configuration trains with the profiler writing its CSV file; the table
 at the end is made by the same code as ``pytorch-mem-profiler compare``::
 
-    python examples/optimizations.py                       # GPU if there is one, else a small CPU run
+    python examples/optimizations.py                 # a GPU if there is one, else a small CPU run
     python examples/optimizations.py --device cpu --iterations 3
     python examples/optimizations.py --width 2048 --depth 12 --batch 8 --seq 2048
     pytorch-mem-profiler compare memory_csv_data/memory_stats_*.csv   # the same table, later
@@ -148,18 +148,36 @@ def train(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", help="cuda, cuda:1, cpu... (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--device", help="cuda, cuda:1, cpu... (default: cuda if available, else cpu)"
+    )
     parser.add_argument("--width", type=int, help="model width (default: 1024 on GPU, 64 on CPU)")
     parser.add_argument("--depth", type=int, help="blocks (default: 8 on GPU, 4 on CPU)")
-    parser.add_argument("--batch", type=int, help="sequences per batch (default: 16 on GPU, 8 on CPU)")
-    parser.add_argument("--seq", type=int, help="tokens per sequence (default: 1024 on GPU, 128 on CPU)")
-    parser.add_argument("--iterations", type=int, default=10, help="iterations per epoch (default: 10)")
+    parser.add_argument(
+        "--batch", type=int, help="sequences per batch (default: 16 on GPU, 8 on CPU)"
+    )
+    parser.add_argument(
+        "--seq", type=int, help="tokens per sequence (default: 1024 on GPU, 128 on CPU)"
+    )
+    parser.add_argument(
+        "--iterations", type=int, default=10, help="iterations per epoch (default: 10)"
+    )
     parser.add_argument("--epochs", type=int, default=2, help="epochs (default: 2)")
-    parser.add_argument("--print-period", type=int, default=1, help="report every N iterations (default: 1)")
-    parser.add_argument("--amp-dtype", choices=("auto", "bfloat16", "float16"), default="auto",
-                        help="autocast type (default: bfloat16 where supported)")
-    parser.add_argument("--units", default="MB", choices=list(UNITS),
-                        help="unit of the CSV files and table (default: MB)")
+    parser.add_argument(
+        "--print-period", type=int, default=1, help="report every N iterations (default: 1)"
+    )
+    parser.add_argument(
+        "--amp-dtype",
+        choices=("auto", "bfloat16", "float16"),
+        default="auto",
+        help="autocast type (default: bfloat16 where supported)",
+    )
+    parser.add_argument(
+        "--units",
+        default="MB",
+        choices=list(UNITS),
+        help="unit of the CSV files and table (default: MB)",
+    )
     parser.add_argument("--csv-dir", default="memory_csv_data", help="where the CSV files go")
     parser.add_argument("--verbose", action="store_true", help="print the profiler's reports too")
     args = parser.parse_args(argv)

@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     summary = commands.add_parser("summary", help="peaks and times per epoch, the largest layers")
     run_arguments(summary)
     unit_argument(summary)
-    summary.add_argument("--top", type=_positive, default=5, help="layers per category (default: 5)")
+    summary.add_argument(
+        "--top", type=_positive, default=5, help="layers per category (default: 5)"
+    )
 
     plot = commands.add_parser("plot", help="memory over iterations by category, as a PNG")
     run_arguments(plot)
@@ -94,16 +96,24 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--height", type=_positive, default=600, help="pixels (default: 600)")
     plot.add_argument("--dpi", type=_positive, default=100, help="dots per inch (default: 100)")
 
-    report = commands.add_parser("report", help="one self-contained HTML file: charts, tables, settings")
+    report = commands.add_parser(
+        "report", help="one self-contained HTML file: charts, tables, settings"
+    )
     run_arguments(report)
     unit_argument(report)
-    report.add_argument("-o", "--output", help="the HTML file (default: RUN's name with .html, here)")
+    report.add_argument(
+        "-o", "--output", help="the HTML file (default: RUN's name with .html, here)"
+    )
 
     compare = commands.add_parser(
         "compare", help="peak memory and time per iteration of runs, against the first"
     )
-    compare.add_argument("runs", nargs="+", metavar="RUN", help="runs' CSV files; the first is the reference")
-    compare.add_argument("--names", nargs="+", metavar="NAME", help="a name per run (default: file names)")
+    compare.add_argument(
+        "runs", nargs="+", metavar="RUN", help="runs' CSV files; the first is the reference"
+    )
+    compare.add_argument(
+        "--names", nargs="+", metavar="NAME", help="a name per run (default: file names)"
+    )
     compare.add_argument("--csv", metavar="FILE", help="also write the table to this CSV file")
     unit_argument(compare)
     return parser

@@ -17,7 +17,10 @@ and :func:`comparison_frame` the same figures for a CSV file.
 
 Example::
 
-    >>> rows = [Comparison("baseline", 2e9, 4e9, 0.100), Comparison("checkpointing", 1e9, 2e9, 0.125)]
+    >>> rows = [
+    ...     Comparison("baseline", 2e9, 4e9, 0.100),
+    ...     Comparison("checkpointing", 1e9, 2e9, 0.125),
+    ... ]
     >>> print(format_markdown(rows, "GB"))
     | Configuration | Peak memory | Time per iteration | vs first |
     | --- | ---: | ---: | --- |
@@ -37,7 +40,13 @@ from .report import UNITS
 from .runs import Run
 from .summary import check_unit, format_seconds, format_size, peak_memory, time_per_iteration
 
-__all__ = ["Comparison", "compare_runs", "format_markdown", "comparison_frame", "write_comparison_csv"]
+__all__ = [
+    "Comparison",
+    "compare_runs",
+    "format_markdown",
+    "comparison_frame",
+    "write_comparison_csv",
+]
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,9 @@ def compare_runs(runs: Sequence[Run], names: Sequence[str] | None = None) -> lis
         ValueError: ``names`` does not have one name per run.
     """
     if names is not None and len(names) != len(runs):
-        raise ValueError(f"names must give one name per run ({len(runs)}), got {len(names)}: {list(names)!r}")
+        raise ValueError(
+            f"names must give one name per run ({len(runs)}), got {len(names)}: {list(names)!r}"
+        )
     out = []
     for i, run in enumerate(runs):
         cached = run.records["peak_cached"].max()
@@ -138,8 +149,12 @@ def comparison_frame(rows: Sequence[Comparison], unit: str = "MB") -> pd.DataFra
                 "peak_cached": scale(row.peak_cached),
                 "unit": unit,
                 "time_per_iteration_s": row.time_per_iteration_s,
-                "peak_memory_change_pct": None if i == 0 else _change(row.peak_allocated, first.peak_allocated),
-                "time_change_pct": None if i == 0 else _change(row.time_per_iteration_s, first.time_per_iteration_s),
+                "peak_memory_change_pct": None
+                if i == 0
+                else _change(row.peak_allocated, first.peak_allocated),
+                "time_change_pct": None
+                if i == 0
+                else _change(row.time_per_iteration_s, first.time_per_iteration_s),
                 "device": row.device,
                 "file": row.path,
             }
@@ -159,6 +174,8 @@ def comparison_frame(rows: Sequence[Comparison], unit: str = "MB") -> pd.DataFra
     )
 
 
-def write_comparison_csv(rows: Sequence[Comparison], path: str | os.PathLike, unit: str = "MB") -> None:
+def write_comparison_csv(
+    rows: Sequence[Comparison], path: str | os.PathLike, unit: str = "MB"
+) -> None:
     """Write :func:`comparison_frame` to ``path``."""
     comparison_frame(rows, unit).to_csv(path, index=False)

@@ -93,8 +93,11 @@ def _charts(run: Run, unit: str) -> tuple[list[str], str | None]:
         from .plot import plot_iteration_time, plot_layers, plot_memory, png_bytes
 
         figures = [
-            ("chart-memory", "Memory by category over the run's reported iterations",
-             plot_memory(run, unit=unit)),
+            (
+                "chart-memory",
+                "Memory by category over the run's reported iterations",
+                plot_memory(run, unit=unit),
+            ),
             ("chart-layers", "The largest layers by category", plot_layers(run, unit=unit)),
             ("chart-time", "Host wall time per reported iteration", plot_iteration_time(run)),
         ]
@@ -145,13 +148,22 @@ def render_html(run: Run, unit: str | None = None) -> str:
         parts.append(f'<p class="note" id="no-charts">No charts: {escape(missing)}</p>')
 
     parts.append('<h2 id="settings">Run settings</h2>')
-    parts.append(_table(("Setting", "Value"), run_settings(run, unit), (False, False), "settings-table"))
+    parts.append(
+        _table(("Setting", "Value"), run_settings(run, unit), (False, False), "settings-table")
+    )
 
     parts.append('<h2 id="epochs">Epochs</h2>')
     epochs = epoch_table(run)
     parts.append(
         _table(
-            ("Epoch", "Records", "Peak allocated", "Peak cached", "Slowest iteration", "Fastest iteration"),
+            (
+                "Epoch",
+                "Records",
+                "Peak allocated",
+                "Peak cached",
+                "Slowest iteration",
+                "Fastest iteration",
+            ),
             (
                 (
                     str(r.epoch),
@@ -226,7 +238,7 @@ def _layer_totals_table(run: Run, unit: str) -> str:
         return ""
     per_iteration = rows.groupby(["epoch", "iteration", "module"], sort=False)["bytes"].sum()
     largest = per_iteration.groupby(level="module", sort=False).max()
-    return '<h3>Per-layer totals</h3>' + _table(
+    return "<h3>Per-layer totals</h3>" + _table(
         ("Row of the per-layer file", "Largest"),
         ((name, format_size(nbytes, unit)) for name, nbytes in largest.items()),
         (False, True),
@@ -256,7 +268,11 @@ def _records_table(run: Run, unit: str) -> str:
         + [format_seconds(r["iteration_time_s"]), _text(r["peak_phase"]), _text(r["peak_location"])]
         for _, r in records.iterrows()
     )
-    header = ["Epoch", "Iteration"] + [label for _, label in columns] + ["Time", "Peak during", "Peak in"]
+    header = (
+        ["Epoch", "Iteration"]
+        + [label for _, label in columns]
+        + ["Time", "Peak during", "Peak in"]
+    )
     numeric = [False, False] + [True] * (len(columns) + 1) + [False, False]
     note = (
         f'<p class="note">The last {_MAX_RECORD_ROWS} of {len(run.records)} records; the CSV has all.</p>'

@@ -40,7 +40,14 @@ from .report import UNITS
 from .runs import Run
 from .summary import category_label, check_unit, largest_layers
 
-__all__ = ["CATEGORIES", "memory_categories", "plot_memory", "plot_layers", "plot_iteration_time", "png_bytes"]
+__all__ = [
+    "CATEGORIES",
+    "memory_categories",
+    "plot_memory",
+    "plot_layers",
+    "plot_iteration_time",
+    "png_bytes",
+]
 
 #: The stacked categories, bottom to top: (column, label, colour).
 CATEGORIES = (
@@ -189,22 +196,34 @@ def plot_memory(
     )
     handles = list(stacks)
     if lines["peak"].notna().any():
-        (peak,) = ax.plot(x, lines["peak"], color=_PEAK_COLOUR, linestyle="--", linewidth=1.4,
-                          label="peak allocated, this iteration")
+        (peak,) = ax.plot(
+            x,
+            lines["peak"],
+            color=_PEAK_COLOUR,
+            linestyle="--",
+            linewidth=1.4,
+            label="peak allocated, this iteration",
+        )
         handles.append(peak)
     if lines["reserved"].notna().any():
-        (reserved,) = ax.plot(x, lines["reserved"], color=_RESERVED_COLOUR, linewidth=2.0,
-                              label="reserved (cached)")
+        (reserved,) = ax.plot(
+            x, lines["reserved"], color=_RESERVED_COLOUR, linewidth=2.0, label="reserved (cached)"
+        )
         handles.append(reserved)
     ax.set_xlim(float(x.min()), float(x.max()))
-    top = max(float(parts.sum(axis=1).max()), float(lines.max().max()) if lines.notna().any().any() else 0.0)
+    top = max(
+        float(parts.sum(axis=1).max()),
+        float(lines.max().max()) if lines.notna().any().any() else 0.0,
+    )
     ax.set_ylim(0, top * 1.12 if top > 0 else 1)
     _amount_axis(ax, unit)
     _iteration_axis(ax, run, steps)
     ax.set_title(f"Memory by category: {run.name} ({run.device})", fontsize=12)
     # Top of the legend = top of the chart: lines first, then the stack from the top down.
-    handles = handles[len(stacks):][::-1] + handles[: len(stacks)][::-1]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
+    handles = handles[len(stacks) :][::-1] + handles[: len(stacks)][::-1]
+    ax.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9
+    )
     figure.subplots_adjust(left=0.08, right=0.77, top=0.92, bottom=0.11)
     _save(figure, path)
     return figure
@@ -264,7 +283,9 @@ def plot_layers(
         ax.legend(loc="lower right", fontsize=9)
     ax.set_title(f"Largest layers: {run.name}", fontsize=12)
     label_room = min(0.45, 0.04 + 0.0075 * max((len(n) for n in names), default=0))
-    figure.subplots_adjust(left=max(0.1, label_room), right=0.97, top=1 - 40 / height, bottom=55 / height)
+    figure.subplots_adjust(
+        left=max(0.1, label_room), right=0.97, top=1 - 40 / height, bottom=55 / height
+    )
     _save(figure, path)
     return figure
 

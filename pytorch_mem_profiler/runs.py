@@ -195,7 +195,9 @@ def newest_run(folder: str | os.PathLike) -> Path:
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise RunFileError(f"no folder {str(folder)!r}: name a run's CSV file, or the folder with --dir")
+        raise RunFileError(
+            f"no folder {str(folder)!r}: name a run's CSV file, or the folder with --dir"
+        )
     candidates = [
         p for p in folder.glob(RUN_GLOB) if p.is_file() and not p.name.endswith(_LAYERS_SUFFIX)
     ]
@@ -251,9 +253,7 @@ def _unit(frame: pd.DataFrame, path: Path) -> str:
         found = ", ".join(units) if units else "none"
         raise RunFileError(f"{str(path)!r}: expected one unit in column 'unit', found {found}")
     if units[0] not in UNITS:
-        raise RunFileError(
-            f"{str(path)!r}: unknown unit {units[0]!r} (known: {', '.join(UNITS)})"
-        )
+        raise RunFileError(f"{str(path)!r}: unknown unit {units[0]!r} (known: {', '.join(UNITS)})")
     return units[0]
 
 
@@ -303,9 +303,12 @@ def load_run(path: str | os.PathLike) -> Run:
     unit = _unit(frame, path)
     frame = frame.rename(columns=_RENAMED)
 
+    counters = _numeric(frame, ["epoch", "iteration"], path)
+    if counters.isna().any().any():
+        raise RunFileError(f"{str(path)!r} has a row without its epoch or iteration")
     numbers = _numeric(frame, [c for c in _NUMBERS if c in frame], path)
     amounts = _to_bytes(_numeric(frame, [c for c in _AMOUNTS if c in frame], path), unit)
-    records = pd.concat([_numeric(frame, ["epoch", "iteration"], path).astype(int), amounts, numbers], axis=1)
+    records = pd.concat([counters.astype(int), amounts, numbers], axis=1)
     for absent in [c for c in _AMOUNTS + _NUMBERS if c not in records]:
         records[absent] = float("nan")
     if records["step"].isna().all():
@@ -333,13 +336,19 @@ def _load_layers(path: Path) -> tuple[pd.DataFrame | None, list[str]]:
     keys = ["epoch", "iteration", "module", "category"]
     missing = [c for c in keys if c not in frame]
     if missing:
-        return None, [f"per-layer file {str(path)!r} ignored: missing column(s) {', '.join(missing)}"]
+        return None, [
+            f"per-layer file {str(path)!r} ignored: missing column(s) {', '.join(missing)}"
+        ]
     if "bytes" in frame:
         amounts = pd.to_numeric(frame["bytes"], errors="coerce")
     else:
         # A file in the run's unit: one figure column, and a unit column naming the unit.
         figures = [c for c in frame.columns if c not in keys + ["unit", "step", "device", "calls"]]
-        file_unit = str(frame["unit"].dropna().iloc[0]) if "unit" in frame and frame["unit"].notna().any() else None
+        file_unit = (
+            str(frame["unit"].dropna().iloc[0])
+            if "unit" in frame and frame["unit"].notna().any()
+            else None
+        )
         if len(figures) != 1 or file_unit not in UNITS:
             return None, [f"per-layer file {str(path)!r} ignored: no 'bytes' column"]
         amounts = (pd.to_numeric(frame[figures[0]], errors="coerce") * UNITS[file_unit]).round()
@@ -352,7 +361,9 @@ def _load_layers(path: Path) -> tuple[pd.DataFrame | None, list[str]]:
             # the model's own forward is the module with the empty name, read back as NaN
             "module": frame["module"].fillna("").astype(str).replace("", MODEL),
             "category": frame["category"].fillna("").astype(str),
-            "calls": pd.to_numeric(frame["calls"], errors="coerce") if "calls" in frame else float("nan"),
+            "calls": pd.to_numeric(frame["calls"], errors="coerce")
+            if "calls" in frame
+            else float("nan"),
             "bytes": amounts.astype(float),
         }
     ).dropna(subset=["epoch", "iteration", "bytes"])

@@ -40,7 +40,7 @@ __all__ = [
 
 
 def check_unit(unit: str | None, default: str) -> str:
-    """``unit``, or ``default`` when it is ``None``; ``ValueError`` naming it if it is not a unit."""
+    """``unit``, or ``default`` when it is ``None``; ``ValueError`` naming it if not a unit."""
     unit = default if unit is None else unit
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {', '.join(UNITS)}; got {unit!r}")
@@ -172,10 +172,13 @@ def largest_layers(run: Run, top: int = 5) -> dict[str, list[tuple[str, float]]]
     layers = run.layers
     if layers is not None:
         layers = layers[
-            ~layers["category"].isin(_NOT_LAYERS["category"]) & ~layers["module"].isin(_NOT_LAYERS["module"])
+            ~layers["category"].isin(_NOT_LAYERS["category"])
+            & ~layers["module"].isin(_NOT_LAYERS["module"])
         ]
     if layers is not None and len(layers):
-        per_iteration = layers.groupby(["category", "epoch", "iteration", "module"], sort=False)["bytes"].sum()
+        per_iteration = layers.groupby(["category", "epoch", "iteration", "module"], sort=False)[
+            "bytes"
+        ].sum()
         largest = per_iteration.groupby(level=["category", "module"], sort=False).max()
         for category in layers["category"].unique():
             out[str(category)] = _top(largest.loc[category], top)
@@ -212,8 +215,10 @@ def run_settings(run: Run, unit: str | None = None) -> list[tuple[str, str]]:
         ("Weights", format_size(last["weights"], unit)),
         ("Buffers", format_size(last["buffers"], unit)),
         ("Optimizer state (last record)", format_size(last["optimizer_state"], unit)),
-        ("Forward passes / backward passes / optimizer steps per iteration",
-         f"{count('forward_passes')} / {count('backward_passes')} / {count('optimizer_steps')}"),
+        (
+            "Forward passes / backward passes / optimizer steps per iteration",
+            f"{count('forward_passes')} / {count('backward_passes')} / {count('optimizer_steps')}",
+        ),
         ("Peak allocated (max of peak_allocated)", format_size(peak_memory(run), unit)),
         ("Peak reserved (max of peak_cached)", format_size(rec["peak_cached"].max(), unit)),
         ("Time per iteration (median)", format_seconds(time_per_iteration(run))),
@@ -232,12 +237,21 @@ def format_summary(run: Run, unit: str | None = None, top: int = 5) -> str:
     unit = check_unit(unit, run.unit)
     lines = [f"Run {run.path} on {run.device} ({unit} = {UNITS[unit]:,} bytes)", ""]
     lines.append(f"Peak allocated: {format_size(peak_memory(run), unit)} (max of peak_allocated)")
-    lines.append(f"Peak reserved:  {format_size(run.records['peak_cached'].max(), unit)} (max of peak_cached)")
+    lines.append(
+        f"Peak reserved:  {format_size(run.records['peak_cached'].max(), unit)} (max of peak_cached)"
+    )
     lines.append(f"Time per iteration: {format_seconds(time_per_iteration(run))} (median)")
     lines.append("")
 
     table = epoch_table(run)
-    header = ("Epoch", "Records", "Peak allocated", "Peak cached", "Slowest iteration", "Fastest iteration")
+    header = (
+        "Epoch",
+        "Records",
+        "Peak allocated",
+        "Peak cached",
+        "Slowest iteration",
+        "Fastest iteration",
+    )
     body = [
         (
             str(row.epoch),
@@ -250,8 +264,10 @@ def format_summary(run: Run, unit: str | None = None, top: int = 5) -> str:
         for row in table.itertuples()
     ]
     lines += _columns(header, body)
-    lines.append("(peak allocated: highest iteration peak among the epoch's records; "
-                 "peak cached: most reserved since the start, by the epoch's end)")
+    lines.append(
+        "(peak allocated: highest iteration peak among the epoch's records; "
+        "peak cached: most reserved since the start, by the epoch's end)"
+    )
 
     for category, layers in largest_layers(run, top).items():
         lines += ["", f"Largest layers by {category_label(category)}:"]

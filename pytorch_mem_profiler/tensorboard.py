@@ -17,9 +17,11 @@ Example::
     >>> from pytorch_mem_profiler.stats import IterationRecord
     >>> class Writer:
     ...     def __init__(self): self.scalars = {}
-    ...     def add_scalar(self, tag, value, global_step=None): self.scalars[tag] = (value, global_step)
+    ...     def add_scalar(self, tag, value, global_step=None):
+    ...         self.scalars[tag] = (value, global_step)
     >>> writer = Writer()
-    >>> log_record(writer, IterationRecord(epoch=1, iteration=3, step=3, device="cpu", allocated=5_000_000))
+    >>> record = IterationRecord(epoch=1, iteration=3, step=3, device="cpu", allocated=5_000_000)
+    >>> log_record(writer, record)
     >>> writer.scalars["memory_MB/allocated"]
     (5.0, 3)
 """

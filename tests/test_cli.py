@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -87,14 +86,22 @@ def test_summary_of_a_named_run(runs):
 def test_summary_of_the_newest_run_in_dir(runs):
     result = run_cli("summary", cwd=runs["cwd"])
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[0].startswith(f"Run {Path('memory_csv_data') / runs['big'].name} ")
+    assert result.stdout.splitlines()[0].startswith(
+        f"Run {Path('memory_csv_data') / runs['big'].name} "
+    )
     # a folder named as RUN: its newest, again
-    result = run_cli("summary", runs["cwd"] / "memory_csv_data", "--units", "B", "--top", "1", cwd=REPO)
+    result = run_cli(
+        "summary", runs["cwd"] / "memory_csv_data", "--units", "B", "--top", "1", cwd=REPO
+    )
     assert result.returncode == 0, result.stderr
     name, nbytes = largest_module(runs["model"])
     lines = result.stdout.splitlines()
     assert runs["big"].name in lines[0]
-    assert lines[lines.index("Largest layers by weights:") + 1].split() == [name, f"{nbytes:,}", "B"]
+    assert lines[lines.index("Largest layers by weights:") + 1].split() == [
+        name,
+        f"{nbytes:,}",
+        "B",
+    ]
     assert lines[lines.index("Largest layers by weights:") + 2] == ""  # --top 1
 
 
@@ -119,7 +126,9 @@ def test_summary_shows_the_layers_file(tmp_path):
 @needs_matplotlib
 def test_plot_writes_a_png_of_the_size_asked(runs, tmp_path):
     out = tmp_path / "memory.png"
-    result = run_cli("plot", runs["small"], "-o", out, "--width", 640, "--height", 360, cwd=tmp_path)
+    result = run_cli(
+        "plot", runs["small"], "-o", out, "--width", 640, "--height", 360, cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     assert png_size(out) == (640, 360)
     assert f"wrote {out} (640x360 pixels)" in result.stdout
@@ -166,7 +175,15 @@ def test_report_writes_one_html_file(runs, tmp_path):
 def test_compare_table_and_csv(runs, tmp_path):
     out = tmp_path / "table.csv"
     result = run_cli(
-        "compare", runs["small"], runs["big"], "--names", "batch 8", "batch 256", "--csv", out, cwd=tmp_path
+        "compare",
+        runs["small"],
+        runs["big"],
+        "--names",
+        "batch 8",
+        "batch 256",
+        "--csv",
+        out,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     small, big = pd.read_csv(runs["small"]), pd.read_csv(runs["big"])
@@ -195,7 +212,9 @@ def test_compare_table_and_csv(runs, tmp_path):
     assert table["peak_cached"].tolist() == pytest.approx(
         [small["peak_cached"].max(), big["peak_cached"].max()], rel=1e-12
     )
-    assert table["time_per_iteration_s"].tolist() == pytest.approx([time_small, time_big], rel=1e-12)
+    assert table["time_per_iteration_s"].tolist() == pytest.approx(
+        [time_small, time_big], rel=1e-12
+    )
     assert pd.isna(table["peak_memory_change_pct"][0])
     assert table["peak_memory_change_pct"][1] == pytest.approx(change, rel=1e-9)
 
@@ -210,20 +229,28 @@ def test_compare_in_another_unit_with_file_names(runs, tmp_path):
 # -- bad input ---------------------------------------------------------------------------
 @pytest.mark.parametrize("command", ["summary", "plot", "report", "compare"])
 def test_missing_file(command, tmp_path):
-    assert_bad_input(run_cli(command, tmp_path / "gone.csv", cwd=tmp_path), "gone.csv", "no such file")
+    assert_bad_input(
+        run_cli(command, tmp_path / "gone.csv", cwd=tmp_path), "gone.csv", "no such file"
+    )
 
 
 def test_not_a_profiler_csv(tmp_path):
     other = tmp_path / "prices.csv"
     other.write_text("date,price\n2024-01-01,3\n")
-    assert_bad_input(run_cli("summary", other, cwd=tmp_path), "prices.csv", "not a pytorch_mem_profiler CSV")
-    assert_bad_input(run_cli("compare", other, other, cwd=tmp_path), "not a pytorch_mem_profiler CSV")
+    assert_bad_input(
+        run_cli("summary", other, cwd=tmp_path), "prices.csv", "not a pytorch_mem_profiler CSV"
+    )
+    assert_bad_input(
+        run_cli("compare", other, other, cwd=tmp_path), "not a pytorch_mem_profiler CSV"
+    )
 
 
 def test_no_run_in_dir(tmp_path):
     assert_bad_input(run_cli("summary", cwd=tmp_path), "no folder 'memory_csv_data'")
     (tmp_path / "empty").mkdir()
-    assert_bad_input(run_cli("report", "--dir", "empty", cwd=tmp_path), "no memory_stats_*.csv file in 'empty'")
+    assert_bad_input(
+        run_cli("report", "--dir", "empty", cwd=tmp_path), "no memory_stats_*.csv file in 'empty'"
+    )
 
 
 def test_names_must_match_runs(runs, tmp_path):
@@ -236,7 +263,8 @@ def test_names_must_match_runs(runs, tmp_path):
 @needs_matplotlib
 def test_unwritable_output(runs, tmp_path):
     assert_bad_input(
-        run_cli("plot", runs["small"], "-o", tmp_path / "no" / "such" / "x.png", cwd=tmp_path), "cannot write"
+        run_cli("plot", runs["small"], "-o", tmp_path / "no" / "such" / "x.png", cwd=tmp_path),
+        "cannot write",
     )
 
 

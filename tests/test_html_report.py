@@ -111,7 +111,9 @@ def test_structure(report):
     assert "script" not in tags and "link" not in tags
     for _, attrs in page.elements:
         for name in ("src", "href"):
-            assert not attrs.get(name, "data:").lower().startswith(("http:", "https:", "//", "file:"))
+            assert (
+                not attrs.get(name, "data:").lower().startswith(("http:", "https:", "//", "file:"))
+            )
     metas = [attrs for tag, attrs in page.elements if tag == "meta" and attrs.get("http-equiv")]
     assert metas == [{"http-equiv": "Content-Security-Policy", "content": CONTENT_SECURITY_POLICY}]
     images = [attrs for tag, attrs in page.elements if tag == "img"]
@@ -119,7 +121,7 @@ def test_structure(report):
     for img in images:
         prefix = "data:image/png;base64,"
         assert img["src"].startswith(prefix)
-        png = base64.b64decode(img["src"][len(prefix):], validate=True)
+        png = base64.b64decode(img["src"][len(prefix) :], validate=True)
         with tempfile.NamedTemporaryFile(suffix=".png", delete=False) as handle:
             handle.write(png)
         try:
@@ -134,8 +136,12 @@ def test_tables_hold_the_run(report):
     rows = page.tables["parameter-table"]
     assert rows[0] == ["Parameter", "Layer", "Weights", "Gradients (largest)"]
     expected = [
-        [name, name.rpartition(".")[0], format_size(p.numel() * p.element_size(), "B"),
-         format_size(p.numel() * p.element_size(), "B")]
+        [
+            name,
+            name.rpartition(".")[0],
+            format_size(p.numel() * p.element_size(), "B"),
+            format_size(p.numel() * p.element_size(), "B"),
+        ]
         for name, p in report["model"].named_parameters()
     ]
     assert rows[1:] == expected
@@ -210,7 +216,9 @@ def _console(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if ":CONSOLE" in line]
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Chromium (Debian package 'chromium')")
+@pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason="needs Chromium (Debian package 'chromium')"
+)
 def test_opens_in_a_browser_without_errors(report, tmp_path):
     pytest.importorskip("matplotlib")
     result = _chromium(report["html"].as_uri(), tmp_path / "profile-1")
@@ -230,20 +238,22 @@ def test_opens_in_a_browser_without_errors(report, tmp_path):
         ".join(',')));</script></body>"
     )
     probed = tmp_path / "probed.html"
-    probed.write_text(text.replace(CONTENT_SECURITY_POLICY, policy).replace("</body>", probe), encoding="utf-8")
+    probed.write_text(
+        text.replace(CONTENT_SECURITY_POLICY, policy).replace("</body>", probe), encoding="utf-8"
+    )
     result = _chromium(probed.as_uri(), tmp_path / "profile-2")
     assert result.returncode == 0, result.stderr[-2000:]
     assert _console(result.stderr) == []
     body = next(attrs for tag, attrs in parse(result.stdout).elements if tag == "body")
     sizes = [
-        f"true:{img['width']}x{img['height']}"
-        for tag, img in parse(text).elements
-        if tag == "img"
+        f"true:{img['width']}x{img['height']}" for tag, img in parse(text).elements if tag == "img"
     ]
     assert body.get("data-images") == ",".join(sizes)
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Chromium (Debian package 'chromium')")
+@pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason="needs Chromium (Debian package 'chromium')"
+)
 def test_browser_check_catches_a_broken_page(tmp_path):
     """The console check above is not vacuous: a fetch the policy blocks is reported."""
     page = tmp_path / "broken.html"

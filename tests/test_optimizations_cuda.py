@@ -15,7 +15,9 @@ pytestmark = pytest.mark.cuda
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("optimizations", REPO / "examples" / "optimizations.py")
+    spec = importlib.util.spec_from_file_location(
+        "optimizations", REPO / "examples" / "optimizations.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -23,14 +25,18 @@ def load_example():
 
 def test_peak_reductions_on_gpu(tmp_path):
     example = load_example()
-    args = example.parse_args(["--device", "cuda", "--iterations", "4", "--epochs", "2", "--csv-dir", str(tmp_path)])
+    args = example.parse_args(
+        ["--device", "cuda", "--iterations", "4", "--epochs", "2", "--csv-dir", str(tmp_path)]
+    )
     rows = example.measure(args)
     print()
     print(example.format_markdown(rows, "MB"))
     baseline, checkpointing, amp, both = (row.peak_allocated for row in rows)
     for row in rows:
         assert row.device.startswith("cuda")
-        assert row.peak_allocated == pytest.approx(pd.read_csv(row.path)["peak_allocated"].max() * 1e6)
+        assert row.peak_allocated == pytest.approx(
+            pd.read_csv(row.path)["peak_allocated"].max() * 1e6
+        )
         assert row.time_per_iteration_s > 0
         # the reservation holds at least the peak of what was allocated
         assert row.peak_cached >= row.peak_allocated
@@ -41,7 +47,9 @@ def test_peak_reductions_on_gpu(tmp_path):
     assert both < amp
 
     # the CUDA files through the command line
-    result = run_cli("compare", *[row.path for row in rows], "--names", "a", "b", "c", "d", cwd=tmp_path)
+    result = run_cli(
+        "compare", *[row.path for row in rows], "--names", "a", "b", "c", "d", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[2].startswith("| a | ")
     result = run_cli("plot", rows[0].path, "-o", tmp_path / "baseline.png", cwd=tmp_path)

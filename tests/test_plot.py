@@ -1,4 +1,4 @@
-"""Charts: the PNG's size, what is stacked, labels and units, and matplotlib as an optional extra."""
+"""Charts: the PNG's size, what is stacked, labels and units, matplotlib as an optional extra."""
 
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ def test_stacked_categories(run):
     assert list(parts.columns) == [column for column, _, _ in CATEGORIES]
     assert list(parts["weights"]) == list(rec["weights"])
     assert list(parts["feature_maps"]) == list(rec["feature_maps"])
-    known = rec[["weights", "gradients", "optimizer_state", "feature_maps", "intermediate_gradients"]].sum(axis=1)
+    known = rec[
+        ["weights", "gradients", "optimizer_state", "feature_maps", "intermediate_gradients"]
+    ].sum(axis=1)
     expected_other = (rec["iteration_peak_allocated"] - known).clip(lower=0)
     assert list(parts["other"]) == list(expected_other)
     # where "other" is positive, the stack's top is the iteration's peak
@@ -77,7 +79,10 @@ def test_memory_chart_labels_units_and_epochs(run):
     boundaries = [line for line in ax.lines if line.get_linestyle() == ":"]
     assert len(boundaries) == 2
     steps = run.records["step"]
-    assert boundaries[0].get_xdata()[0] == (steps[run.records["epoch"] == 1].max() + steps[run.records["epoch"] == 2].min()) / 2
+    assert (
+        boundaries[0].get_xdata()[0]
+        == (steps[run.records["epoch"] == 1].max() + steps[run.records["epoch"] == 2].min()) / 2
+    )
 
 
 def test_a_single_record_is_drawn(tmp_path):
@@ -100,14 +105,19 @@ def test_without_matplotlib_the_error_says_what_to_install(run, monkeypatch, cap
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    with pytest.raises(ImportError, match=r"pip install 'pytorch_mem_profiler\[plot\]' to draw plots"):
+    with pytest.raises(
+        ImportError, match=r"pip install 'pytorch_mem_profiler\[plot\]' to draw plots"
+    ):
         plot_memory(run)
 
     from pytorch_mem_profiler.cli import main
 
     assert main(["plot", str(run.path), "-o", "unused.png"]) == 2
     err = capsys.readouterr().err
-    assert err == "pytorch-mem-profiler: error: pip install 'pytorch_mem_profiler[plot]' to draw plots\n"
+    assert (
+        err
+        == "pytorch-mem-profiler: error: pip install 'pytorch_mem_profiler[plot]' to draw plots\n"
+    )
 
     from pytorch_mem_profiler.html_report import render_html
 

@@ -12,7 +12,14 @@ import torch
 from .profiled_run import TinyNet, profile_tiny_model
 from pytorch_mem_profiler import memory_profiler
 from pytorch_mem_profiler.report import UNITS
-from pytorch_mem_profiler.runs import RunFileError, find_run, layers_path, load_run, module_of, newest_run
+from pytorch_mem_profiler.runs import (
+    RunFileError,
+    find_run,
+    layers_path,
+    load_run,
+    module_of,
+    newest_run,
+)
 
 
 def param_bytes(model: torch.nn.Module) -> dict[str, int]:
@@ -38,7 +45,9 @@ def test_figures_come_back_in_bytes(tmp_path, units):
         assert list(run.gradients[name]) == [nbytes] * 4
     assert list(run.records["weights"]) == [sum(expected.values())] * 4
     # every amount is the file's figure times the unit, a whole number of bytes
-    assert list(run.records["allocated"]) == pytest.approx(list(raw["allocated"] * UNITS[units]), abs=0.5)
+    assert list(run.records["allocated"]) == pytest.approx(
+        list(raw["allocated"] * UNITS[units]), abs=0.5
+    )
     assert (run.records["allocated"] % 1 == 0).all()
     assert run.device == "cpu"
     assert run.epochs == [1, 2]
@@ -71,7 +80,9 @@ def test_missing_file(tmp_path):
 def test_not_a_profiler_csv(tmp_path):
     path = tmp_path / "other.csv"
     path.write_text("a,b\n1,2\n")
-    with pytest.raises(RunFileError, match=r"not a pytorch_mem_profiler CSV: missing column\(s\) epoch"):
+    with pytest.raises(
+        RunFileError, match=r"not a pytorch_mem_profiler CSV: missing column\(s\) epoch"
+    ):
         load_run(path)
 
 
@@ -87,7 +98,9 @@ def test_empty_and_binary_files(tmp_path):
 
 
 def test_header_only_file_has_no_records(tmp_path):
-    profiler = memory_profiler(torch.nn.Linear(2, 2), 1, True, csv_dir=tmp_path, stream=io.StringIO())
+    profiler = memory_profiler(
+        torch.nn.Linear(2, 2), 1, True, csv_dir=tmp_path, stream=io.StringIO()
+    )
     profiler.close()
     with pytest.raises(RunFileError, match="has no records yet"):
         load_run(profiler.csv_path)
@@ -99,7 +112,16 @@ def test_bad_values(tmp_path):
     frame["allocated"] = frame["allocated"].astype(object)
     frame.loc[0, "allocated"] = "lots"
     frame.to_csv(path, index=False)
-    with pytest.raises(RunFileError, match="column 'allocated' holds something that is not a number"):
+    with pytest.raises(
+        RunFileError, match="column 'allocated' holds something that is not a number"
+    ):
+        load_run(path)
+
+    path, _ = profile_tiny_model(tmp_path)
+    frame = pd.read_csv(path)
+    frame.loc[1, "epoch"] = None
+    frame.to_csv(path, index=False)
+    with pytest.raises(RunFileError, match="has a row without its epoch or iteration"):
         load_run(path)
 
     path, _ = profile_tiny_model(tmp_path)

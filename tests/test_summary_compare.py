@@ -59,7 +59,9 @@ def test_epoch_table(pair):
     table = epoch_table(small)
     assert list(table["epoch"]) == [1, 2]
     assert list(table["records"]) == [2, 2]
-    assert list(table["peak_allocated"]) == list(raw.groupby("epoch")["iteration_peak_allocated"].max())
+    assert list(table["peak_allocated"]) == list(
+        raw.groupby("epoch")["iteration_peak_allocated"].max()
+    )
     assert list(table["peak_cached"]) == list(raw.groupby("epoch")["peak_cached"].max())
     for row, (_, group) in zip(table.itertuples(), raw.groupby("epoch")):
         assert row.slowest_s == group["iteration_time_s"].max()
@@ -105,7 +107,11 @@ def test_markdown_percentages():
     assert lines[2] == "| baseline | 4.00 GB | 200 ms | (reference) |"
     assert lines[3] == "| checkpointing | 1.50 GB | 250 ms | -62.5% memory, +25.0% time |"
     assert lines[4] == "| mps run | n/a | n/a | n/a memory, n/a time |"
-    assert format_markdown([Comparison("a|b", 1, None, 1.0)], "B").splitlines()[2].startswith("| a\\|b |")
+    assert (
+        format_markdown([Comparison("a|b", 1, None, 1.0)], "B")
+        .splitlines()[2]
+        .startswith("| a\\|b |")
+    )
     with pytest.raises(ValueError, match="unit must be one of"):
         format_markdown(rows, "furlong")
 
@@ -116,5 +122,7 @@ def test_a_bad_unit_is_named(pair):
 
     small, _, _ = pair
     for call in (lambda: format_summary(small, "MBs"), lambda: render_html(small, "MBs")):
-        with pytest.raises(ValueError, match="unit must be one of B, KB, MB, GB, KiB, MiB, GiB; got 'MBs'"):
+        with pytest.raises(
+            ValueError, match="unit must be one of B, KB, MB, GB, KiB, MiB, GiB; got 'MBs'"
+        ):
             call()

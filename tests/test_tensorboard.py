@@ -39,7 +39,9 @@ def test_reported_records_become_scalars():
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     optimizer = torch.optim.Adam(model.parameters())
     writer = FakeWriter()
-    with memory_profiler(model, 2, stream=io.StringIO(), units="KB", tensorboard=writer, strict=True) as profiler:
+    with memory_profiler(
+        model, 2, stream=io.StringIO(), units="KB", tensorboard=writer, strict=True
+    ) as profiler:
         records = train(profiler, model, optimizer, 4)
         profiler.epoch_end()
         records += train(profiler, model, optimizer, 2)
@@ -66,8 +68,19 @@ def test_unknown_figures_are_left_out():
     from pytorch_mem_profiler.tensorboard import log_record
 
     writer = FakeWriter()
-    log_record(writer, IterationRecord(epoch=1, iteration=1, step=7, device="mps", allocated=2**20,
-                                       peak_allocated=None, intermediate_gradients=None), "MiB")
+    log_record(
+        writer,
+        IterationRecord(
+            epoch=1,
+            iteration=1,
+            step=7,
+            device="mps",
+            allocated=2**20,
+            peak_allocated=None,
+            intermediate_gradients=None,
+        ),
+        "MiB",
+    )
     logged = writer.at(7)
     assert logged["memory_MiB/allocated"] == 1.0
     assert "memory_MiB/peak_allocated" not in logged
@@ -97,7 +110,9 @@ def test_a_failing_writer_never_stops_training(caplog):
     assert Broken.calls == 1  # switched off after the first fault
     assert sum("tensorboard failed" in r.getMessage() for r in caplog.records) == 1
 
-    with memory_profiler(model, 1, stream=io.StringIO(), tensorboard=Broken(), strict=True) as profiler:
+    with memory_profiler(
+        model, 1, stream=io.StringIO(), tensorboard=Broken(), strict=True
+    ) as profiler:
         with pytest.raises(OSError, match="disk full"):
             train(profiler, model, optimizer, 1)
 
@@ -110,7 +125,9 @@ def test_real_summary_writer(tmp_path):
     model = torch.nn.Linear(32, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = SummaryWriter(log_dir=str(tmp_path))
-    with memory_profiler(model, 1, stream=io.StringIO(), units="B", tensorboard=writer, strict=True) as profiler:
+    with memory_profiler(
+        model, 1, stream=io.StringIO(), units="B", tensorboard=writer, strict=True
+    ) as profiler:
         records = train(profiler, model, optimizer, 3)
     writer.close()
 
