@@ -7,6 +7,11 @@ Example::
     True
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .oom import OomPostmortem, dump_on_oom
 from .profiler import MemoryProfiler, memory_profiler
 from .snapshot import (
@@ -21,6 +26,21 @@ from .timeline import memory_timeline_handler, save_memory_timeline
 from .usage import MemoryUsage, memory_stats, memory_usage, print_cuda_memory_usage
 
 __version__ = "0.1.0"
+
+#: Names whose modules import pandas or matplotlib: loaded on first use, so that
+#: ``import pytorch_mem_profiler`` stays as light as the profiler itself.
+_LAZY = {
+    "Run": "runs",
+    "RunFileError": "runs",
+    "load_run": "runs",
+    "format_summary": "summary",
+    "Comparison": "compare",
+    "compare_runs": "compare",
+    "format_markdown": "compare",
+    "plot_memory": "plot",
+    "write_html": "html_report",
+    "log_record": "tensorboard",
+}
 
 __all__ = [
     "MemoryProfiler",
@@ -41,4 +61,18 @@ __all__ = [
     "dump_on_oom",
     "OomPostmortem",
     "__version__",
+    *_LAZY,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

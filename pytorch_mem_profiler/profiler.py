@@ -55,6 +55,7 @@ from .outside import DeviceMemoryReader
 from .oom import OomPostmortem, dump_on_oom, plain_data
 from .report import UNITS, format_report
 from .stats import IterationRecord, LayerFeatureMaps, PhaseStats
+from .tensorboard import check_writer, log_record
 
 __all__ = ["MemoryProfiler", "memory_profiler"]
 
@@ -110,6 +111,8 @@ class MemoryProfiler:
         oom_dir: on a CUDA out-of-memory error, write a post-mortem folder here
             (the last report, the failing iteration, the allocator's stats; see
             :func:`~pytorch_mem_profiler.dump_on_oom`).
+        tensorboard: a ``torch.utils.tensorboard.SummaryWriter`` (or anything with
+            ``add_scalar``) that gets each reported record's figures as scalars.
 
     Weights and buffers are counted when the profiler is made and again at
     each :meth:`epoch_end`; gradients, feature maps and the rest every iteration.
@@ -144,6 +147,7 @@ class MemoryProfiler:
         by_layer: bool = False,
         leak_window: int = 5,
         oom_dir: str | os.PathLike | None = None,
+        tensorboard: Any = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -166,6 +170,7 @@ class MemoryProfiler:
         if not isinstance(csv_dir, (str, os.PathLike)):
             raise TypeError(f"csv_dir must be a str or os.PathLike, got {type(csv_dir).__name__}")
         optimizers = _check_optimizers(optimizer)
+        self._tensorboard = check_writer(tensorboard)
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError(
                 "model has parameters on the meta device, which hold no memory to profile; "
@@ -448,6 +453,8 @@ class MemoryProfiler:
             self.records.append(record)
             self.last_report = format_report(record, self.units)
             self.stream.write(self.last_report + "\n")
+            if self._tensorboard is not None:
+                self._guard.wrap("tensorboard", log_record)(self._tensorboard, record, self.units)
             if self._csv is not None:
                 self._csv.add(record)
                 if self._layers_csv is not None:

@@ -1,0 +1,6 @@
+"""``python -m pytorch_mem_profiler``: the command line (see :mod:`pytorch_mem_profiler.cli`)."""
+
+from .cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

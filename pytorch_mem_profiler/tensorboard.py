@@ -1,0 +1,80 @@
+"""Send a record's figures to TensorBoard as scalars.
+
+``memory_profiler(model, ..., tensorboard=writer)`` calls :func:`log_record`
+with each reported record. The writer is anything with TensorBoard's
+``add_scalar(tag, value, global_step)``, usually
+``torch.utils.tensorboard.SummaryWriter`` (``pip install
+'pytorch_mem_profiler[tensorboard]'``); this module imports nothing of
+TensorBoard itself.
+
+Tags: ``memory_<unit>/<figure>`` (e.g. ``memory_MB/peak_allocated``) in the
+profiler's unit, ``time/iteration_s`` in seconds and ``progress/epoch``; the
+step is the record's ``step`` (iterations since the profiler started). Figures
+the device does not know are left out, never logged as 0.
+
+Example::
+
+    >>> from pytorch_mem_profiler.stats import IterationRecord
+    >>> class Writer:
+    ...     def __init__(self): self.scalars = {}
+    ...     def add_scalar(self, tag, value, global_step=None):
+    ...         self.scalars[tag] = (value, global_step)
+    >>> writer = Writer()
+    >>> record = IterationRecord(epoch=1, iteration=3, step=3, device="cpu", allocated=5_000_000)
+    >>> log_record(writer, record)
+    >>> writer.scalars["memory_MB/allocated"]
+    (5.0, 3)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .report import UNITS
+from .stats import IterationRecord
+
+__all__ = ["MEMORY_FIGURES", "log_record", "check_writer"]
+
+#: The record's byte figures that become scalars, by field name.
+MEMORY_FIGURES = (
+    "allocated",
+    "peak_allocated",
+    "iteration_peak_allocated",
+    "peak_cached",
+    "current_cached",
+    "feature_maps",
+    "intermediate_gradients",
+    "weights",
+    "gradients",
+    "optimizer_state",
+    "buffers",
+)
+
+
+def check_writer(writer: Any) -> Any:
+    """``writer`` if it can take scalars; ``TypeError`` naming the argument if not."""
+    if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+        raise TypeError(
+            "tensorboard must be a writer with add_scalar(), e.g. "
+            f"torch.utils.tensorboard.SummaryWriter(); got {type(writer).__name__}"
+        )
+    return writer
+
+
+def log_record(writer: Any, record: IterationRecord, unit: str = "MB") -> None:
+    """Add one record's figures to ``writer`` as scalars at step ``record.step``.
+
+    Args:
+        writer: a ``SummaryWriter`` or anything with ``add_scalar(tag, value, global_step)``.
+        record: the iteration's record (bytes).
+        unit: the unit the memory figures are logged in; it is part of their tags.
+    """
+    div = UNITS[unit]
+    step = record.step
+    for name in MEMORY_FIGURES:
+        nbytes = getattr(record, name)
+        if nbytes is not None:
+            writer.add_scalar(f"memory_{unit}/{name}", nbytes / div, step)
+    if record.iteration_time_s is not None:
+        writer.add_scalar("time/iteration_s", record.iteration_time_s, step)
+    writer.add_scalar("progress/epoch", record.epoch, step)

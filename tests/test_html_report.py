@@ -1,0 +1,266 @@
+"""The HTML report: its structure (html.parser, always) and a real browser opening it (headless
+Chromium, when installed: Debian's ``chromium`` package)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import tempfile
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from .profiled_run import png_size, profile_tiny_model
+from pytorch_mem_profiler import memory_profiler
+from pytorch_mem_profiler.html_report import CONTENT_SECURITY_POLICY, render_html, write_html
+from pytorch_mem_profiler.runs import layers_path, load_run
+from pytorch_mem_profiler.summary import format_size
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+class Page(HTMLParser):
+    """Every element with its attributes, the text of each table's cells, and the <title>."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.elements: list[tuple[str, dict[str, str]]] = []
+        self.tables: dict[str, list[list[str]]] = {}
+        self.title = ""
+        self._table: str | None = None
+        self._cell: list[str] | None = None
+        self._in_title = False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.elements.append((tag, attrs))
+        if tag == "table":
+            self._table = attrs.get("id", f"table-{len(self.tables)}")
+            self.tables[self._table] = []
+        elif tag == "tr" and self._table is not None:
+            self.tables[self._table].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+        elif tag == "title":
+            self._in_title = True
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None and self._table is not None:
+            self.tables[self._table][-1].append("".join(self._cell))
+            self._cell = None
+        elif tag == "table":
+            self._table = None
+        elif tag == "title":
+            self._in_title = False
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+        if self._in_title:
+            self.title += data
+
+
+def parse(text: str) -> Page:
+    page = Page()
+    page.feed(text)
+    page.close()
+    return page
+
+
+class OddNames(nn.Module):
+    """A module whose name needs escaping in HTML."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_module("a<b>&c", nn.Linear(6, 10))
+        self.out = nn.Linear(10, 2)
+
+    def forward(self, x):
+        return self.out(getattr(self, "a<b>&c")(x))
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("report")
+    path, model = profile_tiny_model(folder / "csv", units="B")
+    out = write_html(load_run(path), folder / "report.html")
+    return {"html": out, "csv": path, "model": model}
+
+
+def test_structure(report):
+    pytest.importorskip("matplotlib")
+    text = report["html"].read_text(encoding="utf-8")
+    page = parse(text)
+    tags = [tag for tag, _ in page.elements]
+    assert text.startswith("<!DOCTYPE html>")
+    assert page.title == f"Memory report: {report['csv'].stem}"
+    assert {attrs["id"] for tag, attrs in page.elements if tag == "h2"} == {
+        "charts",
+        "settings",
+        "epochs",
+        "parameters",
+        "layers",
+        "records",
+    }
+    # self-contained: no script, nothing linked, every image inline, and a policy that forbids fetching
+    assert "script" not in tags and "link" not in tags
+    for _, attrs in page.elements:
+        for name in ("src", "href"):
+            assert (
+                not attrs.get(name, "data:").lower().startswith(("http:", "https:", "//", "file:"))
+            )
+    metas = [attrs for tag, attrs in page.elements if tag == "meta" and attrs.get("http-equiv")]
+    assert metas == [{"http-equiv": "Content-Security-Policy", "content": CONTENT_SECURITY_POLICY}]
+    images = [attrs for tag, attrs in page.elements if tag == "img"]
+    assert len(images) == 3
+    for img in images:
+        prefix = "data:image/png;base64,"
+        assert img["src"].startswith(prefix)
+        png = base64.b64decode(img["src"][len(prefix) :], validate=True)
+        with tempfile.NamedTemporaryFile(suffix=".png", delete=False) as handle:
+            handle.write(png)
+        try:
+            assert png_size(Path(handle.name)) == (int(img["width"]), int(img["height"]))
+        finally:
+            os.unlink(handle.name)
+
+
+def test_tables_hold_the_run(report):
+    page = parse(report["html"].read_text(encoding="utf-8"))
+    # a row per parameter with its bytes: numel() * element_size()
+    rows = page.tables["parameter-table"]
+    assert rows[0] == ["Parameter", "Layer", "Weights", "Gradients (largest)"]
+    expected = [
+        [
+            name,
+            name.rpartition(".")[0],
+            format_size(p.numel() * p.element_size(), "B"),
+            format_size(p.numel() * p.element_size(), "B"),
+        ]
+        for name, p in report["model"].named_parameters()
+    ]
+    assert rows[1:] == expected
+    settings = dict(page.tables["settings-table"][1:])
+    assert settings["Device"] == "cpu"
+    assert settings["Epochs"] == "2"
+    assert settings["Reported iterations"] == "4"
+    assert settings["Reported every"] == "2 iteration(s)"
+    total = sum(p.numel() * p.element_size() for p in report["model"].parameters())
+    assert settings["Weights"] == format_size(total, "B")
+    assert len(page.tables["epoch-table"]) == 1 + 2
+    assert len(page.tables["records-table"]) == 1 + 4
+    assert page.tables["layers-weights"][1][0] == "encoder"
+
+
+def test_names_are_escaped(tmp_path):
+    model = OddNames()
+    with memory_profiler(model, 1, True, csv_dir=tmp_path, stream=__import__("io").StringIO()) as p:
+        model(torch.randn(3, 6)).sum().backward()
+        p.record_stats()
+    text = render_html(load_run(p.csv_path))
+    assert "a<b>&c" not in text
+    assert "a&lt;b&gt;&amp;c.weight" in text
+    page = parse(text)
+    names = [row[0] for row in page.tables["parameter-table"][1:]]
+    assert names == ["a<b>&c.weight", "a<b>&c.bias", "out.weight", "out.bias"]
+
+
+def test_layers_file_gets_its_tables(tmp_path):
+    path, _ = profile_tiny_model(tmp_path, units="B", by_layer=True)
+    raw = pd.read_csv(layers_path(path))
+    raw["module"] = raw["module"].fillna("(model)")
+    page = parse(render_html(load_run(path)))
+    activations = raw[(raw["category"] == "activations") & (raw["module"] != "(input)")]
+    largest = activations.groupby(["step", "module"])["bytes"].sum().groupby("module").max()
+    largest = largest.sort_values(ascending=False, kind="stable")
+    assert page.tables["layers-activations"] == [["Layer", "feature maps"]] + [
+        [name, format_size(n, "B")] for name, n in largest.items()
+    ]
+    totals = dict(page.tables["layer-totals"][1:])
+    for module in ("(input)", "(total by layer)", "(allocator delta)"):
+        assert totals[module] == format_size(raw[raw["module"] == module]["bytes"].max(), "B")
+
+
+def _chromium(url: str, profile: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--virtual-time-budget=5000",
+            *extra,
+            "--dump-dom",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _console(stderr: str) -> list[str]:
+    """The page's console messages (errors, CSP violations, failed loads) in Chromium's log."""
+    return [line for line in stderr.splitlines() if ":CONSOLE" in line]
+
+
+@pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason="needs Chromium (Debian package 'chromium')"
+)
+def test_opens_in_a_browser_without_errors(report, tmp_path):
+    pytest.importorskip("matplotlib")
+    result = _chromium(report["html"].as_uri(), tmp_path / "profile-1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _console(result.stderr) == []
+    dom = parse(result.stdout)
+    assert "parameter-table" in dom.tables and len(dom.tables["parameter-table"]) == 1 + 6
+    assert len([1 for tag, _ in dom.elements if tag == "img"]) == 3
+
+    # The same page with a probe that reports what each image decoded to: the policy is
+    # widened for that one inline script only.
+    text = report["html"].read_text(encoding="utf-8")
+    policy = CONTENT_SECURITY_POLICY + "; script-src 'unsafe-inline'"
+    probe = (
+        "<script>window.addEventListener('load', () => document.body.setAttribute('data-images', "
+        "Array.from(document.images).map(i => i.complete + ':' + i.naturalWidth + 'x' + i.naturalHeight)"
+        ".join(',')));</script></body>"
+    )
+    probed = tmp_path / "probed.html"
+    probed.write_text(
+        text.replace(CONTENT_SECURITY_POLICY, policy).replace("</body>", probe), encoding="utf-8"
+    )
+    result = _chromium(probed.as_uri(), tmp_path / "profile-2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _console(result.stderr) == []
+    body = next(attrs for tag, attrs in parse(result.stdout).elements if tag == "body")
+    sizes = [
+        f"true:{img['width']}x{img['height']}" for tag, img in parse(text).elements if tag == "img"
+    ]
+    assert body.get("data-images") == ",".join(sizes)
+
+
+@pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason="needs Chromium (Debian package 'chromium')"
+)
+def test_browser_check_catches_a_broken_page(tmp_path):
+    """The console check above is not vacuous: a fetch the policy blocks is reported."""
+    page = tmp_path / "broken.html"
+    page.write_text(
+        f'<!DOCTYPE html><html><head><meta http-equiv="Content-Security-Policy" '
+        f'content="{CONTENT_SECURITY_POLICY}"></head><body><img src="https://example.invalid/x.png">'
+        "</body></html>"
+    )
+    result = _chromium(page.as_uri(), tmp_path / "profile")
+    assert any("Content Security Policy" in line for line in _console(result.stderr))
