@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchutil import environment_line, markdown_table, mb, output_dir, sync, write_csv  # noqa: E402
+from benchutil import environment_line, markdown_table, mb, output_dir, quiet_collector, sync, write_csv  # noqa: E402
 from workloads import WORKLOADS, Workload, WorkloadUnavailable, build  # noqa: E402
 
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
@@ -192,6 +192,9 @@ def _flat_tensors(obj: Any) -> list[torch.Tensor]:
 # -- one workload ---------------------------------------------------------------------
 
 
+
+
+
 def compare(work: Workload, device: torch.device, warmup: int) -> list[Comparison]:
     cuda = device.type == "cuda"
     model, opt = work.model, work.optimizer
@@ -202,10 +205,11 @@ def compare(work: Workload, device: torch.device, warmup: int) -> list[Compariso
 
     def reference_peak() -> None:
         if cuda:
-            sync(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            work.step()
-            sync(device)
+            with quiet_collector():
+                sync(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                work.step()
+                sync(device)
             reference_peaks.append(torch.cuda.max_memory_allocated(device))
 
     reference_peak()
@@ -224,8 +228,9 @@ def compare(work: Workload, device: torch.device, warmup: int) -> list[Compariso
             profiler.record_stats()
             handle = opt.register_step_pre_hook(count_gradients)
             try:
-                work.step()
-                record = profiler.record_stats()
+                with quiet_collector():
+                    work.step()
+                    record = profiler.record_stats()
                 allocated_now = torch.cuda.memory_allocated(device) if cuda else None
             finally:
                 handle.remove()

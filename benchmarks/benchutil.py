@@ -10,12 +10,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
+import gc
 import os
 import platform
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -65,3 +67,18 @@ def mb(nbytes: float | None) -> str:
     if nbytes is None:
         return "n/a"
     return f"{nbytes / 1e6:.3f}"
+
+
+@contextlib.contextmanager
+def quiet_collector() -> Iterator[None]:
+    """Collect garbage first, then keep Python's cycle collector off for the block.
+
+    Peaks are absolute: garbage left by earlier work (and freed whenever the
+    collector happens to run) would otherwise move them from one step to the next.
+    """
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -47,7 +47,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchutil import environment_line, markdown_table, mb, output_dir, sync, write_csv  # noqa: E402
+from benchutil import environment_line, markdown_table, mb, output_dir, quiet_collector, sync, write_csv  # noqa: E402
 from workloads import WORKLOADS, Workload, WorkloadUnavailable, build, median  # noqa: E402
 
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
@@ -406,15 +406,16 @@ def measure_step_memory(work: Workload, device: torch.device, by_layer: bool | N
                 work.step()
                 if profiler is not None:
                     profiler.record_stats()
-            sync(device)
-            meter.start()
-            before = torch.cuda.memory_stats(device)
-            work.step()
-            if profiler is not None:
-                profiler.record_stats()
-            sync(device)
-            peak = meter.stop()
-            after = torch.cuda.memory_stats(device)
+            with quiet_collector():
+                sync(device)
+                meter.start()
+                before = torch.cuda.memory_stats(device)
+                work.step()
+                if profiler is not None:
+                    profiler.record_stats()
+                sync(device)
+                peak = meter.stop()
+                after = torch.cuda.memory_stats(device)
         finally:
             if profiler is not None:
                 profiler.close()

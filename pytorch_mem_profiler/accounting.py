@@ -33,12 +33,17 @@ __all__ = [
 ]
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the tensor's elements: ``numel() * element_size()``.
 
     For a DTensor (FSDP2, tensor parallel) this is the local shard: what this
     rank really holds.
     """
+    if type(tensor) in _PLAIN_TENSORS:  # the hot path: no attribute probing
+        return tensor.nbytes
     local = getattr(tensor, "_local_tensor", None)
     if isinstance(local, torch.Tensor):
         tensor = local
@@ -95,22 +100,9 @@ def weight_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[tuple
     return [(name, tensor_bytes(p)) for name, p in params]
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
 def gradient_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[int]:
     """Bytes of each parameter's ``.grad`` (0 where it is ``None``), in order."""
-    # Runs after every backward: plain tensors take the short way.
-    sizes = []
-    for _, p in params:
-        grad = p.grad
-        if grad is None:
-            sizes.append(0)
-        elif type(grad) in _PLAIN_TENSORS:
-            sizes.append(grad.nbytes)
-        else:
-            sizes.append(tensor_bytes(grad))
-    return sizes
+    return [0 if (grad := p.grad) is None else tensor_bytes(grad) for _, p in params]
 
 
 def buffer_bytes(model: torch.nn.Module, device: torch.device) -> list[tuple[str, int]]:

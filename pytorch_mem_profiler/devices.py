@@ -99,7 +99,12 @@ class MemoryCounter:
         """Begin counting (a no-op where the device counts by itself)."""
 
     def stop(self) -> None:
-        """Stop counting and release what :meth:`start` installed."""
+        """Stop counting and release what :meth:`start` installed.
+
+        A stopped counter no longer takes part in its device's peak folding.
+        """
+        if self._peer_set is not None:
+            self._peer_set.discard(self)
 
     def _read_device(self) -> Reading:
         """The device's own counters, peaks since the device's last reset by anyone."""

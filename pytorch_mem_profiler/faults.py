@@ -39,15 +39,19 @@ class FaultGuard:
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            if part in self.disabled:
-                return None
-            try:
-                return fn(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
-                self.fault(part, exc)
-                return None
+            return self.call(part, fn, *args, **kwargs)
 
         return guarded  # type: ignore[return-value]
+
+    def call(self, part: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` now, contained as :meth:`wrap` would (no wrapper made)."""
+        if part in self.disabled:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
+            self.fault(part, exc)
+            return None
 
     def fault(self, part: str, exc: BaseException) -> None:
         """Record a fault in ``part``: re-raise when strict, else log once and switch it off."""

@@ -73,6 +73,14 @@ class StepMeasurements:
     layers_kept: int = 0
 
 
+def _queues_own_callbacks(model: torch.nn.Module) -> bool:
+    """DDP and FSDP wrappers queue autograd-engine callbacks of their own during backward."""
+    names = {type(m).__name__ for m in model.modules()} if hasattr(model, "modules") else set()
+    return bool(names & {"DistributedDataParallel", "FullyShardedDataParallel"}) or any(
+        type(m).__name__.startswith("FSDP") for m in model.modules()
+    )
+
+
 class _BackwardPass:
     """One forward's pending backward: fires once, when the gradient first reaches an output."""
 
@@ -138,6 +146,9 @@ class TrainingStepHooks:
         self.attribution: LayerAttribution | None = None
         #: whether the running iteration is one that will be reported
         self.detailed = False
+        #: read backward's end only after callbacks queued later during backward
+        #: (DDP and FSDP finish their gradient reduction in one)
+        self.defer_backward_end = _queues_own_callbacks(model)
         self.current = StepMeasurements()
         self.max_reserved: int | None = None
         self.max_allocated: int | None = None
@@ -168,6 +179,15 @@ class TrainingStepHooks:
         first = self.counter.mark()
         self.max_reserved = first.reserved
         self.max_allocated = first.allocated
+
+    def release(self) -> None:
+        """Remove the hooks and drop the callbacks, which refer back to their owner:
+        a closed profiler is then freed at once, not at the next cycle collection."""
+        self.remove()
+        self._on_optimizer_step = None
+        self._on_forward_first_call = None
+        self.attribution = None
+        self.current = StepMeasurements()
 
     def remove(self) -> None:
         """Remove every hook this object installed."""
@@ -253,7 +273,7 @@ class TrainingStepHooks:
         if self._attributing:
             self._attributing = False
             assert self.attribution is not None
-            breakdown = self.guard.wrap("per-layer attribution", self.attribution.stop)()
+            breakdown = self.guard.call("per-layer attribution", self.attribution.stop)
         if start is None:
             return None
         end = self._mark("other")
@@ -284,10 +304,11 @@ class TrainingStepHooks:
             )
             self._backward_base = (start.allocated - out_grads, sum(gradient_bytes(self.params)))
             # Queued now, this callback runs when the whole backward pass is
-            # done; it queues itself once more so that it runs after callbacks
-            # queued later during backward (DDP finishes its reduction in one).
+            # done. Under DDP/FSDP it queues itself once more so that it runs
+            # after the callbacks they queue later, in which they finish reducing.
             engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(self.guard.wrap("backward hooks", self._backward_finishing))
+            end = self._backward_finishing if self.defer_backward_end else self._backward_finished
+            engine.queue_callback(self.guard.wrap("backward hooks", end))
         except Exception as exc:  # noqa: BLE001 - raised inside autograd: contain it here
             self.guard.fault("backward hooks", exc)
 

@@ -260,11 +260,11 @@ class MemoryProfiler:
         report and the CSV row are made from; ``None`` only if the profiler
         failed and switched itself off.
         """
-        return self._guard.wrap("record_stats", self._record_stats)()
+        return self._guard.call("record_stats", self._record_stats)
 
     def epoch_end(self) -> None:
         """Print ``Epoch N finished``, write the epoch's rows, and start the next epoch."""
-        self._guard.wrap("epoch_end", self._epoch_end)()
+        self._guard.call("epoch_end", self._epoch_end)
 
     def close(self) -> None:
         """Remove every hook, write pending rows and stop counting. Safe to call twice."""
@@ -274,7 +274,7 @@ class MemoryProfiler:
         try:
             if self.oom_postmortem is not None:
                 self.oom_postmortem.remove()
-            self._hooks.remove()
+            self._hooks.release()
             self._counter.stop()
         finally:
             self.flush()
@@ -283,9 +283,9 @@ class MemoryProfiler:
     def flush(self) -> None:
         """Write the rows recorded so far to the CSV files."""
         if self._csv is not None:
-            self._guard.wrap("csv", self._csv.flush)()
+            self._guard.call("csv", self._csv.flush)
         if self._layers_csv is not None:
-            self._guard.wrap("csv", self._layers_csv.flush)()
+            self._guard.call("csv", self._layers_csv.flush)
 
     def postmortem(self) -> dict[str, Any]:
         """What an OOM post-mortem writes about the run: plain data, ready for JSON.
@@ -402,7 +402,7 @@ class MemoryProfiler:
             }
         )
         has_peak = self._counter.has_peak
-        usage = self._guard.wrap("device memory", self._outside.read)() if reported else None
+        usage = self._guard.call("device memory", self._outside.read) if reported else None
         outside = None
         if usage is not None and final.reserved is not None:
             outside = usage.device_used - final.reserved

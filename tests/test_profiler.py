@@ -365,3 +365,21 @@ def test_a_device_without_peak_counters_reads_na(monkeypatch, stream):
     assert record.iteration_peak_allocated is None and record.peak_allocated is None
     assert record.feature_maps == 4 * (64 + 10) * 4  # allocated deltas still work
     assert "Peak cached" + "." * 29 + "n/a" in stream.getvalue()
+
+
+def test_a_closed_profiler_is_freed_without_the_cycle_collector(stream):
+    import gc
+    import weakref
+
+    model = mlp()
+    profiler = MemoryProfiler(model, stream=stream, by_layer=True)
+    train_step(model, torch.optim.Adam(model.parameters()), torch.randn(2, 32))
+    profiler.record_stats()
+    profiler.close()
+    ref = weakref.ref(profiler)
+    gc.disable()
+    try:
+        del profiler
+        assert ref() is None
+    finally:
+        gc.enable()
