@@ -7,6 +7,7 @@ Example::
     True
 """
 
+from .distributed import CrossRankSummary, RankInfo, RankSummary, format_cross_rank, rank_info
 from .profiler import MemoryProfiler, memory_profiler
 from .stats import IterationRecord, PhaseStats
 
@@ -17,5 +18,10 @@ __all__ = [
     "memory_profiler",
     "IterationRecord",
     "PhaseStats",
+    "CrossRankSummary",
+    "RankSummary",
+    "RankInfo",
+    "rank_info",
+    "format_cross_rank",
     "__version__",
 ]

@@ -40,8 +40,8 @@ from .stats import IterationRecord
 __all__ = ["CsvLog", "CsvFile", "record_columns", "record_row", "EXTRA_COLUMNS", "new_run_path"]
 
 #: Columns after the original tool's, in order. ``*_peak_allocated`` and
-#: ``*_end_allocated`` are per phase; ``iteration_time_s`` is in seconds and the
-#: counts are plain numbers, every other figure is in the file's ``unit``.
+#: ``*_end_allocated`` are per phase; ``iteration_time_s`` is in seconds, the
+#: counts and ``rank`` are plain numbers, every other figure is in the file's ``unit``.
 EXTRA_COLUMNS = (
     "allocated",
     "peak_allocated",
@@ -62,6 +62,9 @@ EXTRA_COLUMNS = (
     "step",
     "device",
     "unit",
+    "ddp_gradient_buckets",
+    "fsdp_gathered_parameters",
+    "rank",
 )
 
 
@@ -123,6 +126,9 @@ def record_row(record: IterationRecord, weight_names: Sequence[str], unit: str) 
     row["step"] = record.step
     row["device"] = record.device
     row["unit"] = unit
+    row["ddp_gradient_buckets"] = u(record.ddp_gradient_buckets)
+    row["fsdp_gathered_parameters"] = u(record.fsdp_gathered_parameters)
+    row["rank"] = record.rank
     return row
 
 
@@ -199,6 +205,8 @@ class CsvLog:
         weight_names: the parameter names, which become columns.
         unit: the unit of the figures (a key of :data:`~pytorch_mem_profiler.report.UNITS`).
         stem: the file name's start; the date and time follow.
+        name_suffix: what the name ends with before ``.csv`` (each rank's
+            ``_rank<r>_<host>`` under ``torch.distributed``).
     """
 
     def __init__(
@@ -207,11 +215,12 @@ class CsvLog:
         weight_names: Sequence[str],
         unit: str = "MB",
         stem: str = "memory_stats",
+        name_suffix: str = "",
     ) -> None:
         self.folder = prepare_folder(folder)
         self.weight_names = list(weight_names)
         self.unit = unit
-        self.path = new_run_path(self.folder, stem)
+        self.path = new_run_path(self.folder, stem, f"{name_suffix}.csv")
         self._file = CsvFile(self.path, record_columns(self.weight_names))
         self._file.flush()  # the header, so the file is a valid CSV from the start
 

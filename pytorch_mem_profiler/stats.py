@@ -78,6 +78,11 @@ class IterationRecord:
         optimizer_steps: optimizer steps over the model's parameters in this iteration.
         iteration_time_s: host wall time since the previous ``record_stats()``.
         phases: :class:`PhaseStats` by phase name (see :data:`PHASES`).
+        ddp_gradient_buckets: bytes of DDP's gradient buckets held apart from the
+            gradients (0 with ``gradient_as_bucket_view=True``); ``None`` without DDP.
+        fsdp_gathered_parameters: most bytes of FSDP2's gathered (unsharded)
+            parameters alive at once in this iteration; ``None`` without FSDP2.
+        rank: the global rank under ``torch.distributed``; ``None`` in a single process.
     """
 
     epoch: int
@@ -103,6 +108,9 @@ class IterationRecord:
     optimizer_steps: int = 0
     iteration_time_s: float | None = None
     phases: Mapping[str, PhaseStats] = field(default_factory=_empty)
+    ddp_gradient_buckets: int | None = None
+    fsdp_gathered_parameters: int | None = None
+    rank: int | None = None
 
     @property
     def model_state(self) -> int:
