@@ -25,7 +25,6 @@ Example::
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import socket
@@ -51,11 +50,10 @@ __all__ = [
     "encode_summary",
     "decode_summary",
     "gather_summaries",
+    "GatherBuffers",
     "format_cross_rank",
     "RankPeakTracker",
 ]
-
-_log = logging.getLogger("pytorch_mem_profiler")
 
 #: The record's categories compared across ranks: ``(label, IterationRecord field)``.
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -390,8 +388,34 @@ def _collective_device(info: RankInfo, profiled: torch.device) -> torch.device:
     return torch.device(device_type)
 
 
+class GatherBuffers:
+    """The all-gather's tensors, made at the first epoch end and reused at every later one.
+
+    NCCL keeps a collective's tensors until its watchdog thread reaps the
+    finished work; tensors made afresh at each call would be freed by that
+    thread at any later moment, moving the device's allocated figure between
+    two of the profiler's readings. Reused, they are freed only with the
+    profiler: ``(world_size + 1) * 1,128`` bytes on the device.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[torch.device, int] | None = None
+        self.send: torch.Tensor | None = None
+        self.receive: list[torch.Tensor] = []
+
+    def get(self, device: torch.device, world_size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self._key != (device, world_size) or self.send is None:
+            self.send = torch.zeros(_VECTOR_LENGTH, dtype=torch.int64, device=device)
+            self.receive = [torch.zeros_like(self.send) for _ in range(world_size)]
+            self._key = (device, world_size)
+        return self.send, self.receive
+
+
 def gather_summaries(
-    local: RankSummary | None, info: RankInfo, profiled: torch.device
+    local: RankSummary | None,
+    info: RankInfo,
+    profiled: torch.device,
+    buffers: GatherBuffers | None = None,
 ) -> tuple[RankSummary, ...]:
     """Every rank's summary, on every rank, through ONE ``all_gather`` of a small int64 tensor.
 
@@ -403,10 +427,10 @@ def gather_summaries(
 
     values = encode_summary(local) if local is not None else [0] * _VECTOR_LENGTH
     device = _collective_device(info, profiled)
-    tensor = torch.tensor(values, dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(tensor) for _ in range(info.world_size)]
-    dist.all_gather(gathered, tensor)
-    rows = torch.stack(gathered).cpu().tolist()
+    send, receive = (buffers or GatherBuffers()).get(device, info.world_size)
+    send.copy_(torch.tensor(values, dtype=torch.int64))
+    dist.all_gather(receive, send)
+    rows = [row.tolist() for row in torch.stack(receive).cpu()]
     summaries = []
     for rank, row in enumerate(rows):
         decoded = decode_summary(row)

@@ -50,6 +50,7 @@ from .data_parallel import FsdpGatherTracker, ddp_gradient_bucket_bytes
 from .devices import MemoryCounter, make_counter, resolve_device
 from .distributed import (
     CrossRankSummary,
+    GatherBuffers,
     RankPeakTracker,
     format_cross_rank,
     gather_summaries,
@@ -223,6 +224,7 @@ class MemoryProfiler:
         #: the latest cross-rank summary (every rank has it after :meth:`epoch_end`)
         self.cross_rank_summary: CrossRankSummary | None = None
         self._rank_peaks = RankPeakTracker() if self.rank_info is not None else None
+        self._gather_buffers = GatherBuffers()
         self._fsdp: FsdpGatherTracker | None = None
         self._ddp_buckets: int | None = None
         self._refresh_model_state()
@@ -279,6 +281,7 @@ class MemoryProfiler:
             self._hooks.remove()
             if self._fsdp is not None:
                 self._fsdp.remove()
+            self._gather_buffers = GatherBuffers()
             self._counter.stop()
         finally:
             self.flush()
@@ -465,7 +468,7 @@ class MemoryProfiler:
         except Exception as exc:  # noqa: BLE001 - the collective below must run regardless
             self._guard.fault("cross-rank figures", exc)
         tracker.new_epoch()
-        ranks = gather_summaries(local, info, self.device)
+        ranks = gather_summaries(local, info, self.device, self._gather_buffers)
         self.cross_rank_summary = CrossRankSummary(epoch=epoch, ranks=ranks)
         if self._prints_table:
             self.stream.write(format_cross_rank(self.cross_rank_summary, self.units) + "\n")

@@ -135,6 +135,19 @@ class CollectiveCounter:
             self.where = None
 
 
+def settle(device: torch.device) -> None:
+    """Let NCCL's watchdog thread reap finished collectives before the profiler counts.
+
+    NCCL holds a collective's tensors until its watchdog (which wakes every
+    100 ms or so) reaps the finished work: temporaries of DDP's start-up
+    broadcast or of a barrier would otherwise be freed at an arbitrary moment
+    during the training loop, between two readings of the allocator.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        time.sleep(0.5)
+
+
 def summary_dict(summary) -> dict | None:
     if summary is None:
         return None
@@ -210,6 +223,7 @@ def scenario_ddp(args, device, counter, bucket_view: bool, print_ranks) -> dict:
         return default_hooks.allreduce_hook(None, bucket)
 
     ddp.register_comm_hook(None, record_buckets)
+    settle(device)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     out = io.StringIO()
     name = "ddp_view" if bucket_view else "ddp"
@@ -377,6 +391,7 @@ def main() -> None:
             print(f"[rank {rank}] scenario {name} failed:\n{results[name]['error']}", file=sys.stderr)
         results[name]["seconds"] = time.perf_counter() - started
         dist.barrier()
+        settle(device)
     results["collectives"] = counter.calls
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
