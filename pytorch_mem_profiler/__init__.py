@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .distributed import CrossRankSummary, RankInfo, RankSummary, format_cross_rank, rank_info
 from .oom import OomPostmortem, dump_on_oom
 from .profiler import MemoryProfiler, memory_profiler
 from .snapshot import (
@@ -60,6 +61,11 @@ __all__ = [
     "memory_timeline_handler",
     "dump_on_oom",
     "OomPostmortem",
+    "CrossRankSummary",
+    "RankSummary",
+    "RankInfo",
+    "rank_info",
+    "format_cross_rank",
     "__version__",
     *_LAZY,
 ]

@@ -50,8 +50,8 @@ __all__ = [
 ]
 
 #: Columns after the original tool's, in order. ``*_peak_allocated`` and
-#: ``*_end_allocated`` are per phase; ``iteration_time_s`` is in seconds and the
-#: counts are plain numbers, every other figure is in the file's ``unit``.
+#: ``*_end_allocated`` are per phase; ``iteration_time_s`` is in seconds, the
+#: counts and ``rank`` are plain numbers, every other figure is in the file's ``unit``.
 EXTRA_COLUMNS = (
     "allocated",
     "peak_allocated",
@@ -80,6 +80,9 @@ EXTRA_COLUMNS = (
     "layers_total_feature_maps",
     "layers_input",
     "layers_unattributed",
+    "ddp_gradient_buckets",
+    "fsdp_gathered_parameters",
+    "rank",
 )
 
 
@@ -150,6 +153,9 @@ def record_row(record: IterationRecord, weight_names: Sequence[str], unit: str) 
     row["layers_total_feature_maps"] = u(layers.total) if layers else None
     row["layers_input"] = u(layers.inputs) if layers else None
     row["layers_unattributed"] = u(layers.unattributed) if layers else None
+    row["ddp_gradient_buckets"] = u(record.ddp_gradient_buckets)
+    row["fsdp_gathered_parameters"] = u(record.fsdp_gathered_parameters)
+    row["rank"] = record.rank
     return row
 
 
@@ -226,6 +232,8 @@ class CsvLog:
         weight_names: the parameter names, which become columns.
         unit: the unit of the figures (a key of :data:`~pytorch_mem_profiler.report.UNITS`).
         stem: the file name's start; the date and time follow.
+        name_suffix: what the name ends with before ``.csv`` (each rank's
+            ``_rank<r>_<host>`` under ``torch.distributed``).
     """
 
     def __init__(
@@ -234,11 +242,12 @@ class CsvLog:
         weight_names: Sequence[str],
         unit: str = "MB",
         stem: str = "memory_stats",
+        name_suffix: str = "",
     ) -> None:
         self.folder = prepare_folder(folder)
         self.weight_names = list(weight_names)
         self.unit = unit
-        self.path = new_run_path(self.folder, stem)
+        self.path = new_run_path(self.folder, stem, f"{name_suffix}.csv")
         self._file = CsvFile(self.path, record_columns(self.weight_names))
         self._file.flush()  # the header, so the file is a valid CSV from the start
 

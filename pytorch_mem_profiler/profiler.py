@@ -46,7 +46,19 @@ from .accounting import (
     unique_parameters,
     weight_bytes,
 )
+from .data_parallel import FsdpGatherTracker, ddp_gradient_bucket_bytes
 from .devices import MemoryCounter, make_counter, resolve_device
+from .distributed import (
+    CrossRankSummary,
+    GatherBuffers,
+    RankPeakTracker,
+    format_cross_rank,
+    gather_summaries,
+    parse_print_ranks,
+    rank_device,
+    rank_info,
+    summarize_rank,
+)
 from .faults import FaultGuard
 from .hooks import StepMeasurements, TrainingStepHooks
 from .layers import LayerAttribution, LayerBreakdown, is_compiled
@@ -113,6 +125,15 @@ class MemoryProfiler:
             :func:`~pytorch_mem_profiler.dump_on_oom`).
         tensorboard: a ``torch.utils.tensorboard.SummaryWriter`` (or anything with
             ``add_scalar``) that gets each reported record's figures as scalars.
+        print_ranks: under ``torch.distributed``, the ranks that print their
+            report: ``0`` (the default), a list of ranks, or ``"all"``; with
+            more than rank 0, each line starts with ``[rank r]``. The lowest of
+            them also prints the cross-rank table at each :meth:`epoch_end`.
+
+    Under ``torch.distributed`` (an initialized default process group) each
+    rank profiles its own device, its CSV file's name ends with
+    ``_rank<r>_<host>``, and :meth:`epoch_end` is a collective: every rank must
+    call it, as often as the others.
 
     Weights and buffers are counted when the profiler is made and again at
     each :meth:`epoch_end`; gradients, feature maps and the rest every iteration.
@@ -148,6 +169,7 @@ class MemoryProfiler:
         leak_window: int = 5,
         oom_dir: str | os.PathLike | None = None,
         tensorboard: Any = None,
+        print_ranks: int | Iterable[int] | str = 0,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -171,6 +193,7 @@ class MemoryProfiler:
             raise TypeError(f"csv_dir must be a str or os.PathLike, got {type(csv_dir).__name__}")
         optimizers = _check_optimizers(optimizer)
         self._tensorboard = check_writer(tensorboard)
+        printing_ranks = parse_print_ranks(print_ranks)
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError(
                 "model has parameters on the meta device, which hold no memory to profile; "
@@ -182,7 +205,20 @@ class MemoryProfiler:
         self.csv = csv
         self.units = units
         self.strict = strict
-        self.device = resolve_device(model, device)
+        #: this process's rank under torch.distributed; ``None`` in a single process
+        self.rank_info = rank_info()
+        self.device = self._model_device(device)
+        rank = self.rank_info.rank if self.rank_info is not None else 0
+        self._prints = printing_ranks is None or rank in printing_ranks
+        # One rank prints the cross-rank table: the lowest that prints.
+        self._prints_table = self._prints and rank == min(printing_ranks or {0})
+        self._line_prefix = (
+            f"[rank {rank}] "
+            if self.rank_info is not None and printing_ranks != frozenset({0})
+            else ""
+        )
+        #: what this rank's file names end with: ``_rank<r>_<host>`` (empty in a single process)
+        self.file_tag = self.rank_info.file_tag if self.rank_info is not None else ""
         self._stream = stream
         self._guard = FaultGuard(strict)
         self._counter: MemoryCounter = make_counter(self.device)
@@ -200,7 +236,9 @@ class MemoryProfiler:
             from .export import CsvLog, LayerCsv  # pandas is imported only when CSV is asked for
 
             self._params = unique_parameters(model, self.device)
-            self._csv = CsvLog(csv_dir, [name for name, _ in self._params], unit=units)
+            self._csv = CsvLog(
+                csv_dir, [name for name, _ in self._params], unit=units, name_suffix=self.file_tag
+            )
             if by_layer:
                 self._layers_csv = LayerCsv(self._csv.path)
         self.csv_path = self._csv.path if self._csv is not None else None
@@ -219,6 +257,12 @@ class MemoryProfiler:
         self._closed = False
         self._optimizer_state_cache: dict[int, tuple[int, int]] = {}
         self._adopted: weakref.WeakSet = weakref.WeakSet()
+        #: the latest cross-rank summary (every rank has it after :meth:`epoch_end`)
+        self.cross_rank_summary: CrossRankSummary | None = None
+        self._rank_peaks = RankPeakTracker() if self.rank_info is not None else None
+        self._gather_buffers = GatherBuffers()
+        self._fsdp: FsdpGatherTracker | None = None
+        self._ddp_buckets: int | None = None
         self._refresh_model_state()
         self._counter.start()
         self._counter.adopt(p for _, p in self._params)
@@ -248,6 +292,8 @@ class MemoryProfiler:
                 )
         self._hooks.install()
         self._update_detail()
+        if self.rank_info is not None:
+            self._fsdp = FsdpGatherTracker.attach(model, self._guard.wrap)
         self._last_time = time.perf_counter()
         self._atexit = _flush_at_exit(self)
         atexit.register(self._atexit)
@@ -263,8 +309,18 @@ class MemoryProfiler:
         return self._guard.call("record_stats", self._record_stats)
 
     def epoch_end(self) -> None:
-        """Print ``Epoch N finished``, write the epoch's rows, and start the next epoch."""
+        """Print ``Epoch N finished``, write the epoch's rows, and start the next epoch.
+
+        Under ``torch.distributed`` also gather every rank's peaks (one small
+        all-gather) into :attr:`cross_rank_summary` and print the cross-rank
+        table: every rank must call it.
+        """
+        epoch = self.epoch
         self._guard.call("epoch_end", self._epoch_end)
+        if self.rank_info is not None:
+            # Apart from the rest of epoch_end, so that a fault there never
+            # keeps this rank out of the collective the others wait in.
+            self._guard.call("cross-rank summary", self._cross_rank_summary, epoch)
 
     def close(self) -> None:
         """Remove every hook, write pending rows and stop counting. Safe to call twice."""
@@ -275,6 +331,9 @@ class MemoryProfiler:
             if self.oom_postmortem is not None:
                 self.oom_postmortem.remove()
             self._hooks.release()
+            if self._fsdp is not None:
+                self._fsdp.remove()
+            self._gather_buffers = GatherBuffers()
             self._counter.stop()
         finally:
             self.flush()
@@ -318,6 +377,20 @@ class MemoryProfiler:
     def stream(self) -> IO[str]:
         return self._stream if self._stream is not None else sys.stdout
 
+    def _model_device(self, device: Any = None) -> torch.device:
+        """The device to profile: ``device``, else the model's (each rank's own, distributed)."""
+        if device is None and self.rank_info is not None:
+            return rank_device(self.model, self.rank_info)
+        return resolve_device(self.model, device)
+
+    def _print(self, text: str) -> None:
+        """Write ``text`` if this rank prints, each line with the rank prefix, in one write."""
+        if not self._prints:
+            return
+        if self._line_prefix:
+            text = "\n".join(self._line_prefix + line for line in text.split("\n"))
+        self.stream.write(text + "\n")
+
     def _refresh_model_state(self) -> None:
         """Parameter list, weights and buffers: sizes that change only if the model does."""
         self._params = unique_parameters(self.model, self.device)
@@ -328,9 +401,13 @@ class MemoryProfiler:
         self._requires_grad = [p.requires_grad for _, p in self._params]
         self._last_gradient_sizes: list[int] | None = None
         self._gradients_by_name: Any = MappingProxyType({})
+        if self.rank_info is not None:
+            self._ddp_buckets = ddp_gradient_bucket_bytes(self.model, self.device)
+            if self._fsdp is not None:
+                self._fsdp.refresh()
 
     def _check_device_once(self) -> None:
-        now = resolve_device(self.model)
+        now = self._model_device()
         if self._device_explicit or now == self.device:
             return
         _log.warning(
@@ -435,6 +512,9 @@ class MemoryProfiler:
             device_used=usage.device_used if usage is not None else None,
             process_used=usage.process_used if usage is not None else None,
             outside_pytorch=outside,
+            ddp_gradient_buckets=self._ddp_buckets,
+            fsdp_gathered_parameters=self._fsdp.finish_iteration() if self._fsdp else None,
+            rank=self.rank_info.rank if self.rank_info is not None else None,
         )
 
     def _record_stats(self) -> IterationRecord:
@@ -447,14 +527,16 @@ class MemoryProfiler:
         record = self._build_record(measurements, reported)
         self.last_record = record
         self._update_detail()
+        if self._rank_peaks is not None:
+            self._rank_peaks.observe(record)
         if reported:
             if self.first_record is None:
                 self.first_record = record
             self.records.append(record)
             self.last_report = format_report(record, self.units)
-            self.stream.write(self.last_report + "\n")
+            self._print(self.last_report)
             if self._tensorboard is not None:
-                self._guard.wrap("tensorboard", log_record)(self._tensorboard, record, self.units)
+                self._guard.call("tensorboard", log_record, self._tensorboard, record, self.units)
             if self._csv is not None:
                 self._csv.add(record)
                 if self._layers_csv is not None:
@@ -472,7 +554,7 @@ class MemoryProfiler:
         self._hooks.detailed = self._hooks.attribution is not None and next_reported
 
     def _epoch_end(self) -> None:
-        self.stream.write(f"Epoch {self.epoch} finished\n")
+        self._print(f"Epoch {self.epoch} finished")
         self.flush()
         self._refresh_model_state()
         self._hooks.set_params(self._params)
@@ -482,6 +564,24 @@ class MemoryProfiler:
         self._update_detail()
         if self._hooks.attribution is not None:
             self._hooks.attribution.refresh()
+
+    def _cross_rank_summary(self, epoch: int) -> None:
+        info, tracker = self.rank_info, self._rank_peaks
+        assert info is not None and tracker is not None
+        if not torch.distributed.is_initialized():
+            return  # the group was destroyed on every rank: nobody to gather from
+        local = None
+        try:
+            local = summarize_rank(
+                info.rank, info.host, tracker.latest, tracker.peak, str(self.device)
+            )
+        except Exception as exc:  # noqa: BLE001 - the collective below must run regardless
+            self._guard.fault("cross-rank figures", exc)
+        tracker.new_epoch()
+        ranks = gather_summaries(local, info, self.device, self._gather_buffers)
+        self.cross_rank_summary = CrossRankSummary(epoch=epoch, ranks=ranks)
+        if self._prints_table:
+            self.stream.write(format_cross_rank(self.cross_rank_summary, self.units) + "\n")
 
 
 def _feature_maps_by_layer(breakdown: LayerBreakdown | None, kept: int) -> LayerFeatureMaps | None:

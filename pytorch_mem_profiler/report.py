@@ -148,6 +148,12 @@ def format_report(record: IterationRecord, unit: str = "MB", top: int = 10) -> s
         "",
         line("Optimizer state", record.optimizer_state),
         line("Buffers", record.buffers),
+    ]
+    if record.ddp_gradient_buckets is not None:
+        out.append(line("DDP gradient buckets", record.ddp_gradient_buckets))
+    if record.fsdp_gathered_parameters is not None:
+        out.append(line("FSDP gathered parameters", record.fsdp_gathered_parameters))
+    out += [
         line("Current allocated", record.allocated),
         line("Peak allocated, this iteration", record.iteration_peak_allocated),
         line("Peak allocated, since start", record.peak_allocated),

@@ -104,6 +104,11 @@ class IterationRecord:
         process_used: bytes this process uses on the device (NVML, where it can tell).
         outside_pytorch: device used minus the allocator's reserved bytes: the CUDA
             context, library workspaces, other processes.
+        ddp_gradient_buckets: bytes of DDP's gradient buckets held apart from the
+            gradients (0 with ``gradient_as_bucket_view=True``); ``None`` without DDP.
+        fsdp_gathered_parameters: most bytes of FSDP2's gathered (unsharded)
+            parameters alive at once in this iteration; ``None`` without FSDP2.
+        rank: the global rank under ``torch.distributed``; ``None`` in a single process.
     """
 
     epoch: int
@@ -134,6 +139,9 @@ class IterationRecord:
     device_used: int | None = None
     process_used: int | None = None
     outside_pytorch: int | None = None
+    ddp_gradient_buckets: int | None = None
+    fsdp_gathered_parameters: int | None = None
+    rank: int | None = None
 
     @property
     def model_state(self) -> int:

@@ -1,0 +1,522 @@
+"""Rank awareness and the cross-rank summary, through ``torch.distributed``.
+
+Under ``torchrun`` every rank runs its own profiler on its own device. This
+module knows which rank a process is (:func:`rank_info`), which device a rank
+profiles (:func:`rank_device`), and, once per ``epoch_end()``, brings each
+rank's peaks to every rank with one small all-gather (:func:`gather_summaries`)
+so that one rank can print which rank came closest to running out of memory
+(:func:`format_cross_rank`). Nothing here runs a collective per iteration.
+
+Example::
+
+    >>> summary = CrossRankSummary(epoch=1, ranks=(
+    ...     RankSummary(rank=0, host="node1", device="cuda:0", peak_cached=8_000_000,
+    ...                 peak_allocated=6_000_000, categories={"weights": 4_000_000}),
+    ...     RankSummary(rank=1, host="node1", device="cuda:1", peak_cached=9_000_000,
+    ...                 peak_allocated=7_000_000, categories={"feature maps": 5_000_000}),
+    ... ))
+    >>> summary.highest.rank, summary.highest.largest_category
+    (1, ('feature maps', 5000000))
+    >>> summary.stat("peak_cached")
+    (8000000, 9000000, 8500000.0)
+    >>> print(format_cross_rank(summary).splitlines()[1])
+    Memory across 2 ranks, Epoch 1
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from .devices import resolve_device
+from .report import REPORT_WIDTH, UNITS, format_amount
+from .stats import IterationRecord
+
+__all__ = [
+    "RankInfo",
+    "RankSummary",
+    "CrossRankSummary",
+    "CATEGORIES",
+    "rank_info",
+    "rank_device",
+    "parse_print_ranks",
+    "summarize_rank",
+    "encode_summary",
+    "decode_summary",
+    "gather_summaries",
+    "GatherBuffers",
+    "format_cross_rank",
+    "RankPeakTracker",
+]
+
+#: The record's categories compared across ranks: ``(label, IterationRecord field)``.
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("weights", "weights"),
+    ("weight gradients", "gradients"),
+    ("optimizer state", "optimizer_state"),
+    ("feature maps", "feature_maps"),
+    ("intermediate gradients", "intermediate_gradients"),
+    ("buffers", "buffers"),
+    ("DDP gradient buckets", "ddp_gradient_buckets"),
+    ("FSDP gathered parameters", "fsdp_gathered_parameters"),
+)
+
+# The all-gathered vector: a format number, the rank, two peaks, one slot per
+# category, then the label "device\nhost" as UTF-8 bytes, one byte a slot (a
+# long host name is cut, the device stays).
+_FORMAT = 1
+_HEAD = 4
+_LABEL_BYTES = 128
+_VECTOR_LENGTH = _HEAD + len(CATEGORIES) + _LABEL_BYTES
+_UNKNOWN = -1
+
+# Backends that run collectives on an accelerator and nowhere else.
+_ACCELERATOR_BACKENDS = {"nccl": "cuda", "xccl": "xpu", "hccl": "hpu"}
+
+
+# -- who am I ------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job.
+
+    Attributes:
+        rank: the global rank, from 0.
+        world_size: how many ranks the job has.
+        local_rank: the rank on this host (``LOCAL_RANK``, set by ``torchrun``); ``None`` if unset.
+        host: this host's name.
+        backends: the process group's backend by device type, e.g. ``{"cpu": "gloo", "cuda": "nccl"}``.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int | None
+    host: str
+    backends: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def file_tag(self) -> str:
+        """What a rank's file names end with: ``_rank<r>_<host>``, distinct for each rank."""
+        return f"_rank{self.rank}_{_safe_name(self.host)}"
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "-", text)[:64] or "host"
+
+
+def _backends() -> dict[str, str]:
+    """The default group's backend per device type, from ``"cpu:gloo,cuda:nccl"`` or ``"nccl"``."""
+    import torch.distributed as dist
+
+    getter = getattr(dist, "get_backend_config", None)  # torch >= 2.1; older: one name
+    text = str(getter() if getter is not None else dist.get_backend()).lower()
+    result: dict[str, str] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if ":" in part:
+            device, backend = part.split(":", 1)
+            result[device] = backend
+        elif part in _ACCELERATOR_BACKENDS:
+            result[_ACCELERATOR_BACKENDS[part]] = part
+        elif part:
+            result.setdefault("cpu", part)
+    return result
+
+
+def rank_info() -> RankInfo | None:
+    """This process's rank, or ``None`` when no default process group is initialized.
+
+    Example::
+
+        >>> rank_info() is None   # no torch.distributed.init_process_group() here
+        True
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    local = os.environ.get("LOCAL_RANK")
+    return RankInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(local) if local is not None and local.isdigit() else None,
+        host=socket.gethostname(),
+        backends=MappingProxyType(_backends()),
+    )
+
+
+def rank_device(model: torch.nn.Module, info: RankInfo) -> torch.device:
+    """The device a rank profiles: where its model lives.
+
+    The first parameter or buffer on an accelerator decides. A model with none
+    there (a parameterless stage, FSDP2 with its shards offloaded to the CPU)
+    under an accelerator backend (NCCL) computes on the rank's accelerator:
+    ``LOCAL_RANK``, or the current device when ``LOCAL_RANK`` is not a visible
+    device. Otherwise the model's device as on one process.
+
+    Example::
+
+        >>> info = RankInfo(rank=0, world_size=2, local_rank=0, host="h", backends={"cpu": "gloo"})
+        >>> rank_device(torch.nn.Linear(2, 2), info)
+        device(type='cpu')
+    """
+    for tensor in _tensors(model):
+        if tensor.device.type not in ("cpu", "meta"):
+            return resolve_device(model, tensor.device)
+    for device_type, backend in info.backends.items():
+        if device_type == "cpu" or backend == "gloo":
+            continue
+        module = getattr(torch, device_type, None)
+        try:
+            if module is None or not module.is_available():
+                continue
+            index = info.local_rank
+            if index is None or index >= module.device_count():
+                index = module.current_device()
+        except AttributeError:  # a backend module without the usual device calls
+            continue
+        return torch.device(device_type, index)
+    return resolve_device(model)
+
+
+def _tensors(model: torch.nn.Module) -> Iterable[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def parse_print_ranks(value: Any) -> frozenset[int] | None:
+    """The ranks that print, from ``print_ranks``; ``None`` means every rank.
+
+    Accepts ``"all"``, a rank number, a list of them, or a string of them
+    (``"0"``, ``"0,3"``, handy from an environment variable).
+
+    Example::
+
+        >>> parse_print_ranks(0), parse_print_ranks("0,2"), parse_print_ranks("all")
+        (frozenset({0}), frozenset({0, 2}), None)
+    """
+    error = ValueError(
+        "print_ranks must be 'all', a rank number >= 0 or a list of them, " f"got {value!r}"
+    )
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "all":
+            return None
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts or not all(p.isdigit() for p in parts):
+            raise error
+        return frozenset(int(p) for p in parts)
+    if isinstance(value, bool):
+        raise error
+    if isinstance(value, int):
+        if value < 0:
+            raise error
+        return frozenset({value})
+    try:
+        items = list(value)
+    except TypeError:
+        raise error from None
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+        raise error
+    return frozenset(items)
+
+
+# -- one rank's figures -----------------------------------------------------------
+@dataclass(frozen=True)
+class RankSummary:
+    """One rank's figures for the cross-rank table, in bytes (``None``: not known).
+
+    Attributes:
+        rank: the global rank.
+        host: the host it runs on.
+        device: the device it profiles.
+        peak_cached: most bytes the allocator reserved since the profiler started.
+        peak_allocated: most bytes allocated since the profiler started.
+        categories: bytes by category label (see :data:`CATEGORIES`) in the
+            epoch's iteration with the highest peak.
+    """
+
+    rank: int
+    host: str = ""
+    device: str = ""
+    peak_cached: int | None = None
+    peak_allocated: int | None = None
+    categories: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def peak(self) -> int | None:
+        """The peak that decides who runs out first: cached where known, else allocated."""
+        return self.peak_cached if self.peak_cached is not None else self.peak_allocated
+
+    @property
+    def largest_category(self) -> tuple[str, int] | None:
+        """``(label, bytes)`` of the largest category; ``None`` when none is known."""
+        best = None
+        for label, nbytes in self.categories.items():
+            if best is None or nbytes > best[1]:
+                best = (label, nbytes)
+        return best
+
+
+def summarize_rank(
+    rank: int,
+    host: str,
+    latest: IterationRecord | None,
+    peak: IterationRecord | None = None,
+    device: str = "",
+) -> RankSummary:
+    """A rank's summary: peaks from its ``latest`` record, categories from its ``peak`` one.
+
+    Example::
+
+        >>> rec = IterationRecord(epoch=1, iteration=1, step=1, device="cpu", allocated=10,
+        ...                       peak_allocated=30, peak_cached=40, weights=8, feature_maps=12)
+        >>> s = summarize_rank(0, "h", rec)
+        >>> s.peak, s.largest_category
+        (40, ('feature maps', 12))
+    """
+    where = peak if peak is not None else latest
+    categories: dict[str, int] = {}
+    if where is not None:
+        for label, name in CATEGORIES:
+            value = getattr(where, name, None)
+            if isinstance(value, int) and value > 0:
+                categories[label] = value
+    return RankSummary(
+        rank=rank,
+        host=host,
+        device=device or (latest.device if latest is not None else ""),
+        peak_cached=latest.peak_cached if latest is not None else None,
+        peak_allocated=latest.peak_allocated if latest is not None else None,
+        categories=MappingProxyType(categories),
+    )
+
+
+class RankPeakTracker:
+    """Keeps, per epoch, the record with the highest iteration peak: one comparison an iteration.
+
+    Example::
+
+        >>> t = RankPeakTracker()
+        >>> for peak in (5, 9, 7):
+        ...     t.observe(IterationRecord(epoch=1, iteration=1, step=1, device="cpu",
+        ...                               allocated=0, iteration_peak_allocated=peak))
+        >>> t.peak.iteration_peak_allocated, t.latest.iteration_peak_allocated
+        (9, 7)
+    """
+
+    def __init__(self) -> None:
+        self.peak: IterationRecord | None = None
+        self.latest: IterationRecord | None = None
+
+    def observe(self, record: IterationRecord) -> None:
+        self.latest = record
+        best = self.peak
+        if best is None or (record.iteration_peak_allocated or 0) > (
+            best.iteration_peak_allocated or 0
+        ):
+            self.peak = record
+
+    def new_epoch(self) -> None:
+        """Forget the epoch's peak record; the latest record stays for the next summary."""
+        self.peak = None
+
+
+# -- the wire format -------------------------------------------------------------
+def encode_summary(summary: RankSummary) -> list[int]:
+    """The fixed-length int64 vector a rank contributes to the all-gather."""
+
+    def num(value: int | None) -> int:
+        return _UNKNOWN if value is None else int(value)
+
+    label = f"{summary.device}\n{summary.host}".encode("utf-8")[:_LABEL_BYTES]
+    values = [_FORMAT, summary.rank, num(summary.peak_cached), num(summary.peak_allocated)]
+    values += [num(summary.categories.get(label_, None)) for label_, _ in CATEGORIES]
+    values += list(label) + [0] * (_LABEL_BYTES - len(label))
+    return values
+
+
+def decode_summary(values: Sequence[int]) -> RankSummary | None:
+    """The summary back from :func:`encode_summary`'s vector; ``None`` for a rank that had none.
+
+    Example::
+
+        >>> s = RankSummary(rank=3, host="n2", device="cuda:1", peak_cached=7, categories={"weights": 5})
+        >>> decode_summary(encode_summary(s)) == s
+        True
+    """
+    if len(values) != _VECTOR_LENGTH or values[0] != _FORMAT:
+        return None
+
+    def num(value: int) -> int | None:
+        return None if value < 0 else int(value)
+
+    categories = {
+        label: int(v)
+        for (label, _), v in zip(CATEGORIES, values[_HEAD : _HEAD + len(CATEGORIES)])
+        if v >= 0
+    }
+    raw = bytes(int(b) & 0xFF for b in values[_HEAD + len(CATEGORIES) :]).rstrip(b"\0")
+    device, _, host = raw.decode("utf-8", errors="replace").partition("\n")
+    return RankSummary(
+        rank=int(values[1]),
+        host=host,
+        device=device,
+        peak_cached=num(values[2]),
+        peak_allocated=num(values[3]),
+        categories=MappingProxyType(categories),
+    )
+
+
+def _collective_device(info: RankInfo, profiled: torch.device) -> torch.device:
+    """Where the gathered tensor must live: the CPU when the group has a CPU backend
+    (gloo), else the accelerator that backend runs on (NCCL needs CUDA tensors)."""
+    backends = info.backends
+    if not backends or "cpu" in backends:
+        return torch.device("cpu")
+    if profiled.type in backends:
+        return profiled
+    device_type = next(iter(backends))
+    module = getattr(torch, device_type, None)
+    if module is not None and hasattr(module, "current_device"):
+        return torch.device(device_type, module.current_device())
+    return torch.device(device_type)
+
+
+class GatherBuffers:
+    """The all-gather's tensors, made at the first epoch end and reused at every later one.
+
+    NCCL keeps a collective's tensors until its watchdog thread reaps the
+    finished work; tensors made afresh at each call would be freed by that
+    thread at any later moment, moving the device's allocated figure between
+    two of the profiler's readings. Reused, they are freed only with the
+    profiler: ``(world_size + 1) * 1,128`` bytes on the device.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[torch.device, int] | None = None
+        self.send: torch.Tensor | None = None
+        self.receive: list[torch.Tensor] = []
+
+    def get(self, device: torch.device, world_size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self._key != (device, world_size) or self.send is None:
+            self.send = torch.zeros(_VECTOR_LENGTH, dtype=torch.int64, device=device)
+            self.receive = [torch.zeros_like(self.send) for _ in range(world_size)]
+            self._key = (device, world_size)
+        return self.send, self.receive
+
+
+def gather_summaries(
+    local: RankSummary | None,
+    info: RankInfo,
+    profiled: torch.device,
+    buffers: GatherBuffers | None = None,
+) -> tuple[RankSummary, ...]:
+    """Every rank's summary, on every rank, through ONE ``all_gather`` of a small int64 tensor.
+
+    A collective: every rank of the default group must call it, the same
+    number of times. ``local=None`` contributes "nothing known", so a rank
+    whose profiler failed still takes part and no rank waits for ever.
+    """
+    import torch.distributed as dist
+
+    values = encode_summary(local) if local is not None else [0] * _VECTOR_LENGTH
+    device = _collective_device(info, profiled)
+    send, receive = (buffers or GatherBuffers()).get(device, info.world_size)
+    send.copy_(torch.tensor(values, dtype=torch.int64))
+    dist.all_gather(receive, send)
+    rows = [row.tolist() for row in torch.stack(receive).cpu()]
+    summaries = []
+    for rank, row in enumerate(rows):
+        decoded = decode_summary(row)
+        summaries.append(decoded if decoded is not None else RankSummary(rank=rank))
+    return tuple(summaries)
+
+
+# -- the table ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class CrossRankSummary:
+    """Every rank's peaks at the end of an epoch.
+
+    Attributes:
+        epoch: the epoch that ended.
+        ranks: one :class:`RankSummary` per rank, by rank.
+    """
+
+    epoch: int
+    ranks: tuple[RankSummary, ...]
+
+    def stat(self, name: str) -> tuple[int, int, float] | None:
+        """``(min, max, mean)`` of ``peak_cached`` or ``peak_allocated`` over the ranks that know it."""
+        values = [getattr(r, name) for r in self.ranks if getattr(r, name) is not None]
+        if not values:
+            return None
+        return min(values), max(values), sum(values) / len(values)
+
+    @property
+    def highest(self) -> RankSummary | None:
+        """The rank with the highest peak (cached where known): the first to run out of memory."""
+        known = [r for r in self.ranks if r.peak is not None]
+        return max(known, key=lambda r: (r.peak, -r.rank)) if known else None
+
+
+def format_cross_rank(summary: CrossRankSummary, unit: str = "MB") -> str:
+    """The cross-rank table: peaks per rank, min / max / mean, and the rank that peaks highest.
+
+    Example::
+
+        >>> s = CrossRankSummary(epoch=2, ranks=(RankSummary(rank=0, peak_cached=2_000_000),))
+        >>> "Highest peak: rank 0" in format_cross_rank(s)
+        True
+    """
+    fmt = lambda n: format_amount(n, unit)  # noqa: E731
+    n = len(summary.ranks)
+    header = ("rank", "host", "device", "peak cached", "peak allocated", "largest category")
+    rows = []
+    for r in summary.ranks:
+        largest = r.largest_category
+        rows.append(
+            (
+                str(r.rank),
+                r.host or "?",
+                r.device or "?",
+                fmt(r.peak_cached),
+                fmt(r.peak_allocated),
+                f"{largest[0]} {fmt(largest[1])}" if largest else "n/a",
+            )
+        )
+    stats = {name: summary.stat(name) for name in ("peak_cached", "peak_allocated")}
+    for i, label in enumerate(("min", "max", "mean")):
+        cells = []
+        for name in ("peak_cached", "peak_allocated"):
+            s = stats[name]
+            cells.append(fmt(None if s is None else s[i]))
+        rows.append((label, "", "", cells[0], cells[1], ""))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    right = {0, 3, 4}
+
+    def line(cells: Sequence[str]) -> str:
+        out = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(out).rstrip()
+
+    table = [line(header)] + [line(row) for row in rows[:n]] + [line(row) for row in rows[n:]]
+    width = max(REPORT_WIDTH, *(len(t) for t in table))
+    stars = "*" * width
+    out = [stars, f"Memory across {n} rank{'s' if n != 1 else ''}, Epoch {summary.epoch}", stars]
+    out += table
+    top = summary.highest
+    if top is not None:
+        where = ", ".join(x for x in (top.host, top.device) if x)
+        text = f"Highest peak: rank {top.rank}" + (f" ({where})" if where else "")
+        text += f", {fmt(top.peak_cached)} cached, {fmt(top.peak_allocated)} allocated"
+        largest = top.largest_category
+        if largest is not None:
+            text += f"; largest category: {largest[0]}, {fmt(largest[1])}"
+        out.append(text)
+    out.append(f"({unit} = {UNITS[unit]:,} bytes; peaks since the profiler started)")
+    return "\n".join(out)
