@@ -235,10 +235,12 @@ class TrainingStepHooks:
         self._location = location
         return reading
 
-    def forward_location(self, name: str) -> None:
-        """A tracked module's forward starts or ends: the code now runs in ``name``."""
+    def forward_location(self, ended_in: str, now_in: str) -> None:
+        """A tracked module's forward ended: what ran since the last mark is put down to
+        ``ended_in``; the code runs in ``now_in`` from here."""
         if self._phase == "forward":
-            self._mark("forward", name)
+            self._location = ended_in
+            self._mark("forward", now_in)
 
     def backward_location(self, name: str) -> None:
         """Backward reached the outputs of the tracked module ``name``."""

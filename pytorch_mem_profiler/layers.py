@@ -15,10 +15,11 @@ forward saved it (its fully qualified name, e.g. ``encoder.layers.3.self_attn``)
 - checkpointed blocks (``torch.utils.checkpoint``) save nothing through these
   hooks: what they keep (their inputs) shows in what no module saved.
 
-The same module hooks mark the boundaries of a few modules (those at the
-depth where there are at most ``MAX_LOCATIONS`` of them) in forward and in
-backward, so the profiler can tell in which module an iteration's peak was
-reached.
+The same module hooks mark where a few modules (those at the depth where
+there are at most ``MAX_LOCATIONS`` of them) end their forward, and where
+backward reaches their outputs, so the profiler can tell in which module an
+iteration's peak was reached: a forward interval ending with a module's
+forward is put down to that module.
 
 Example::
 
@@ -62,8 +63,9 @@ INPUT = "(input)"
 #: Categories of saved memory.
 ACTIVATIONS = "activations"
 WEIGHT_COPIES = "weight copies"
-#: At most this many modules mark peak locations (the deepest level that fits).
-MAX_LOCATIONS = 24
+#: At most this many modules mark peak locations (the deepest level that fits):
+#: each mark is one read of the allocator's counters.
+MAX_LOCATIONS = 16
 
 
 @dataclass
@@ -115,8 +117,8 @@ class LayerAttribution:
     Args:
         model: the root module.
         device: only storages on this device are counted.
-        on_enter: called with a module name when a tracked module's forward
-            starts or ends (the name of the module the running code is in then).
+        on_exit: called with two module names when a tracked module's forward
+            ends: the one that ended and the one the running code is back in.
         on_backward_enter: called with a module name when backward reaches the
             outputs of a tracked module.
     """
@@ -125,13 +127,13 @@ class LayerAttribution:
         self,
         model: torch.nn.Module,
         device: torch.device,
-        on_enter: Callable[[str], None] | None = None,
+        on_exit: Callable[[str, str], None] | None = None,
         on_backward_enter: Callable[[str], None] | None = None,
         max_locations: int = MAX_LOCATIONS,
     ) -> None:
         self.model = model
         self.device = device
-        self.on_enter = on_enter
+        self.on_exit = on_exit
         self.on_backward_enter = on_backward_enter
         self.max_locations = max_locations
         self.refresh()
@@ -197,8 +199,6 @@ class LayerAttribution:
         else:
             self._current.calls[name] = self._current.calls.get(name, 0) + 1
         self._stack.append((key, name))
-        if key in self._tracked and self.on_enter is not None:
-            self.on_enter(name)
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         key = id(module)
@@ -206,8 +206,8 @@ class LayerAttribution:
             return
         _, name = self._stack.pop()
         if key in self._tracked:
-            if self.on_enter is not None:
-                self.on_enter(self._stack[-1][1])
+            if self.on_exit is not None:
+                self.on_exit(name, self._stack[-1][1])
             if self.on_backward_enter is not None:
                 self._watch_backward(name, output)
 

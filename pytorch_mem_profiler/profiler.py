@@ -287,7 +287,7 @@ class MemoryProfiler:
                 self._hooks.attribution = LayerAttribution(
                     model,
                     self.device,
-                    on_enter=self._guard.wrap("per-layer attribution", self._hooks.forward_location),
+                    on_exit=self._guard.wrap("per-layer attribution", self._hooks.forward_location),
                     on_backward_enter=self._guard.wrap("per-layer attribution", self._hooks.backward_location),
                 )
         self._hooks.install()

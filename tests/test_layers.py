@@ -274,3 +274,24 @@ def test_outside_pytorch_is_unknown_on_cpu():
     record, text = profile_one_step(mlp(), torch.randn(2, 32))
     assert record.device_used is None and record.outside_pytorch is None
     assert "outside PyTorch" not in text
+
+
+class ForwardScratch(nn.Module):
+    """A forward that briefly holds 4 MB it frees before returning."""
+
+    def forward(self, x):
+        # only a 4-byte sum outlives the scratch (nothing of it is saved for backward)
+        return x + torch.ones(1_000_000).sum() * 0
+
+
+def test_peak_location_in_forward_names_the_module():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), ForwardScratch(), nn.Linear(32, 4))
+    stream = io.StringIO()
+    with MemoryProfiler(model, 1, by_layer=True, stream=stream, strict=True) as profiler:
+        out = model(torch.randn(8, 32))
+        out.sum().backward()
+        record = profiler.record_stats()
+    assert record.peak_phase == "forward"
+    assert record.peak_location == "1"
+    assert record.phases["forward"].peak_allocated >= 4_000_000
