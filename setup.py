@@ -21,7 +21,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "pandas>=1.5"],
     extras_require={
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "matplotlib>=3.5"],  # the plot and report tests draw
         "plot": ["matplotlib>=3.5"],
         "nvml": ["nvidia-ml-py>=12"],
         "tensorboard": ["tensorboard>=2.10"],
