@@ -46,6 +46,7 @@ __all__ = [
     "record_row",
     "layer_rows",
     "EXTRA_COLUMNS",
+    "NON_AMOUNT_COLUMNS",
     "new_run_path",
 ]
 
@@ -83,6 +84,23 @@ EXTRA_COLUMNS = (
     "ddp_gradient_buckets",
     "fsdp_gathered_parameters",
     "rank",
+)
+
+
+#: Columns of :data:`EXTRA_COLUMNS` that are not amounts in the file's unit.
+NON_AMOUNT_COLUMNS = frozenset(
+    {
+        "peak_phase",
+        "forward_passes",
+        "backward_passes",
+        "optimizer_steps",
+        "iteration_time_s",
+        "step",
+        "device",
+        "unit",
+        "peak_location",
+        "rank",
+    }
 )
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .export import record_columns
+from .export import EXTRA_COLUMNS, NON_AMOUNT_COLUMNS, record_columns
 from .report import UNITS
 
 __all__ = [
@@ -75,25 +75,7 @@ _AMOUNTS = (
     "weights",
     "gradients",
     "intermediate_gradients",
-    "allocated",
-    "peak_allocated",
-    "iteration_peak_allocated",
-    "optimizer_state",
-    "buffers",
-    "forward_end_allocated",
-    "forward_peak_allocated",
-    "backward_end_allocated",
-    "backward_peak_allocated",
-    "optimizer_end_allocated",
-    "optimizer_peak_allocated",
-    "device_used",
-    "process_used",
-    "outside_pytorch",
-    "fragmentation",
-    "layers_total_feature_maps",
-    "layers_input",
-    "layers_unattributed",
-)
+) + tuple(c for c in EXTRA_COLUMNS if c not in NON_AMOUNT_COLUMNS)
 
 #: Plain numbers: counts and seconds.
 _NUMBERS = ("forward_passes", "backward_passes", "optimizer_steps", "iteration_time_s", "step")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
-__all__ = ["PhaseStats", "LayerFeatureMaps", "IterationRecord", "PHASES", "frozen_mapping", "diff_records"]
+__all__ = ["PhaseStats", "LayerFeatureMaps", "IterationRecord", "PHASES", "frozen_mapping", "diff_records", "BYTE_FIGURES"]
 
 #: The phases of an iteration, in order. "other" is everything between them:
 #: data loading, the loss, gradient clipping, ``zero_grad()``.
@@ -156,9 +156,12 @@ class IterationRecord:
         return self.current_cached - self.allocated
 
 
-#: Figures compared by :func:`diff_records`.
-_DIFFED = (
+#: The record's figures in bytes (``None`` where the device does not know one).
+BYTE_FIGURES = (
     "allocated",
+    "peak_allocated",
+    "iteration_peak_allocated",
+    "peak_cached",
     "current_cached",
     "feature_maps",
     "intermediate_gradients",
@@ -166,7 +169,6 @@ _DIFFED = (
     "gradients",
     "optimizer_state",
     "buffers",
-    "iteration_peak_allocated",
     "outside_pytorch",
 )
 
@@ -182,7 +184,7 @@ def diff_records(first: IterationRecord, last: IterationRecord) -> dict[str, int
         800
     """
     changes = {}
-    for name in _DIFFED:
+    for name in BYTE_FIGURES:
         a, b = getattr(first, name), getattr(last, name)
         if a is not None and b is not None:
             changes[name] = b - a

@@ -31,24 +31,12 @@ from __future__ import annotations
 from typing import Any
 
 from .report import UNITS
-from .stats import IterationRecord
+from .stats import BYTE_FIGURES, IterationRecord
 
 __all__ = ["MEMORY_FIGURES", "log_record", "check_writer"]
 
 #: The record's byte figures that become scalars, by field name.
-MEMORY_FIGURES = (
-    "allocated",
-    "peak_allocated",
-    "iteration_peak_allocated",
-    "peak_cached",
-    "current_cached",
-    "feature_maps",
-    "intermediate_gradients",
-    "weights",
-    "gradients",
-    "optimizer_state",
-    "buffers",
-)
+MEMORY_FIGURES = BYTE_FIGURES
 
 
 def check_writer(writer: Any) -> Any:
