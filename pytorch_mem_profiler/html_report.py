@@ -35,12 +35,13 @@ import pandas as pd
 from .report import UNITS
 from .runs import Run, module_of
 from .summary import (
+    EPOCH_HEADER,
     category_label,
     check_unit,
+    epoch_rows,
     epoch_table,
     format_seconds,
     format_size,
-    iteration_and_time,
     largest_layers,
     run_settings,
 )
@@ -156,25 +157,8 @@ def render_html(run: Run, unit: str | None = None) -> str:
     epochs = epoch_table(run)
     parts.append(
         _table(
-            (
-                "Epoch",
-                "Records",
-                "Peak allocated",
-                "Peak cached",
-                "Slowest iteration",
-                "Fastest iteration",
-            ),
-            (
-                (
-                    str(r.epoch),
-                    str(r.records),
-                    size(r.peak_allocated),
-                    size(r.peak_cached),
-                    iteration_and_time(r.slowest_iteration, r.slowest_s),
-                    iteration_and_time(r.fastest_iteration, r.fastest_s),
-                )
-                for r in epochs.itertuples()
-            ),
+            EPOCH_HEADER,
+            epoch_rows(epochs, size),
             (False, True, True, True, True, True),
             "epoch-table",
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import pandas as pd
 
@@ -125,6 +125,25 @@ def time_per_iteration(run: Run) -> float | None:
     """
     value = run.records["iteration_time_s"].median()
     return None if _missing(value) else float(value)
+
+
+#: The columns of the per-epoch table, in the summary and the HTML report.
+EPOCH_HEADER = ("Epoch", "Records", "Peak allocated", "Peak cached", "Slowest iteration", "Fastest iteration")
+
+
+def epoch_rows(table: pd.DataFrame, size: Callable[[float], str]) -> list[tuple[str, ...]]:
+    """The cells of :func:`epoch_table`'s rows under :data:`EPOCH_HEADER`, sizes through ``size``."""
+    return [
+        (
+            str(row.epoch),
+            str(row.records),
+            size(row.peak_allocated),
+            size(row.peak_cached),
+            iteration_and_time(row.slowest_iteration, row.slowest_s),
+            iteration_and_time(row.fastest_iteration, row.fastest_s),
+        )
+        for row in table.itertuples()
+    ]
 
 
 def epoch_table(run: Run) -> pd.DataFrame:
@@ -243,27 +262,8 @@ def format_summary(run: Run, unit: str | None = None, top: int = 5) -> str:
     lines.append(f"Time per iteration: {format_seconds(time_per_iteration(run))} (median)")
     lines.append("")
 
-    table = epoch_table(run)
-    header = (
-        "Epoch",
-        "Records",
-        "Peak allocated",
-        "Peak cached",
-        "Slowest iteration",
-        "Fastest iteration",
-    )
-    body = [
-        (
-            str(row.epoch),
-            str(row.records),
-            format_size(row.peak_allocated, unit),
-            format_size(row.peak_cached, unit),
-            iteration_and_time(row.slowest_iteration, row.slowest_s),
-            iteration_and_time(row.fastest_iteration, row.fastest_s),
-        )
-        for row in table.itertuples()
-    ]
-    lines += _columns(header, body)
+    body = epoch_rows(epoch_table(run), lambda n: format_size(n, unit))
+    lines += _columns(EPOCH_HEADER, body)
     lines.append(
         "(peak allocated: highest iteration peak among the epoch's records; "
         "peak cached: most reserved since the start, by the epoch's end)"
