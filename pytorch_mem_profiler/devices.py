@@ -42,7 +42,6 @@ __all__ = [
     "make_counter",
     "resolve_device",
     "parse_device",
-    "device_used_memory",
     "current_device",
     "allocator_stats",
     "allocator_summary",
@@ -488,19 +487,6 @@ def parse_device(device: Any) -> torch.device:
     if resolved.type == "cuda" and resolved.index is None and torch.cuda.is_available():
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
-
-
-def device_used_memory(device: torch.device) -> int | None:
-    """Bytes in use on the whole device (all processes), or ``None`` where unknown.
-
-    Reads through ``torch.cuda.mem_get_info``; it never initializes CUDA on a
-    device this process has not used, since that would itself take hundreds
-    of megabytes for a CUDA context.
-    """
-    if device.type != "cuda" or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    free, total = torch.cuda.mem_get_info(_index(device))
-    return int(total - free)
 
 
 def current_device() -> torch.device:

@@ -230,12 +230,14 @@ class MemoryProfiler:
             self.oom_postmortem = dump_on_oom(oom_dir, profiler=self)
 
         self.by_layer = by_layer
+        self._fsdp: FsdpGatherTracker | None = None
+        self._ddp_buckets: int | None = None
+        self._refresh_model_state()
         self._csv = None
         self._layers_csv = None
         if csv:
             from .export import CsvLog, LayerCsv  # pandas is imported only when CSV is asked for
 
-            self._params = unique_parameters(model, self.device)
             self._csv = CsvLog(
                 csv_dir, [name for name, _ in self._params], unit=units, name_suffix=self.file_tag
             )
@@ -261,9 +263,6 @@ class MemoryProfiler:
         self.cross_rank_summary: CrossRankSummary | None = None
         self._rank_peaks = RankPeakTracker() if self.rank_info is not None else None
         self._gather_buffers = GatherBuffers()
-        self._fsdp: FsdpGatherTracker | None = None
-        self._ddp_buckets: int | None = None
-        self._refresh_model_state()
         self._counter.start()
         self._counter.adopt(p for _, p in self._params)
         self._counter.adopt(b for b in model.buffers())

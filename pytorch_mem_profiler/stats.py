@@ -17,21 +17,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
-__all__ = ["PhaseStats", "LayerFeatureMaps", "IterationRecord", "PHASES", "frozen_mapping", "diff_records", "BYTE_FIGURES"]
+__all__ = ["PhaseStats", "LayerFeatureMaps", "IterationRecord", "PHASES", "diff_records", "BYTE_FIGURES"]
 
 #: The phases of an iteration, in order. "other" is everything between them:
 #: data loading, the loss, gradient clipping, ``zero_grad()``.
 PHASES = ("forward", "backward", "optimizer", "other")
 
 
-
 def _empty() -> Mapping:
     return MappingProxyType({})
-
-
-def frozen_mapping(pairs: object) -> Mapping:
-    """A read-only dict, so a frozen record cannot be changed through its fields."""
-    return MappingProxyType(dict(pairs))  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
