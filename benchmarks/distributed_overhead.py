@@ -36,7 +36,9 @@ from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
 
 
 class Block(torch.nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
+    """Pre-norm attention and MLP, the shape of a GPT block (the distributed tests use it too)."""
+
+    def __init__(self, width: int, heads: int = 4) -> None:
         super().__init__()
         self.heads = heads
         self.norm1 = torch.nn.LayerNorm(width)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.distributed_overhead import Block  # noqa: E402
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
 
 EPOCHS = 2
@@ -37,28 +38,6 @@ VOCAB, WIDTH, SEQ = 64, 32, 16
 
 
 # -- a small transformer -------------------------------------------------------
-class Block(torch.nn.Module):
-    """Pre-norm attention and MLP, the shape of a GPT block."""
-
-    def __init__(self, width: int, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = torch.nn.LayerNorm(width)
-        self.qkv = torch.nn.Linear(width, 3 * width)
-        self.proj = torch.nn.Linear(width, width)
-        self.norm2 = torch.nn.LayerNorm(width)
-        self.fc1 = torch.nn.Linear(width, 4 * width)
-        self.fc2 = torch.nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(c, dim=-1)
-        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, c))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-
 class TinyTransformer(torch.nn.Module):
     def __init__(self, layers: int = 2) -> None:
         super().__init__()

@@ -5,6 +5,7 @@ The CSV files are the profiler's own, written in the test: no hand-made files.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import subprocess
@@ -92,3 +93,11 @@ def png_size(path: Path) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
     assert data[12:16] == b"IHDR"
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` as a module (the examples folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

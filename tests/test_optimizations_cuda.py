@@ -3,28 +3,17 @@ and the command line reads the CUDA runs' files."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pandas as pd
 import pytest
 import torch
 
-from .profiled_run import REPO, png_size, run_cli
+from .profiled_run import load_example, png_size, run_cli
 
 pytestmark = pytest.mark.cuda
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location(
-        "optimizations", REPO / "examples" / "optimizations.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_peak_reductions_on_gpu(tmp_path):
-    example = load_example()
+    example = load_example("optimizations")
     args = example.parse_args(
         ["--device", "cuda", "--iterations", "4", "--epochs", "2", "--csv-dir", str(tmp_path)]
     )

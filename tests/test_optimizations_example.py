@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pandas as pd
 import pytest
 
-from .profiled_run import REPO
+from .profiled_run import load_example
 from pytorch_mem_profiler.runs import load_run
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location(
-        "optimizations", REPO / "examples" / "optimizations.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_four_configurations_compared(tmp_path, capsys):
-    example = load_example()
+    example = load_example("optimizations")
     args = example.parse_args(
         [
             "--device",
@@ -64,7 +53,7 @@ def test_four_configurations_compared(tmp_path, capsys):
 
 
 def test_main_prints_the_table(tmp_path, capsys):
-    example = load_example()
+    example = load_example("optimizations")
     table = example.main(
         [
             "--device",
@@ -97,7 +86,7 @@ def test_main_prints_the_table(tmp_path, capsys):
 
 
 def test_bad_sizes_are_refused():
-    example = load_example()
+    example = load_example("optimizations")
     with pytest.raises(SystemExit) as exit_info:
         example.parse_args(["--width", "0"])
     assert exit_info.value.code == 2
