@@ -26,7 +26,7 @@ setup(
         "nvml": ["nvidia-ml-py>=12"],
         "tensorboard": ["tensorboard>=2.10"],
     },
-    entry_points={"console_scripts": ["pytorch-mem-profiler=pytorch_mem_profiler.cli:main"]},
+    entry_points={"console_scripts": ["pytorch-mem-profiler=pytorch_mem_profiler.analysis.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

@@ -27,8 +27,8 @@ from workloads import WORKLOADS, median  # noqa: E402
 
 import pytorch_mem_profiler.profiler as profiler_module  # noqa: E402
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
-from pytorch_mem_profiler.devices import MemoryCounter, Reading  # noqa: E402
-from pytorch_mem_profiler.hooks import TrainingStepHooks  # noqa: E402
+from pytorch_mem_profiler.measure.devices import MemoryCounter, Reading  # noqa: E402
+from pytorch_mem_profiler.measure.hooks import TrainingStepHooks  # noqa: E402
 
 
 class NullCounter(MemoryCounter):

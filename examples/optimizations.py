@@ -39,9 +39,9 @@ except ImportError:  # run from a clone without installing: use the package besi
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pytorch_mem_profiler import memory_profiler
-from pytorch_mem_profiler.compare import Comparison, compare_runs, format_markdown
-from pytorch_mem_profiler.report import UNITS
-from pytorch_mem_profiler.runs import load_run
+from pytorch_mem_profiler.analysis.compare import Comparison, compare_runs, format_markdown
+from pytorch_mem_profiler.outputs.report import UNITS
+from pytorch_mem_profiler.analysis.runs import load_run
 
 #: Sizes by device: (width, depth, batch, seq). On a GPU, activations of
 #: batch * seq = 16384 tokens dominate the 8 blocks' 67M parameters.

@@ -1,8 +1,24 @@
 """pytorch_mem_profiler: where a PyTorch training loop's device memory goes, layer by layer.
 
+The module map (one level of subpackages; dependencies point one way, down this list):
+
+- top level: :mod:`.stats` (the record and the shared vocabulary), :mod:`.units`
+  (bytes to text), :mod:`.faults` (fault containment), :mod:`.options` (the
+  profiler's validated settings), :mod:`.distributed` (ranks and the cross-rank
+  table), :mod:`.profiler` (``MemoryProfiler``: lifecycle and wiring only);
+- :mod:`.measure`: every device-memory read, the phase hooks, per-layer
+  attribution and the per-iteration meter;
+- :mod:`.outputs`: sinks for finished records: the text report, CSV files,
+  TensorBoard, leak warnings;
+- :mod:`.tools`: snapshots, block usage, OOM post-mortems, the memory timeline
+  (loaded on first use);
+- :mod:`.analysis`: reading runs back, summary, comparison, plots, the HTML report
+  and the command line, without torch (loaded on first use);
+- :mod:`.integrations`: adapters for training frameworks (imported by the user).
+
 Example::
 
-    >>> from pytorch_mem_profiler import memory_profiler
+    >>> from pytorch_mem_profiler import MemoryProfiler, memory_profiler
     >>> memory_profiler is MemoryProfiler
     True
 """
@@ -12,63 +28,50 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .distributed import CrossRankSummary, RankInfo, RankSummary, format_cross_rank, rank_info
-from .oom import OomPostmortem, dump_on_oom
-from .profiler import MemoryProfiler, memory_profiler
-from .snapshot import (
-    SnapshotRecorder,
-    export_memory_snapshot,
-    save_memory_snapshot,
-    start_record_memory_history,
-    stop_record_memory_history,
-)
-from .stats import IterationRecord, PhaseStats
-from .timeline import memory_timeline_handler, save_memory_timeline
-from .usage import MemoryUsage, memory_stats, memory_usage, print_cuda_memory_usage
+__version__ = "0.2.0"
 
-__version__ = "0.1.0"
-
-#: Names whose modules import pandas or matplotlib: loaded on first use, so that
-#: ``import pytorch_mem_profiler`` stays as light as the profiler itself.
+#: Every public name, by the module that defines it, loaded on first use: so that
+#: ``import pytorch_mem_profiler`` costs nothing, the command line reads CSV files
+#: without importing torch, and the tools and the analysis (pandas, matplotlib)
+#: load only when asked for.
 _LAZY = {
-    "Run": "runs",
-    "RunFileError": "runs",
-    "load_run": "runs",
-    "format_summary": "summary",
-    "Comparison": "compare",
-    "compare_runs": "compare",
-    "format_markdown": "compare",
-    "plot_memory": "plot",
-    "write_html": "html_report",
-    "log_record": "tensorboard",
+    "MemoryProfiler": "profiler",
+    "memory_profiler": "profiler",
+    "IterationRecord": "stats",
+    "PhaseStats": "stats",
+    "diff_records": "stats",
+    "LeakWarning": "outputs.leaks",
+    "CrossRankSummary": "distributed",
+    "RankSummary": "distributed",
+    "RankInfo": "distributed",
+    "rank_info": "distributed",
+    "format_cross_rank": "distributed",
+    "save_memory_snapshot": "tools.snapshot",
+    "SnapshotRecorder": "tools.snapshot",
+    "start_record_memory_history": "tools.snapshot",
+    "export_memory_snapshot": "tools.snapshot",
+    "stop_record_memory_history": "tools.snapshot",
+    "memory_usage": "tools.usage",
+    "print_cuda_memory_usage": "tools.usage",
+    "MemoryUsage": "tools.usage",
+    "memory_stats": "tools.usage",
+    "save_memory_timeline": "tools.timeline",
+    "memory_timeline_handler": "tools.timeline",
+    "dump_on_oom": "tools.oom",
+    "OomPostmortem": "tools.oom",
+    "Run": "analysis.runs",
+    "RunFileError": "analysis.runs",
+    "load_run": "analysis.runs",
+    "format_summary": "analysis.summary",
+    "Comparison": "analysis.compare",
+    "compare_runs": "analysis.compare",
+    "format_markdown": "analysis.compare",
+    "plot_memory": "analysis.plot",
+    "write_html": "analysis.html_report",
+    "log_record": "outputs.tensorboard",
 }
 
-__all__ = [
-    "MemoryProfiler",
-    "memory_profiler",
-    "IterationRecord",
-    "PhaseStats",
-    "save_memory_snapshot",
-    "SnapshotRecorder",
-    "start_record_memory_history",
-    "export_memory_snapshot",
-    "stop_record_memory_history",
-    "memory_usage",
-    "print_cuda_memory_usage",
-    "MemoryUsage",
-    "memory_stats",
-    "save_memory_timeline",
-    "memory_timeline_handler",
-    "dump_on_oom",
-    "OomPostmortem",
-    "CrossRankSummary",
-    "RankSummary",
-    "RankInfo",
-    "rank_info",
-    "format_cross_rank",
-    "__version__",
-    *_LAZY,
-]
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

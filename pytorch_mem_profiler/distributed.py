@@ -34,8 +34,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from .devices import resolve_device
-from .report import REPORT_WIDTH, UNITS, format_amount
+from .measure.devices import resolve_device
+from .outputs.report import REPORT_WIDTH, UNITS, format_amount
 from .stats import IterationRecord
 
 __all__ = [

@@ -38,7 +38,7 @@ from typing import IO, Any, Iterable
 
 import torch
 
-from .accounting import (
+from .measure.accounting import (
     buffer_bytes,
     gradient_bytes,
     optimizer_state_bytes,
@@ -46,8 +46,8 @@ from .accounting import (
     unique_parameters,
     weight_bytes,
 )
-from .data_parallel import FsdpGatherTracker, ddp_gradient_bucket_bytes
-from .devices import MemoryCounter, make_counter, resolve_device
+from .measure.data_parallel import FsdpGatherTracker, ddp_gradient_bucket_bytes
+from .measure.devices import MemoryCounter, make_counter, resolve_device
 from .distributed import (
     CrossRankSummary,
     GatherBuffers,
@@ -60,14 +60,14 @@ from .distributed import (
     summarize_rank,
 )
 from .faults import FaultGuard
-from .hooks import StepMeasurements, TrainingStepHooks
-from .layers import LayerAttribution, LayerBreakdown, is_compiled
-from .leaks import LeakDetector
-from .outside import DeviceMemoryReader
-from .oom import OomPostmortem, dump_on_oom, plain_data
-from .report import UNITS, format_report
+from .measure.hooks import StepMeasurements, TrainingStepHooks
+from .measure.layers import LayerAttribution, LayerBreakdown, is_compiled
+from .outputs.leaks import LeakDetector
+from .measure.outside import DeviceMemoryReader
+from .tools.oom import OomPostmortem, dump_on_oom, plain_data
+from .outputs.report import UNITS, format_report
 from .stats import IterationRecord, LayerFeatureMaps, PhaseStats
-from .tensorboard import check_writer, log_record
+from .outputs.tensorboard import check_writer, log_record
 
 __all__ = ["MemoryProfiler", "memory_profiler"]
 
@@ -118,7 +118,7 @@ class MemoryProfiler:
         by_layer: attribute feature maps to the modules that saved them and find
             the module where each iteration peaked (on reported iterations only;
             adds a ``<run>_layers.csv`` file when ``csv`` is on).
-        leak_window: warn (:class:`~pytorch_mem_profiler.leaks.LeakWarning`) when
+        leak_window: warn (:class:`~pytorch_mem_profiler.outputs.leaks.LeakWarning`) when
             allocated memory grows in this many reported iterations in a row.
         oom_dir: on a CUDA out-of-memory error, write a post-mortem folder here
             (the last report, the failing iteration, the allocator's stats; see
@@ -236,7 +236,7 @@ class MemoryProfiler:
         self._csv = None
         self._layers_csv = None
         if csv:
-            from .export import CsvLog, LayerCsv  # pandas is imported only when CSV is asked for
+            from .outputs.export import CsvLog, LayerCsv  # pandas is imported only when CSV is asked for
 
             self._csv = CsvLog(
                 csv_dir, [name for name, _ in self._params], unit=units, name_suffix=self.file_tag

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pytorch_mem_profiler.accounting import (
+from pytorch_mem_profiler.measure.accounting import (
     allocation_bytes,
     buffer_bytes,
     gradient_bytes,

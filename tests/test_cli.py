@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from .profiled_run import REPO, png_size, profile_tiny_model, run_cli
-from pytorch_mem_profiler.runs import module_of
-from pytorch_mem_profiler.summary import format_seconds, format_size
+from pytorch_mem_profiler.analysis.runs import module_of
+from pytorch_mem_profiler.analysis.summary import format_seconds, format_size
 
 
 needs_matplotlib = pytest.mark.skipif(
@@ -278,7 +278,7 @@ def test_usage_errors_exit_2(tmp_path):
 
 def test_console_script_is_declared():
     setup = (REPO / "setup.py").read_text()
-    assert '"pytorch-mem-profiler=pytorch_mem_profiler.cli:main"' in setup
-    from pytorch_mem_profiler.cli import main
+    assert '"pytorch-mem-profiler=pytorch_mem_profiler.analysis.cli:main"' in setup
+    from pytorch_mem_profiler.analysis.cli import main
 
     assert main(["summary", "/no/such/run.csv"]) == 2

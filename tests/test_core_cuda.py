@@ -129,7 +129,7 @@ def test_neumf_report_on_gpu():
 
 def test_both_ways_of_reading_the_allocator_agree():
     """The nested-stats binding and the public torch.cuda functions give the same numbers."""
-    from pytorch_mem_profiler.devices import CudaCounter
+    from pytorch_mem_profiler.measure.devices import CudaCounter
 
     keep = torch.empty(3_000_000, device=DEV)
     fast, public = CudaCounter(DEV), CudaCounter(DEV)

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from pytorch_mem_profiler.devices import (
+from pytorch_mem_profiler.measure.devices import (
     CpuCounter,
     MemoryCounter,
     Reading,

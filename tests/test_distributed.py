@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pytorch_mem_profiler import MemoryProfiler
-from pytorch_mem_profiler.data_parallel import FsdpGatherTracker, ddp_gradient_bucket_bytes
+from pytorch_mem_profiler.measure.data_parallel import FsdpGatherTracker, ddp_gradient_bucket_bytes
 from pytorch_mem_profiler.distributed import (
     CATEGORIES,
     CrossRankSummary,

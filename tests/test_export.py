@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pytorch_mem_profiler import MemoryProfiler
-from pytorch_mem_profiler.export import new_run_path
+from pytorch_mem_profiler.outputs.export import new_run_path
 
 from .helpers import mlp, nbytes, train_step
 

@@ -17,9 +17,9 @@ from torch import nn
 
 from .profiled_run import png_size, profile_tiny_model
 from pytorch_mem_profiler import memory_profiler
-from pytorch_mem_profiler.html_report import CONTENT_SECURITY_POLICY, render_html, write_html
-from pytorch_mem_profiler.runs import layers_path, load_run
-from pytorch_mem_profiler.summary import format_size
+from pytorch_mem_profiler.analysis.html_report import CONTENT_SECURITY_POLICY, render_html, write_html
+from pytorch_mem_profiler.analysis.runs import layers_path, load_run
+from pytorch_mem_profiler.analysis.summary import format_size
 
 CHROMIUM = "/usr/bin/chromium"
 

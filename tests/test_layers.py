@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import pytorch_mem_profiler.layers as layers_module
+import pytorch_mem_profiler.measure.layers as layers_module
 from pytorch_mem_profiler import MemoryProfiler
-from pytorch_mem_profiler.devices import CpuCounter
-from pytorch_mem_profiler.leaks import LeakWarning
+from pytorch_mem_profiler.measure.devices import CpuCounter
+from pytorch_mem_profiler.outputs.leaks import LeakWarning
 from pytorch_mem_profiler.stats import diff_records
 
 from .helpers import BackwardScratch, mlp, nbytes

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pytorch_mem_profiler import MemoryProfiler, dump_on_oom, memory_profiler
-from pytorch_mem_profiler import oom as oom_module
-from pytorch_mem_profiler.oom import OomPostmortem, plain_data
+from pytorch_mem_profiler.tools import oom as oom_module
+from pytorch_mem_profiler.tools.oom import OomPostmortem, plain_data
 from pytorch_mem_profiler.stats import IterationRecord
 
 GIB = 2**30

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from .profiled_run import load_example
-from pytorch_mem_profiler.runs import load_run
+from pytorch_mem_profiler.analysis.runs import load_run
 
 
 def test_four_configurations_compared(tmp_path, capsys):

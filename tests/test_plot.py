@@ -11,11 +11,11 @@ import torch
 
 from .profiled_run import png_size, profile_tiny_model
 from pytorch_mem_profiler import memory_profiler
-from pytorch_mem_profiler.runs import load_run
+from pytorch_mem_profiler.analysis.runs import load_run
 
 pytest.importorskip("matplotlib")
 
-from pytorch_mem_profiler.plot import (  # noqa: E402
+from pytorch_mem_profiler.analysis.plot import (  # noqa: E402
     CATEGORIES,
     memory_categories,
     plot_iteration_time,
@@ -110,7 +110,7 @@ def test_without_matplotlib_the_error_says_what_to_install(run, monkeypatch, cap
     ):
         plot_memory(run)
 
-    from pytorch_mem_profiler.cli import main
+    from pytorch_mem_profiler.analysis.cli import main
 
     assert main(["plot", str(run.path), "-o", "unused.png"]) == 2
     err = capsys.readouterr().err
@@ -119,7 +119,7 @@ def test_without_matplotlib_the_error_says_what_to_install(run, monkeypatch, cap
         == "pytorch-mem-profiler: error: pip install 'pytorch_mem_profiler[plot]' to draw plots\n"
     )
 
-    from pytorch_mem_profiler.html_report import render_html
+    from pytorch_mem_profiler.analysis.html_report import render_html
 
     page = render_html(run)
     assert 'id="no-charts"' in page and "pytorch_mem_profiler[plot]" in page

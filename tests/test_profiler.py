@@ -12,7 +12,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 import pytorch_mem_profiler
 from pytorch_mem_profiler import IterationRecord, MemoryProfiler, memory_profiler
-from pytorch_mem_profiler.devices import CpuCounter
+from pytorch_mem_profiler.measure.devices import CpuCounter
 
 from .helpers import BackwardScratch, ScratchNet, mlp, nbytes, train_step
 
@@ -322,7 +322,7 @@ def test_a_fault_is_logged_once_and_training_goes_on(monkeypatch, caplog, stream
 
 
 def test_a_fault_inside_backward_does_not_break_backward(monkeypatch, stream):
-    import pytorch_mem_profiler.hooks as hooks_module
+    import pytorch_mem_profiler.measure.hooks as hooks_module
 
     monkeypatch.setattr(hooks_module, "allocation_bytes", lambda t: 1 / 0)
     model = mlp()
@@ -347,7 +347,7 @@ def test_strict_reraises(monkeypatch, stream):
 def test_a_device_without_peak_counters_reads_na(monkeypatch, stream):
     """MPS keeps no peak: the figures that need one say n/a, never a wrong 0."""
     import pytorch_mem_profiler.profiler as profiler_module
-    from pytorch_mem_profiler.devices import CpuCounter, Reading
+    from pytorch_mem_profiler.measure.devices import CpuCounter, Reading
 
     class NoPeaks(CpuCounter):
         has_peak = False

@@ -25,7 +25,7 @@ from pytorch_mem_profiler import (
     start_record_memory_history,
     stop_record_memory_history,
 )
-from pytorch_mem_profiler import snapshot as snapshot_module
+from pytorch_mem_profiler.tools import snapshot as snapshot_module
 
 
 def embedded_snapshot(html: str) -> dict:

@@ -30,7 +30,7 @@ from pytorch_mem_profiler import (
     start_record_memory_history,
     stop_record_memory_history,
 )
-from pytorch_mem_profiler import oom as oom_module
+from pytorch_mem_profiler.tools import oom as oom_module
 
 pytestmark = pytest.mark.cuda
 

@@ -6,14 +6,14 @@ import pandas as pd
 import pytest
 
 from .profiled_run import profile_tiny_model
-from pytorch_mem_profiler.compare import (
+from pytorch_mem_profiler.analysis.compare import (
     Comparison,
     compare_runs,
     comparison_frame,
     format_markdown,
 )
-from pytorch_mem_profiler.runs import load_run
-from pytorch_mem_profiler.summary import (
+from pytorch_mem_profiler.analysis.runs import load_run
+from pytorch_mem_profiler.analysis.summary import (
     epoch_table,
     format_seconds,
     format_size,
@@ -117,8 +117,8 @@ def test_markdown_percentages():
 
 
 def test_a_bad_unit_is_named(pair):
-    from pytorch_mem_profiler.html_report import render_html
-    from pytorch_mem_profiler.summary import format_summary
+    from pytorch_mem_profiler.analysis.html_report import render_html
+    from pytorch_mem_profiler.analysis.summary import format_summary
 
     small, _, _ = pair
     for call in (lambda: format_summary(small, "MBs"), lambda: render_html(small, "MBs")):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pytorch_mem_profiler import memory_profiler
-from pytorch_mem_profiler.tensorboard import MEMORY_FIGURES
+from pytorch_mem_profiler.outputs.tensorboard import MEMORY_FIGURES
 
 
 class FakeWriter:
@@ -69,7 +69,7 @@ def test_reported_records_become_scalars():
 
 def test_unknown_figures_are_left_out():
     from pytorch_mem_profiler.stats import IterationRecord
-    from pytorch_mem_profiler.tensorboard import log_record
+    from pytorch_mem_profiler.outputs.tensorboard import log_record
 
     writer = FakeWriter()
     log_record(

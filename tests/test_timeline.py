@@ -12,8 +12,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from pytorch_mem_profiler import memory_timeline_handler, save_memory_timeline
-from pytorch_mem_profiler import timeline as timeline_module
-from pytorch_mem_profiler.timeline import timeline_exporter_state
+from pytorch_mem_profiler.tools import timeline as timeline_module
+from pytorch_mem_profiler.tools.timeline import timeline_exporter_state
 
 
 def run_profile(**overrides):

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .faults import FaultGuard
+from ..faults import FaultGuard
 from .paths import check_path_type, free_path, host_time_stem, prepare_output_dir
 
 __all__ = [

@@ -35,7 +35,7 @@ from typing import IO, Any
 
 import torch
 
-from .devices import MemoryCounter, Reading, current_device, make_counter, parse_device
+from ..measure.devices import MemoryCounter, Reading, current_device, make_counter, parse_device
 
 __all__ = ["MemoryUsage", "memory_usage", "print_cuda_memory_usage", "memory_stats", "GB"]
 

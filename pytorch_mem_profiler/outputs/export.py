@@ -35,7 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import pandas as pd
 
 from .report import UNITS
-from .stats import IterationRecord
+from ..stats import IterationRecord
 
 __all__ = [
     "CsvLog",
@@ -248,7 +248,7 @@ class CsvLog:
     Args:
         folder: where the file goes (created if missing).
         weight_names: the parameter names, which become columns.
-        unit: the unit of the figures (a key of :data:`~pytorch_mem_profiler.report.UNITS`).
+        unit: the unit of the figures (a key of :data:`~pytorch_mem_profiler.outputs.report.UNITS`).
         stem: the file name's start; the date and time follow.
         name_suffix: what the name ends with before ``.csv`` (each rank's
             ``_rank<r>_<host>`` under ``torch.distributed``).

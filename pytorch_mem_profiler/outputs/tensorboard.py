@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from .report import UNITS
-from .stats import BYTE_FIGURES, IterationRecord
+from ..stats import BYTE_FIGURES, IterationRecord
 
 __all__ = ["MEMORY_FIGURES", "log_record", "check_writer"]
 

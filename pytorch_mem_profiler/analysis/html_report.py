@@ -10,7 +10,7 @@ Example::
 
     >>> import io, tempfile, torch
     >>> from pytorch_mem_profiler import memory_profiler
-    >>> from pytorch_mem_profiler.runs import load_run
+    >>> from pytorch_mem_profiler.analysis.runs import load_run
     >>> model = torch.nn.Linear(4, 2)
     >>> with memory_profiler(model, 1, True, csv_dir=tempfile.mkdtemp(), stream=io.StringIO()) as p:
     ...     model(torch.randn(3, 4)).sum().backward()
@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 import pandas as pd
 
-from .report import UNITS
+from ..outputs.report import UNITS
 from .runs import Run, module_of
 from .summary import (
     EPOCH_HEADER,
@@ -123,7 +123,7 @@ def render_html(run: Run, unit: str | None = None) -> str:
         run: the run.
         unit: the unit of the figures; default the run file's.
     """
-    from . import __version__  # here, not at the top: the package imports this module
+    from .. import __version__  # here, not at the top: the package imports this module
 
     unit = check_unit(unit, run.unit)
     size = lambda n: format_size(n, unit)  # noqa: E731

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from .report import UNITS
+from ..outputs.report import UNITS
 from .runs import Run
 from .summary import check_unit, format_seconds, format_size, peak_memory, time_per_iteration
 

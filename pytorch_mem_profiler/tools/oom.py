@@ -56,7 +56,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .devices import allocator_stats, allocator_summary
+from ..measure.devices import allocator_stats, allocator_summary
 from .paths import distributed_rank, host_time_stem, prepare_output_dir
 from .snapshot import history_recording, take_snapshot
 

@@ -1,6 +1,6 @@
 """What a run amounts to: per-epoch peaks and times, the largest layers, its settings.
 
-Made from a :class:`~pytorch_mem_profiler.runs.Run` (figures in bytes); the
+Made from a :class:`~pytorch_mem_profiler.analysis.runs.Run` (figures in bytes); the
 command line prints :func:`format_summary`, the HTML report shows the same
 tables. Units are applied only when formatting.
 
@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 import pandas as pd
 
-from .report import UNITS
+from ..outputs.report import UNITS
 from .runs import Run, module_of
 
 __all__ = [

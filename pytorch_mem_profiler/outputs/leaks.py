@@ -25,7 +25,7 @@ import warnings
 from collections import deque
 from dataclasses import dataclass
 
-from .stats import IterationRecord
+from ..stats import IterationRecord
 
 __all__ = ["LeakWarning", "Leak", "LeakDetector", "category_growth"]
 

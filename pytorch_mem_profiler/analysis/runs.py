@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .export import EXTRA_COLUMNS, NON_AMOUNT_COLUMNS, record_columns
-from .report import UNITS
+from ..outputs.export import EXTRA_COLUMNS, NON_AMOUNT_COLUMNS, record_columns
+from ..outputs.report import UNITS
 
 __all__ = [
     "Run",
@@ -267,7 +267,7 @@ def load_run(path: str | os.PathLike) -> Run:
         >>> load_run("no/such/run.csv")
         Traceback (most recent call last):
         ...
-        pytorch_mem_profiler.runs.RunFileError: 'no/such/run.csv': no such file
+        pytorch_mem_profiler.analysis.runs.RunFileError: 'no/such/run.csv': no such file
     """
     path = Path(path)
     frame = _read_csv(path)

@@ -15,7 +15,7 @@ so the peak of each phase is exact. Everything the hooks measure lands in a
 Example::
 
     >>> import torch
-    >>> from pytorch_mem_profiler.devices import CpuCounter
+    >>> from pytorch_mem_profiler.measure.devices import CpuCounter
     >>> model = torch.nn.Linear(8, 8)
     >>> counter = CpuCounter(); counter.start()
     >>> hooks = TrainingStepHooks(model, counter, list(model.named_parameters()))
@@ -41,7 +41,7 @@ from torch.optim.optimizer import (
 
 from .accounting import allocation_bytes, gradient_bytes, optimizer_holds_any, same_device
 from .devices import MemoryCounter, Reading
-from .faults import FaultGuard
+from ..faults import FaultGuard
 from .layers import LayerAttribution, LayerBreakdown
 from .trees import output_grad_nodes
 

@@ -12,7 +12,7 @@ storages itself with a dispatch mode and weak references.
 Example::
 
     >>> import torch
-    >>> from pytorch_mem_profiler.devices import make_counter
+    >>> from pytorch_mem_profiler.measure.devices import make_counter
     >>> counter = make_counter(torch.device("cpu"))
     >>> counter.start()
     >>> x = torch.zeros(256)            # 1024 bytes of float32

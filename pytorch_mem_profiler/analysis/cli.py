@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from .report import UNITS
+from ..outputs.report import UNITS
 from .runs import Run, RunFileError, find_run, load_run
 
 __all__ = ["main", "build_parser", "PROGRAM"]
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Look at the CSV files pytorch_mem_profiler wrote: summaries, plots, "
         "HTML reports and comparisons of runs.",
     )
-    from . import __version__
+    from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")

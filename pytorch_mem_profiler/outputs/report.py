@@ -18,7 +18,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Mapping
 
-from .stats import IterationRecord
+from ..stats import IterationRecord
 
 __all__ = ["UNITS", "format_amount", "format_report", "dotted_line", "REPORT_WIDTH"]
 

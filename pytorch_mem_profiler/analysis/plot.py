@@ -17,7 +17,7 @@ Example::
 
     >>> import io, tempfile, torch
     >>> from pytorch_mem_profiler import memory_profiler
-    >>> from pytorch_mem_profiler.runs import load_run
+    >>> from pytorch_mem_profiler.analysis.runs import load_run
     >>> model = torch.nn.Linear(4, 2)
     >>> with memory_profiler(model, 1, True, csv_dir=tempfile.mkdtemp(), stream=io.StringIO()) as p:
     ...     model(torch.randn(3, 4)).sum().backward()
@@ -36,7 +36,7 @@ from typing import Any
 
 import pandas as pd
 
-from .report import UNITS
+from ..outputs.report import UNITS
 from .runs import Run
 from .summary import category_label, check_unit, largest_layers
 
