@@ -34,8 +34,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from .measure.devices import resolve_device
-from .outputs.report import REPORT_WIDTH, UNITS, format_amount
+from .measure.devices import accelerator_device
+from .units import UNITS, format_amount
+from .outputs.report import REPORT_WIDTH
+from .stats import CATEGORIES as RECORD_CATEGORIES
 from .stats import IterationRecord
 
 __all__ = [
@@ -44,7 +46,6 @@ __all__ = [
     "CrossRankSummary",
     "CATEGORIES",
     "rank_info",
-    "rank_device",
     "parse_print_ranks",
     "summarize_rank",
     "encode_summary",
@@ -53,19 +54,12 @@ __all__ = [
     "GatherBuffers",
     "format_cross_rank",
     "RankPeakTracker",
+    "CrossRankExchange",
 ]
 
-#: The record's categories compared across ranks: ``(label, IterationRecord field)``.
-CATEGORIES: tuple[tuple[str, str], ...] = (
-    ("weights", "weights"),
-    ("weight gradients", "gradients"),
-    ("optimizer state", "optimizer_state"),
-    ("feature maps", "feature_maps"),
-    ("intermediate gradients", "intermediate_gradients"),
-    ("buffers", "buffers"),
-    ("DDP gradient buckets", "ddp_gradient_buckets"),
-    ("FSDP gathered parameters", "fsdp_gathered_parameters"),
-)
+#: The record's categories compared across ranks: ``(label, IterationRecord field)``, in
+#: the order of their slots in the all-gathered vector.
+CATEGORIES: tuple[tuple[str, str], ...] = tuple((label, name) for name, label in RECORD_CATEGORIES.items())
 
 # The all-gathered vector: a format number, the rank, two peaks, one slot per
 # category, then the label "device\nhost" as UTF-8 bytes, one byte a slot (a
@@ -148,45 +142,6 @@ def rank_info() -> RankInfo | None:
         host=socket.gethostname(),
         backends=MappingProxyType(_backends()),
     )
-
-
-def rank_device(model: torch.nn.Module, info: RankInfo) -> torch.device:
-    """The device a rank profiles: where its model lives.
-
-    The first parameter or buffer on an accelerator decides. A model with none
-    there (a parameterless stage, FSDP2 with its shards offloaded to the CPU)
-    under an accelerator backend (NCCL) computes on the rank's accelerator:
-    ``LOCAL_RANK``, or the current device when ``LOCAL_RANK`` is not a visible
-    device. Otherwise the model's device as on one process.
-
-    Example::
-
-        >>> info = RankInfo(rank=0, world_size=2, local_rank=0, host="h", backends={"cpu": "gloo"})
-        >>> rank_device(torch.nn.Linear(2, 2), info)
-        device(type='cpu')
-    """
-    for tensor in _tensors(model):
-        if tensor.device.type not in ("cpu", "meta"):
-            return resolve_device(model, tensor.device)
-    for device_type, backend in info.backends.items():
-        if device_type == "cpu" or backend == "gloo":
-            continue
-        module = getattr(torch, device_type, None)
-        try:
-            if module is None or not module.is_available():
-                continue
-            index = info.local_rank
-            if index is None or index >= module.device_count():
-                index = module.current_device()
-        except AttributeError:  # a backend module without the usual device calls
-            continue
-        return torch.device(device_type, index)
-    return resolve_device(model)
-
-
-def _tensors(model: torch.nn.Module) -> Iterable[torch.Tensor]:
-    yield from model.parameters()
-    yield from model.buffers()
 
 
 def parse_print_ranks(value: Any) -> frozenset[int] | None:
@@ -327,6 +282,48 @@ class RankPeakTracker:
         self.peak = None
 
 
+class CrossRankExchange:
+    """A rank's part in the cross-rank table: watches its records, gathers at each epoch end.
+
+    Args:
+        info: this process's rank.
+    """
+
+    def __init__(self, info: RankInfo) -> None:
+        self.info = info
+        self.peaks = RankPeakTracker()
+        self.buffers = GatherBuffers()
+
+    def observe(self, record: IterationRecord) -> None:
+        """Every record, reported or not: one comparison."""
+        self.peaks.observe(record)
+
+    def gather(self, epoch: int, device: torch.device, on_fault: Any = None) -> CrossRankSummary | None:
+        """Every rank's summary of ``epoch``, on every rank (a collective: all ranks call it).
+
+        A fault in this rank's own figures (passed to ``on_fault``) never keeps it
+        out of the collective: it then contributes "nothing known". ``None`` once
+        the process group is gone.
+        """
+        if not torch.distributed.is_initialized():
+            return None  # the group was destroyed on every rank: nobody to gather from
+        info, tracker = self.info, self.peaks
+        local = None
+        try:
+            local = summarize_rank(info.rank, info.host, tracker.latest, tracker.peak, str(device))
+        except Exception as exc:  # noqa: BLE001 - the collective below must run regardless
+            if on_fault is None:
+                raise
+            on_fault(exc)
+        tracker.new_epoch()
+        ranks = gather_summaries(local, info, device, self.buffers)
+        return CrossRankSummary(epoch=epoch, ranks=ranks)
+
+    def release(self) -> None:
+        """Free the all-gather's tensors."""
+        self.buffers = GatherBuffers()
+
+
 # -- the wire format -------------------------------------------------------------
 def encode_summary(summary: RankSummary) -> list[int]:
     """The fixed-length int64 vector a rank contributes to the all-gather."""
@@ -382,10 +379,7 @@ def _collective_device(info: RankInfo, profiled: torch.device) -> torch.device:
     if profiled.type in backends:
         return profiled
     device_type = next(iter(backends))
-    module = getattr(torch, device_type, None)
-    if module is not None and hasattr(module, "current_device"):
-        return torch.device(device_type, module.current_device())
-    return torch.device(device_type)
+    return accelerator_device(device_type) or torch.device(device_type)
 
 
 class GatherBuffers:

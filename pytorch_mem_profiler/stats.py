@@ -17,11 +17,52 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
-__all__ = ["PhaseStats", "LayerFeatureMaps", "IterationRecord", "PHASES", "diff_records", "BYTE_FIGURES"]
+__all__ = [
+    "PhaseStats",
+    "LayerFeatureMaps",
+    "IterationRecord",
+    "PHASES",
+    "PHASE_LABELS",
+    "CATEGORIES",
+    "MODEL_STATE",
+    "BYTE_FIGURES",
+    "INPUT",
+    "ACTIVATIONS",
+    "WEIGHT_COPIES",
+    "diff_records",
+]
 
 #: The phases of an iteration, in order. "other" is everything between them:
 #: data loading, the loss, gradient clipping, ``zero_grad()``.
 PHASES = ("forward", "backward", "optimizer", "other")
+
+#: How the phases are named for people.
+PHASE_LABELS: Mapping[str, str] = MappingProxyType(
+    {"forward": "forward", "backward": "backward", "optimizer": "optimizer step", "other": "between phases"}
+)
+
+#: The record's memory categories (its byte fields), each with the name people know it by.
+CATEGORIES: Mapping[str, str] = MappingProxyType(
+    {
+        "weights": "weights",
+        "gradients": "weight gradients",
+        "optimizer_state": "optimizer state",
+        "feature_maps": "feature maps",
+        "intermediate_gradients": "intermediate gradients",
+        "buffers": "buffers",
+        "ddp_gradient_buckets": "DDP gradient buckets",
+        "fsdp_gathered_parameters": "FSDP gathered parameters",
+    }
+)
+
+#: The categories that belong to the model and its optimizer rather than to one iteration.
+MODEL_STATE = ("weights", "gradients", "optimizer_state", "buffers")
+
+#: The module name under which the model's inputs are counted in per-layer figures.
+INPUT = "(input)"
+#: Per-layer categories of saved memory: activations, and autocast's copies of weights.
+ACTIVATIONS = "activations"
+WEIGHT_COPIES = "weight copies"
 
 
 def _empty() -> Mapping:
@@ -98,6 +139,8 @@ class IterationRecord:
         process_used: bytes this process uses on the device (NVML, where it can tell).
         outside_pytorch: device used minus the allocator's reserved bytes: the CUDA
             context, library workspaces, other processes.
+        device_total: bytes of memory the device has in all (``None`` where torch cannot
+            tell, and on the CPU).
         ddp_gradient_buckets: bytes of DDP's gradient buckets held apart from the
             gradients (0 with ``gradient_as_bucket_view=True``); ``None`` without DDP.
         fsdp_gathered_parameters: most bytes of FSDP2's gathered (unsharded)
@@ -133,6 +176,7 @@ class IterationRecord:
     device_used: int | None = None
     process_used: int | None = None
     outside_pytorch: int | None = None
+    device_total: int | None = None
     ddp_gradient_buckets: int | None = None
     fsdp_gathered_parameters: int | None = None
     rank: int | None = None
@@ -159,10 +203,7 @@ BYTE_FIGURES = (
     "current_cached",
     "feature_maps",
     "intermediate_gradients",
-    "weights",
-    "gradients",
-    "optimizer_state",
-    "buffers",
+    *MODEL_STATE,
     "outside_pytorch",
 )
 

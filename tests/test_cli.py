@@ -15,7 +15,8 @@ import torch
 
 from .profiled_run import REPO, png_size, profile_tiny_model, run_cli
 from pytorch_mem_profiler.analysis.runs import module_of
-from pytorch_mem_profiler.analysis.summary import format_seconds, format_size
+from pytorch_mem_profiler.analysis.summary import format_seconds
+from pytorch_mem_profiler.units import format_amount
 
 
 needs_matplotlib = pytest.mark.skipif(
@@ -63,13 +64,13 @@ def test_summary_of_a_named_run(runs):
     out = result.stdout
     raw = pd.read_csv(runs["small"])
     assert out.splitlines()[0] == f"Run {runs['small']} on cpu (KB = 1,000 bytes)"
-    assert f"Peak allocated: {format_size(raw['peak_allocated'].max() * 1000, 'KB')}" in out
+    assert f"Peak allocated: {format_amount(raw['peak_allocated'].max() * 1000, 'KB', digits=3)}" in out
 
     # per epoch: the highest iteration peak and peak cached of the epoch's rows
     for epoch, group in raw.groupby("epoch"):
         row = next(line for line in out.splitlines() if re.match(rf"{epoch}\s+2\s", line))
-        assert format_size(group["iteration_peak_allocated"].max() * 1000, "KB") in row
-        assert format_size(group["peak_cached"].max() * 1000, "KB") in row
+        assert format_amount(group["iteration_peak_allocated"].max() * 1000, "KB", digits=3) in row
+        assert format_amount(group["peak_cached"].max() * 1000, "KB", digits=3) in row
         slow = group.loc[group["iteration_time_s"].idxmax()]
         assert f"{int(slow['iteration'])} ({format_seconds(slow['iteration_time_s'])})" in row
 
@@ -78,7 +79,7 @@ def test_summary_of_a_named_run(runs):
     lines = out.splitlines()
     first = lines[lines.index("Largest layers by weights:") + 1].split()
     assert first[0] == name
-    assert " ".join(first[1:]) == format_size(nbytes, "KB")
+    assert " ".join(first[1:]) == format_amount(nbytes, "KB", digits=3)
     first_grad = lines[lines.index("Largest layers by gradients:") + 1].split()
     assert first_grad[0] == name
 
@@ -119,7 +120,7 @@ def test_summary_shows_the_layers_file(tmp_path):
     largest = largest.sort_values(ascending=False, kind="stable")
     shown = [line.split() for line in lines[at + 1 : at + 1 + len(largest)]]
     assert [row[0] for row in shown] == list(largest.index)
-    assert [" ".join(row[1:]) for row in shown] == [format_size(n, "B") for n in largest]
+    assert [" ".join(row[1:]) for row in shown] == [format_amount(n, "B", digits=3) for n in largest]
 
 
 # -- plot --------------------------------------------------------------------------------
@@ -196,12 +197,12 @@ def test_compare_table_and_csv(runs, tmp_path):
     lines = result.stdout.splitlines()
     assert lines[0] == "| Configuration | Peak memory | Time per iteration | vs first |"
     assert lines[2] == (
-        f"| batch 8 | {format_size(peak_small * 1000, 'KB')} | {format_seconds(time_small)} | (reference) |"
+        f"| batch 8 | {format_amount(peak_small * 1000, 'KB', digits=3)} | {format_seconds(time_small)} | (reference) |"
     )
     change = (peak_big - peak_small) / peak_small * 100
     time_change = (time_big - time_small) / time_small * 100
     assert lines[3] == (
-        f"| batch 256 | {format_size(peak_big * 1000, 'KB')} | {format_seconds(time_big)} | "
+        f"| batch 256 | {format_amount(peak_big * 1000, 'KB', digits=3)} | {format_seconds(time_big)} | "
         f"{change:+.1f}% memory, {time_change:+.1f}% time |"
     )
 

@@ -29,9 +29,9 @@ from pytorch_mem_profiler.distributed import (
     encode_summary,
     format_cross_rank,
     parse_print_ranks,
-    rank_device,
     rank_info,
 )
+from pytorch_mem_profiler.measure.devices import rank_device
 from .torchrun_helper import run_worker
 
 pytestmark = pytest.mark.distributed

@@ -19,7 +19,7 @@ from .profiled_run import png_size, profile_tiny_model
 from pytorch_mem_profiler import memory_profiler
 from pytorch_mem_profiler.analysis.html_report import CONTENT_SECURITY_POLICY, render_html, write_html
 from pytorch_mem_profiler.analysis.runs import layers_path, load_run
-from pytorch_mem_profiler.analysis.summary import format_size
+from pytorch_mem_profiler.units import format_amount
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -139,8 +139,8 @@ def test_tables_hold_the_run(report):
         [
             name,
             name.rpartition(".")[0],
-            format_size(p.numel() * p.element_size(), "B"),
-            format_size(p.numel() * p.element_size(), "B"),
+            format_amount(p.numel() * p.element_size(), "B", digits=3),
+            format_amount(p.numel() * p.element_size(), "B", digits=3),
         ]
         for name, p in report["model"].named_parameters()
     ]
@@ -151,7 +151,7 @@ def test_tables_hold_the_run(report):
     assert settings["Reported iterations"] == "4"
     assert settings["Reported every"] == "2 iteration(s)"
     total = sum(p.numel() * p.element_size() for p in report["model"].parameters())
-    assert settings["Weights"] == format_size(total, "B")
+    assert settings["Weights"] == format_amount(total, "B", digits=3)
     assert len(page.tables["epoch-table"]) == 1 + 2
     assert len(page.tables["records-table"]) == 1 + 4
     assert page.tables["layers-weights"][1][0] == "encoder"
@@ -179,11 +179,11 @@ def test_layers_file_gets_its_tables(tmp_path):
     largest = activations.groupby(["step", "module"])["bytes"].sum().groupby("module").max()
     largest = largest.sort_values(ascending=False, kind="stable")
     assert page.tables["layers-activations"] == [["Layer", "feature maps"]] + [
-        [name, format_size(n, "B")] for name, n in largest.items()
+        [name, format_amount(n, "B", digits=3)] for name, n in largest.items()
     ]
     totals = dict(page.tables["layer-totals"][1:])
     for module in ("(input)", "(total by layer)", "(allocator delta)"):
-        assert totals[module] == format_size(raw[raw["module"] == module]["bytes"].max(), "B")
+        assert totals[module] == format_amount(raw[raw["module"] == module]["bytes"].max(), "B", digits=3)
 
 
 def _chromium(url: str, profile: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ import pytorch_mem_profiler.measure.layers as layers_module
 from pytorch_mem_profiler import MemoryProfiler
 from pytorch_mem_profiler.measure.devices import CpuCounter
 from pytorch_mem_profiler.outputs.leaks import LeakWarning
+from pytorch_mem_profiler.outputs.sinks import LeakSink
 from pytorch_mem_profiler.stats import diff_records
 
 from .helpers import BackwardScratch, mlp, nbytes
@@ -232,7 +233,7 @@ def test_leak_warning_for_a_loop_that_keeps_losses():
     assert len(leak_warnings) == 1
     message = str(leak_warnings[0].message)
     # each kept loss is one float32 scalar: 4 bytes a step
-    assert "grows by 4e-06 MB per iteration" in message
+    assert "grows by 0.00000400 MB per iteration" in message  # 4 bytes, three significant digits
     assert "tensors kept alive by the training loop" in message
     assert "since iteration 1 of epoch 1" in message
     first, last = profiler.first_record, profiler.records[-1]
@@ -251,7 +252,7 @@ def test_clean_loop_never_warns_over_200_iterations():
                 opt.step()
                 opt.zero_grad()
                 profiler.record_stats()
-    assert profiler._leaks.found is None
+    assert profiler._sink(LeakSink).detector.found is None
 
 
 def test_layers_csv_long_format(csv_dir):

@@ -97,7 +97,7 @@ def test_a_single_record_is_drawn(tmp_path):
 
 
 def test_bad_size_is_named(run):
-    with pytest.raises(ValueError, match="width must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="width must be an integer >= 1, got 0"):
         plot_memory(run, width=0)
 
 

@@ -302,12 +302,12 @@ def test_meta_model_gets_a_clear_message():
 
 
 def test_a_fault_is_logged_once_and_training_goes_on(monkeypatch, caplog, stream):
-    import pytorch_mem_profiler.profiler as profiler_module
+    import pytorch_mem_profiler.measure.meter as meter_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated profiler bug")
 
-    monkeypatch.setattr(profiler_module, "optimizer_state_bytes", broken)
+    monkeypatch.setattr(meter_module, "optimizer_state_bytes", broken)
     model = mlp()
     opt = torch.optim.Adam(model.parameters())
     with caplog.at_level(logging.WARNING, logger="pytorch_mem_profiler"):
@@ -333,9 +333,9 @@ def test_a_fault_inside_backward_does_not_break_backward(monkeypatch, stream):
 
 
 def test_strict_reraises(monkeypatch, stream):
-    import pytorch_mem_profiler.profiler as profiler_module
+    import pytorch_mem_profiler.measure.meter as meter_module
 
-    monkeypatch.setattr(profiler_module, "optimizer_state_bytes", lambda *a: 1 / 0)
+    monkeypatch.setattr(meter_module, "optimizer_state_bytes", lambda *a: 1 / 0)
     model = mlp()
     opt = torch.optim.Adam(model.parameters())
     with make(model, stream) as profiler:
@@ -346,7 +346,7 @@ def test_strict_reraises(monkeypatch, stream):
 
 def test_a_device_without_peak_counters_reads_na(monkeypatch, stream):
     """MPS keeps no peak: the figures that need one say n/a, never a wrong 0."""
-    import pytorch_mem_profiler.profiler as profiler_module
+    import pytorch_mem_profiler.measure.meter as meter_module
     from pytorch_mem_profiler.measure.devices import CpuCounter, Reading
 
     class NoPeaks(CpuCounter):
@@ -356,7 +356,7 @@ def test_a_device_without_peak_counters_reads_na(monkeypatch, stream):
             now = super()._read_device()
             return Reading(now.allocated, None, now.reserved, None)
 
-    monkeypatch.setattr(profiler_module, "make_counter", lambda device: NoPeaks(device))
+    monkeypatch.setattr(meter_module, "make_counter", lambda device: NoPeaks(device))
     model = mlp()
     with make(model, stream) as profiler:
         train_step(model, None, torch.randn(4, 32))

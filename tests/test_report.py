@@ -6,7 +6,8 @@ from types import MappingProxyType
 
 import pytest
 
-from pytorch_mem_profiler.outputs.report import REPORT_WIDTH, format_amount, format_report
+from pytorch_mem_profiler.outputs.report import REPORT_WIDTH, format_report
+from pytorch_mem_profiler.units import format_amount
 from pytorch_mem_profiler.stats import IterationRecord
 
 

@@ -11,7 +11,7 @@ import torch
 
 from .profiled_run import TinyNet, profile_tiny_model
 from pytorch_mem_profiler import memory_profiler
-from pytorch_mem_profiler.outputs.report import UNITS
+from pytorch_mem_profiler.units import UNITS
 from pytorch_mem_profiler.analysis.runs import (
     RunFileError,
     find_run,

@@ -16,11 +16,11 @@ from pytorch_mem_profiler.analysis.runs import load_run
 from pytorch_mem_profiler.analysis.summary import (
     epoch_table,
     format_seconds,
-    format_size,
     largest_layers,
     peak_memory,
     time_per_iteration,
 )
+from pytorch_mem_profiler.units import format_amount
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +32,14 @@ def pair(tmp_path_factory):
 
 
 def test_format_size_and_seconds():
-    assert format_size(0, "MB") == "0 MB"
-    assert format_size(123_456_789, "MB") == "123 MB"
-    assert format_size(12_345_678, "MB") == "12.3 MB"
-    assert format_size(1_234_567, "MB") == "1.23 MB"
-    assert format_size(1_234, "MB") == "0.00123 MB"
-    assert format_size(3 * 2**30, "GiB") == "3.00 GiB"
-    assert format_size(12_345_678_901, "B") == "12,345,678,901 B"
-    assert format_size(float("nan"), "MB") == "n/a"
+    assert format_amount(0, "MB", digits=3) == "0 MB"
+    assert format_amount(123_456_789, "MB", digits=3) == "123 MB"
+    assert format_amount(12_345_678, "MB", digits=3) == "12.3 MB"
+    assert format_amount(1_234_567, "MB", digits=3) == "1.23 MB"
+    assert format_amount(1_234, "MB", digits=3) == "0.00123 MB"
+    assert format_amount(3 * 2**30, "GiB", digits=3) == "3.00 GiB"
+    assert format_amount(12_345_678_901, "B", digits=3) == "12,345,678,901 B"
+    assert format_amount(float("nan"), "MB", digits=3) == "n/a"
     assert format_seconds(0.1234) == "123 ms"
     assert format_seconds(9.5) == "9,500 ms"
     assert format_seconds(136.4) == "136 s"

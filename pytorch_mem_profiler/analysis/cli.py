@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..outputs.report import UNITS
+from ..units import UNITS
 from .runs import Run, RunFileError, find_run, load_run
 
 __all__ = ["main", "build_parser", "PROGRAM"]

@@ -36,9 +36,9 @@ from typing import Sequence
 
 import pandas as pd
 
-from ..outputs.report import UNITS
 from .runs import Run
-from .summary import check_unit, format_seconds, format_size, peak_memory, time_per_iteration
+from ..units import UNITS, check_unit, format_amount
+from .summary import format_seconds, peak_memory, time_per_iteration
 
 __all__ = [
     "Comparison",
@@ -120,7 +120,7 @@ def _cell(text: str) -> str:
 
 def format_markdown(rows: Sequence[Comparison], unit: str = "MB") -> str:
     """The comparison as a Markdown table, figures in ``unit``, changes against the first row."""
-    check_unit(unit, unit)
+    check_unit(unit)
     lines = [
         "| Configuration | Peak memory | Time per iteration | vs first |",
         "| --- | ---: | ---: | --- |",
@@ -128,7 +128,7 @@ def format_markdown(rows: Sequence[Comparison], unit: str = "MB") -> str:
     for i, row in enumerate(rows):
         versus = "(reference)" if i == 0 else _versus(row, rows[0])
         lines.append(
-            f"| {_cell(row.name)} | {format_size(row.peak_allocated, unit)} | "
+            f"| {_cell(row.name)} | {format_amount(row.peak_allocated, unit, digits=3)} | "
             f"{format_seconds(row.time_per_iteration_s)} | {versus} |"
         )
     return "\n".join(lines)
@@ -137,7 +137,7 @@ def format_markdown(rows: Sequence[Comparison], unit: str = "MB") -> str:
 def comparison_frame(rows: Sequence[Comparison], unit: str = "MB") -> pd.DataFrame:
     """The comparison as a table with full precision: memory in ``unit``, time in seconds,
     changes in percent against the first row (empty for the first)."""
-    check_unit(unit, unit)
+    check_unit(unit)
     div = UNITS[unit]
     scale = lambda n: None if n is None else n / div  # noqa: E731
     first = rows[0] if rows else None

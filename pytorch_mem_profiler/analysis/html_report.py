@@ -32,16 +32,17 @@ from typing import Iterable, Sequence
 
 import pandas as pd
 
-from ..outputs.report import UNITS
+from ..stats import CATEGORIES as RECORD_CATEGORIES
+from ..stats import INPUT
+from ..units import UNITS, format_amount
 from .runs import Run, module_of
 from .summary import (
     EPOCH_HEADER,
     category_label,
-    check_unit,
+    choose_unit,
     epoch_rows,
     epoch_table,
     format_seconds,
-    format_size,
     largest_layers,
     run_settings,
 )
@@ -125,8 +126,8 @@ def render_html(run: Run, unit: str | None = None) -> str:
     """
     from .. import __version__  # here, not at the top: the package imports this module
 
-    unit = check_unit(unit, run.unit)
-    size = lambda n: format_size(n, unit)  # noqa: E731
+    unit = choose_unit(unit, run.unit)
+    size = lambda n: format_amount(n, unit, digits=3)  # noqa: E731
     title = f"Memory report: {run.name}"
     made = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     parts = [
@@ -217,14 +218,14 @@ def _layer_totals_table(run: Run, unit: str) -> str:
     """The per-layer file's totals and the model's inputs, each at its largest over the run."""
     layers = run.layers
     assert layers is not None
-    rows = layers[(layers["category"] == "total") | (layers["module"] == "(input)")]
+    rows = layers[(layers["category"] == "total") | (layers["module"] == INPUT)]
     if not len(rows):
         return ""
     per_iteration = rows.groupby(["epoch", "iteration", "module"], sort=False)["bytes"].sum()
     largest = per_iteration.groupby(level="module", sort=False).max()
     return "<h3>Per-layer totals</h3>" + _table(
         ("Row of the per-layer file", "Largest"),
-        ((name, format_size(nbytes, unit)) for name, nbytes in largest.items()),
+        ((name, format_amount(nbytes, unit, digits=3)) for name, nbytes in largest.items()),
         (False, True),
         "layer-totals",
     )
@@ -236,11 +237,10 @@ def _records_table(run: Run, unit: str) -> str:
         ("iteration_peak_allocated", "Peak this iteration"),
         ("peak_allocated", "Peak since start"),
         ("current_cached", "Cached"),
-        ("weights", "Weights"),
-        ("gradients", "Gradients"),
-        ("optimizer_state", "Optimizer state"),
-        ("feature_maps", "Feature maps"),
-        ("intermediate_gradients", "Intermediate gradients"),
+        *(
+            (name, RECORD_CATEGORIES[name].capitalize())
+            for name in ("weights", "gradients", "optimizer_state", "feature_maps", "intermediate_gradients")
+        ),
         ("outside_pytorch", "Outside PyTorch"),
     )
     # Figures this run's device or settings never produced are left out, not shown as n/a.
@@ -248,7 +248,7 @@ def _records_table(run: Run, unit: str) -> str:
     records = run.records.tail(_MAX_RECORD_ROWS)
     rows = (
         [str(int(r["epoch"])), str(int(r["iteration"]))]
-        + [format_size(r[c], unit) for c, _ in columns]
+        + [format_amount(r[c], unit, digits=3) for c, _ in columns]
         + [format_seconds(r["iteration_time_s"]), _text(r["peak_phase"]), _text(r["peak_location"])]
         for _, r in records.iterrows()
     )

@@ -36,9 +36,11 @@ from typing import Any
 
 import pandas as pd
 
-from ..outputs.report import UNITS
+from ..options import check_int
+from ..stats import CATEGORIES as RECORD_CATEGORIES
+from ..units import UNITS
 from .runs import Run
-from .summary import category_label, check_unit, largest_layers
+from .summary import category_label, choose_unit, largest_layers
 
 __all__ = [
     "CATEGORIES",
@@ -51,11 +53,16 @@ __all__ = [
 
 #: The stacked categories, bottom to top: (column, label, colour).
 CATEGORIES = (
-    ("weights", "weights", "#4C72B0"),
-    ("gradients", "gradients", "#DD8452"),
-    ("optimizer_state", "optimizer state", "#55A868"),
-    ("feature_maps", "feature maps", "#C44E52"),
-    ("intermediate_gradients", "intermediate gradients", "#8172B3"),
+    *(
+        (name, RECORD_CATEGORIES[name], colour)
+        for name, colour in (
+            ("weights", "#4C72B0"),
+            ("gradients", "#DD8452"),
+            ("optimizer_state", "#55A868"),
+            ("feature_maps", "#C44E52"),
+            ("intermediate_gradients", "#8172B3"),
+        )
+    ),
     ("other", "other", "#B0B0B0"),
 )
 
@@ -73,8 +80,7 @@ def _figure_class() -> Any:
 
 def _new_figure(width: int, height: int, dpi: int) -> Any:
     for name, value in (("width", width), ("height", height), ("dpi", dpi)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_int(value, name)
     return _figure_class()(figsize=(width / dpi, height / dpi), dpi=dpi)
 
 
@@ -171,7 +177,7 @@ def plot_memory(
     Raises:
         ImportError: matplotlib is not installed (the message says what to install).
     """
-    unit = check_unit(unit, run.unit)
+    unit = choose_unit(unit, run.unit)
     div = UNITS[unit]
     figure = _new_figure(width, height, dpi)
     ax = figure.subplots()
@@ -244,7 +250,7 @@ def plot_layers(
 
     ``height`` defaults to one that fits the layers. Other arguments as :func:`plot_memory`.
     """
-    unit = check_unit(unit, run.unit)
+    unit = choose_unit(unit, run.unit)
     div = UNITS[unit]
     by_category = largest_layers(run, top=10**9)
     totals: dict[str, float] = {}

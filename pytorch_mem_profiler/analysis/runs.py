@@ -37,7 +37,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..outputs.export import EXTRA_COLUMNS, NON_AMOUNT_COLUMNS, record_columns
-from ..outputs.report import UNITS
+from ..units import UNITS
 
 __all__ = [
     "Run",

@@ -6,7 +6,7 @@ tables. Units are applied only when formatting.
 
 Example::
 
-    >>> format_size(1_234_567, "MB"), format_size(12_500, "MB"), format_size(None, "MB")
+    >>> format_amount(1_234_567, "MB", digits=3), format_amount(12_500, "MB", digits=3), format_amount(None, "MB", digits=3)
     ('1.23 MB', '0.0125 MB', 'n/a')
     >>> module_sizes({"fc.weight": 256, "fc.bias": 16, "head.weight": 64})
     {'fc': 272, 'head': 64}
@@ -20,11 +20,11 @@ from typing import Callable, Mapping
 
 import pandas as pd
 
-from ..outputs.report import UNITS
+from ..stats import ACTIVATIONS, INPUT, WEIGHT_COPIES
+from ..units import UNITS, check_unit, format_amount, significant
 from .runs import Run, module_of
 
 __all__ = [
-    "format_size",
     "format_seconds",
     "module_sizes",
     "epoch_table",
@@ -35,42 +35,17 @@ __all__ = [
     "format_summary",
     "category_label",
     "iteration_and_time",
-    "check_unit",
+    "choose_unit",
 ]
-
-
-def check_unit(unit: str | None, default: str) -> str:
-    """``unit``, or ``default`` when it is ``None``; ``ValueError`` naming it if not a unit."""
-    unit = default if unit is None else unit
-    if unit not in UNITS:
-        raise ValueError(f"unit must be one of {', '.join(UNITS)}; got {unit!r}")
-    return unit
 
 
 def _missing(value: float | None) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def _number(value: float) -> str:
-    """Three significant digits, thousands separated, never in exponent form."""
-    size = abs(value)
-    if size >= 100:
-        return f"{value:,.0f}"
-    if size >= 10:
-        return f"{value:.1f}"
-    if size >= 1:
-        return f"{value:.2f}"
-    decimals = 2 - math.floor(math.log10(size))
-    return f"{value:.{decimals}f}"
-
-
-def format_size(nbytes: float | None, unit: str) -> str:
-    """``nbytes`` in ``unit`` to three significant digits; ``None`` or NaN is ``n/a``."""
-    if _missing(nbytes):
-        return "n/a"
-    if nbytes == 0:
-        return f"0 {unit}"
-    return f"{_number(nbytes / UNITS[unit])} {unit}"
+def choose_unit(unit: str | None, default: str) -> str:
+    """``unit``, or ``default`` (the run file's unit) when it is ``None``; ``ValueError`` if not a unit."""
+    return check_unit(default if unit is None else unit)
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -81,15 +56,15 @@ def format_seconds(seconds: float | None) -> str:
     if seconds == 0:
         return "0 ms"
     if abs(seconds) >= 10:
-        return f"{_number(seconds)} s"
-    return f"{_number(seconds * 1e3)} ms"
+        return f"{significant(seconds)} s"
+    return f"{significant(seconds * 1e3)} ms"
 
 
 #: How categories are named for people; the per-layer file's "activations" are feature maps.
-_CATEGORY_LABELS = {"activations": "feature maps", "weight copies": "autocast weight copies"}
+_CATEGORY_LABELS = {ACTIVATIONS: "feature maps", WEIGHT_COPIES: "autocast weight copies"}
 
 #: Per-layer file rows that are not layers: totals, and the model's inputs.
-_NOT_LAYERS = {"category": ("total",), "module": ("(input)",)}
+_NOT_LAYERS = {"category": ("total",), "module": (INPUT,)}
 
 
 def category_label(category: str) -> str:
@@ -212,7 +187,7 @@ def _top(sizes: pd.Series, top: int) -> list[tuple[str, float]]:
 
 def run_settings(run: Run, unit: str | None = None) -> list[tuple[str, str]]:
     """The run's settings and totals as (label, text) pairs, for a table."""
-    unit = check_unit(unit, run.unit)
+    unit = choose_unit(unit, run.unit)
     rec = run.records
     last = rec.iloc[-1]
     written = _dt.datetime.fromtimestamp(run.path.stat().st_mtime).strftime("%Y-%m-%d %H:%M:%S")
@@ -231,15 +206,15 @@ def run_settings(run: Run, unit: str | None = None) -> list[tuple[str, str]]:
         ("Reported every", f"{int(rec['iteration'].min())} iteration(s)"),
         ("Iterations run (by the last record)", str(int(rec["step"].max()))),
         ("Parameters", str(len(run.parameters))),
-        ("Weights", format_size(last["weights"], unit)),
-        ("Buffers", format_size(last["buffers"], unit)),
-        ("Optimizer state (last record)", format_size(last["optimizer_state"], unit)),
+        ("Weights", format_amount(last["weights"], unit, digits=3)),
+        ("Buffers", format_amount(last["buffers"], unit, digits=3)),
+        ("Optimizer state (last record)", format_amount(last["optimizer_state"], unit, digits=3)),
         (
             "Forward passes / backward passes / optimizer steps per iteration",
             f"{count('forward_passes')} / {count('backward_passes')} / {count('optimizer_steps')}",
         ),
-        ("Peak allocated (max of peak_allocated)", format_size(peak_memory(run), unit)),
-        ("Peak reserved (max of peak_cached)", format_size(rec["peak_cached"].max(), unit)),
+        ("Peak allocated (max of peak_allocated)", format_amount(peak_memory(run), unit, digits=3)),
+        ("Peak reserved (max of peak_cached)", format_amount(rec["peak_cached"].max(), unit, digits=3)),
         ("Time per iteration (median)", format_seconds(time_per_iteration(run))),
         ("Per-layer file", "none" if run.layers is None else f"{len(run.layers)} rows"),
     ]
@@ -253,16 +228,16 @@ def format_summary(run: Run, unit: str | None = None, top: int = 5) -> str:
         unit: the unit of the figures; default the file's.
         top: how many layers to list per category.
     """
-    unit = check_unit(unit, run.unit)
+    unit = choose_unit(unit, run.unit)
     lines = [f"Run {run.path} on {run.device} ({unit} = {UNITS[unit]:,} bytes)", ""]
-    lines.append(f"Peak allocated: {format_size(peak_memory(run), unit)} (max of peak_allocated)")
+    lines.append(f"Peak allocated: {format_amount(peak_memory(run), unit, digits=3)} (max of peak_allocated)")
     lines.append(
-        f"Peak reserved:  {format_size(run.records['peak_cached'].max(), unit)} (max of peak_cached)"
+        f"Peak reserved:  {format_amount(run.records['peak_cached'].max(), unit, digits=3)} (max of peak_cached)"
     )
     lines.append(f"Time per iteration: {format_seconds(time_per_iteration(run))} (median)")
     lines.append("")
 
-    body = epoch_rows(epoch_table(run), lambda n: format_size(n, unit))
+    body = epoch_rows(epoch_table(run), lambda n: format_amount(n, unit, digits=3))
     lines += _columns(EPOCH_HEADER, body)
     lines.append(
         "(peak allocated: highest iteration peak among the epoch's records; "
@@ -274,7 +249,7 @@ def format_summary(run: Run, unit: str | None = None, top: int = 5) -> str:
         if not layers:
             lines.append("  (none)")
         width = max((len(name) for name, _ in layers), default=0)
-        lines += [f"  {name:<{width}}  {format_size(nbytes, unit):>12}" for name, nbytes in layers]
+        lines += [f"  {name:<{width}}  {format_amount(nbytes, unit, digits=3):>12}" for name, nbytes in layers]
     return "\n".join(lines)
 
 

@@ -40,11 +40,14 @@ __all__ = [
     "AcceleratorCounter",
     "CpuCounter",
     "make_counter",
+    "usable_device",
     "resolve_device",
     "parse_device",
     "current_device",
-    "allocator_stats",
-    "allocator_summary",
+    "device_index",
+    "device_capacity",
+    "accelerator_device",
+    "rank_device",
 ]
 
 _log = logging.getLogger("pytorch_mem_profiler")
@@ -171,7 +174,8 @@ def _peers(device: torch.device) -> weakref.WeakSet:
     return peers
 
 
-def _index(device: torch.device) -> int:
+def device_index(device: torch.device) -> int:
+    """The device's index, 0 for an index-less one (``cuda`` is ``cuda:0`` to the counters)."""
     return device.index if device.index is not None else 0
 
 
@@ -180,7 +184,7 @@ class CudaCounter(MemoryCounter):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self._idx = _index(device)
+        self._idx = device_index(device)
         # One nested-dict call gives all four numbers; the public
         # ``torch.cuda.memory_allocated()`` flattens ~150 entries per call.
         self._nested = getattr(torch._C, "_cuda_memoryStats", None)
@@ -227,7 +231,7 @@ class XpuCounter(MemoryCounter):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self._idx = _index(device)
+        self._idx = device_index(device)
         xpu = torch.xpu
         self.has_peak = hasattr(xpu, "max_memory_allocated")
         self.has_reserved = hasattr(xpu, "memory_reserved")
@@ -251,7 +255,7 @@ class AcceleratorCounter(MemoryCounter):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self._idx = _index(device)
+        self._idx = device_index(device)
 
     def _read_device(self) -> Reading:
         acc, idx = torch.accelerator, self._idx
@@ -421,6 +425,57 @@ class _Release:
             counter._release(self.key)
 
 
+def usable_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` whose memory this process can count; ``ValueError`` naming it if not.
+
+    Refused: what torch cannot parse, the meta device, and a device type that is
+    not available here (CUDA without a driver under PyTorch's default wheel, an
+    ``"xla"`` or ``"hpu"`` device with no such backend, a GPU index beyond those
+    visible).
+
+    Example::
+
+        >>> usable_device("cpu")
+        device(type='cpu')
+        >>> usable_device("meta")
+        Traceback (most recent call last):
+        ...
+        ValueError: device='meta': the meta device holds no memory to profile
+    """
+    resolved = parse_device(device)
+    kind = resolved.type
+    if kind == "cpu":
+        return resolved
+    if kind == "meta":
+        raise ValueError(f"device={device!r}: the meta device holds no memory to profile")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} was asked for, but CUDA is not available")
+        if device_index(resolved) >= torch.cuda.device_count():
+            raise ValueError(
+                f"device={device!r} was asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+        return resolved
+    if kind == "mps":
+        if not (hasattr(torch, "mps") and torch.backends.mps.is_available()):
+            raise ValueError(f"device={device!r} was asked for, but MPS is not available")
+        return resolved
+    if kind == "xpu":
+        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+            raise ValueError(f"device={device!r} was asked for, but XPU is not available")
+        return resolved
+    acc = getattr(torch, "accelerator", None)
+    current = None
+    if acc is not None and hasattr(acc, "memory_allocated") and acc.is_available():
+        current = acc.current_accelerator()
+    if current is None or current.type != kind:
+        raise ValueError(
+            f"device={device!r}: no {kind!r} device is available to this process "
+            f"(torch {torch.__version__} has no memory counters for it here)"
+        )
+    return resolved
+
+
 def make_counter(device: torch.device) -> MemoryCounter:
     """Return the counter for ``device``; ``ValueError`` for a device it cannot count.
 
@@ -430,26 +485,16 @@ def make_counter(device: torch.device) -> MemoryCounter:
         >>> type(make_counter(torch.device("cpu"))).__name__
         'CpuCounter'
     """
-    kind = device.type
+    kind = usable_device(device).type
     if kind == "cpu":
         return CpuCounter(device)
     if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device} was asked for, but CUDA is not available")
         return CudaCounter(device)
     if kind == "mps":
-        if not (hasattr(torch, "mps") and torch.backends.mps.is_available()):
-            raise ValueError(f"device={device} was asked for, but MPS is not available")
         return MpsCounter(device)
     if kind == "xpu":
-        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-            raise ValueError(f"device={device} was asked for, but XPU is not available")
         return XpuCounter(device)
-    if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_allocated"):
-        return AcceleratorCounter(device)
-    raise ValueError(
-        f"device={device}: no memory counters for device type {kind!r} in torch {torch.__version__}"
-    )
+    return AcceleratorCounter(device)
 
 
 def resolve_device(model: torch.nn.Module, device: Any = None) -> torch.device:
@@ -507,22 +552,73 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-def allocator_stats(device: torch.device) -> dict[str, Any]:
-    """The caching allocator's full statistics for ``device`` (``{}`` where it keeps none).
+def device_capacity(device: torch.device) -> int | None:
+    """Bytes of memory the device has in all (``None`` where torch cannot tell, and on CPU).
 
-    On CUDA this is ``torch.cuda.memory_stats``: counts and bytes, current,
-    peak, allocated and freed, for all, small and large pools, plus the number
-    of OOMs and of cudaMalloc retries.
+    CUDA and XPU report their total memory; MPS the most it recommends a process
+    use. Never initializes a device that is not available.
+
+    Example::
+
+        >>> import torch
+        >>> device_capacity(torch.device("cpu")) is None
+        True
     """
-    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return dict(torch.cuda.memory_stats(_index(device)))
-    if device.type == "xpu" and hasattr(torch, "xpu") and hasattr(torch.xpu, "memory_stats"):
-        return dict(torch.xpu.memory_stats(_index(device)))
-    return {}
-
-
-def allocator_summary(device: torch.device) -> str | None:
-    """``torch.cuda.memory_summary``'s table for ``device``; ``None`` off CUDA."""
-    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.memory_summary(_index(device))
+    kind = device.type
+    if kind == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(device_index(device)).total_memory)
+    if kind == "xpu" and hasattr(torch, "xpu") and torch.xpu.is_available():
+        return int(torch.xpu.get_device_properties(device_index(device)).total_memory)
+    if kind == "mps" and hasattr(torch, "mps") and torch.backends.mps.is_available():
+        recommended = getattr(torch.mps, "recommended_max_memory", None)
+        return int(recommended()) if recommended is not None else None
     return None
+
+
+def accelerator_device(device_type: str, index: int | None = None) -> torch.device | None:
+    """``device_type``'s device ``index``, or its current device when ``index`` is ``None`` or
+    not a visible device; ``None`` when that backend is not available.
+
+    Example::
+
+        >>> accelerator_device("no-such-backend") is None
+        True
+    """
+    module = getattr(torch, device_type, None)
+    try:
+        if module is None or not module.is_available():
+            return None
+        if index is None or index >= module.device_count():
+            index = module.current_device()
+    except AttributeError:  # a backend module without the usual device calls
+        return None
+    return torch.device(device_type, index)
+
+
+def rank_device(model: torch.nn.Module, info: Any) -> torch.device:
+    """The device a rank profiles: where its model lives.
+
+    ``info`` is a :class:`~pytorch_mem_profiler.distributed.RankInfo`. The first
+    parameter or buffer on an accelerator decides. A model with none there (a
+    parameterless stage, FSDP2 with its shards offloaded to the CPU) under an
+    accelerator backend (NCCL) computes on the rank's accelerator:
+    ``LOCAL_RANK``, or the current device when ``LOCAL_RANK`` is not a visible
+    device. Otherwise the model's device as on one process.
+
+    Example::
+
+        >>> from pytorch_mem_profiler.distributed import RankInfo
+        >>> info = RankInfo(rank=0, world_size=2, local_rank=0, host="h", backends={"cpu": "gloo"})
+        >>> rank_device(torch.nn.Linear(2, 2), info)
+        device(type='cpu')
+    """
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type not in ("cpu", "meta"):
+            return resolve_device(model, tensor.device)
+    for device_type, backend in info.backends.items():
+        if device_type == "cpu" or backend == "gloo":
+            continue
+        found = accelerator_device(device_type, info.local_rank)
+        if found is not None:
+            return found
+    return resolve_device(model)

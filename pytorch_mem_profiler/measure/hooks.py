@@ -199,6 +199,18 @@ class TrainingStepHooks:
             self.attribution.close()
         self._attributing = False
 
+    @property
+    def phase(self) -> str:
+        """The phase running now: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"``."""
+        return self._phase
+
+    def retarget(self, counter: MemoryCounter, params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+        """Read ``counter`` and measure ``params`` from now on (the model moved to another device)."""
+        self.counter = counter
+        self.device = counter.device
+        self.set_params(params)
+        counter.mark()
+
     def set_params(self, params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
         """Measure the gradients of ``params`` from now on (after the model changed)."""
         self.params = list(params)

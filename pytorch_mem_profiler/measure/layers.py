@@ -43,6 +43,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from ..stats import ACTIVATIONS, INPUT, WEIGHT_COPIES
 from .accounting import same_device
 from .trees import output_grad_nodes, tensors_in
 
@@ -58,11 +59,6 @@ __all__ = [
 
 _log = logging.getLogger("pytorch_mem_profiler")
 
-#: The module name under which the model's inputs are counted.
-INPUT = "(input)"
-#: Categories of saved memory.
-ACTIVATIONS = "activations"
-WEIGHT_COPIES = "weight copies"
 #: At most this many modules mark peak locations (the deepest level that fits):
 #: each mark is one read of the allocator's counters.
 MAX_LOCATIONS = 16

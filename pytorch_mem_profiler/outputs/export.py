@@ -34,7 +34,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import pandas as pd
 
-from .report import UNITS
+from ..paths import free_path, prepare_output_dir
+from ..units import UNITS
 from ..stats import IterationRecord
 
 __all__ = [
@@ -184,28 +185,7 @@ def new_run_path(folder: Path, stem: str, suffix: str = ".csv") -> Path:
     the same second, or two processes, never share a name.
     """
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    for n in range(10_000):
-        name = f"{stem}_{stamp}{'' if n == 0 else f'-{n}'}{suffix}"
-        path = folder / name
-        try:
-            with open(path, "x", encoding="utf-8"):
-                return path
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free file name for {stem}_{stamp}{suffix} in {folder}")
-
-
-def prepare_folder(folder: str | os.PathLike) -> Path:
-    """Create ``folder`` (parents too) and prove it writable; ``ValueError`` naming it if not."""
-    path = Path(folder)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".pytorch_mem_profiler_probe_{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ValueError(f"csv_dir={str(folder)!r} cannot be created or written: {err}") from err
-    return path
+    return free_path(folder, f"{stem}_{stamp}", suffix, claim="file")
 
 
 class CsvFile:
@@ -262,7 +242,7 @@ class CsvLog:
         stem: str = "memory_stats",
         name_suffix: str = "",
     ) -> None:
-        self.folder = prepare_folder(folder)
+        self.folder = prepare_output_dir(folder, "csv_dir")
         self.weight_names = list(weight_names)
         self.unit = unit
         self.path = new_run_path(self.folder, stem, f"{name_suffix}.csv")

@@ -25,12 +25,10 @@ import warnings
 from collections import deque
 from dataclasses import dataclass
 
-from ..stats import IterationRecord
+from ..stats import CATEGORIES, MODEL_STATE, IterationRecord
+from ..units import format_amount
 
 __all__ = ["LeakWarning", "Leak", "LeakDetector", "category_growth"]
-
-#: Categories of allocated memory a record splits into; "other" is the rest.
-_CATEGORIES = ("weights", "gradients", "optimizer_state", "buffers")
 
 
 class LeakWarning(ResourceWarning):
@@ -47,15 +45,16 @@ class Leak:
     category: str
     iterations: int
 
-    def message(self, unit_bytes: int = 10**6, unit: str = "MB") -> str:
+    def message(self, unit: str = "MB") -> str:
         where = (
             "tensors kept alive by the training loop (not weights, gradients, optimizer state or "
             "buffers), e.g. a loss summed with its graph or a list of outputs"
             if self.category == "other"
-            else self.category.replace("_", " ")
+            else CATEGORIES[self.category]
         )
+        growth = format_amount(self.growth_per_iteration, unit, digits=3)
         return (
-            f"allocated memory grows by {self.growth_per_iteration / unit_bytes:.3g} {unit} per iteration "
+            f"allocated memory grows by {growth} per iteration "
             f"since iteration {self.began_iteration} of epoch {self.began_epoch} "
             f"({self.iterations} reported iterations in a row); what grew: {where}"
         )
@@ -71,7 +70,7 @@ def category_growth(first: IterationRecord, last: IterationRecord) -> dict[str, 
     Gradients are left out of "other": they are measured when backward ends,
     while allocated is read when ``record_stats()`` runs, after ``zero_grad()``.
     """
-    growth = {name: getattr(last, name) - getattr(first, name) for name in _CATEGORIES}
+    growth = {name: getattr(last, name) - getattr(first, name) for name in MODEL_STATE}
     growth["other"] = _other(last) - _other(first)
     growth["allocated"] = last.allocated - first.allocated
     return growth
@@ -100,7 +99,7 @@ class LeakDetector:
         first, last = recent[0], recent[-1]
         steps = max(1, last.step - first.step)
         growth = category_growth(first, last)
-        category = max(("other", *_CATEGORIES), key=lambda name: growth[name])
+        category = max(("other", *MODEL_STATE), key=lambda name: growth[name])
         self.found = Leak(
             began_epoch=first.epoch,
             began_iteration=first.iteration,
@@ -110,5 +109,5 @@ class LeakDetector:
         )
         return self.found
 
-    def warn(self, leak: Leak, unit_bytes: int, unit: str) -> None:
-        warnings.warn("pytorch_mem_profiler: " + leak.message(unit_bytes, unit), LeakWarning, stacklevel=4)
+    def warn(self, leak: Leak, unit: str) -> None:
+        warnings.warn("pytorch_mem_profiler: " + leak.message(unit), LeakWarning, stacklevel=4)

@@ -1,7 +1,6 @@
 """The printed report: text made from an :class:`~pytorch_mem_profiler.stats.IterationRecord`.
 
-No torch here. Units are decimal (``MB`` = 10^6 bytes, as the original tool
-printed) or binary (``MiB`` = 2^20 bytes).
+No torch here; amounts go through :func:`~pytorch_mem_profiler.units.format_amount`.
 
 Example::
 
@@ -9,59 +8,19 @@ Example::
     >>> rec = IterationRecord(epoch=1, iteration=5, step=5, device="cpu", allocated=35_454_208)
     >>> print(format_report(rec).splitlines()[1])
     Memory Usage for Iteration 5 of Epoch 1
-    >>> format_amount(35_454_208, "MB"), format_amount(131_072, "MB")
-    ('35 MB', '0.13 MB')
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Mapping
 
-from ..stats import IterationRecord
+from ..stats import ACTIVATIONS, INPUT, PHASE_LABELS, IterationRecord
+from ..units import UNITS, format_amount
 
-__all__ = ["UNITS", "format_amount", "format_report", "dotted_line", "REPORT_WIDTH"]
-
-#: Bytes per unit; every printed or exported figure is in one of these.
-UNITS: Mapping[str, int] = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "KiB": 2**10,
-    "MiB": 2**20,
-    "GiB": 2**30,
-}
+__all__ = ["format_report", "dotted_line", "REPORT_WIDTH"]
 
 #: Width of the report's lines, the original tool's 43 characters.
 REPORT_WIDTH = 43
-
-_PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
-
-
-def format_amount(nbytes: int | float | None, unit: str = "MB") -> str:
-    """``nbytes`` in ``unit``: whole units from 1 up, as the original printed them, and two
-    significant digits below 1 so small layers do not all read 0; ``None`` is ``n/a``."""
-    if nbytes is None:
-        return "n/a"
-    value = nbytes / UNITS[unit]
-    if value == 0:
-        text = "0"
-    elif abs(value) >= 1:
-        text = f"{value:.0f}"
-    else:
-        text = f"{value:.2g}"
-        if "e" in text:  # 2.5e-05 reads worse than 0.000025
-            text = f"{value:.{_decimals(value)}f}"
-    return f"{text} {unit}"
-
-
-def _decimals(value: float) -> int:
-    digits = 0
-    while abs(value) < 10 and digits < 12:
-        value *= 10
-        digits += 1
-    return digits
 
 
 def dotted_line(label: str, value: str, width: int = REPORT_WIDTH) -> str:
@@ -97,12 +56,12 @@ def _layers_section(record: IterationRecord, fmt, width: int, top: int) -> list[
     assert layers is not None
     total = layers.total
     ranked = sorted(
-        ((m, c, n) for (m, c), n in layers.by_module.items() if m != "(input)"),
+        ((m, c, n) for (m, c), n in layers.by_module.items() if m != INPUT),
         key=lambda item: -item[2],
     )
     out = ["", "Feature maps by layer (saved for backward by each module's forward):"]
     for module, category, n in ranked[:top]:
-        label = f"  {module or '(model)'}" + (" [weight copies]" if category != "activations" else "")
+        label = f"  {module or '(model)'}" + (" [weight copies]" if category != ACTIVATIONS else "")
         share = f" {100 * n / total:4.1f}%" if total else ""
         calls = layers.calls.get(module, 1)
         suffix = f"{share}" + (f"  x{calls} calls" if calls > 1 else "")
@@ -159,7 +118,7 @@ def format_report(record: IterationRecord, unit: str = "MB", top: int = 10) -> s
         line("Peak allocated, since start", record.peak_allocated),
     ]
     if record.peak_phase is not None and record.iteration_peak_allocated is not None:
-        where = _PHASE_LABELS.get(record.peak_phase, "between phases")
+        where = PHASE_LABELS.get(record.peak_phase, PHASE_LABELS["other"])
         text = f"Peak during: {where}, {fmt(record.iteration_peak_allocated)}"
         if record.peak_location is not None:
             text += f", reached in {record.peak_location or '(model, outside its submodules)'}"

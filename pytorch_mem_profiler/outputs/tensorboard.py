@@ -30,23 +30,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .report import UNITS
+from ..units import UNITS
 from ..stats import BYTE_FIGURES, IterationRecord
 
-__all__ = ["MEMORY_FIGURES", "log_record", "check_writer"]
+__all__ = ["MEMORY_FIGURES", "log_record"]
 
 #: The record's byte figures that become scalars, by field name.
 MEMORY_FIGURES = BYTE_FIGURES
-
-
-def check_writer(writer: Any) -> Any:
-    """``writer`` if it can take scalars; ``TypeError`` naming the argument if not."""
-    if writer is not None and not callable(getattr(writer, "add_scalar", None)):
-        raise TypeError(
-            "tensorboard must be a writer with add_scalar(), e.g. "
-            f"torch.utils.tensorboard.SummaryWriter(); got {type(writer).__name__}"
-        )
-    return writer
 
 
 def log_record(writer: Any, record: IterationRecord, unit: str = "MB") -> None:

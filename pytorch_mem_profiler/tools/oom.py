@@ -56,8 +56,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..measure.devices import allocator_stats, allocator_summary
-from .paths import distributed_rank, host_time_stem, prepare_output_dir
+from ..measure.allocator import allocator_stats, allocator_summary, attach_oom_observer, cuda_available
+from ..options import check_int
+from ..paths import distributed_rank, free_path, host_time_stem, prepare_output_dir
 from .snapshot import history_recording, take_snapshot
 
 __all__ = ["OomPostmortem", "dump_on_oom", "plain_data"]
@@ -101,12 +102,8 @@ def _attach_observer() -> bool:
     with _registry_lock:
         if _observer_attached:
             return True
-        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-        if attach is None:
-            return False
-        attach(_on_out_of_memory)
-        _observer_attached = True
-        return True
+        _observer_attached = attach_oom_observer(_on_out_of_memory)
+        return _observer_attached
 
 
 def _on_out_of_memory(device: int, requested: int, limit: int, free: int) -> None:
@@ -145,8 +142,7 @@ class OomPostmortem:
             raise TypeError(
                 f"profiler must have a postmortem() method (a MemoryProfiler), got {type(profiler).__name__}"
             )
-        if isinstance(max_dumps, bool) or not isinstance(max_dumps, int) or max_dumps < 1:
-            raise ValueError(f"max_dumps must be an integer >= 1, got {max_dumps!r}")
+        check_int(max_dumps, "max_dumps")
         if isinstance(min_interval_s, bool) or not isinstance(min_interval_s, (int, float)) or min_interval_s < 0:
             raise ValueError(f"min_interval_s must be a number >= 0, got {min_interval_s!r}")
         self.folder = prepare_output_dir(oom_dir, "oom_dir")
@@ -170,7 +166,7 @@ class OomPostmortem:
         if self.active:
             return self
         device = getattr(self._profiler() if self._profiler else None, "device", None)
-        if not torch.cuda.is_available():
+        if not cuda_available():
             warnings.warn(
                 f"CUDA is not available: no OOM post-mortems will be written to {str(self.folder)!r}",
                 UserWarning,
@@ -273,7 +269,7 @@ class OomPostmortem:
     ) -> Path:
         rank = distributed_rank()
         suffix = "" if rank is None else f"_rank{rank}"
-        folder = self._new_folder(f"oom_{host_time_stem()}")
+        folder = free_path(self.folder, f"oom_{host_time_stem()}", claim="folder")
         files: list[str] = []
         errors: list[str] = []
 
@@ -315,16 +311,6 @@ class OomPostmortem:
         }
         (folder / f"oom{suffix}.json").write_text(_json(event), encoding="utf-8")
         return folder
-
-    def _new_folder(self, stem: str) -> Path:
-        for n in range(10_000):
-            folder = self.folder / f"{stem}{'' if n == 0 else f'-{n}'}"
-            try:
-                folder.mkdir()
-                return folder
-            except FileExistsError:
-                continue
-        raise FileExistsError(f"no free folder name for {stem} in {self.folder}")
 
 
 def _json(data: Any) -> str:

@@ -38,7 +38,9 @@ from typing import Any
 import torch
 
 from ..faults import FaultGuard
-from .paths import check_path_type, free_path, host_time_stem, prepare_output_dir
+from ..options import check_int
+from ..measure.allocator import history as allocator_history
+from ..paths import check_path_type, free_path, host_time_stem, prepare_output_dir
 
 __all__ = [
     "SnapshotRecorder",
@@ -64,51 +66,8 @@ TRACE_PLOT_FILE = "trace_plot.html"
 SEGMENT_PLOT_FILE = "segment_plot.html"
 
 
-class _CudaHistory:
-    """The CUDA allocator's history API: the one place that knows how torch spells it.
-
-    Checked against torch 2.4 and 2.11/2.13: ``torch.cuda.memory._record_memory_history``
-    takes ``enabled`` (``"all"``, or ``None`` to stop), ``context``, ``stacks`` and
-    ``max_entries`` as keywords in all of them. Later versions add
-    ``clear_history``, ``compile_context``, ``global_record_annotations`` and
-    ``skip_actions``; none is used here, so one call fits every supported torch.
-    (torch 2.0 took a bool ``enabled`` and ``trace_alloc_max_entries``; it is
-    below the supported range.)
-
-    Whether history is already recorded is asked of the allocator itself
-    (``torch._C._cuda_isHistoryEnabled``, present from torch 2.1 to 2.13), so a
-    recording started by the user or another tool is seen too. Should a torch
-    lack it, :meth:`is_recording` answers ``None`` and the callers fall back to
-    counting the recordings this module started.
-    """
-
-    def available(self) -> bool:
-        # On torch's CPU build the calls below raise AttributeError, not RuntimeError.
-        return torch.cuda.is_available()
-
-    def is_recording(self) -> bool | None:
-        query = getattr(torch._C, "_cuda_isHistoryEnabled", None)
-        if query is None:
-            return None
-        # The query reads the current device's allocator, which exists only once
-        # CUDA is initialized (recording itself initializes it, so this costs nothing new).
-        torch.cuda.init()
-        return bool(query())
-
-    def start(self, *, max_entries: int, stacks: str) -> None:
-        torch.cuda.memory._record_memory_history(
-            enabled="all", context="all", stacks=stacks, max_entries=max_entries
-        )
-
-    def stop(self) -> None:
-        torch.cuda.memory._record_memory_history(enabled=None)
-
-    def snapshot(self) -> dict[str, Any]:
-        return torch.cuda.memory._snapshot()
-
-
 #: The backend every function here goes through (a test may put another in its place).
-_history = _CudaHistory()
+_history = allocator_history
 _lock = threading.Lock()
 #: Recordings started by :class:`SnapshotRecorder` and not stopped yet: the
 #: fallback answer to "is history recorded?" where torch cannot be asked.
@@ -120,7 +79,7 @@ _started_by_function = False
 def history_recording() -> bool:
     """Whether the CUDA allocator is recording its history now (``False`` without CUDA).
 
-    Initializes CUDA if it is available and not initialized yet.
+    Never initializes CUDA: before CUDA is initialized nothing can be recording.
 
     Example::
 
@@ -142,9 +101,7 @@ def take_snapshot() -> dict[str, Any]:
 
 
 def _check_max_entries(max_entries: object) -> int:
-    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-        raise ValueError(f"max_entries must be an integer >= 1, got {max_entries!r}")
-    return max_entries
+    return check_int(max_entries, "max_entries")
 
 
 def _check_stacks(stacks: object) -> str:

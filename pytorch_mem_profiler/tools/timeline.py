@@ -40,7 +40,8 @@ from typing import Any, Callable
 
 import torch
 
-from .paths import free_path, host_time_stem, prepare_output_dir
+from ..measure.devices import accelerator_device
+from ..paths import free_path, host_time_stem, prepare_output_dir
 
 __all__ = ["save_memory_timeline", "memory_timeline_handler", "timeline_exporter_state"]
 
@@ -97,9 +98,8 @@ def _check_matplotlib() -> None:
 
 
 def _default_device() -> str:
-    if torch.cuda.is_available():
-        return f"cuda:{torch.cuda.current_device()}"
-    return "cpu"
+    cuda = accelerator_device("cuda")
+    return str(cuda) if cuda is not None else "cpu"
 
 
 def save_memory_timeline(

@@ -35,7 +35,8 @@ from typing import IO, Any
 
 import torch
 
-from ..measure.devices import MemoryCounter, Reading, current_device, make_counter, parse_device
+from ..units import format_amount
+from ..measure.devices import MemoryCounter, accelerator_device, Reading, current_device, make_counter, parse_device
 
 __all__ = ["MemoryUsage", "memory_usage", "print_cuda_memory_usage", "memory_stats", "GB"]
 
@@ -46,15 +47,15 @@ GB = 10**9
 
 _nesting = threading.local()
 
+
+def _amount(nbytes: int) -> str:
+    return format_amount(nbytes, "GB", decimals=2)
+
 _DEVICE_NAMES = {"cuda": "CUDA", "cpu": "CPU", "mps": "MPS", "xpu": "XPU"}
 
 
 def _resolve(device: Any) -> torch.device:
     return current_device() if device is None else parse_device(device)
-
-
-def _gb(nbytes: int) -> str:
-    return f"{nbytes / GB:.2f} GB"
 
 
 class MemoryUsage:
@@ -149,10 +150,10 @@ class MemoryUsage:
         label = f" [{self.label}]" if self.label else ""
         added = self.added
         line = f"{'  ' * self._depth}{name} memory usage{label}: "
-        line += _gb(added) if added is not None else "n/a"
+        line += _amount(added) if added is not None else "n/a"
         peak = self.peak_above_start
         if peak is not None:
-            line += f" (peak {_gb(peak)} above start)"
+            line += f" (peak {_amount(peak)} above start)"
         if exc_type is not None:
             line += f"; the block raised {exc_type.__name__}"
         return line
@@ -219,9 +220,8 @@ def print_cuda_memory_usage(
         usage.added          # bytes the forward pass left allocated
     """
     if device is None:
-        if torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-        else:
+        device = accelerator_device("cuda")
+        if device is None:
             warnings.warn(
                 "CUDA is not available: print_cuda_memory_usage measures the CPU instead",
                 UserWarning,

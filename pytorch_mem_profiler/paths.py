@@ -24,8 +24,6 @@ import os
 import socket
 from pathlib import Path
 
-import torch
-
 __all__ = ["prepare_output_dir", "check_path_type", "host_time_stem", "distributed_rank", "free_path"]
 
 #: The time format of PyTorch's guide to GPU memory (``Feb_21_13_45_07``).
@@ -59,10 +57,10 @@ def prepare_output_dir(path: str | os.PathLike, arg_name: str) -> Path:
 
 def distributed_rank() -> int | None:
     """This process's rank when torch.distributed is initialized, else ``None``."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    return None
+    from .distributed import rank_info  # torch.distributed is imported only when asked
+
+    info = rank_info()
+    return None if info is None else info.rank
 
 
 def host_time_stem(now: _dt.datetime | None = None) -> str:
@@ -73,10 +71,31 @@ def host_time_stem(now: _dt.datetime | None = None) -> str:
     return stem if rank is None else f"{stem}_rank{rank}"
 
 
-def free_path(folder: Path, stem: str, suffix: str) -> Path:
-    """``folder/<stem><suffix>``, or ``<stem>-1<suffix>``... if that name is taken (same second)."""
+def free_path(folder: Path, stem: str, suffix: str = "", *, claim: str | None = None) -> Path:
+    """``folder/<stem><suffix>``, or ``<stem>-1<suffix>``... when that name is taken (same second).
+
+    ``claim="file"`` creates the file empty and ``claim="folder"`` the folder, each
+    exclusively, so that two runs or two processes never share a name; ``None``
+    only checks that nothing has the name yet.
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> [free_path(folder, "run", ".csv", claim="file").name for _ in range(2)]
+        ['run.csv', 'run-1.csv']
+    """
     for n in range(10_000):
         candidate = folder / f"{stem}{'' if n == 0 else f'-{n}'}{suffix}"
-        if not candidate.exists():
-            return candidate
-    raise FileExistsError(f"no free file name for {stem}{suffix} in {folder}")
+        try:
+            if claim == "file":
+                with open(candidate, "x", encoding="utf-8"):
+                    return candidate
+            elif claim == "folder":
+                candidate.mkdir()
+                return candidate
+            elif not candidate.exists():
+                return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free name for {stem}{suffix} in {folder}")

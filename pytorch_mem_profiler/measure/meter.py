@@ -1,0 +1,341 @@
+"""The meter: owns everything measured about one training iteration, and makes its record.
+
+A :class:`Meter` knows the profiled device and its counter, the model's
+parameters, weights and buffers, the optimizers' state, the phase hooks and the
+per-layer attribution. The profiler calls :meth:`Meter.start` once,
+:meth:`Meter.prepare` before each iteration (is it one that will be reported?),
+:meth:`Meter.finish` at each ``record_stats()`` (which hands back the frozen
+:class:`~pytorch_mem_profiler.stats.IterationRecord`), :meth:`Meter.refresh` at
+each epoch end and :meth:`Meter.close` at the end. Nobody else writes its state.
+
+Example::
+
+    >>> import torch
+    >>> model = torch.nn.Linear(8, 2)
+    >>> meter = Meter(model)
+    >>> meter.start()
+    >>> model(torch.randn(4, 8)).sum().backward()
+    >>> record = meter.finish(Position(epoch=1, iteration=1, step=1), reported=True)
+    >>> record.forward_passes, record.weights == record.gradients == (8 * 2 + 2) * 4
+    (1, True)
+    >>> meter.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from types import MappingProxyType
+from typing import Any, Iterable, NamedTuple
+
+import torch
+
+from ..faults import FaultGuard
+from ..stats import PHASES, IterationRecord, LayerFeatureMaps, PhaseStats
+from .accounting import (
+    buffer_bytes,
+    gradient_bytes,
+    optimizer_state_bytes,
+    optimizer_state_tensors,
+    unique_parameters,
+    weight_bytes,
+)
+from .data_parallel import FsdpGatherTracker, ddp_gradient_bucket_bytes
+from .devices import MemoryCounter, device_capacity, make_counter, rank_device, resolve_device
+from .hooks import StepMeasurements, TrainingStepHooks
+from .layers import LayerAttribution, LayerBreakdown, is_compiled
+from .outside import DeviceMemoryReader
+
+__all__ = ["Meter", "Position"]
+
+_log = logging.getLogger("pytorch_mem_profiler")
+
+
+class Position(NamedTuple):
+    """Where an iteration sits in the run: epoch and iteration from 1, step counted over epochs."""
+
+    epoch: int
+    iteration: int
+    step: int
+
+
+class Meter:
+    """Measures a model's training iterations on one device.
+
+    Args:
+        model: the model being trained.
+        device: the device to profile; ``None``: the model's (each rank's own under
+            torch.distributed).
+        optimizers: the optimizers whose state to count; ``None`` finds those that
+            step the model's parameters.
+        by_layer: attribute feature maps to modules on reported iterations.
+        guard: contains the meter's faults.
+        rank_info: this process's rank under torch.distributed (``None``: one process).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: torch.device | None = None,
+        optimizers: Iterable[torch.optim.Optimizer] | None = None,
+        by_layer: bool = False,
+        guard: FaultGuard | None = None,
+        rank_info: Any = None,
+    ) -> None:
+        self.model = model
+        self.guard = guard or FaultGuard()
+        self.rank_info = rank_info
+        self.by_layer = by_layer
+        self._device_explicit = device is not None
+        self.device = device if device is not None else self._model_device()
+        self.counter: MemoryCounter = make_counter(self.device)
+        #: bytes of memory the device has in all (``None``: unknown, or the CPU)
+        self.capacity = device_capacity(self.device)
+        self._optimizers = None if optimizers is None else list(optimizers)
+        self._fsdp: FsdpGatherTracker | None = None
+        self._ddp_buckets: int | None = None
+        self._refresh_model_state()
+        self._outside = DeviceMemoryReader(self.device)
+        self._optimizer_state_cache: dict[int, tuple[int, int]] = {}
+        self._adopted: weakref.WeakSet = weakref.WeakSet()
+        self._hooks: TrainingStepHooks | None = None
+        self._last_time = time.perf_counter()
+
+    # -- what the model holds ------------------------------------------------
+    @property
+    def parameter_names(self) -> list[str]:
+        """The names of the parameters measured, each piece of memory once."""
+        return [name for name, _ in self._params]
+
+    @property
+    def phase(self) -> str | None:
+        """The phase running now (``"forward"``, ``"backward"``, ``"optimizer"``, ``"other"``)."""
+        return self._hooks.phase if self._hooks is not None else None
+
+    @property
+    def current(self) -> StepMeasurements | None:
+        """What the running iteration has measured so far."""
+        return self._hooks.current if self._hooks is not None else None
+
+    def _model_device(self) -> torch.device:
+        if self.rank_info is not None:
+            return rank_device(self.model, self.rank_info)
+        return resolve_device(self.model)
+
+    def _refresh_model_state(self) -> None:
+        """Parameter list, weights and buffers: sizes that change only if the model does."""
+        self._params = unique_parameters(self.model, self.device)
+        weights = weight_bytes(self._params)
+        self._weights_by_name = MappingProxyType(dict(weights))
+        self._weights_total = sum(n for _, n in weights)
+        self._buffers_total = sum(n for _, n in buffer_bytes(self.model, self.device))
+        self._requires_grad = [p.requires_grad for _, p in self._params]
+        self._last_gradient_sizes: list[int] | None = None
+        self._gradients_by_name: Any = MappingProxyType({})
+        if self.rank_info is not None:
+            self._ddp_buckets = ddp_gradient_bucket_bytes(self.model, self.device)
+            if self._fsdp is not None:
+                self._fsdp.refresh()
+
+    # -- lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        """Start counting and install the hooks."""
+        counter = self.counter
+        counter.start()
+        # Tensors made before the counter started are invisible to the CPU counter: adopt them.
+        counter.adopt(p for _, p in self._params)
+        counter.adopt(b for b in self.model.buffers())
+        counter.adopt(p.grad for _, p in self._params if p.grad is not None)
+        wrap = self.guard.wrap
+        self._hooks = TrainingStepHooks(
+            self.model,
+            counter,
+            self._params,
+            self._optimizers,
+            self.guard,
+            on_optimizer_step=wrap("optimizer state", self._optimizer_stepped),
+            on_forward_first_call=wrap("device check", self._check_device_once),
+        )
+        if self.by_layer:
+            if is_compiled(self.model):
+                _log.warning(
+                    "pytorch_mem_profiler: the model runs through torch.compile; feature maps are "
+                    "reported in total, not by layer"
+                )
+            else:
+                hooks = self._hooks
+                hooks.attribution = LayerAttribution(
+                    self.model,
+                    self.device,
+                    on_exit=wrap("per-layer attribution", hooks.forward_location),
+                    on_backward_enter=wrap("per-layer attribution", hooks.backward_location),
+                )
+        self._hooks.install()
+        if self.rank_info is not None:
+            self._fsdp = FsdpGatherTracker.attach(self.model, wrap)
+        self._last_time = time.perf_counter()
+
+    def prepare(self, detailed: bool) -> None:
+        """Whether the coming iteration is one that will be reported (per-layer hooks run only then)."""
+        hooks = self._hooks
+        if hooks is not None:
+            hooks.detailed = hooks.attribution is not None and detailed
+
+    def refresh(self) -> None:
+        """Learn the model again (at each epoch end): parameters, weights, buffers, optimizer state."""
+        self._refresh_model_state()
+        if self._hooks is not None:
+            self._hooks.set_params(self._params)
+            if self._hooks.attribution is not None:
+                self._hooks.attribution.refresh()
+        self._optimizer_state(recount=True)
+
+    def close(self) -> None:
+        """Remove every hook and stop counting."""
+        try:
+            if self._hooks is not None:
+                self._hooks.release()
+            if self._fsdp is not None:
+                self._fsdp.remove()
+        finally:
+            self.counter.stop()
+
+    # -- callbacks from the hooks ----------------------------------------------
+    def _check_device_once(self) -> None:
+        now = self._model_device()
+        if self._device_explicit or now == self.device:
+            return
+        _log.warning(
+            "pytorch_mem_profiler: the model moved from %s to %s after the profiler was made; "
+            "profiling %s from now on (make the profiler after model.to(device))",
+            self.device,
+            now,
+            now,
+        )
+        self.counter.stop()
+        self.device = now
+        self.counter = make_counter(now)
+        self.capacity = device_capacity(now)
+        self.counter.start()
+        self._outside = DeviceMemoryReader(now)
+        self._refresh_model_state()
+        assert self._hooks is not None
+        self._hooks.retarget(self.counter, self._params)
+
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer not in self._adopted:
+            # State made before the profiler started is invisible to the CPU counter.
+            self.counter.adopt(optimizer_state_tensors([optimizer]))
+            self._adopted.add(optimizer)
+
+    def _optimizer_state(self, recount: bool = False) -> int:
+        """Optimizer state bytes, counted again only when an optimizer's state changed in size.
+
+        State tensors keep their sizes once made (Adam makes its moments at the
+        first step), so the count is reused while ``len(optimizer.state)``
+        holds; :meth:`refresh` recounts everything.
+        """
+        if self._hooks is None:
+            return 0
+        total = 0
+        for opt in self._hooks.discovered_optimizers():
+            key = id(opt)
+            size = len(opt.state)
+            cached = self._optimizer_state_cache.get(key)
+            if recount or cached is None or cached[0] != size:
+                cached = (size, optimizer_state_bytes([opt], self.device))
+                self._optimizer_state_cache[key] = cached
+            total += cached[1]
+        return total
+
+    # -- the record --------------------------------------------------------------
+    def finish(self, position: Position, reported: bool) -> IterationRecord:
+        """Close the running iteration and hand back its record (all figures in bytes).
+
+        ``reported``: the iteration is one that will be reported, so the figures
+        that cost a driver call (memory outside PyTorch) and the per-layer ones
+        are included.
+        """
+        hooks = self._hooks
+        assert hooks is not None, "Meter.start() was not called"
+        m = hooks.finish_iteration()
+        now = time.perf_counter()
+        elapsed, self._last_time = now - self._last_time, now
+        final = m.final
+        assert final is not None
+        sizes = m.gradient_sizes
+        if sizes is None or len(sizes) != len(self._params):
+            # No backward reached the model this iteration: take the gradients as they are.
+            sizes = gradient_bytes(self._params)
+        if sizes != self._last_gradient_sizes:
+            self._last_gradient_sizes = sizes
+            self._gradients_by_name = MappingProxyType(
+                {
+                    name: n
+                    for (name, _), n, trainable in zip(self._params, sizes, self._requires_grad)
+                    if trainable or n
+                }
+            )
+        phases = MappingProxyType(
+            {
+                phase: PhaseStats(
+                    m.phase_end_allocated.get(phase), m.phase_peak.get(phase), m.phase_count[phase]
+                )
+                for phase in PHASES
+                if phase in m.phase_count
+            }
+        )
+        has_peak = self.counter.has_peak
+        usage = self.guard.call("device memory", self._outside.read) if reported else None
+        outside = None
+        if usage is not None and final.reserved is not None:
+            outside = usage.device_used - final.reserved
+        return IterationRecord(
+            epoch=position.epoch,
+            iteration=position.iteration,
+            step=position.step,
+            device=str(self.device),
+            allocated=final.allocated,
+            peak_allocated=hooks.max_allocated if has_peak else None,
+            iteration_peak_allocated=m.iteration_peak,
+            peak_phase=m.peak_phase,
+            peak_cached=hooks.max_reserved if has_peak else None,
+            current_cached=final.reserved,
+            feature_maps=m.feature_maps,
+            intermediate_gradients=m.intermediate_gradients if has_peak else None,
+            weights=self._weights_total,
+            weights_by_name=self._weights_by_name,
+            gradients=sum(sizes),
+            gradients_by_name=self._gradients_by_name,
+            optimizer_state=self._optimizer_state(),
+            buffers=self._buffers_total,
+            forward_passes=m.forward_passes,
+            backward_passes=m.backward_passes,
+            optimizer_steps=m.optimizer_steps,
+            iteration_time_s=elapsed,
+            phases=phases,
+            peak_location=m.peak_location,
+            layers=_feature_maps_by_layer(m.layers, m.layers_kept) if reported else None,
+            device_used=usage.device_used if usage is not None else None,
+            process_used=usage.process_used if usage is not None else None,
+            outside_pytorch=outside,
+            device_total=self.capacity,
+            ddp_gradient_buckets=self._ddp_buckets,
+            fsdp_gathered_parameters=self._fsdp.finish_iteration() if self._fsdp else None,
+            rank=self.rank_info.rank if self.rank_info is not None else None,
+        )
+
+
+def _feature_maps_by_layer(breakdown: LayerBreakdown | None, kept: int) -> LayerFeatureMaps | None:
+    if breakdown is None:
+        return None
+    total = breakdown.total
+    return LayerFeatureMaps(
+        by_module=MappingProxyType(dict(breakdown.by_module)),
+        calls=MappingProxyType(dict(breakdown.calls)),
+        total=total,
+        inputs=breakdown.inputs,
+        unattributed=kept - total,
+    )

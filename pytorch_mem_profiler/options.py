@@ -1,0 +1,165 @@
+"""The profiler's settings, validated in one place, and the checks every argument goes through.
+
+:class:`ProfilerOptions` holds every keyword of
+:class:`~pytorch_mem_profiler.MemoryProfiler` after validation: a wrong type or
+value fails when the profiler is made, with a message naming the argument, never
+an hour into training. The small checks (:func:`check_int`, :func:`check_bool`,
+:func:`check_path`) are shared with the tools and the command line; this module
+imports torch only inside the checks that need it, so the command line can use
+them without torch.
+
+Example::
+
+    >>> options = ProfilerOptions(print_period=5, units="MiB")
+    >>> options.print_period, options.units, options.csv
+    (5, 'MiB', False)
+    >>> ProfilerOptions(print_period=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: print_period must be an integer >= 1, got 0
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from .units import check_unit
+
+__all__ = ["ProfilerOptions", "check_int", "check_bool", "check_path", "check_stream"]
+
+
+def check_int(value: object, name: str, minimum: int = 1) -> int:
+    """``value`` if it is an integer (not a bool) of at least ``minimum``; ``ValueError`` naming ``name``.
+
+    Example::
+
+        >>> check_int(3, "print_period")
+        3
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_bool(value: object, name: str) -> bool:
+    """``value`` if it is ``True`` or ``False``; ``TypeError`` naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_path(value: object, name: str) -> Path:
+    """``value`` as a :class:`~pathlib.Path` if it is a non-empty ``str`` or ``os.PathLike``.
+
+    Raises:
+        TypeError: not a path; the message names ``name``.
+        ValueError: an empty path (``""`` would silently mean the working folder).
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike, got {type(value).__name__}")
+    if os.fspath(value) == "":
+        raise ValueError(f"{name} must name a folder, got an empty path")
+    return Path(value)
+
+
+def check_stream(stream: object, name: str = "stream") -> Any:
+    """``stream`` if text can be written to it now; ``TypeError``/``ValueError`` naming ``name``.
+
+    Refuses what would fail at the first report: no ``write()``, a closed file, a
+    file opened for reading (``sys.stdin``), a binary file.
+    """
+    if stream is None:
+        return None
+    if not callable(getattr(stream, "write", None)):
+        raise TypeError(f"{name} must have a write() method, got {type(stream).__name__}")
+    if getattr(stream, "closed", False):
+        raise ValueError(f"{name} is closed")
+    writable = getattr(stream, "writable", None)
+    if callable(writable):
+        try:
+            ok = writable()
+        except (ValueError, OSError) as err:
+            raise ValueError(f"{name} cannot be written: {err}") from err
+        if not ok:
+            raise ValueError(f"{name} is not open for writing (mode {getattr(stream, 'mode', '?')!r})")
+    if isinstance(stream, (io.RawIOBase, io.BufferedIOBase)):
+        raise TypeError(f"{name} must be a text stream, got the binary {type(stream).__name__}")
+    return stream
+
+
+def _check_optimizers(optimizer: Any) -> tuple[Any, ...] | None:
+    if optimizer is None:
+        return None
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return (optimizer,)
+    try:
+        opts = tuple(optimizer)
+    except TypeError:
+        opts = ()
+    if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+        raise TypeError(
+            "optimizer must be a torch.optim.Optimizer or a list of them, "
+            f"got {type(optimizer).__name__}"
+        )
+    return opts
+
+
+@dataclass(frozen=True)
+class ProfilerOptions:
+    """Every setting of a :class:`~pytorch_mem_profiler.MemoryProfiler`, validated.
+
+    See :class:`~pytorch_mem_profiler.MemoryProfiler` for what each one does.
+    Normalized on the way in: ``optimizer`` becomes a tuple (or ``None``),
+    ``device`` a ``torch.device`` (or ``None``: the model's), ``csv_dir`` and
+    ``oom_dir`` paths, ``print_ranks`` a frozen set of ranks (``None``: all).
+    """
+
+    print_period: int = 1
+    csv: bool = False
+    optimizer: Any = None
+    device: Any = None
+    csv_dir: Any = "memory_csv_data"
+    stream: IO[str] | None = None
+    units: str = "MB"
+    strict: bool = False
+    history: int = 1000
+    by_layer: bool = False
+    leak_window: int = 5
+    oom_dir: Any = None
+    tensorboard: Any = None
+    print_ranks: Any = 0
+
+    def __post_init__(self) -> None:
+        check_int(self.print_period, "print_period")
+        check_bool(self.csv, "csv")
+        self._set("optimizer", _check_optimizers(self.optimizer))
+        if self.device is not None:
+            from .measure.devices import usable_device
+
+            self._set("device", usable_device(self.device))
+        self._set("csv_dir", check_path(self.csv_dir, "csv_dir"))
+        check_stream(self.stream)
+        check_unit(self.units, "units")
+        check_bool(self.strict, "strict")
+        check_int(self.history, "history")
+        check_bool(self.by_layer, "by_layer")
+        check_int(self.leak_window, "leak_window", minimum=2)
+        if self.oom_dir is not None:
+            self._set("oom_dir", check_path(self.oom_dir, "oom_dir"))
+        if self.tensorboard is not None and not callable(getattr(self.tensorboard, "add_scalar", None)):
+            raise TypeError(
+                "tensorboard must be a writer with add_scalar(), e.g. "
+                f"torch.utils.tensorboard.SummaryWriter(); got {type(self.tensorboard).__name__}"
+            )
+        from .distributed import parse_print_ranks
+
+        self._set("print_ranks", parse_print_ranks(self.print_ranks))
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
