@@ -25,6 +25,8 @@ __all__ = [
     "PHASE_LABELS",
     "CATEGORIES",
     "MODEL_STATE",
+    "PEAK_CATEGORIES",
+    "PEAK_CATEGORY_LABELS",
     "BYTE_FIGURES",
     "INPUT",
     "ACTIVATIONS",
@@ -52,6 +54,34 @@ CATEGORIES: Mapping[str, str] = MappingProxyType(
         "buffers": "buffers",
         "ddp_gradient_buckets": "DDP gradient buckets",
         "fsdp_gathered_parameters": "FSDP gathered parameters",
+    }
+)
+
+#: What is alive at an iteration's peak, by category (:attr:`IterationRecord.peak_breakdown`):
+#: the values sum to the iteration's peak. ``activations`` are tensors saved for backward
+#: and still alive; ``activation_gradients`` gradients with respect to activations and
+#: backward's temporaries; ``inputs`` the batch; ``other`` the rest (the loss, outputs,
+#: what a kernel holds between two module boundaries).
+PEAK_CATEGORIES = (
+    "weights",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "activation_gradients",
+    "inputs",
+    "other",
+)
+
+#: How the peak categories are named for people.
+PEAK_CATEGORY_LABELS: Mapping[str, str] = MappingProxyType(
+    {
+        "weights": "weights",
+        "gradients": "weight gradients",
+        "optimizer_state": "optimizer state",
+        "activations": "activations (saved for backward)",
+        "activation_gradients": "activation gradients",
+        "inputs": "input batch",
+        "other": "other",
     }
 )
 
@@ -141,6 +171,11 @@ class IterationRecord:
             context, library workspaces, other processes.
         device_total: bytes of memory the device has in all (``None`` where torch cannot
             tell, and on the CPU).
+        peak_breakdown: bytes alive at this iteration's peak by category (keys
+            :data:`PEAK_CATEGORIES`, summing to ``iteration_peak_allocated``); ``None``
+            where it was not measured.
+        peak_layers: per-layer mode: bytes of each module's saved activations still
+            alive at the peak, by module name.
         ddp_gradient_buckets: bytes of DDP's gradient buckets held apart from the
             gradients (0 with ``gradient_as_bucket_view=True``); ``None`` without DDP.
         fsdp_gathered_parameters: most bytes of FSDP2's gathered (unsharded)
@@ -177,6 +212,8 @@ class IterationRecord:
     process_used: int | None = None
     outside_pytorch: int | None = None
     device_total: int | None = None
+    peak_breakdown: Mapping[str, int] | None = None
+    peak_layers: Mapping[str, int] | None = None
     ddp_gradient_buckets: int | None = None
     fsdp_gathered_parameters: int | None = None
     rank: int | None = None
@@ -185,6 +222,13 @@ class IterationRecord:
     def model_state(self) -> int:
         """Weights, gradients, optimizer state and buffers together."""
         return self.weights + self.gradients + self.optimizer_state + self.buffers
+
+    @property
+    def peak_share(self) -> float | None:
+        """This iteration's peak as a share (0 to 1) of the device's memory; ``None`` if unknown."""
+        if self.iteration_peak_allocated is None or not self.device_total:
+            return None
+        return self.iteration_peak_allocated / self.device_total
 
     @property
     def fragmentation(self) -> int | None:
