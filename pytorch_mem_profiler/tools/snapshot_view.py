@@ -424,11 +424,11 @@ def _replay(device: int, trace: list[Mapping], blocks: list[tuple[int, Mapping, 
 
 # -- the chart -----------------------------------------------------------------------------------
 def _nice_ceiling(value: float) -> float:
-    """The smallest of 1, 2, 2.5, 5 times a power of ten that is at least ``value``."""
+    """The smallest of 1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8 times a power of ten that is at least ``value``."""
     if value <= 0:
         return 1.0
     power = 10.0 ** math.floor(math.log10(value))
-    for step in (1, 2, 2.5, 5, 10):
+    for step in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
         if step * power >= value:
             return step * power
     return 10 * power
