@@ -11,7 +11,6 @@ segments hold the blocks alive at the end. The expected figures are the script's
 from __future__ import annotations
 
 import base64
-import io
 import os
 import pickle
 import re

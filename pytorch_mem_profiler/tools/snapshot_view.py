@@ -254,7 +254,7 @@ def _normalized(data: Any, where: str = "snapshot") -> dict[str, Any]:
 def _frames(raw: Any) -> tuple[Frame, ...]:
     out = []
     for frame in raw or ():
-        if isinstance(frame, Mapping):
+        if isinstance(frame, dict):
             out.append(
                 Frame(
                     str(frame.get("filename", "?")),
@@ -266,7 +266,7 @@ def _frames(raw: Any) -> tuple[Frame, ...]:
 
 
 def _optional_int(value: Any) -> int | None:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return int(value) if type(value) in (int, float) else None
 
 
 def _blocks_by_device(snapshot: Mapping[str, Any]) -> dict[int, list[tuple[int, Mapping, Mapping]]]:
@@ -311,8 +311,10 @@ def device_histories(snapshot: Mapping[str, Any] | list) -> list[DeviceHistory]:
 
 def _replay(device: int, trace: list[Mapping], blocks: list[tuple[int, Mapping, Mapping]]) -> DeviceHistory:
     # Pass 1: which allocations the trace makes, which it frees without having made them
-    # (alive before it started), and the order of the alloc and free actions.
-    elements: list[Allocation] = []
+    # (alive before it started), and the order of the alloc and free actions. An element is
+    # (address, size, origin, the event or block it comes from, its trace index or None);
+    # Allocation objects are made only for those alive at the peak.
+    elements: list[tuple[int, int, str, Mapping, int | None]] = []
     initially: list[int] = []
     actions: list[tuple[int, int]] = []  # (trace index, element) for each alloc or free
     open_allocs: dict[int, int] = {}
@@ -320,38 +322,16 @@ def _replay(device: int, trace: list[Mapping], blocks: list[tuple[int, Mapping, 
     for index, event in enumerate(trace):
         action = event.get("action")
         if action == "alloc":
-            size = int(event.get("size", 0) or 0)
-            elements.append(
-                Allocation(
-                    address=int(event.get("addr", 0) or 0),
-                    size=size,
-                    rounded_size=allocator_rounded(size),
-                    frames=_frames(event.get("frames")),
-                    event=index,
-                    origin=RECORDED,
-                    time_us=_optional_int(event.get("time_us")),
-                    stream=_optional_int(event.get("stream")),
-                )
-            )
-            open_allocs[elements[-1].address] = len(elements) - 1
+            address = int(event.get("addr", 0) or 0)
+            elements.append((address, int(event.get("size", 0) or 0), RECORDED, event, index))
+            open_allocs[address] = len(elements) - 1
             actions.append((index, len(elements) - 1))
         elif action in _FREES:
             address = int(event.get("addr", 0) or 0)
             if address in open_allocs:
                 actions.append((index, open_allocs.pop(address)))
             else:
-                size = int(event.get("size", 0) or 0)
-                elements.append(
-                    Allocation(
-                        address=address,
-                        size=size,
-                        rounded_size=allocator_rounded(size),
-                        frames=_frames(event.get("frames")),
-                        event=None,
-                        origin=BEFORE_FREED,
-                        stream=_optional_int(event.get("stream")),
-                    )
-                )
+                elements.append((address, int(event.get("size", 0) or 0), BEFORE_FREED, event, None))
                 initially.append(len(elements) - 1)
                 actions.append((index, len(elements) - 1))
         elif action == "oom":
@@ -359,6 +339,7 @@ def _replay(device: int, trace: list[Mapping], blocks: list[tuple[int, Mapping, 
 
     reserved = 0
     allocated_at_snapshot = 0
+    streams: dict[int, Any] = {}
     seen_segments = set()
     for address, block, segment in blocks:
         if id(segment) not in seen_segments:
@@ -370,42 +351,48 @@ def _replay(device: int, trace: list[Mapping], blocks: list[tuple[int, Mapping, 
         if address in open_allocs:
             continue
         size = int(block.get("requested_size", block.get("size", 0)) or 0)
-        elements.append(
-            Allocation(
-                address=address,
-                size=size,
-                rounded_size=allocator_rounded(size),
-                frames=_frames(block.get("frames")),
-                event=None,
-                origin=BEFORE_ALIVE,
-                stream=_optional_int(segment.get("stream")),
-            )
-        )
+        elements.append((address, size, BEFORE_ALIVE, block, None))
+        streams[len(elements) - 1] = segment.get("stream")
         initially.append(len(elements) - 1)
 
     # Pass 2: bytes alive after each action. An element's first action adds it, its
     # second takes it away; one alive from the start is only ever taken away.
-    alive = {element: True for element in initially}
-    total = sum(elements[element].size for element in initially)
+    alive = dict.fromkeys(initially, True)
+    total = sum(elements[element][1] for element in initially)
     allocated = [total]
     event_index = []
     for index, element in actions:
         if alive.pop(element, False):
-            total -= elements[element].size
+            total -= elements[element][1]
         else:
             alive[element] = True
-            total += elements[element].size
+            total += elements[element][1]
         allocated.append(total)
         event_index.append(index)
     peak = max(allocated)
     peak_point = allocated.index(peak)
 
     # Pass 3: what is alive at the peak.
-    alive = {element: True for element in initially}
+    alive = dict.fromkeys(initially, True)
     for _, element in actions[:peak_point]:
         if not alive.pop(element, False):
             alive[element] = True
-    at_peak = sorted((elements[e] for e in alive), key=lambda a: (-a.size, a.address))
+    at_peak = []
+    for element in alive:
+        address, size, origin, source, index = elements[element]
+        at_peak.append(
+            Allocation(
+                address=address,
+                size=size,
+                rounded_size=allocator_rounded(size),
+                frames=_frames(source.get("frames")),
+                event=index,
+                origin=origin,
+                time_us=_optional_int(source.get("time_us")) if origin == RECORDED else None,
+                stream=_optional_int(streams[element] if element in streams else source.get("stream")),
+            )
+        )
+    at_peak.sort(key=lambda a: (-a.size, a.address))
     return DeviceHistory(
         device=device,
         events=len(trace),
