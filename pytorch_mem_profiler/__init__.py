@@ -51,6 +51,7 @@ _LAZY = {
     "start_record_memory_history": "tools.snapshot",
     "export_memory_snapshot": "tools.snapshot",
     "stop_record_memory_history": "tools.snapshot",
+    "write_snapshot_view": "tools.snapshot_view",
     "memory_usage": "tools.usage",
     "print_cuda_memory_usage": "tools.usage",
     "MemoryUsage": "tools.usage",
