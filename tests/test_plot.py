@@ -68,10 +68,10 @@ def test_memory_chart_labels_units_and_epochs(run):
     assert ax.get_ylabel() == "Memory (KiB, 1 KiB = 1,024 bytes)"
     assert "Iteration" in ax.get_xlabel()
     labels = [text.get_text() for text in ax.get_legend().get_texts()]
-    assert labels[:2] == ["reserved (cached)", "peak allocated, this iteration"]
+    assert labels[:2] == ["reserved", "peak allocated, this iteration"]
     assert sorted(labels[2:]) == sorted(label for _, label, _ in CATEGORIES)
     # the reserved line is current_cached, in KiB
-    reserved = next(line for line in ax.lines if line.get_label() == "reserved (cached)")
+    reserved = next(line for line in ax.lines if line.get_label() == "reserved")
     assert list(reserved.get_ydata()) == pytest.approx(list(run.records["current_cached"] / 1024))
     # one label per epoch, a boundary line between epochs
     epoch_labels = [t.get_text() for t in ax.texts if t.get_text().startswith("epoch ")]
