@@ -50,7 +50,8 @@ def add_peak_columns(
         shares: per epoch (1, 2, ...; the last repeats), the share of each category;
             ``None`` leaves the breakdown columns empty (not measured).
         peak_scale: multiply the ``iteration_peak_allocated`` of these rows (by position)
-            first, to make one record's peak the highest.
+            first, to make one record's peak the highest (``peak_allocated``, the peak
+            since the start, rises with it).
 
     Returns:
         One row per record: ``peak`` (the iteration's peak in bytes) and a column per
@@ -68,6 +69,10 @@ def add_peak_columns(
             else {c: None for c in PEAK_CATEGORIES}
         )
         expected.append({"epoch": int(row["epoch"]), "iteration": int(row["iteration"]), "peak": peak, **parts})
+    # the running peak since the start covers every iteration peak, the raised one too
+    frame["peak_allocated"] = frame[["peak_allocated"]].assign(
+        it=frame["iteration_peak_allocated"].cummax()
+    ).max(axis=1)
     frame["device_total"] = None if device_total is None else device_total / unit
     frame["peak_share"] = (
         None if device_total is None else [e["peak"] / device_total for e in expected]

@@ -417,12 +417,15 @@ def format_summary(run: Run, unit: str | None = None, top: int = 5) -> str:
         cells = [group_line(g, sizes[category], size) for g in groups]
         name_width = max((len(name) for name, _, _ in cells), default=0)
         detail_width = max((len(detail) for _, detail, _ in cells), default=0)
+        amount_width = max((len(size(total)) for _, _, total in cells), default=0)
         for name, detail, total in cells:
             if detail_width == 0:
-                lines.append(f"  {name:<{name_width}}  {size(total):>12}")
+                lines.append(f"  {name:<{name_width}}  {size(total):>{amount_width}}")
             else:
                 middle = f"{detail} =" if detail else ""
-                lines.append(f"  {name:<{name_width}}  {middle:>{detail_width + 2}}  {size(total):>12}")
+                lines.append(
+                    f"  {name:<{name_width}}  {middle:>{detail_width + 2}}  {size(total):>{amount_width}}"
+                )
     return "\n".join(lines)
 
 
