@@ -73,13 +73,15 @@ def add_peak_columns(
     frame["peak_allocated"] = frame[["peak_allocated"]].assign(
         it=frame["iteration_peak_allocated"].cummax()
     ).max(axis=1)
-    frame["device_total"] = None if device_total is None else device_total / unit
-    frame["peak_share"] = (
-        None if device_total is None else [e["peak"] / device_total for e in expected]
-    )
-    for category in PEAK_CATEGORIES:
-        frame[f"peak_{category}"] = [
-            None if e[category] is None else e[category] / unit for e in expected
-        ]
+    added = {
+        "device_total": [None if device_total is None else device_total / unit] * len(frame),
+        "peak_share": [None if device_total is None else e["peak"] / device_total for e in expected],
+        **{
+            f"peak_{category}": [None if e[category] is None else e[category] / unit for e in expected]
+            for category in PEAK_CATEGORIES
+        },
+    }
+    # at the end of the columns, as the writer puts them
+    frame = pd.concat([frame, pd.DataFrame(added, index=frame.index)], axis=1)
     frame.to_csv(path, index=False)
     return pd.DataFrame(expected)

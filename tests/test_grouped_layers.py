@@ -116,3 +116,10 @@ def test_html_layer_tables_are_grouped(stack_run):
     # the parameter table keeps every name
     names = [row[0] for row in page.tables["parameter-table"][1:]]
     assert names == [n for n, _ in model.named_parameters()]
+
+
+def test_a_long_parameter_table_is_folded(stack_run):
+    text = render_html(load_run(stack_run["path"]))
+    count = len(list(stack_run["model"].parameters()))
+    assert count > 40
+    assert f'<details><summary>{count} parameters</summary><table id="parameter-table">' in text

@@ -354,3 +354,18 @@ def test_notes_on_model_and_device(tmp_path):
     ]
     # the same model on the same device: nothing to say
     assert comparison_notes(compare_runs([load_run(tiny), load_run(tiny)])) == []
+
+
+def test_share_text():
+    from pytorch_mem_profiler.analysis.peaks import format_share
+
+    assert [format_share(f) for f in (0.48, 0.994, 1.0, 0.0, 0.0052, 0.00001, None, float("nan"))] == [
+        "48%",
+        "99%",  # whole percents from 1%
+        "100%",
+        "0%",
+        "0.52%",
+        "<0.01%",
+        "n/a",
+        "n/a",
+    ]

@@ -63,6 +63,9 @@ __all__ = ["render_html", "write_html", "CONTENT_SECURITY_POLICY"]
 #: Nothing may be fetched: images only from data: URLs, style only inline.
 CONTENT_SECURITY_POLICY = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 
+#: A parameter table longer than this is folded (a <details> element, opened by a click).
+_OPEN_PARAMETER_ROWS = 40
+
 #: The records table shows at most this many rows (the last ones); the CSV has them all.
 _MAX_RECORD_ROWS = 2000
 
@@ -75,7 +78,7 @@ h2 { font-size: 1.25rem; margin-top: 2rem; border-bottom: 1px solid #ddd; paddin
 table { border-collapse: collapse; margin: 0.5rem 0 1rem; font-size: 0.9rem; }
 th, td { border: 1px solid #ddd; padding: 0.25rem 0.6rem; text-align: left; }
 th { background: #f4f4f4; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 img { max-width: 100%; height: auto; display: block; margin: 0.5rem 0; }
 .note { color: #666; font-size: 0.85rem; }
 .warning { color: #8a4b00; }
@@ -190,17 +193,19 @@ def render_html(run: Run, unit: str | None = None) -> str:
     parts.append('<h2 id="parameters">Layers: weights and gradients by parameter</h2>')
     last_weights = run.weights.iloc[-1] if len(run.weights.columns) else {}
     largest_grads = run.gradients.max() if len(run.gradients.columns) else {}
-    parts.append(
-        _table(
-            ("Parameter", "Layer", "Weights", "Gradients (largest)"),
-            (
-                (name, module_of(name), size(last_weights[name]), size(largest_grads[name]))
-                for name in run.parameters
-            ),
-            (False, False, True, True),
-            "parameter-table",
-        )
+    parameters = _table(
+        ("Parameter", "Layer", "Weights", "Gradients (largest)"),
+        (
+            (name, module_of(name), size(last_weights[name]), size(largest_grads[name]))
+            for name in run.parameters
+        ),
+        (False, False, True, True),
+        "parameter-table",
     )
+    # A long list (every block's every parameter) folds away; the grouped layers follow.
+    if len(run.parameters) > _OPEN_PARAMETER_ROWS:
+        parameters = f"<details><summary>{len(run.parameters)} parameters</summary>{parameters}</details>"
+    parts.append(parameters)
 
     parts.append('<h2 id="layers">Largest layers by category</h2>')
     parts.append(
