@@ -123,3 +123,19 @@ def test_a_long_parameter_table_is_folded(stack_run):
     count = len(list(stack_run["model"].parameters()))
     assert count > 40
     assert f'<details><summary>{count} parameters</summary><table id="parameter-table">' in text
+
+
+def test_layers_chart_has_a_bar_per_group(stack_run):
+    pytest.importorskip("matplotlib")
+    from pytorch_mem_profiler.analysis.plot import plot_layers
+
+    model = stack_run["model"]
+    figure = plot_layers(load_run(stack_run["path"]), unit="B")
+    ax = figure.axes[0]
+    names = [t.get_text() for t in ax.get_yticklabels()]
+    assert len(names) == len(set(names))
+    assert not any(re.fullmatch(r"blocks\.\d+\..*", name) for name in names)
+    weights = next(c for c in ax.containers if c.get_label() == "weights")
+    # the mlp group's weight bar: the twelve blocks' mlp weights together, in bytes
+    mlp = sum(module_bytes(b.mlp) for b in model.blocks)
+    assert weights[names.index("blocks.[0-11].mlp")].get_width() == mlp

@@ -49,7 +49,7 @@ from ..stats import PEAK_CATEGORIES, PHASE_LABELS
 from ..units import UNITS, format_amount
 from .peaks import PeakBreakdown, format_share, peak_breakdown, peak_label
 from .runs import Run
-from .summary import category_label, choose_unit, largest_layers
+from .summary import category_label, choose_unit, layer_groups
 
 __all__ = [
     "CATEGORIES",
@@ -382,11 +382,16 @@ def plot_layers(
     """The ``top`` largest layers, a bar per category (weights, gradients, and those of the
     per-layer file such as feature maps); each layer at its largest over the run.
 
-    ``height`` defaults to one that fits the layers. Other arguments as :func:`plot_memory`.
+    Repeated layers are one bar, their total (``blocks.[0-11].attn``), as in the summary
+    (:func:`~pytorch_mem_profiler.analysis.summary.layer_groups`). ``height`` defaults to
+    one that fits the layers. Other arguments as :func:`plot_memory`.
     """
     unit = choose_unit(unit, run.unit)
     div = UNITS[unit]
-    by_category = largest_layers(run, top=10**9)
+    by_category = {
+        category: [(group.name, float(group.total)) for group in groups]
+        for category, groups in layer_groups(run, top=None).items()
+    }
     totals: dict[str, float] = {}
     for layers in by_category.values():
         for name, nbytes in layers:
