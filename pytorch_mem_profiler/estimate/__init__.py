@@ -18,7 +18,25 @@ and :mod:`~pytorch_mem_profiler.measure`; never ``outputs``, ``tools``,
 
 from __future__ import annotations
 
-from .api import OPTIMIZATIONS, EstimateUnsupported, estimate_memory
-from .result import MemoryEstimate
+import importlib
+from typing import Any
 
-__all__ = ["estimate_memory", "MemoryEstimate", "EstimateUnsupported", "OPTIMIZATIONS"]
+#: Public names by the module that defines them, loaded on first use: the command
+#: line builds its ``estimate`` arguments from :mod:`.cli` without importing torch.
+_LAZY = {
+    "estimate_memory": "api",
+    "OPTIMIZATIONS": "api",
+    "EstimateUnsupported": "step",
+    "MemoryEstimate": "result",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

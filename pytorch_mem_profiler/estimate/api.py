@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..measure.devices import parse_device, usable_device
-from .allocator import CUDA_CONTEXT_ALLOWANCE, cublas_workspace_bytes
+from .allocator import CUDA_CONTEXT_ALLOWANCE, cublas_workspace_bytes, segment_size
 from .fake import batch_of
 from .result import BatchFit, MemoryEstimate
 from .step import EstimateUnsupported, StepMemory, StepPlan, run_step
@@ -187,6 +187,11 @@ def estimate_memory(
     step = run_step(plan, batch)
     batch_fit = _fit(plan, step, batch) if fit and batch is not None else None
     on_cuda = target.type == "cuda"
+    if workspace is None:
+        workspace = cublas_workspace_bytes() if on_cuda else 0
+    reserved = step.reserved
+    if reserved is not None and workspace:
+        reserved += segment_size(workspace)  # the workspace is a block of its own, never freed
     est = MemoryEstimate(
         device=str(target),
         batch_size=batch,
@@ -201,8 +206,8 @@ def estimate_memory(
         gradients=step.gradients,
         optimizer_state=step.optimizer_state,
         inputs=step.inputs,
-        reserved=step.reserved,
-        workspace=workspace if workspace is not None else (cublas_workspace_bytes() if on_cuda else 0),
+        reserved=reserved,
+        workspace=workspace,
         outside=outside if outside is not None else (CUDA_CONTEXT_ALLOWANCE if on_cuda else 0),
         fit=batch_fit,
         emulated=run_device.type != target.type,

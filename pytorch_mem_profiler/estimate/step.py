@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping
@@ -139,6 +140,17 @@ def _unsupported_as_errors() -> Iterator[None]:
         raise EstimateUnsupported(
             f"{name} mixes tensors of {err.common_device} and {err.device}: tensors the model makes "
             f"on a fixed device do not follow the estimate's device. {REAL_PROFILER}",
+            name,
+        ) from err
+    except RuntimeError as err:
+        # torch.library.custom_op without register_fake says so in a plain RuntimeError
+        found = re.search(r"no fake impl registered for <CustomOpDef\((.+?)\)>", str(err))
+        if found is None:
+            raise
+        name = found.group(1)
+        raise EstimateUnsupported(
+            f"{name} has no fake implementation (a custom operator without register_fake); running "
+            f"its real kernel would allocate real memory. {REAL_PROFILER}",
             name,
         ) from err
 
@@ -330,9 +342,8 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
             counter.adopt(buffers, role="weights")
             inputs = fake_inputs(plan.example_inputs, batch_size, run_device)
             targets = fake_inputs(plan.targets, batch_size, run_device) if plan.targets is not None else None
-            batch = [*tensors_in(inputs), *tensors_in(targets)]
-            for t in batch:
-                counter.give_role(t, "inputs")
+            # Loop variables would keep the last tensor alive past its time: give roles in a call.
+            _give_role(counter, [*tensors_in(inputs), *tensors_in(targets)], "inputs")
             args = inputs if isinstance(inputs, tuple) else (inputs,)
             kwargs: dict[str, Any] = {}
             if isinstance(inputs, dict):
@@ -349,18 +360,10 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
                 loss = plan.loss_fn(output, *target_args) if plan.loss_fn is not None else _default_loss(output)
                 counter.enter_phase("backward")
                 loss.backward()
-                grads = [p.grad for p in params if p.grad is not None]
-                for g in grads:
-                    counter.give_role(g, "gradients")
-                gradients = _bytes_of(counter, grads)
-                del grads
+                gradients = _give_role(counter, [p.grad for p in params if p.grad is not None], "gradients")
                 counter.enter_phase("optimizer")
                 optimizer.step()
-                state = list(optimizer_state_tensors([optimizer]))
-                for t in state:
-                    counter.give_role(t, "optimizer_state")
-                optimizer_state = _bytes_of(counter, state)
-                del state
+                optimizer_state = _give_role(counter, list(optimizer_state_tensors([optimizer])), "optimizer_state")
                 counter.enter_phase("other")
                 optimizer.zero_grad(set_to_none=True)
                 del output, loss
@@ -369,6 +372,13 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
         finally:
             counter.stop()
     return _summarize(counter, batch_size, layers, params, buffers, optimizer_state, gradients, target)
+
+
+def _give_role(counter: StorageLifeCounter, tensors: list[torch.Tensor], role: str) -> int:
+    """Give ``role`` to each tensor's storage; their bytes, each storage once."""
+    for tensor in tensors:
+        counter.give_role(tensor, role)
+    return _bytes_of(counter, tensors)
 
 
 def _default_loss(output: Any) -> torch.Tensor:
