@@ -331,7 +331,7 @@ def test_a_cuda_estimate_without_a_gpu_rounds_each_storage_to_512_byte_blocks():
         assert estimate.emulated
     assert estimate.weights == sum(block_size(nbytes(p)) for p in model.parameters())
     assert estimate.peak % 512 == 0
-    assert estimate.workspace == 32 << 20 and estimate.outside == 1 << 30
+    assert estimate.workspace == 2 * (32 << 20) and estimate.outside == 1 << 30
     assert estimate.peak_allocated == estimate.peak + estimate.workspace
     assert estimate.required == estimate.peak_allocated + estimate.outside
     assert estimate.reserved >= estimate.peak_allocated
@@ -390,3 +390,54 @@ def test_the_command_explains_what_is_missing(tmp_path, capsys, monkeypatch):
     bare.write_text("x = 1\n")
     assert main(["estimate", str(bare)]) == 2
     assert "must define build_model() and example_inputs()" in capsys.readouterr().err
+
+
+def test_repeated_blocks_are_found_for_checkpointing():
+    from pytorch_mem_profiler.estimate.step import repeated_blocks
+
+    assert repeated_blocks(FeedForwardStack(8, 3)) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []
+
+
+@pytest.mark.parametrize("name", ["gpt2", "neumf"])
+def test_the_benchmarks_estimates_run_on_the_quick_workloads(name):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import estimate_accuracy
+
+    kwargs = estimate_accuracy.estimate_kwargs(name, estimate_accuracy.QUICK_SIZES[name])
+    estimate = estimate_memory(**kwargs, batch_size=4, device="cuda")
+    model = kwargs["model"]()
+    weights = sum(block_size(nbytes(p)) for p in {id(p): p for p in model.parameters()}.values())
+    assert estimate.weights == weights
+    assert estimate.peak > estimate.weights + estimate.gradients + estimate.optimizer_state
+    assert estimate.fit is not None and estimate.fit.error < 0.01
+
+
+def test_without_a_gpu_fake_cpu_tensors_take_cudas_precisions_and_attention():
+    import torch.nn.functional as F
+
+    originals = (F.layer_norm, F.softmax, F.scaled_dot_product_attention)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
+    estimate = estimate_memory(model, torch.zeros(32, 64), device="cuda", emulate=True, autocast=torch.bfloat16, fit=False)
+    assert estimate.emulated
+    # CUDA's autocast runs layer_norm on a float32 copy of the linear's bfloat16 output and keeps
+    # it, with the float32 mean and 1/std of each row, for backward (each in 512-byte blocks)
+    assert estimate.layers.by_module[("1", "activations")] == block_size(32 * 64 * 4) + 2 * block_size(32 * 4)
+    cpu = estimate_memory(model, torch.zeros(32, 64), device="cpu", autocast=torch.bfloat16, fit=False)
+    assert cpu.layers.by_module[("1", "activations")] < 32 * 64 * 4  # the CPU's autocast keeps bfloat16
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+
+        def forward(self, x):
+            q = self.proj(x)
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
+
+    shape = (2, 4, 256, 64)
+    on_cuda = estimate_memory(Attention(), torch.zeros(shape), device="cuda", emulate=True, optimizer=SGD, fit=False)
+    on_cpu = estimate_memory(Attention(), torch.zeros(shape), device="cpu", optimizer=SGD, fit=False)
+    # memory-efficient attention keeps no L x L matrix; the CPU's math path keeps several
+    assert on_cpu.activations > 2 * 4 * 256 * 256 * 4 > on_cuda.activations
+    assert (F.layer_norm, F.softmax, F.scaled_dot_product_attention) == originals

@@ -134,7 +134,8 @@ def estimate_memory(
         outside: bytes outside PyTorch to allow for; default on CUDA
             :data:`~pytorch_mem_profiler.estimate.allocator.CUDA_CONTEXT_ALLOWANCE` (1 GiB), else 0.
         workspace: bytes libraries take from the allocator besides tensors; default on
-            CUDA cuBLAS's 32 MiB workspace (``CUBLAS_WORKSPACE_CONFIG`` if set), else 0.
+            CUDA two cuBLAS workspaces of 32 MiB (``CUBLAS_WORKSPACE_CONFIG`` if set), one
+            for the forward's thread and one for autograd's backward thread; else 0.
         fit: also estimate at twice and three times the batch, for
             :meth:`MemoryEstimate.max_batch_size`.
         compare: what-ifs, by name: keyword arguments of this function that differ
@@ -188,10 +189,11 @@ def estimate_memory(
     batch_fit = _fit(plan, step, batch) if fit and batch is not None else None
     on_cuda = target.type == "cuda"
     if workspace is None:
-        workspace = cublas_workspace_bytes() if on_cuda else 0
+        # cuBLAS keeps a workspace per thread and stream: forward's thread and autograd's device thread
+        workspace = 2 * cublas_workspace_bytes() if on_cuda else 0
     reserved = step.reserved
     if reserved is not None and workspace:
-        reserved += segment_size(workspace)  # the workspace is a block of its own, never freed
+        reserved += 2 * segment_size(workspace // 2)  # blocks of their own, never freed
     est = MemoryEstimate(
         device=str(target),
         batch_size=batch,

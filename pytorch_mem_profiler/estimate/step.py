@@ -46,6 +46,7 @@ from ..measure.trees import tensors_in
 from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFeatureMaps
 from .allocator import block_size, simulate_reserved
 from .counter import Life, StorageLifeCounter
+from .emulation import cuda_rules
 from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
 
 __all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks"]
@@ -331,10 +332,13 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     size_of = block_size if target.type == "cuda" else None
     counter = StorageLifeCounter(run_device, size_of=size_of)
     mode = fake_mode()
-    with mode, _unsupported_as_errors():
+    # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
+    rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
+    with mode, _unsupported_as_errors(), rules:
         model = _build(plan, mode, run_device)
-        optimizer = make_optimizer(plan.optimizer, model, target.type)
         params = list(model.parameters())
+        # a model with nothing to train has no optimizer step
+        optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
         buffers = [b for b in model.buffers() if b is not None]
         counter.start()
         try:
@@ -361,11 +365,12 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
                 counter.enter_phase("backward")
                 loss.backward()
                 gradients = _give_role(counter, [p.grad for p in params if p.grad is not None], "gradients")
-                counter.enter_phase("optimizer")
-                optimizer.step()
-                optimizer_state = _give_role(counter, list(optimizer_state_tensors([optimizer])), "optimizer_state")
-                counter.enter_phase("other")
-                optimizer.zero_grad(set_to_none=True)
+                if optimizer is not None:
+                    counter.enter_phase("optimizer")
+                    optimizer.step()
+                    optimizer_state = _give_role(counter, list(optimizer_state_tensors([optimizer])), "optimizer_state")
+                    counter.enter_phase("other")
+                    optimizer.zero_grad(set_to_none=True)
                 del output, loss
             assert attribution is not None
             layers = attribution.result()
