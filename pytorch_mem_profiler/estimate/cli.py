@@ -102,15 +102,22 @@ def _optimizer(name: str | None, default: Any) -> Callable:
 def _from_file(args: argparse.Namespace) -> dict[str, Any]:
     import inspect
 
+    from .fake import fake_mode
+
     module = load_model_file(Path(args.model))
     batch = args.batch_size or getattr(module, "batch_size", None)
     make_inputs = module.example_inputs
     takes_batch = bool(inspect.signature(make_inputs).parameters)
     if takes_batch and batch is None:
         batch = 32
+    if takes_batch:
+        example = make_inputs
+    else:
+        with fake_mode():  # a template of shapes and types: no memory for the example batch
+            example = make_inputs()
     kwargs: dict[str, Any] = {
         "model": module.build_model,
-        "example_inputs": make_inputs if takes_batch else make_inputs(),
+        "example_inputs": example,
         "batch_size": batch,
         "optimizer": _optimizer(args.optimizer, getattr(module, "optimizer", None)),
         "loss_fn": getattr(module, "loss_fn", None),
@@ -178,7 +185,10 @@ def run(args: argparse.Namespace, fail: Callable[[str], int]) -> int:
             verdict = "fits" if estimate.fits(args.memory) else "does not fit"
             print(f"\nOn a device of {memory}: the step {verdict}.")
         else:
-            largest = estimate.max_batch_size(args.memory, margin=args.margin)
+            try:
+                largest = estimate.max_batch_size(args.memory, margin=args.margin)
+            except ValueError as err:
+                return fail(str(err))
             print(
                 f"\nLargest batch on a device of {memory}: {largest} "
                 f"(margin {100 * args.margin:g}%; {format_amount(estimate.outside, unit, digits=3)} allowed outside PyTorch)"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping
 
@@ -103,7 +103,6 @@ class StepMemory:
     optimizer_state: int
     inputs: int
     reserved: int | None = None
-    lives: list[Life] = field(default_factory=list, repr=False)
 
 
 # -- errors ----------------------------------------------------------------------
