@@ -6,12 +6,14 @@ or nothing means the newest ``memory_stats_*.csv`` in it or in ``--dir``):
 - ``summary [RUN]``: peaks and times per epoch, the largest layers;
 - ``plot [RUN] -o FILE.png``: memory over iterations by category;
 - ``report [RUN] -o FILE.html``: one self-contained HTML file;
-- ``compare RUN_A RUN_B ... [--names ...] [--csv FILE]``: the comparison table;
-- ``estimate MODEL [--batch-size N] [--memory 80GB] ...``: a training step's memory
-  before running it (:mod:`pytorch_mem_profiler.estimate.cli`; imports torch).
+- ``compare RUN_A RUN_B ... [--names ...] [--csv FILE]``: the comparison table.
 
 Bad input (a missing file, a CSV the profiler did not write, a plot without
 matplotlib) gets one line on standard error and exit status 2.
+
+``estimate MODEL [--batch-size N] [--memory 80GB] ...`` (a training step's memory
+before running it) is :mod:`pytorch_mem_profiler.estimate.cli`, loaded by name; it
+imports torch only when it runs.
 
 Example::
 
