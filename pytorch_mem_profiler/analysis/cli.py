@@ -12,6 +12,10 @@ or nothing means the newest ``memory_stats_*.csv`` in it or in ``--dir``):
 Bad input (a missing file, a CSV the profiler did not write, a plot without
 matplotlib) gets one line on standard error and exit status 2.
 
+``estimate MODEL [--batch-size N] [--memory 80GB] ...`` (a training step's memory
+before running it) is :mod:`pytorch_mem_profiler.estimate.cli`, loaded by name; it
+imports torch only when it runs.
+
 Example::
 
     >>> main(["compare", "no/such/run.csv"])  # stderr: ...error: 'no/such/run.csv': no such file
@@ -21,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -125,7 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--csv", metavar="FILE", help="also write the table to this CSV file")
     unit_argument(compare)
+
+    estimate = commands.add_parser("estimate", help="a training step's memory and the largest batch, before running it")
+    _estimate_cli().add_arguments(estimate)
     return parser
+
+
+def _estimate_cli():  # type: ignore[no-untyped-def]
+    # By name, not an import statement: the one place the command line reaches the
+    # estimate layer; that module imports torch only when its command runs.
+    return importlib.import_module("pytorch_mem_profiler.estimate.cli")
 
 
 def _load(run: str | None, folder: str) -> Run:
@@ -210,7 +224,11 @@ def _compare(args: argparse.Namespace) -> None:
         print(f"wrote {args.csv}")
 
 
-_COMMANDS = {"summary": _summary, "plot": _plot, "report": _report, "compare": _compare}
+def _estimate(args: argparse.Namespace) -> int:
+    return _estimate_cli().run(args, _fail)
+
+
+_COMMANDS = {"summary": _summary, "plot": _plot, "report": _report, "compare": _compare, "estimate": _estimate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -221,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
-        _COMMANDS[args.command](args)
+        status = _COMMANDS[args.command](args)
     except (RunFileError, _BadInput) as err:
         return _fail(str(err))
     except ImportError as err:  # an optional dependency (matplotlib) is missing
@@ -231,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:  # the output cannot be written (reading errors are RunFileError)
         where = f" {str(err.filename)!r}" if err.filename else ""
         return _fail(f"cannot write{where}: {err.strerror or err}")
-    return 0
+    return status or 0
 
 
 def _fail(message: str) -> int:
