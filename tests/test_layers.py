@@ -150,9 +150,9 @@ def test_per_layer_hooks_run_only_on_reported_iterations(monkeypatch):
     starts = []
     real_start = layers_module.LayerAttribution.start
 
-    def counting_start(self, inputs):
+    def counting_start(self, inputs, **kwargs):
         starts.append(1)
-        return real_start(self, inputs)
+        return real_start(self, inputs, **kwargs)
 
     monkeypatch.setattr(layers_module.LayerAttribution, "start", counting_start)
     model = mlp()
