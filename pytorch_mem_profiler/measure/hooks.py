@@ -368,9 +368,10 @@ class TrainingStepHooks:
 
     def _pause_forward(self) -> None:
         """The model was left: the pass may go on (another entry) or end (backward, a step)."""
-        pass_ = self._pass
-        if pass_ is None:
-            return
+        if self._pass is not None:
+            self._leave(self._pass)
+
+    def _leave(self, pass_: _ForwardPass) -> None:
         if pass_.attributed and self.attribution is not None:
             self.guard.call("per-layer attribution", self.attribution.close)
         if self._phase == "forward":
@@ -383,13 +384,10 @@ class TrainingStepHooks:
         pass_, self._pass = self._pass, None
         if pass_ is None:
             return
-        if self._phase == "forward":  # closed from inside the model (a phase marked explicitly)
-            self._pause_forward()
+        self._leave(pass_)  # still inside it when a phase marked by hand ends it
         breakdown: LayerBreakdown | None = None
-        if pass_.attributed and self.attribution is not None:
-            self.attribution.close()
-            if self.attribution.watching_saved_tensors:
-                breakdown = self.attribution.breakdown
+        if pass_.attributed and self.attribution is not None and self.attribution.watching_saved_tensors:
+            breakdown = self.attribution.breakdown
         if pass_.end_allocated is None:
             return
         m = self.current
