@@ -211,3 +211,14 @@ def test_a_fault_while_watching_never_reaches_the_users_forward():
     y.sum().backward()
     assert user.packs == user.unpacks == 1 and len(seen) == len(faults) == 1
     assert torch.allclose(x.grad, x.exp().half().float())
+
+
+@pytest.mark.parametrize("by_layer", [False, True])
+def test_a_saved_tensor_modified_in_place_still_raises(by_layer):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid())  # Sigmoid saves its output
+    with MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, by_layer=by_layer) as profiler:
+        out = model(torch.randn(4, 8))
+        out.mul_(2)  # the user's bug: autograd needs the output as it was
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+        profiler.record_stats()

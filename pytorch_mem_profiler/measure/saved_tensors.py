@@ -8,6 +8,8 @@ change both the memory and the numbers of the run it measures. So
 chains to it: every tensor goes through the user's pack hook exactly as without
 the watcher, the watcher sees what the user's hook returned (what stays where,
 e.g. a CPU copy or a half-precision cast), and unpacking is the user's own.
+With no user's hooks, the watcher's own unpack runs the check autograd runs
+only when no hooks are set: a saved tensor modified in place still raises.
 
 Torch tells which pair is on top from 2.8 on
 (``torch._C._autograd._top_saved_tensors_default_hooks``). Torch 2.4 to 2.7 cannot
@@ -62,8 +64,19 @@ def top_saved_tensors_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[
     return None if top is None else (top[0], top[1])
 
 
-def _identity(value: Any) -> Any:
-    return value
+def _unpack_checked(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """Torch checks a saved tensor's version only when no hooks are set: do it here, so that a
+    tensor modified in place after it was saved still raises as it would without the watcher."""
+    tensor, version = packed
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; "
+            f"expected version {version} instead. Hint: the tensor was saved for backward and changed "
+            "in place afterwards (this check is run by pytorch_mem_profiler's per-layer watcher, "
+            "as autograd runs it without one)"
+        )
+    return tensor
 
 
 class ChainedSavedTensorsHooks:
@@ -89,7 +102,7 @@ class ChainedSavedTensorsHooks:
             return False
         below = top_saved_tensors_hooks()
         if below is None:
-            pack, unpack = self._watch, _identity
+            pack, unpack = self._watch, _unpack_checked
         else:
             pack, unpack = self._chain(below[0]), below[1]
         context = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -107,9 +120,9 @@ class ChainedSavedTensorsHooks:
     def active(self) -> bool:
         return self._context is not None
 
-    def _watch(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _watch(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         self._observe(tensor)
-        return tensor
+        return tensor, tensor._version
 
     def _chain(self, user_pack: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
         def pack(tensor: torch.Tensor) -> Any:
