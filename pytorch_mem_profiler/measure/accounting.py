@@ -29,6 +29,7 @@ __all__ = [
     "unique_parameters",
     "weight_bytes",
     "gradient_bytes",
+    "GradientSizes",
     "buffer_bytes",
     "optimizer_state_tensors",
     "optimizer_state_bytes",
@@ -146,6 +147,47 @@ def weight_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[tuple
 def gradient_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[int]:
     """Bytes of each parameter's ``.grad`` (0 where it is ``None``), in order."""
     return [0 if (grad := p.grad) is None else tensor_bytes(grad) for _, p in params]
+
+
+class GradientSizes:
+    """:func:`gradient_bytes` of a fixed parameter list, made cheap for the hot path (twice per backward).
+
+    A dense parameter's gradient is dense or sparse COO (autograd allows no other
+    layout for it), and ``nbytes`` raises for COO: so a dense parameter's
+    gradient needs no layout check. Only when a parameter itself is sparse is
+    every gradient checked.
+
+    Example::
+
+        >>> import torch
+        >>> emb = torch.nn.Embedding(10, 4, sparse=True)
+        >>> emb(torch.tensor([1, 1, 2])).sum().backward()     # a COO gradient: 3 indices, 3 rows
+        >>> GradientSizes(list(emb.named_parameters()))() == [3 * 8 + 3 * 4 * 4]
+        True
+    """
+
+    __slots__ = ("_params", "_named", "_dense")
+
+    def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+        self._named = list(params)
+        self._params = [p for _, p in self._named]
+        self._dense = all(p.layout is torch.strided for p in self._params)
+
+    def __call__(self) -> list[int]:
+        if not self._dense:
+            return gradient_bytes(self._named)
+        sizes = []
+        append = sizes.append
+        for p in self._params:
+            grad = p.grad
+            if grad is None:
+                append(0)
+                continue
+            try:
+                append(grad.nbytes)
+            except RuntimeError:  # "nbytes is not defined for sparse tensors"
+                append(tensor_bytes(grad))
+        return sizes
 
 
 def buffer_bytes(model: torch.nn.Module, device: torch.device) -> list[tuple[str, int]]:

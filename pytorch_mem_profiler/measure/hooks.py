@@ -54,7 +54,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from .accounting import allocation_bytes, gradient_bytes, optimizer_holds_any, same_device
+from .accounting import GradientSizes, allocation_bytes, optimizer_holds_any, same_device
 from .devices import MemoryCounter, Reading
 from ..faults import FaultGuard
 from .entries import EntryWatch
@@ -167,6 +167,7 @@ class TrainingStepHooks:
         self._on_optimizer_step = on_optimizer_step
         self._on_forward_first_call = on_forward_first_call
         self._param_ids = {id(p) for _, p in self.params}
+        self._gradient_sizes = GradientSizes(self.params)
         self._holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._handles: list = []
         self._entries = EntryWatch(model, self._entered, self._exited, self.guard)
@@ -252,6 +253,7 @@ class TrainingStepHooks:
         """Measure the gradients of ``params`` from now on (after the model changed)."""
         self.params = list(params)
         self._param_ids = {id(p) for _, p in self.params}
+        self._gradient_sizes = GradientSizes(self.params)
         self._holds = weakref.WeakKeyDictionary()
 
     # -- boundaries --------------------------------------------------------
@@ -411,7 +413,7 @@ class TrainingStepHooks:
                 for g in grad_outputs
                 if isinstance(g, torch.Tensor) and same_device(g, self.device)
             )
-            self._backward_base = (start.allocated - out_grads, sum(gradient_bytes(self.params)))
+            self._backward_base = (start.allocated - out_grads, sum(self._gradient_sizes()))
             # Queued now, this callback runs when the whole backward pass is
             # done. Under DDP/FSDP it queues itself once more so that it runs
             # after the callbacks they queue later, in which they finish reducing.
@@ -432,7 +434,7 @@ class TrainingStepHooks:
         end = self._mark("optimizer" if self._step_depth and not self._step_in_backward else "other")
         m = self.current
         m.backward_passes += 1
-        sizes = gradient_bytes(self.params)
+        sizes = self._gradient_sizes()
         m.gradient_sizes = sizes
         if base is None or end.peak_allocated is None:
             return
@@ -515,7 +517,7 @@ class TrainingStepHooks:
             self._close_forward()
             start = self._mark("backward", "" if self.detailed else None)
             self._count("backward")
-            self._backward_base = (start.allocated, sum(gradient_bytes(self.params)))
+            self._backward_base = (start.allocated, sum(self._gradient_sizes()))
         else:
             self._step_began()
         self._explicit.add(phase)
