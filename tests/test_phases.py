@@ -511,3 +511,31 @@ def test_lightning_with_lbfgs_counts_each_closure_call():
         assert record.optimizer_steps == 1
         assert record.feature_maps == (16 * 64 + 16 * 10) * F32
         assert record.phases["optimizer"].occurrences == 1
+
+
+def test_a_closed_profiler_leaves_no_cycle_behind():
+    import gc
+    import weakref
+
+    model = StepWrapper()
+    profiler = profile(model, by_layer=True)
+    model.training_step(torch.randn(4, 32), torch.randn(4, 10)).backward()
+    profiler.record_stats()
+    profiler.close()
+    hooks = weakref.ref(profiler._meter._hooks)
+    gc.disable()
+    try:
+        del profiler
+        assert hooks() is None
+    finally:
+        gc.enable()
+
+
+def test_torchscript_children_take_no_hooks_and_forward_is_still_found():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.ReLU())))
+    with profile(model) as profiler:
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+            record = profiler.record_stats()
+            assert (record.forward_passes, record.backward_passes) == (1, 1)

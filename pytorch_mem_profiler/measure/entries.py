@@ -67,9 +67,17 @@ def _hookable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             continue
         seen.add(id(module))
         found.append(module)
-        if not _is_compiled(module):
+        if not _is_compiled(module) and not isinstance(module, torch.jit.ScriptModule):
             stack.extend(reversed(list(module.children())))
     return found
+
+
+def _refuse(module: torch.nn.Module, args: Any) -> bool:
+    return False
+
+
+def _ignore(module: torch.nn.Module, args: Any, output: Any) -> None:
+    return None
 
 
 class EntryWatch:
@@ -103,8 +111,6 @@ class EntryWatch:
         self._entries: dict[int, torch.nn.Module] = {}
         self._handles: dict[int, tuple[Any, Any]] = {}
         self._accepted = False
-        self._pre = self.guard.wrap("forward hooks", self._enter)
-        self._post = self.guard.wrap("forward hooks", self._exit)
 
     # -- installation ----------------------------------------------------------
     def install(self) -> None:
@@ -139,6 +145,13 @@ class EntryWatch:
         self.depth = 0
         self.learning = False
 
+    def release(self) -> None:
+        """Remove every hook and drop the callbacks (which refer back to their owner)."""
+        self.remove()
+        self.on_enter = _refuse
+        self.on_exit = _ignore
+        self._entries.clear()
+
     def hooked_modules(self) -> list[torch.nn.Module]:
         """The modules hooked now, the root first."""
         by_id = {id(m): m for m in _hookable_modules(self.model)}
@@ -148,11 +161,13 @@ class EntryWatch:
         key = id(module)
         if key in self._handles:
             return
-        self._handles[key] = (
-            module.register_forward_pre_hook(self._pre),
-            # always_call: a forward that raises still closes its phase.
-            module.register_forward_hook(self._post, always_call=True),
-        )
+        if isinstance(module, torch.jit.ScriptModule):
+            return  # TorchScript modules take no Python hooks; their callers are hooked
+        # Wrapped here, not kept on self: a removed watcher leaves no reference cycle.
+        pre = module.register_forward_pre_hook(self.guard.wrap("forward hooks", self._enter))
+        # always_call: a forward that raises still closes its phase.
+        post = module.register_forward_hook(self.guard.wrap("forward hooks", self._exit), always_call=True)
+        self._handles[key] = (pre, post)
 
     # -- the hooks (the hot path: one pair per entry call per iteration) --------
     def _enter(self, module: torch.nn.Module, args: Any) -> None:

@@ -216,6 +216,7 @@ class TrainingStepHooks:
         """Remove the hooks and drop the callbacks, which refer back to their owner:
         a closed profiler is then freed at once, not at the next cycle collection."""
         self.remove()
+        self._entries.release()
         self._on_optimizer_step = None
         self._on_forward_first_call = None
         self.attribution = None

@@ -145,7 +145,7 @@ class LayerAttribution:
         self.max_locations = max_locations
         self.refresh()
         self._handles: list = []
-        self._saved = ChainedSavedTensorsHooks(self._observe_saved)
+        self._saved: ChainedSavedTensorsHooks | None = None
         self._stack: list[tuple[int, str]] = []
         self._seen: set[tuple[int, int]] = set()
         self._inputs: set[tuple[int, int]] = set()
@@ -194,6 +194,8 @@ class LayerAttribution:
             register_module_forward_pre_hook(self._module_pre),
             register_module_forward_hook(self._module_post, always_call=True),
         ]
+        # Made per forward, dropped at close(): it refers back to this object.
+        self._saved = ChainedSavedTensorsHooks(self._observe_saved)
         self._saved.push()
 
     def add_inputs(self, inputs: Any) -> None:
@@ -219,7 +221,9 @@ class LayerAttribution:
 
     def close(self) -> None:
         """Remove the hooks, if installed; safe to call at any time."""
-        self._saved.pop()
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            saved.pop()
         for handle in self._handles:
             handle.remove()
         self._handles = []
