@@ -539,3 +539,16 @@ def test_torchscript_children_take_no_hooks_and_forward_is_still_found():
             model(torch.randn(4, 8)).sum().backward()
             record = profiler.record_stats()
             assert (record.forward_passes, record.backward_passes) == (1, 1)
+
+
+def test_a_compiled_child_is_hooked_and_the_modules_inside_it_are_not():
+    model = StepWrapper()
+    model.net = torch.compile(model.net, backend="eager")
+    x, y = torch.randn(8, 32), torch.randn(8, 10)
+    with profile(model) as profiler:
+        assert hooked(model) == ["", "net"]  # nothing inside the compiled region
+        for _ in range(2):
+            F.mse_loss(model.net(x), y).backward()
+            record = profiler.record_stats()
+            assert (record.forward_passes, record.backward_passes) == (1, 1)
+            assert record.feature_maps == (8 * 64 + 8 * 10) * F32

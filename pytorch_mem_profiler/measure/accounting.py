@@ -182,11 +182,13 @@ class GradientSizes:
             grad = p.grad
             if grad is None:
                 append(0)
-                continue
-            try:
-                append(grad.nbytes)
-            except RuntimeError:  # "nbytes is not defined for sparse tensors"
+            elif type(grad) is not torch.Tensor:  # a DTensor: its local shard
                 append(tensor_bytes(grad))
+            else:
+                try:
+                    append(grad.nbytes)
+                except RuntimeError:  # "nbytes is not defined for sparse tensors"
+                    append(tensor_bytes(grad))
         return sizes
 
 
