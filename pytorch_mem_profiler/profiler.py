@@ -53,7 +53,10 @@ class MemoryProfiler:
 
     Add it to a training loop: make it once, call :meth:`record_stats` after
     each iteration and :meth:`epoch_end` after each epoch. Hooks on the model
-    and optimizer find forward, backward and the optimizer step by themselves.
+    and optimizer find forward, backward and the optimizer step by themselves,
+    also when a framework calls a child of the model rather than its
+    ``forward`` and runs them inside ``optimizer.step(closure)``; a framework
+    that knows its phases can mark them with :meth:`phase`.
 
     Args:
         model: the model being trained.
