@@ -531,6 +531,7 @@ def test_a_closed_profiler_leaves_no_cycle_behind():
         gc.enable()
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_torchscript_children_take_no_hooks_and_forward_is_still_found():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.ReLU())))

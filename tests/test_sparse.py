@@ -160,7 +160,7 @@ def test_the_cpu_counter_counts_what_a_sparse_result_holds():
         indices = torch.tensor([[0, 1, 1], [2, 0, 2]])
         values = torch.tensor([3.0, 4.0, 5.0])
         made = counter.read().allocated
-        sparse = torch.sparse_coo_tensor(indices, values, (2, 3))
+        sparse = torch.sparse_coo_tensor(indices, values, (2, 3), check_invariants=True)
         # made around the given tensors: no new memory
         assert counter.read().allocated == made
         doubled = sparse * 2  # new indices and values
