@@ -33,12 +33,13 @@ import os
 import sys
 import weakref
 from collections import deque
-from typing import IO, Any, Iterable
+from typing import IO, Any, ContextManager, Iterable
 
 import torch
 
 from .distributed import CrossRankExchange, CrossRankSummary, format_cross_rank, rank_info
 from .faults import FaultGuard
+from .measure.hooks import PhaseBlock
 from .measure.meter import Meter, Position
 from .options import ProfilerOptions
 from .outputs.sinks import CsvSink, LayerCsvSink, LeakSink, ReportSink, Sink, TensorBoardSink
@@ -52,7 +53,10 @@ class MemoryProfiler:
 
     Add it to a training loop: make it once, call :meth:`record_stats` after
     each iteration and :meth:`epoch_end` after each epoch. Hooks on the model
-    and optimizer find forward, backward and the optimizer step by themselves.
+    and optimizer find forward, backward and the optimizer step by themselves,
+    also when a framework calls a child of the model rather than its
+    ``forward`` and runs them inside ``optimizer.step(closure)``; a framework
+    that knows its phases can mark them with :meth:`phase`.
 
     Args:
         model: the model being trained.
@@ -278,6 +282,45 @@ class MemoryProfiler:
             # keeps this rank out of the collective the others wait in.
             self._guard.call("cross-rank summary", self._cross_rank_summary, epoch)
 
+    def phase(self, name: str) -> ContextManager[Any]:
+        """A ``with`` block in which the phase ``name`` runs, for frameworks that know their phases.
+
+        ``name`` is ``"forward"``, ``"backward"`` or ``"optimizer"`` (``ValueError``
+        otherwise). The block is that phase: its peak is the phase's peak, a
+        ``"forward"`` block is one forward pass (its feature maps are what it
+        leaves allocated), a ``"backward"`` block one backward pass (gradients
+        are measured at its end), an ``"optimizer"`` block one optimizer step
+        (forwards and backwards of a closure inside it count as such, and the
+        update is what runs after the last backward). The automatic hooks that
+        fire inside a block do not count the phase a second time, so marking
+        phases that the hooks also find changes no figure. A block inside a
+        block of the same phase is ignored. After :meth:`close` it does nothing.
+
+        Example::
+
+            >>> import io, torch
+            >>> model = torch.nn.Linear(8, 2)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> profiler = MemoryProfiler(model, stream=io.StringIO())
+            >>> with profiler.phase("optimizer"):          # e.g. one step of a framework
+            ...     with profiler.phase("forward"):
+            ...         loss = model(torch.randn(4, 8)).sum()
+            ...     with profiler.phase("backward"):
+            ...         loss.backward()
+            ...     opt.step()                             # the update
+            >>> record = profiler.record_stats()
+            >>> record.forward_passes, record.backward_passes, record.optimizer_steps
+            (1, 1, 1)
+            >>> profiler.close()
+        """
+        return self._meter.phase_block(name) if not self._closed else _closed_phase(name)
+
+    @property
+    def current_phase(self) -> str | None:
+        """The phase running now: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"``
+        (``None`` once closed)."""
+        return None if self._closed else self._meter.phase
+
     def close(self) -> None:
         """Remove every hook, write pending rows and stop counting. Safe to call twice."""
         if self._closed:
@@ -378,6 +421,11 @@ class MemoryProfiler:
             self.cross_rank_summary = summary
             if self._prints_table:
                 self._report.write(format_cross_rank(summary, self.units))
+
+
+def _closed_phase(name: str) -> PhaseBlock:
+    """The block :meth:`MemoryProfiler.phase` gives once closed: checks ``name``, marks nothing."""
+    return PhaseBlock(None, name)
 
 
 def _flush_at_exit(profiler: MemoryProfiler) -> Any:
