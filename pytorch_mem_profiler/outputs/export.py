@@ -1,4 +1,4 @@
-"""CSV files of the records, through pandas: the only module that imports pandas.
+"""CSV files of the records, written row by row as each record is reported.
 
 One file per run in ``memory_csv_data/`` (or ``csv_dir``), named by date and
 time, never overwriting another. Its columns are a superset of the original
@@ -9,8 +9,20 @@ total_weight_usage, <parameter>..., total_layer_weight_gradient_usage,
 <parameter>_grad..., intermediate_gradients``, then the figures the original
 lacked (see :data:`EXTRA_COLUMNS`). Empty cells mean "not known on this device".
 
-Rows are appended in one write per flush, so a crash between flushes loses no
-row already written and never leaves half a file.
+What is written when: the header when the profiler is made; then each
+reported row, the moment ``record_stats()`` reports it, as one whole line in
+one ``write()`` to the operating system (the per-layer file: one ``write()``
+per reported iteration). Nothing waits in memory, so a process killed by
+SIGTERM, SIGKILL or the OOM killer loses no row already reported, and the
+file is a valid CSV at any moment. The rows are ``fsync``-ed to the disk at
+each ``epoch_end()`` and at ``close()``: only a power loss can take rows the
+operating system had not yet stored.
+
+Each output fails alone (:class:`CsvFile`): a folder deleted mid-run is made
+again and the file with it, rows already written included, with one
+:class:`~pytorch_mem_profiler.outputs.notices.OutputWarning`; any other write
+failure (a full disk) keeps the newest rows in a bounded buffer, says so
+once, and writes them when the file can be written again.
 
 Example::
 
@@ -19,27 +31,28 @@ Example::
     >>> folder = tempfile.mkdtemp()
     >>> log = CsvLog(folder, weight_names=["fc.weight"], unit="MB")
     >>> log.add(IterationRecord(epoch=1, iteration=1, step=1, device="cpu", allocated=2_000_000))
-    >>> log.flush()
-    1
-    >>> float(pandas.read_csv(log.path)["allocated"][0])
+    >>> float(pandas.read_csv(log.path)["allocated"][0])    # on disk already: no flush needed
     2.0
+    >>> log.close()
 """
 
 from __future__ import annotations
 
+import csv
 import datetime as _dt
 import os
+from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-import pandas as pd
-
 from ..paths import free_path, prepare_output_dir
+from ..stats import PEAK_CATEGORIES, IterationRecord
 from ..units import UNITS
-from ..stats import IterationRecord
+from .notices import OutputWarning, package_logger, warn_user
 
 __all__ = [
     "CsvLog",
+    "csv_line",
     "CsvFile",
     "LayerCsv",
     "LAYER_COLUMNS",
@@ -51,9 +64,12 @@ __all__ = [
     "new_run_path",
 ]
 
-#: Columns after the original tool's, in order. ``*_peak_allocated`` and
-#: ``*_end_allocated`` are per phase; ``iteration_time_s`` is in seconds, the
-#: counts and ``rank`` are plain numbers, every other figure is in the file's ``unit``.
+#: Columns after the original tool's, in order (new ones are only ever added at the end).
+#: ``*_peak_allocated`` and ``*_end_allocated`` are per phase; ``iteration_time_s`` is in
+#: seconds, the counts and ``rank`` are plain numbers, ``peak_share`` is the iteration's
+#: peak as a share (0 to 1) of ``device_total`` (the device's memory); ``peak_<category>``
+#: are the bytes alive at the peak by category (:data:`~pytorch_mem_profiler.stats.PEAK_CATEGORIES`);
+#: every figure but the plain numbers is in the file's ``unit``.
 EXTRA_COLUMNS = (
     "allocated",
     "peak_allocated",
@@ -85,6 +101,9 @@ EXTRA_COLUMNS = (
     "ddp_gradient_buckets",
     "fsdp_gathered_parameters",
     "rank",
+    "device_total",
+    "peak_share",
+    *(f"peak_{category}" for category in PEAK_CATEGORIES),
 )
 
 
@@ -101,6 +120,7 @@ NON_AMOUNT_COLUMNS = frozenset(
         "unit",
         "peak_location",
         "rank",
+        "peak_share",
     }
 )
 
@@ -175,6 +195,11 @@ def record_row(record: IterationRecord, weight_names: Sequence[str], unit: str) 
     row["ddp_gradient_buckets"] = u(record.ddp_gradient_buckets)
     row["fsdp_gathered_parameters"] = u(record.fsdp_gathered_parameters)
     row["rank"] = record.rank
+    row["device_total"] = u(record.device_total)
+    row["peak_share"] = record.peak_share
+    breakdown = record.peak_breakdown
+    for category in PEAK_CATEGORIES:
+        row[f"peak_{category}"] = u(breakdown.get(category)) if breakdown is not None else None
     return row
 
 
@@ -188,50 +213,262 @@ def new_run_path(folder: Path, stem: str, suffix: str = ".csv") -> Path:
     return free_path(folder, f"{stem}_{stamp}", suffix, claim="file")
 
 
+def csv_line(values: Iterable[Any]) -> str:
+    """One CSV line (``\\n``-ended) of ``values``: ``None`` an empty cell, text quoted where it must be.
+
+    Example::
+
+        >>> csv_line([1, 0.25, None, "a,b"])
+        '1,0.25,,"a,b"\\n'
+    """
+    parts: list[str] = []
+    csv.writer(_Collector(parts), lineterminator="\n").writerow(values)
+    return "".join(parts)
+
+
+class _Collector:
+    """A write() target for :mod:`csv` that keeps what it is given."""
+
+    __slots__ = ("write",)
+
+    def __init__(self, parts: list[str]) -> None:
+        self.write = parts.append
+
+
+_log = package_logger
+
+
 class CsvFile:
-    """A CSV file that grows by whole rows: a header once, then one append per flush."""
+    """A CSV file that grows by whole lines, each handed to the operating system as it comes.
 
-    def __init__(self, path: Path, columns: Sequence[str]) -> None:
-        self.path = path
+    The header is written once, when the file is empty. :meth:`add` and
+    :meth:`extend` write their rows at once, as one ``write()``; the file
+    descriptor stays open (opened for appending), so a row costs one system
+    call, and :meth:`sync` (``fsync``) is left to the epoch's end and to closing.
+
+    Failures stay here, never reach the caller:
+
+    - the file's folder was deleted (the open file has no name left): the folder
+      and the file are made again, the rows already written copied into it from
+      the deleted file, and writing goes on; one :class:`OutputWarning` says so;
+    - any other failure (a full disk, a file system gone read-only): rows wait
+      in memory, at most :attr:`MAX_PENDING_BYTES` of the newest (older ones are
+      dropped and counted in :attr:`dropped_rows`), one :class:`OutputWarning`
+      says so, and each later write tries again.
+
+    Args:
+        path: the file (created if missing).
+        columns: the header.
+        name: how warnings name the file (``"CSV file"``).
+        log: where the warnings are also logged (the package logger when ``None``).
+    """
+
+    #: The most bytes of unwritten rows kept while the file cannot be written.
+    MAX_PENDING_BYTES = 1 << 20
+
+    #: The size of the chunks the rows of a deleted file are copied in.
+    COPY_CHUNK_BYTES = 1 << 20
+
+    def __init__(self, path: Path, columns: Sequence[str], *, name: str = "CSV file", log: Any = None) -> None:
+        self.path = Path(path)
         self.columns = list(columns)
-        self._pending: list[Mapping[str, Any]] = []
-        self._header_written = path.exists() and path.stat().st_size > 0
+        self.name = name
+        self.log = log
+        self._header = csv_line(self.columns).encode("utf-8")
+        #: rows (lines) not yet written, oldest first, with how many rows each holds
+        self._pending: deque[tuple[bytes, int]] = deque()
+        self._pending_bytes = 0
+        self._head_partial = False  # the first pending chunk is the rest of a line begun on disk
+        #: rows dropped because the file could not be written for too long
+        self.dropped_rows = 0
+        #: how many times the file was made again after its folder vanished
+        self.remade = 0
+        #: the last write failure, while the file cannot be written
+        self.failure: OSError | None = None
+        self._warned_failure = False
+        self._warned_remade = False
+        self._fd: int | None = self._open()
+        if os.fstat(self._fd).st_size == 0:
+            self._write(self._header, 0)
 
+    # -- the public surface ----------------------------------------------------
     def add(self, row: Mapping[str, Any]) -> None:
-        self._pending.append(row)
+        """Write one row (a mapping from column to value) now."""
+        self._write(csv_line([row.get(c) for c in self.columns]).encode("utf-8"), 1)
 
     def extend(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        self._pending.extend(rows)
+        """Write ``rows`` now, all in one ``write()``."""
+        lines = [csv_line([row.get(c) for c in self.columns]) for row in rows]
+        if lines:
+            self._write("".join(lines).encode("utf-8"), len(lines))
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        """Rows waiting in memory because the file could not be written (0 when all is well)."""
+        return sum(rows for _, rows in self._pending)
 
     def flush(self) -> int:
-        """Append the pending rows; returns how many were written."""
-        rows, self._pending = self._pending, []
-        if not rows and self._header_written:
-            return 0
-        frame = pd.DataFrame.from_records(rows, columns=self.columns)
-        text = frame.to_csv(index=False, header=not self._header_written)
-        with open(self.path, "a", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        self._header_written = True
-        return len(rows)
+        """Write what waits, then ``fsync`` the file to the disk; returns the rows still waiting."""
+        if self._fd is None:
+            return self.pending
+        self._write(b"", 0)  # what waits, and a file whose folder vanished since the last row
+        if not self._pending:
+            try:
+                os.fsync(self._fd)
+            except OSError:  # pipes and some special files cannot be synced: nothing to do
+                pass
+        return self.pending
+
+    sync = flush
+
+    def close(self) -> None:
+        """Write what waits, sync and close; says how many rows could not be written, if any."""
+        if self._fd is None:
+            return
+        left = self.flush()
+        fd, self._fd = self._fd, None
+        os.close(fd)
+        if left or self.dropped_rows:
+            self._notify(
+                f"{left + self.dropped_rows} rows could not be written to the {self.name} {self.path} "
+                f"({self.failure or 'write failed'})"
+            )
+
+    # -- internals -------------------------------------------------------------
+    def _open(self) -> int:
+        return os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+
+    def _write(self, data: bytes, rows: int) -> None:
+        if self._fd is None:
+            raise ValueError(f"the {self.name} {self.path} is closed")
+        if data:
+            self._pending.append((data, rows))
+            self._pending_bytes += len(data)
+        if self._vanished() and not self._remake():
+            self._bound()
+            return
+        self._drain()
+        self._bound()
+
+    def _drain(self) -> None:
+        fd = self._fd
+        assert fd is not None
+        pending = self._pending
+        while pending:
+            data, rows = pending[0]
+            try:
+                written = os.write(fd, data)
+            except OSError as err:
+                self._failed(err)
+                return
+            self._pending_bytes -= written
+            if written < len(data):  # a short write (the disk filling up): the rest goes next
+                pending[0] = (data[written:], rows)
+                self._head_partial = True
+                continue
+            pending.popleft()
+            self._head_partial = False
+        if self.failure is not None:
+            self.failure = None
+            _log.info("pytorch_mem_profiler: the %s %s is written again", self.name, self.path)
+
+    def _bound(self) -> None:
+        """Drop the oldest whole rows while more than :attr:`MAX_PENDING_BYTES` wait."""
+        pending = self._pending
+        keep = 1 if self._head_partial else 0  # a line begun on disk must be finished
+        while self._pending_bytes > self.MAX_PENDING_BYTES and len(pending) > keep + 1:
+            data, rows = pending[keep]
+            del pending[keep]
+            self._pending_bytes -= len(data)
+            self.dropped_rows += rows
+
+    def _vanished(self) -> bool:
+        """True when the open file has no name left (its folder, or itself, was deleted)."""
+        try:
+            return os.fstat(self._fd).st_nlink == 0  # type: ignore[arg-type]
+        except OSError:
+            return False
+
+    def _remake(self) -> bool:
+        """Make the folder and the file again, with the rows of the deleted one; False if it cannot."""
+        old = self._fd
+        assert old is not None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            new = self._open()
+        except OSError as err:
+            self._failed(err)
+            return False
+        try:
+            if os.fstat(new).st_size == 0:
+                self._copy(old, new)
+        except OSError as err:
+            os.close(new)
+            self._failed(err)
+            return False
+        self._fd = new
+        os.close(old)
+        self.remade += 1
+        message = (
+            f"the {self.name}'s folder {self.path.parent} was deleted during the run; it was made again "
+            f"with {self.path.name} and the rows written so far, and writing goes on"
+        )
+        if not self._warned_remade:
+            self._warned_remade = True
+            self._notify(message)
+        else:
+            _log.info("pytorch_mem_profiler: %s", message)
+        return True
+
+    def _copy(self, source: int, target: int) -> None:
+        """Copy the whole of ``source`` (an open, deleted file) to ``target``, chunk by chunk."""
+        pread = getattr(os, "pread", None)
+        if pread is None:  # no pread (Windows, where an open file cannot be deleted anyway)
+            os.write(target, self._header)
+            return
+        offset = 0
+        while True:
+            chunk = pread(source, self.COPY_CHUNK_BYTES, offset)
+            if not chunk:
+                return
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(target, view):]
+            offset += len(chunk)
+
+    def _failed(self, err: OSError) -> None:
+        self.failure = err
+        if not self._warned_failure:
+            self._warned_failure = True
+            self._notify(
+                f"the {self.name} {self.path} cannot be written ({type(err).__name__}: {err}); the newest rows "
+                f"(up to {self.MAX_PENDING_BYTES // 1024:,} KiB) wait in memory and are written when it can be, "
+                "older ones are dropped; the other outputs go on"
+            )
+
+    def _notify(self, message: str) -> None:
+        warn_user(message, OutputWarning, self.log)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 class CsvLog:
-    """The run's main CSV file: one row per reported iteration.
+    """The run's main CSV file: one row per reported iteration, written as it is reported.
 
     Args:
         folder: where the file goes (created if missing).
         weight_names: the parameter names, which become columns.
-        unit: the unit of the figures (a key of :data:`~pytorch_mem_profiler.outputs.report.UNITS`).
+        unit: the unit of the figures (a key of :data:`~pytorch_mem_profiler.units.UNITS`).
         stem: the file name's start; the date and time follow.
         name_suffix: what the name ends with before ``.csv`` (each rank's
             ``_rank<r>_<host>`` under ``torch.distributed``).
+        log: where its warnings are also logged.
     """
 
     def __init__(
@@ -241,23 +478,29 @@ class CsvLog:
         unit: str = "MB",
         stem: str = "memory_stats",
         name_suffix: str = "",
+        log: Any = None,
     ) -> None:
         self.folder = prepare_output_dir(folder, "csv_dir")
         self.weight_names = list(weight_names)
         self.unit = unit
         self.path = new_run_path(self.folder, stem, f"{name_suffix}.csv")
-        self._file = CsvFile(self.path, record_columns(self.weight_names))
-        self._file.flush()  # the header, so the file is a valid CSV from the start
+        # the header now, so the file is a valid CSV from the start
+        self.file = CsvFile(self.path, record_columns(self.weight_names), name="CSV file", log=log)
 
     def add(self, record: IterationRecord) -> None:
-        self._file.add(record_row(record, self.weight_names, self.unit))
+        """Write ``record``'s row now."""
+        self.file.add(record_row(record, self.weight_names, self.unit))
 
     @property
     def pending(self) -> int:
-        return self._file.pending
+        return self.file.pending
 
     def flush(self) -> int:
-        return self._file.flush()
+        """``fsync`` the file; returns the rows that could not be written yet."""
+        return self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
 
 
 #: Columns of the per-layer file, one row per (iteration, module, category), in long format
@@ -289,17 +532,27 @@ def layer_rows(record: IterationRecord) -> list[dict[str, Any]]:
 
 
 class LayerCsv:
-    """The run's per-layer file, beside the main one: ``<main file stem>_layers.csv``."""
+    """The run's per-layer file, beside the main one: ``<main file stem>_layers.csv``.
 
-    def __init__(self, main_path: Path) -> None:
+    Each reported record's rows go in one ``write()``, as they are reported.
+    """
+
+    def __init__(self, main_path: Path, log: Any = None) -> None:
         self.path = main_path.with_name(main_path.stem + "_layers.csv")
         with open(self.path, "x", encoding="utf-8"):
             pass
-        self._file = CsvFile(self.path, LAYER_COLUMNS)
-        self._file.flush()
+        self.file = CsvFile(self.path, LAYER_COLUMNS, name="per-layer CSV file", log=log)
 
     def add(self, record: IterationRecord) -> None:
-        self._file.extend(layer_rows(record))
+        """Write ``record``'s per-layer rows now."""
+        self.file.extend(layer_rows(record))
+
+    @property
+    def pending(self) -> int:
+        return self.file.pending
 
     def flush(self) -> int:
-        return self._file.flush()
+        return self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
