@@ -58,6 +58,8 @@ __all__ = [
     "LAYER_COLUMNS",
     "record_columns",
     "record_row",
+    "record_values",
+    "CellFormatter",
     "layer_rows",
     "EXTRA_COLUMNS",
     "NON_AMOUNT_COLUMNS",
@@ -144,63 +146,100 @@ def record_columns(weight_names: Sequence[str]) -> list[str]:
     )
 
 
-def record_row(record: IterationRecord, weight_names: Sequence[str], unit: str) -> dict[str, Any]:
-    """One CSV row: the record's figures in ``unit`` under the file's column names."""
+def _extra_values(record: IterationRecord, u: Any, unit: str) -> dict[str, Any]:
+    """The :data:`EXTRA_COLUMNS` of ``record``'s row, by column."""
+    extra: dict[str, Any] = {
+        "allocated": u(record.allocated),
+        "peak_allocated": u(record.peak_allocated),
+        "iteration_peak_allocated": u(record.iteration_peak_allocated),
+        "optimizer_state": u(record.optimizer_state),
+        "buffers": u(record.buffers),
+    }
+    for phase in ("forward", "backward", "optimizer"):
+        stats = record.phases.get(phase)
+        extra[f"{phase}_end_allocated"] = u(stats.allocated_at_end) if stats else None
+        extra[f"{phase}_peak_allocated"] = u(stats.peak_allocated) if stats else None
+    layers = record.layers
+    breakdown = record.peak_breakdown
+    extra.update(
+        peak_phase=record.peak_phase,
+        forward_passes=record.forward_passes,
+        backward_passes=record.backward_passes,
+        optimizer_steps=record.optimizer_steps,
+        iteration_time_s=record.iteration_time_s,
+        step=record.step,
+        device=record.device,
+        unit=unit,
+        peak_location=record.peak_location,
+        device_used=u(record.device_used),
+        process_used=u(record.process_used),
+        outside_pytorch=u(record.outside_pytorch),
+        fragmentation=u(record.fragmentation),
+        layers_total_feature_maps=u(layers.total) if layers else None,
+        layers_input=u(layers.inputs) if layers else None,
+        layers_unattributed=u(layers.unattributed) if layers else None,
+        ddp_gradient_buckets=u(record.ddp_gradient_buckets),
+        fsdp_gathered_parameters=u(record.fsdp_gathered_parameters),
+        rank=record.rank,
+        device_total=u(record.device_total),
+        peak_share=record.peak_share,
+    )
+    for category in PEAK_CATEGORIES:
+        extra[f"peak_{category}"] = u(breakdown.get(category)) if breakdown is not None else None
+    return extra
+
+
+def _head_values(record: IterationRecord, u: Any) -> list[Any]:
+    """The row's values before the parameters' columns."""
+    return [
+        record.epoch,
+        record.iteration,
+        u(record.peak_cached),
+        u(record.current_cached),
+        u(record.feature_maps),
+        u(record.weights),
+    ]
+
+
+def _tail_values(record: IterationRecord, u: Any, unit: str) -> list[Any]:
+    """The row's values after the gradients' columns: intermediate gradients, then :data:`EXTRA_COLUMNS`."""
+    extra = _extra_values(record, u, unit)
+    return [u(record.intermediate_gradients)] + [extra[column] for column in EXTRA_COLUMNS]
+
+
+def _in_unit(unit: str) -> Any:
     div = UNITS[unit]
 
     def u(nbytes: int | None) -> float | None:
         return None if nbytes is None else nbytes / div
 
-    row: dict[str, Any] = {
-        "epoch": record.epoch,
-        "iteration": record.iteration,
-        "peak_cached": u(record.peak_cached),
-        "current_cached": u(record.current_cached),
-        "total_feature_map_usage": u(record.feature_maps),
-        "total_weight_usage": u(record.weights),
-    }
+    return u
+
+
+def record_values(record: IterationRecord, weight_names: Sequence[str], unit: str) -> list[Any]:
+    """One CSV row's values, in the order of :func:`record_columns`, amounts in ``unit``.
+
+    Example::
+
+        >>> rec = IterationRecord(epoch=1, iteration=2, step=2, device="cpu", allocated=3_000_000,
+        ...                       weights_by_name={"w": 1_000_000})
+        >>> values = record_values(rec, ["w"], "MB")
+        >>> dict(zip(record_columns(["w"]), values))["w"], values[:2]
+        (1.0, [1, 2])
+    """
+    u = _in_unit(unit)
+    div = UNITS[unit]
     weights, grads = record.weights_by_name, record.gradients_by_name
-    for name in weight_names:
-        row[name] = u(weights.get(name, 0))
-    row["total_layer_weight_gradient_usage"] = u(record.gradients)
-    for name in weight_names:
-        row[f"{name}_grad"] = u(grads.get(name, 0))
-    row["intermediate_gradients"] = u(record.intermediate_gradients)
-    row["allocated"] = u(record.allocated)
-    row["peak_allocated"] = u(record.peak_allocated)
-    row["iteration_peak_allocated"] = u(record.iteration_peak_allocated)
-    row["optimizer_state"] = u(record.optimizer_state)
-    row["buffers"] = u(record.buffers)
-    for phase in ("forward", "backward", "optimizer"):
-        stats = record.phases.get(phase)
-        row[f"{phase}_end_allocated"] = u(stats.allocated_at_end) if stats else None
-        row[f"{phase}_peak_allocated"] = u(stats.peak_allocated) if stats else None
-    row["peak_phase"] = record.peak_phase
-    row["forward_passes"] = record.forward_passes
-    row["backward_passes"] = record.backward_passes
-    row["optimizer_steps"] = record.optimizer_steps
-    row["iteration_time_s"] = record.iteration_time_s
-    row["step"] = record.step
-    row["device"] = record.device
-    row["unit"] = unit
-    row["peak_location"] = record.peak_location
-    row["device_used"] = u(record.device_used)
-    row["process_used"] = u(record.process_used)
-    row["outside_pytorch"] = u(record.outside_pytorch)
-    row["fragmentation"] = u(record.fragmentation)
-    layers = record.layers
-    row["layers_total_feature_maps"] = u(layers.total) if layers else None
-    row["layers_input"] = u(layers.inputs) if layers else None
-    row["layers_unattributed"] = u(layers.unattributed) if layers else None
-    row["ddp_gradient_buckets"] = u(record.ddp_gradient_buckets)
-    row["fsdp_gathered_parameters"] = u(record.fsdp_gathered_parameters)
-    row["rank"] = record.rank
-    row["device_total"] = u(record.device_total)
-    row["peak_share"] = record.peak_share
-    breakdown = record.peak_breakdown
-    for category in PEAK_CATEGORIES:
-        row[f"peak_{category}"] = u(breakdown.get(category)) if breakdown is not None else None
-    return row
+    values = _head_values(record, u)
+    values += [weights.get(name, 0) / div for name in weight_names]
+    values.append(u(record.gradients))
+    values += [grads.get(name, 0) / div for name in weight_names]
+    return values + _tail_values(record, u, unit)
+
+
+def record_row(record: IterationRecord, weight_names: Sequence[str], unit: str) -> dict[str, Any]:
+    """One CSV row: the record's figures in ``unit`` under the file's column names."""
+    return dict(zip(record_columns(weight_names), record_values(record, weight_names, unit)))
 
 
 def new_run_path(folder: Path, stem: str, suffix: str = ".csv") -> Path:
@@ -213,6 +252,55 @@ def new_run_path(folder: Path, stem: str, suffix: str = ".csv") -> Path:
     return free_path(folder, f"{stem}_{stamp}", suffix, claim="file")
 
 
+_NEEDS_QUOTES = frozenset(',"\r\n')
+
+
+def _text_cell(value: object) -> str:
+    text = str(value)
+    if not _NEEDS_QUOTES.isdisjoint(text):
+        text = '"' + text.replace('"', '""') + '"'
+    return text
+
+
+class CellFormatter:
+    """Values to CSV cells, as :mod:`csv` writes them (``repr`` of a float, empty for ``None``).
+
+    The text of each float is kept: most cells repeat from one row to the next
+    (a parameter's bytes, its gradient's), and a float's ``repr`` costs more
+    than the rest of the row. At most :attr:`MAX_CACHED` texts are kept.
+    """
+
+    MAX_CACHED = 16384
+
+    def __init__(self) -> None:
+        self._cache: dict[Any, str] = {}
+
+    def line(self, values: Iterable[Any]) -> str:
+        """One ``\\n``-ended CSV line of ``values``."""
+        return self.join(values) + "\n"
+
+    def join(self, values: Iterable[Any]) -> str:
+        """The cells of ``values``, comma-separated (no line end)."""
+        cache = self._cache
+        cells = []
+        for value in values:
+            kind = type(value)
+            if kind is float:
+                text = cache.get(value)
+                if text is None:
+                    if len(cache) >= self.MAX_CACHED:
+                        cache.clear()
+                    text = cache[value] = repr(value)
+                cells.append(text)
+            elif kind is int:
+                cells.append(str(value))
+            elif value is None:
+                cells.append("")
+            else:
+                cells.append(_text_cell(value))
+        return ",".join(cells)
+
+
 def csv_line(values: Iterable[Any]) -> str:
     """One CSV line (``\\n``-ended) of ``values``: ``None`` an empty cell, text quoted where it must be.
 
@@ -221,18 +309,7 @@ def csv_line(values: Iterable[Any]) -> str:
         >>> csv_line([1, 0.25, None, "a,b"])
         '1,0.25,,"a,b"\\n'
     """
-    parts: list[str] = []
-    csv.writer(_Collector(parts), lineterminator="\n").writerow(values)
-    return "".join(parts)
-
-
-class _Collector:
-    """A write() target for :mod:`csv` that keeps what it is given."""
-
-    __slots__ = ("write",)
-
-    def __init__(self, parts: list[str]) -> None:
-        self.write = parts.append
+    return CellFormatter().line(values)
 
 
 _log = package_logger
@@ -274,7 +351,8 @@ class CsvFile:
         self.columns = list(columns)
         self.name = name
         self.log = log
-        self._header = csv_line(self.columns).encode("utf-8")
+        self.cells = CellFormatter()
+        self._header = self.cells.line(self.columns).encode("utf-8")
         #: rows (lines) not yet written, oldest first, with how many rows each holds
         self._pending: deque[tuple[bytes, int]] = deque()
         self._pending_bytes = 0
@@ -294,11 +372,20 @@ class CsvFile:
     # -- the public surface ----------------------------------------------------
     def add(self, row: Mapping[str, Any]) -> None:
         """Write one row (a mapping from column to value) now."""
-        self._write(csv_line([row.get(c) for c in self.columns]).encode("utf-8"), 1)
+        self.add_values([row.get(c) for c in self.columns])
+
+    def add_values(self, values: Sequence[Any]) -> None:
+        """Write one row (its values in the columns' order) now."""
+        self.add_line(self.cells.line(values))
+
+    def add_line(self, line: str) -> None:
+        """Write one row, already a ``\\n``-ended CSV line, now."""
+        self._write(line.encode("utf-8"), 1)
 
     def extend(self, rows: Iterable[Mapping[str, Any]]) -> None:
         """Write ``rows`` now, all in one ``write()``."""
-        lines = [csv_line([row.get(c) for c in self.columns]) for row in rows]
+        line = self.cells.line
+        lines = [line([row.get(c) for c in self.columns]) for row in rows]
         if lines:
             self._write("".join(lines).encode("utf-8"), len(lines))
 
@@ -486,10 +573,40 @@ class CsvLog:
         self.path = new_run_path(self.folder, stem, f"{name_suffix}.csv")
         # the header now, so the file is a valid CSV from the start
         self.file = CsvFile(self.path, record_columns(self.weight_names), name="CSV file", log=log)
+        self._u = _in_unit(unit)
+        self._segments: dict[str, tuple[dict[str, int], str]] = {}
 
     def add(self, record: IterationRecord) -> None:
         """Write ``record``'s row now."""
-        self.file.add(record_row(record, self.weight_names, self.unit))
+        self.file.add_line(self.line(record))
+
+    def line(self, record: IterationRecord) -> str:
+        """``record``'s row as a CSV line: the cells of :func:`record_values`, made faster.
+
+        The parameters' columns (most of a row in a large model) are formatted
+        once and used again while the parameters' and gradients' bytes stay the
+        same, which they do from one iteration to the next.
+        """
+        u = self._u
+        cells = self.file.cells
+        parts = [cells.join(_head_values(record, u))]
+        if self.weight_names:
+            parts.append(self._segment("weights", record.weights_by_name))
+        parts.append(cells.join([u(record.gradients)]))
+        if self.weight_names:
+            parts.append(self._segment("gradients", record.gradients_by_name))
+        parts.append(cells.join(_tail_values(record, u, self.unit)))
+        return ",".join(parts) + "\n"
+
+    def _segment(self, which: str, by_name: Mapping[str, int]) -> str:
+        """The cells of the parameters' columns for ``by_name``, from the last row when it is equal."""
+        cached = self._segments.get(which)
+        if cached is not None and cached[0] == by_name:
+            return cached[1]
+        div = UNITS[self.unit]
+        text = self.file.cells.join([by_name.get(name, 0) / div for name in self.weight_names])
+        self._segments[which] = (dict(by_name), text)
+        return text
 
     @property
     def pending(self) -> int:

@@ -31,7 +31,7 @@ from typing import Callable
 from ..grouping import LayerGroup, group_repeated
 from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORY_LABELS, PHASE_LABELS, IterationRecord
 from ..units import UNITS, format_amount
-from .headroom import of_capacity
+from .headroom import capacity_unit, of_capacity
 
 __all__ = [
     "format_report",
@@ -124,18 +124,19 @@ def _calls_suffix(record: IterationRecord, group: LayerGroup) -> str:
     return ""
 
 
-def _group_lines(record: IterationRecord, unit: str, width: int | None, top: int, indent: str) -> list[str]:
-    """One line per folded group (the first ``top``), then one for the rest.
+def _group_lines(
+    record: IterationRecord, unit: str, width: int | None, top: int, indent: str
+) -> tuple[list[str], int]:
+    """One line per folded group (the first ``top``), then one for the rest; and their width.
 
-    ``width``: of the dotted lines; ``None`` fits the longest of them.
+    ``width``: of the dotted lines, widened to fit the longest of them.
     """
     layers = record.layers
     assert layers is not None
     total = layers.total
     groups = _layer_groups(record)
     shown = [(f"{indent}{group.name}", _group_value(group, unit), group) for group in groups[:top]]
-    if width is None:
-        width = max([REPORT_WIDTH] + [len(label) + len(value) + 2 for label, value, _ in shown])
+    width = max([width or REPORT_WIDTH] + [len(label) + len(value) + 2 for label, value, _ in shown])
     out = []
     for label, value, group in shown:
         share = f" {100 * group.total / total:4.1f}%" if total else ""
@@ -146,7 +147,7 @@ def _group_lines(record: IterationRecord, unit: str, width: int | None, top: int
         share = f" {100 * n_rest / total:4.1f}%" if total else ""
         modules = sum(g.count for g in rest)
         out.append(dotted_line(f"{indent}({modules} more)", format_amount(n_rest, unit), width) + share)
-    return out
+    return out, width
 
 
 def _layers_section(record: IterationRecord, fmt: Callable[[int | None], str], width: int, top: int, unit: str) -> list[str]:
@@ -154,7 +155,8 @@ def _layers_section(record: IterationRecord, fmt: Callable[[int | None], str], w
     assert layers is not None
     total = layers.total
     out = ["", "Feature maps by layer (saved for backward by each module's forward; repeated blocks folded):"]
-    out += _group_lines(record, unit, width, top, "  ")
+    lines, width = _group_lines(record, unit, width, top, "  ")
+    out += lines
     if layers.inputs:
         out.append(dotted_line("  Input batch (saved)", fmt(layers.inputs), width))
     out.append(dotted_line("  Not saved by a module", fmt(layers.unattributed), width) + "  (outputs, temporaries, checkpoints)")
@@ -229,13 +231,7 @@ def format_report(record: IterationRecord, unit: str = "MB", top: int = 10) -> s
         line("Peak allocated, since start", record.peak_allocated),
     ]
     if record.device_total and record.iteration_peak_allocated is not None:
-        out.append(
-            dotted_line(
-                "Peak of the device's memory",
-                of_capacity(record.iteration_peak_allocated, record.device_total, unit),
-                width,
-            )
-        )
+        out.append(_headroom_text(record, unit))
     if record.peak_phase is not None and record.iteration_peak_allocated is not None:
         where = PHASE_LABELS.get(record.peak_phase, PHASE_LABELS["other"])
         text = f"Peak during: {where}, {fmt(record.iteration_peak_allocated)}"
@@ -253,6 +249,14 @@ def format_report(record: IterationRecord, unit: str = "MB", top: int = 10) -> s
         out.append(dotted_line("Iteration time", f"{record.iteration_time_s * 1e3:.1f} ms", width))
     out.append(f"({unit} = {UNITS[unit]:,} bytes; device {record.device})")
     return "\n".join(out)
+
+
+def _headroom_text(record: IterationRecord, unit: str) -> str:
+    """``Headroom: peak 2571 MB of 144 GB (1.8%), 141 GB free``."""
+    total, peak = record.device_total, record.iteration_peak_allocated
+    assert total and peak is not None
+    free = format_amount(total - peak, capacity_unit(total, unit), digits=3)
+    return f"Headroom: peak {of_capacity(peak, total, unit)}, {free} free"
 
 
 def _peak_text(record: IterationRecord, unit: str) -> str:
@@ -326,7 +330,7 @@ def format_compact(record: IterationRecord, unit: str = "MB", top: int = COMPACT
         )
     if record.layers is not None:
         out.append("  top layers (feature maps saved for backward):")
-        out += _group_lines(record, unit, None, top, "    ")
+        out += _group_lines(record, unit, None, top, "    ")[0]
     return "\n".join(out)
 
 
