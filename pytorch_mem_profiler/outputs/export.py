@@ -263,17 +263,8 @@ def _text_cell(value: object) -> str:
 
 
 class CellFormatter:
-    """Values to CSV cells, as :mod:`csv` writes them (``repr`` of a float, empty for ``None``).
-
-    The text of each float is kept: most cells repeat from one row to the next
-    (a parameter's bytes, its gradient's), and a float's ``repr`` costs more
-    than the rest of the row. At most :attr:`MAX_CACHED` texts are kept.
-    """
-
-    MAX_CACHED = 16384
-
-    def __init__(self) -> None:
-        self._cache: dict[Any, str] = {}
+    """Values to CSV cells, as :mod:`csv` writes them: ``repr`` of a float, empty for ``None``,
+    text quoted only where it must be (a comma, a quote, a line break)."""
 
     def line(self, values: Iterable[Any]) -> str:
         """One ``\\n``-ended CSV line of ``values``."""
@@ -281,17 +272,11 @@ class CellFormatter:
 
     def join(self, values: Iterable[Any]) -> str:
         """The cells of ``values``, comma-separated (no line end)."""
-        cache = self._cache
         cells = []
         for value in values:
             kind = type(value)
             if kind is float:
-                text = cache.get(value)
-                if text is None:
-                    if len(cache) >= self.MAX_CACHED:
-                        cache.clear()
-                    text = cache[value] = repr(value)
-                cells.append(text)
+                cells.append(repr(value))
             elif kind is int:
                 cells.append(str(value))
             elif value is None:
@@ -415,10 +400,15 @@ class CsvFile:
         left = self.flush()
         fd, self._fd = self._fd, None
         os.close(fd)
-        if left or self.dropped_rows:
-            self._notify(
-                f"{left + self.dropped_rows} rows could not be written to the {self.name} {self.path} "
-                f"({self.failure or 'write failed'})"
+        if left:
+            _log.warning(
+                "pytorch_mem_profiler: %d rows could not be written to the %s %s (%s)",
+                left, self.name, self.path, self.failure,
+            )
+        if self.dropped_rows:
+            _log.warning(
+                "pytorch_mem_profiler: %d rows of the %s %s were dropped while it could not be written",
+                self.dropped_rows, self.name, self.path,
             )
 
     # -- internals -------------------------------------------------------------
@@ -524,7 +514,7 @@ class CsvFile:
             offset += len(chunk)
 
     def _failed(self, err: OSError) -> None:
-        self.failure = err
+        self.failure = err.with_traceback(None)  # its frames would keep the rows alive
         if not self._warned_failure:
             self._warned_failure = True
             self._notify(

@@ -247,7 +247,7 @@ def format_report(record: IterationRecord, unit: str = "MB", top: int = 10) -> s
         out += _layers_section(record, fmt, width, top, unit)
     if record.iteration_time_s is not None:
         out.append(dotted_line("Iteration time", f"{record.iteration_time_s * 1e3:.1f} ms", width))
-    out.append(f"({unit} = {UNITS[unit]:,} bytes; device {record.device})")
+    out.append(f"({_unit_note(unit)}; device {record.device})")
     return "\n".join(out)
 
 
@@ -296,6 +296,10 @@ def _now_text(record: IterationRecord, unit: str) -> str:
     return text
 
 
+def _unit_note(unit: str) -> str:
+    return "amounts in bytes" if UNITS[unit] == 1 else f"{unit} = {UNITS[unit]:,} bytes"
+
+
 def format_compact(record: IterationRecord, unit: str = "MB", top: int = COMPACT_TOP) -> str:
     """A few lines: the peak with headroom and phase, the categories, the peak's make-up, the top layers.
 
@@ -313,7 +317,7 @@ def format_compact(record: IterationRecord, unit: str = "MB", top: int = COMPACT
           weights 500 MB, weight gradients 500 MB, optimizer state 0 MB, feature maps 0 MB
     """
     out = [
-        f"Memory at iteration {record.iteration} of epoch {record.epoch} ({record.device}; {unit} = {UNITS[unit]:,} bytes)",
+        f"Memory at iteration {record.iteration} of epoch {record.epoch} ({record.device}; {_unit_note(unit)})",
         "  " + _peak_text(record, unit),
         "  now: " + _now_text(record, unit),
         "  " + ", ".join(_categories(record, unit)),
