@@ -621,9 +621,10 @@ OUTPUTS_DIR = str(Path(pytorch_mem_profiler.__file__).parent / "outputs")
 
 
 def outputs_heap_growth(step, n: int) -> int:
-    """Bytes the package's outputs hold more after ``n`` more calls of ``step`` (tracemalloc)."""
-    only_outputs = [tracemalloc.Filter(True, OUTPUTS_DIR + os.sep + "*", all_frames=True)]
-    tracemalloc.start(25)
+    """Bytes the package's outputs hold more after ``n`` more calls of ``step`` (tracemalloc: what
+    was allocated with a line of ``outputs/`` running)."""
+    only_outputs = [tracemalloc.Filter(True, OUTPUTS_DIR + os.sep + "*")]
+    tracemalloc.start(1)
     try:
         for _ in range(5):
             step()
