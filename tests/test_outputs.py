@@ -721,3 +721,51 @@ def test_a_full_disk_keeps_a_bounded_buffer_and_says_so_once(csv_dir, monkeypatc
     assert len(notes) == 1 and "No space left on device" in notes[0] and "wait in memory" in notes[0]
     assert growth < CsvFile.MAX_PENDING_BYTES + 1_000, growth  # bounded: 150 failed rows are ~30 KB
     assert not p._guard.disabled
+
+
+def test_short_writes_finish_their_line_before_the_next(tmp_path, monkeypatch):
+    """A disk that takes a few bytes, then none: the line begun is finished first, never torn."""
+    import pytorch_mem_profiler.outputs.export as export
+
+    real_write = os.write
+    budget = {"bytes": None}
+
+    def stingy_write(fd, data):
+        if budget["bytes"] is None:
+            return real_write(fd, data)
+        if budget["bytes"] <= 0:
+            raise OSError(28, "No space left on device")
+        n = real_write(fd, bytes(data[: min(7, budget["bytes"])]))
+        budget["bytes"] -= n
+        return n
+
+    log = CsvLog(tmp_path, ["w"], unit="B")
+    monkeypatch.setattr(export.os, "write", stingy_write)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log.add(_record(iteration=1))  # written 7 bytes at a time
+        budget["bytes"] = 40
+        log.add(_record(iteration=2))  # 40 bytes reach the file, then the disk is full
+        assert log.pending == 1 and log.file.failure is not None
+        log.add(_record(iteration=3))
+        assert log.pending == 2
+        budget["bytes"] = None  # room again
+        log.add(_record(iteration=4))
+    monkeypatch.setattr(export.os, "write", real_write)
+    log.close()
+    assert log.pending == 0
+    frame = pd.read_csv(log.path)
+    assert list(frame.iteration) == [1, 2, 3, 4]
+    assert frame.allocated.tolist() == [1_200_000_000] * 4
+    assert len([w for w in caught if w.category is OutputWarning]) == 1
+
+
+def test_a_row_is_on_disk_when_record_stats_returns(csv_dir):
+    model = mlp()
+    with memory_profiler(model, 2, True, csv_dir=csv_dir, by_layer=True, stream=io.StringIO()) as p:
+        sizes = []
+        for _ in range(4):
+            train_step(model, None, torch.randn(4, 32))
+            p.record_stats()
+            sizes.append((len(pd.read_csv(p.csv_path)), len(set(pd.read_csv(p.layers_csv_path).iteration))))
+    assert sizes == [(0, 0), (1, 1), (1, 1), (2, 2)]  # no flush, no epoch end: written as reported

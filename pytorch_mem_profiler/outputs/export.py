@@ -61,6 +61,7 @@ __all__ = [
     "record_values",
     "CellFormatter",
     "layer_rows",
+    "layer_values",
     "EXTRA_COLUMNS",
     "NON_AMOUNT_COLUMNS",
     "new_run_path",
@@ -368,11 +369,14 @@ class CsvFile:
         self._write(line.encode("utf-8"), 1)
 
     def extend(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        """Write ``rows`` now, all in one ``write()``."""
-        line = self.cells.line
-        lines = [line([row.get(c) for c in self.columns]) for row in rows]
-        if lines:
-            self._write("".join(lines).encode("utf-8"), len(lines))
+        """Write ``rows`` (mappings from column to value) now, all in one ``write()``."""
+        self.extend_values([[row.get(c) for c in self.columns] for row in rows])
+
+    def extend_values(self, rows: Sequence[Sequence[Any]]) -> None:
+        """Write ``rows`` (each its values in the columns' order) now, all in one ``write()``."""
+        if rows:
+            line = self.cells.line
+            self._write("".join([line(values) for values in rows]).encode("utf-8"), len(rows))
 
     @property
     def pending(self) -> int:
@@ -615,18 +619,15 @@ class CsvLog:
 LAYER_COLUMNS = ("epoch", "iteration", "step", "module", "category", "calls", "bytes")
 
 
-def layer_rows(record: IterationRecord) -> list[dict[str, Any]]:
-    """The per-layer rows of one record: each module's saved bytes, then the totals.
-
-    Totals are under module names in parentheses: ``(input)``, ``(not saved by a
-    module)``, ``(total by layer)``, ``(allocator delta)``.
-    """
+def layer_values(record: IterationRecord) -> list[list[Any]]:
+    """The per-layer rows of one record as lists in :data:`LAYER_COLUMNS`' order (see :func:`layer_rows`)."""
     layers = record.layers
     if layers is None:
         return []
-    base = {"epoch": record.epoch, "iteration": record.iteration, "step": record.step}
+    epoch, iteration, step = record.epoch, record.iteration, record.step
+    calls = layers.calls
     rows = [
-        {**base, "module": module, "category": category, "calls": layers.calls.get(module), "bytes": n}
+        [epoch, iteration, step, module, category, calls.get(module), n]
         for (module, category), n in sorted(layers.by_module.items(), key=lambda kv: -kv[1])
     ]
     for module, n in (
@@ -634,8 +635,17 @@ def layer_rows(record: IterationRecord) -> list[dict[str, Any]]:
         ("(total by layer)", layers.total),
         ("(allocator delta)", record.feature_maps),
     ):
-        rows.append({**base, "module": module, "category": "total", "calls": None, "bytes": n})
+        rows.append([epoch, iteration, step, module, "total", None, n])
     return rows
+
+
+def layer_rows(record: IterationRecord) -> list[dict[str, Any]]:
+    """The per-layer rows of one record: each module's saved bytes, then the totals.
+
+    Totals are under module names in parentheses: ``(input)``, ``(not saved by a
+    module)``, ``(total by layer)``, ``(allocator delta)``.
+    """
+    return [dict(zip(LAYER_COLUMNS, values)) for values in layer_values(record)]
 
 
 class LayerCsv:
@@ -651,8 +661,8 @@ class LayerCsv:
         self.file = CsvFile(self.path, LAYER_COLUMNS, name="per-layer CSV file", log=log)
 
     def add(self, record: IterationRecord) -> None:
-        """Write ``record``'s per-layer rows now."""
-        self.file.extend(layer_rows(record))
+        """Write ``record``'s per-layer rows now, in one ``write()``."""
+        self.file.extend_values(layer_values(record))
 
     @property
     def pending(self) -> int:
