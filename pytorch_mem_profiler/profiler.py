@@ -324,6 +324,20 @@ class MemoryProfiler:
         for sink in self._sinks:
             self._guard.call(f"output: {sink.name}", sink.flush)
 
+    def max_batch_size(
+        self, *, batch_size: int, device_memory: int | None = None, margin: float = 0.1
+    ) -> int:
+        """The largest batch size that would fit, predicted from this run's records.
+
+        ``batch_size``: the batch the recorded iterations ran at; ``device_memory``:
+        bytes (default: the device's total). See
+        :func:`~pytorch_mem_profiler.estimate.records.max_batch_from_records`.
+        """
+        from .estimate.records import max_batch_from_records
+
+        recorded = [*self.records, self.last_record]
+        return max_batch_from_records(recorded, batch_size, device_memory, margin)
+
     def postmortem(self) -> dict[str, Any]:
         """What an OOM post-mortem writes about the run: plain data, ready for JSON.
 
