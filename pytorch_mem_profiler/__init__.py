@@ -43,6 +43,8 @@ _LAZY = {
     "PhaseStats": "stats",
     "diff_records": "stats",
     "LeakWarning": "outputs.leaks",
+    "HeadroomWarning": "outputs.headroom",
+    "OutputWarning": "outputs.notices",
     "CrossRankSummary": "distributed",
     "RankSummary": "distributed",
     "RankInfo": "distributed",

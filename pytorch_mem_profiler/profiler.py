@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import weakref
@@ -42,7 +43,7 @@ from .faults import FaultGuard
 from .measure.hooks import PhaseBlock
 from .measure.meter import Meter, Position
 from .options import ProfilerOptions
-from .outputs.sinks import CsvSink, LayerCsvSink, LeakSink, ReportSink, Sink, TensorBoardSink
+from .outputs.sinks import CsvSink, HeadroomSink, LayerCsvSink, LeakSink, ReportSink, Sink, TensorBoardSink
 from .stats import IterationRecord
 
 __all__ = ["MemoryProfiler", "memory_profiler"]
@@ -66,7 +67,9 @@ class MemoryProfiler:
             ``None`` finds those that step the model's parameters.
         device: the device to profile; default: the model's first parameter's.
         csv_dir: the CSV folder, created if missing.
-        stream: where the report goes; ``None`` means standard output.
+        stream: where the report goes; ``None`` means standard output. While a
+            ``tqdm`` progress bar is open the report is written through
+            ``tqdm.write``, so it never lands inside the bar's line.
         units: ``"MB"`` (10^6 bytes, the default), ``"MiB"``, ``"GB"``, ``"GiB"``,
             ``"KB"``, ``"KiB"`` or ``"B"``, for the report and the CSV.
         strict: re-raise the profiler's own faults instead of switching off the
@@ -86,6 +89,20 @@ class MemoryProfiler:
             report: ``0`` (the default), a list of ranks, or ``"all"``; with
             more than rank 0, each line starts with ``[rank r]``. The lowest of
             them also prints the cross-rank table at each :meth:`epoch_end`.
+        report: the report's layout: ``"full"`` (the default: the original
+            tool's layout, every parameter, then the peak, what is alive at it,
+            headroom and feature maps by layer), ``"compact"`` (a few lines: the
+            peak and headroom, the categories, the top 5 layers, the phase) or
+            ``"line"`` (one line per report, for long runs).
+        log: a :class:`logging.Logger` the reports go to (``INFO``, one record per
+            report) instead of ``stream``; the profiler's warnings are logged there too.
+
+    Rows reach the CSV files as they are reported (one ``write()`` per row, no
+    buffering in memory), so a run killed by SIGTERM or SIGKILL loses none.
+    Warnings (:class:`~pytorch_mem_profiler.outputs.leaks.LeakWarning`,
+    :class:`~pytorch_mem_profiler.outputs.headroom.HeadroomWarning` past 90% of
+    the device's memory) are ``UserWarning`` subclasses that point at the
+    :meth:`record_stats` line.
 
     Under ``torch.distributed`` (an initialized default process group) each
     rank profiles its own device, its CSV file's name ends with
@@ -127,6 +144,8 @@ class MemoryProfiler:
         oom_dir: str | os.PathLike | None = None,
         tensorboard: Any = None,
         print_ranks: int | Iterable[int] | str = 0,
+        report: str = "full",
+        log: logging.Logger | logging.LoggerAdapter | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -146,6 +165,8 @@ class MemoryProfiler:
             oom_dir=oom_dir,
             tensorboard=tensorboard,
             print_ranks=print_ranks,
+            report=report,
+            log=log,
         )
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError(
@@ -219,6 +240,8 @@ class MemoryProfiler:
             units=options.units,
             prints=printing is None or rank in printing,
             prefix=prefix,
+            mode=options.report,
+            log=options.log,
         )
         # The lowest printing rank prints the cross-rank table.
         self._prints_table = report.prints and rank == min(printing or {0})
@@ -226,18 +249,20 @@ class MemoryProfiler:
         if options.tensorboard is not None:
             sinks.append(TensorBoardSink(options.tensorboard, options.units))
         if options.csv:
-            from .outputs.export import CsvLog, LayerCsv  # pandas only when CSV is asked for
+            from .outputs.export import CsvLog, LayerCsv
 
             log = CsvLog(
                 options.csv_dir,
                 self._meter.parameter_names,
                 unit=options.units,
                 name_suffix=self.file_tag,
+                log=options.log,
             )
             sinks.append(CsvSink(log))
             if options.by_layer:
-                sinks.append(LayerCsvSink(LayerCsv(log.path)))
-        sinks.append(LeakSink(options.leak_window, options.units))
+                sinks.append(LayerCsvSink(LayerCsv(log.path, log=options.log)))
+        sinks.append(LeakSink(options.leak_window, options.units, options.log))
+        sinks.append(HeadroomSink(options.units, options.log))
         return report, sinks
 
     def _sink(self, kind: type) -> Any:

@@ -81,7 +81,8 @@ def add_peak_columns(
             for category in PEAK_CATEGORIES
         },
     }
-    # at the end of the columns, as the writer puts them
+    # at the end of the columns, as the writer puts them (in place of the writer's own)
+    frame = frame.drop(columns=[c for c in added if c in frame.columns])
     frame = pd.concat([frame, pd.DataFrame(added, index=frame.index)], axis=1)
     frame.to_csv(path, index=False)
     return pd.DataFrame(expected)
