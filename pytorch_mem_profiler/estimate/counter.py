@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -78,7 +78,7 @@ class StorageLifeCounter(CpuCounter):
         self.phase_peaks: dict[str, int] = {}
 
     # -- what the dispatch mode hands over ---------------------------------------
-    def _track(self, tensor: torch.Tensor, alias: bool = False) -> None:
+    def _track(self, tensor: torch.Tensor, alias: bool = False, inputs: Any = ()) -> None:
         if not same_device(tensor, self.device):
             return
         try:
