@@ -14,6 +14,8 @@ The module map (one level of subpackages; dependencies point one way, down this 
   (loaded on first use);
 - :mod:`.analysis`: reading runs back, summary, comparison, plots, the HTML report
   and the command line, without torch (loaded on first use);
+- :mod:`.estimate`: a training step's memory before it runs, under the fake mode
+  (loaded on first use);
 - :mod:`.integrations`: adapters for training frameworks (imported by the user).
 
 Example::
@@ -41,6 +43,8 @@ _LAZY = {
     "PhaseStats": "stats",
     "diff_records": "stats",
     "LeakWarning": "outputs.leaks",
+    "HeadroomWarning": "outputs.headroom",
+    "OutputWarning": "outputs.notices",
     "CrossRankSummary": "distributed",
     "RankSummary": "distributed",
     "RankInfo": "distributed",
@@ -51,6 +55,7 @@ _LAZY = {
     "start_record_memory_history": "tools.snapshot",
     "export_memory_snapshot": "tools.snapshot",
     "stop_record_memory_history": "tools.snapshot",
+    "write_snapshot_view": "tools.snapshot_view",
     "memory_usage": "tools.usage",
     "print_cuda_memory_usage": "tools.usage",
     "MemoryUsage": "tools.usage",
@@ -69,6 +74,8 @@ _LAZY = {
     "plot_memory": "analysis.plot",
     "write_html": "analysis.html_report",
     "log_record": "outputs.tensorboard",
+    "estimate_memory": "estimate",
+    "MemoryEstimate": "estimate",
 }
 
 __all__ = ["__version__", *_LAZY]

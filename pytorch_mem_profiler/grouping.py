@@ -7,11 +7,19 @@ numeric path parts (``blocks.N.*``, ``layers.N.*``, ``h.N.*``, ``layer1.0.conv1`
 into one :class:`LayerGroup` with the count, the total and the bytes per member.
 No torch here: the report, the summary and the HTML report share it.
 
+A number all members share stays as it is (``blocks.[0-11].mlp.1``), and a
+last index after an earlier one is kept apart: ``blocks.3.mlp.0`` and
+``blocks.3.mlp.2`` are two layers of a Sequential in each block, so they fold
+into ``blocks.[0-11].mlp.0`` and ``blocks.[0-11].mlp.2``, one line each.
+
 Example::
 
     >>> groups = group_repeated({f"blocks.{i}.attn": 3_000_000 for i in range(12)} | {"head": 5})
     >>> [(g.name, g.count, g.total, g.per_member) for g in groups]
     [('blocks.[0-11].attn', 12, 36000000, 3000000), ('head', 1, 5, 5)]
+    >>> sizes = {f"blocks.{i}.mlp.{j}": 10 * (j + 1) for i in range(4) for j in (0, 2)}
+    >>> [(g.name, g.total) for g in group_repeated(sizes)]
+    [('blocks.[0-3].mlp.2', 120), ('blocks.[0-3].mlp.0', 40)]
     >>> groups[0].label("MB")
     'blocks.[0-11].attn  12 x 3 MB'
 """
@@ -71,7 +79,13 @@ def numbers_label(numbers: Iterable[int]) -> str:
 
 
 def _key(name: str) -> tuple[str, ...]:
-    return tuple("#" if part.isdigit() else part for part in name.split("."))
+    parts = name.split(".")
+    key = ["#" if part.isdigit() else part for part in parts]
+    # A last index after an earlier one (``blocks.3.mlp.0``, ``blocks.3.mlp.2``) picks
+    # a different layer of a Sequential inside each block, not another repeat: kept.
+    if len(key) > 1 and key[-1] == "#" and "#" in key[:-1]:
+        key[-1] = parts[-1]
+    return tuple(key)
 
 
 def group_repeated(sizes: Mapping[str, int] | Iterable[tuple[str, int]]) -> list[LayerGroup]:
@@ -95,7 +109,9 @@ def group_repeated(sizes: Mapping[str, int] | Iterable[tuple[str, int]]) -> list
         parts = []
         for i, part in enumerate(key):
             if part == "#":
-                parts.append(numbers_label(int(name.split(".")[i]) for name in names))
+                numbers = {int(name.split(".")[i]) for name in names}
+                # a number all members share (``mlp.1`` in every block) stays as it is
+                parts.append(str(numbers.pop()) if len(numbers) == 1 else numbers_label(numbers))
             else:
                 parts.append(part)
         groups.append(LayerGroup(".".join(parts), names, total, per_member))

@@ -22,14 +22,16 @@ Example::
 from __future__ import annotations
 
 import io
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from .outputs.report import REPORT_MODES
 from .units import check_unit
 
-__all__ = ["ProfilerOptions", "check_int", "check_bool", "check_path", "check_stream"]
+__all__ = ["ProfilerOptions", "check_int", "check_bool", "check_path", "check_stream", "check_choice", "check_logger", "REPORT_MODES"]
 
 
 def check_int(value: object, name: str, minimum: int = 1) -> int:
@@ -106,6 +108,28 @@ def _unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+def check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``; ``ValueError`` naming ``name`` and the choices.
+
+    Example::
+
+        >>> check_choice("line", "report", REPORT_MODES)
+        'line'
+    """
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+    return value
+
+
+def check_logger(log: object, name: str = "log") -> Any:
+    """``log`` if it is ``None``, a :class:`logging.Logger` or a :class:`logging.LoggerAdapter`."""
+    if log is not None and not isinstance(log, (logging.Logger, logging.LoggerAdapter)):
+        raise TypeError(
+            f"{name} must be a logging.Logger (e.g. logging.getLogger(__name__)) or None, got {type(log).__name__}"
+        )
+    return log
+
+
 def _check_optimizers(optimizer: Any) -> tuple[Any, ...] | None:
     if optimizer is None:
         return None
@@ -150,6 +174,8 @@ class ProfilerOptions:
     oom_dir: Any = None
     tensorboard: Any = None
     print_ranks: Any = 0
+    report: str = "full"
+    log: Any = None
 
     def __post_init__(self) -> None:
         check_int(self.print_period, "print_period")
@@ -176,6 +202,10 @@ class ProfilerOptions:
         from .distributed import parse_print_ranks
 
         self._set("print_ranks", parse_print_ranks(self.print_ranks))
+        check_choice(self.report, "report", REPORT_MODES)
+        check_logger(self.log)
+        if self.log is not None and self.stream is not None:
+            raise ValueError("give stream or log, not both: with log= the reports go through the logger")
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)

@@ -29,19 +29,21 @@ Example::
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import weakref
 from collections import deque
-from typing import IO, Any, Iterable
+from typing import IO, Any, ContextManager, Iterable
 
 import torch
 
 from .distributed import CrossRankExchange, CrossRankSummary, format_cross_rank, rank_info
 from .faults import FaultGuard
+from .measure.hooks import PhaseBlock
 from .measure.meter import Meter, Position
 from .options import ProfilerOptions
-from .outputs.sinks import CsvSink, LayerCsvSink, LeakSink, ReportSink, Sink, TensorBoardSink
+from .outputs.sinks import CsvSink, HeadroomSink, LayerCsvSink, LeakSink, ReportSink, Sink, TensorBoardSink
 from .stats import IterationRecord
 
 __all__ = ["MemoryProfiler", "memory_profiler"]
@@ -52,7 +54,10 @@ class MemoryProfiler:
 
     Add it to a training loop: make it once, call :meth:`record_stats` after
     each iteration and :meth:`epoch_end` after each epoch. Hooks on the model
-    and optimizer find forward, backward and the optimizer step by themselves.
+    and optimizer find forward, backward and the optimizer step by themselves,
+    also when a framework calls a child of the model rather than its
+    ``forward`` and runs them inside ``optimizer.step(closure)``; a framework
+    that knows its phases can mark them with :meth:`phase`.
 
     Args:
         model: the model being trained.
@@ -62,7 +67,9 @@ class MemoryProfiler:
             ``None`` finds those that step the model's parameters.
         device: the device to profile; default: the model's first parameter's.
         csv_dir: the CSV folder, created if missing.
-        stream: where the report goes; ``None`` means standard output.
+        stream: where the report goes; ``None`` means standard output. While a
+            ``tqdm`` progress bar is open the report is written through
+            ``tqdm.write``, so it never lands inside the bar's line.
         units: ``"MB"`` (10^6 bytes, the default), ``"MiB"``, ``"GB"``, ``"GiB"``,
             ``"KB"``, ``"KiB"`` or ``"B"``, for the report and the CSV.
         strict: re-raise the profiler's own faults instead of switching off the
@@ -82,6 +89,20 @@ class MemoryProfiler:
             report: ``0`` (the default), a list of ranks, or ``"all"``; with
             more than rank 0, each line starts with ``[rank r]``. The lowest of
             them also prints the cross-rank table at each :meth:`epoch_end`.
+        report: the report's layout: ``"full"`` (the default: the original
+            tool's layout, every parameter, then the peak, what is alive at it,
+            headroom and feature maps by layer), ``"compact"`` (a few lines: the
+            peak and headroom, the categories, the top 5 layers, the phase) or
+            ``"line"`` (one line per report, for long runs).
+        log: a :class:`logging.Logger` the reports go to (``INFO``, one record per
+            report) instead of ``stream``; the profiler's warnings are logged there too.
+
+    Rows reach the CSV files as they are reported (one ``write()`` per row, no
+    buffering in memory), so a run killed by SIGTERM or SIGKILL loses none.
+    Warnings (:class:`~pytorch_mem_profiler.outputs.leaks.LeakWarning`,
+    :class:`~pytorch_mem_profiler.outputs.headroom.HeadroomWarning` past 90% of
+    the device's memory) are ``UserWarning`` subclasses that point at the
+    :meth:`record_stats` line.
 
     Under ``torch.distributed`` (an initialized default process group) each
     rank profiles its own device, its CSV file's name ends with
@@ -123,6 +144,8 @@ class MemoryProfiler:
         oom_dir: str | os.PathLike | None = None,
         tensorboard: Any = None,
         print_ranks: int | Iterable[int] | str = 0,
+        report: str = "full",
+        log: logging.Logger | logging.LoggerAdapter | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -142,6 +165,8 @@ class MemoryProfiler:
             oom_dir=oom_dir,
             tensorboard=tensorboard,
             print_ranks=print_ranks,
+            report=report,
+            log=log,
         )
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError(
@@ -215,6 +240,8 @@ class MemoryProfiler:
             units=options.units,
             prints=printing is None or rank in printing,
             prefix=prefix,
+            mode=options.report,
+            log=options.log,
         )
         # The lowest printing rank prints the cross-rank table.
         self._prints_table = report.prints and rank == min(printing or {0})
@@ -222,18 +249,20 @@ class MemoryProfiler:
         if options.tensorboard is not None:
             sinks.append(TensorBoardSink(options.tensorboard, options.units))
         if options.csv:
-            from .outputs.export import CsvLog, LayerCsv  # pandas only when CSV is asked for
+            from .outputs.export import CsvLog, LayerCsv
 
             log = CsvLog(
                 options.csv_dir,
                 self._meter.parameter_names,
                 unit=options.units,
                 name_suffix=self.file_tag,
+                log=options.log,
             )
             sinks.append(CsvSink(log))
             if options.by_layer:
-                sinks.append(LayerCsvSink(LayerCsv(log.path)))
-        sinks.append(LeakSink(options.leak_window, options.units))
+                sinks.append(LayerCsvSink(LayerCsv(log.path, log=options.log)))
+        sinks.append(LeakSink(options.leak_window, options.units, options.log))
+        sinks.append(HeadroomSink(options.units, options.log))
         return report, sinks
 
     def _sink(self, kind: type) -> Any:
@@ -278,6 +307,45 @@ class MemoryProfiler:
             # keeps this rank out of the collective the others wait in.
             self._guard.call("cross-rank summary", self._cross_rank_summary, epoch)
 
+    def phase(self, name: str) -> ContextManager[Any]:
+        """A ``with`` block in which the phase ``name`` runs, for frameworks that know their phases.
+
+        ``name`` is ``"forward"``, ``"backward"`` or ``"optimizer"`` (``ValueError``
+        otherwise). The block is that phase: its peak is the phase's peak, a
+        ``"forward"`` block is one forward pass (its feature maps are what it
+        leaves allocated), a ``"backward"`` block one backward pass (gradients
+        are measured at its end), an ``"optimizer"`` block one optimizer step
+        (forwards and backwards of a closure inside it count as such, and the
+        update is what runs after the last backward). The automatic hooks that
+        fire inside a block do not count the phase a second time, so marking
+        phases that the hooks also find changes no figure. A block inside a
+        block of the same phase is ignored. After :meth:`close` it does nothing.
+
+        Example::
+
+            >>> import io, torch
+            >>> model = torch.nn.Linear(8, 2)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> profiler = MemoryProfiler(model, stream=io.StringIO())
+            >>> with profiler.phase("optimizer"):          # e.g. one step of a framework
+            ...     with profiler.phase("forward"):
+            ...         loss = model(torch.randn(4, 8)).sum()
+            ...     with profiler.phase("backward"):
+            ...         loss.backward()
+            ...     opt.step()                             # the update
+            >>> record = profiler.record_stats()
+            >>> record.forward_passes, record.backward_passes, record.optimizer_steps
+            (1, 1, 1)
+            >>> profiler.close()
+        """
+        return self._meter.phase_block(name) if not self._closed else _closed_phase(name)
+
+    @property
+    def current_phase(self) -> str | None:
+        """The phase running now: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"``
+        (``None`` once closed)."""
+        return None if self._closed else self._meter.phase
+
     def close(self) -> None:
         """Remove every hook, write pending rows and stop counting. Safe to call twice."""
         if self._closed:
@@ -298,6 +366,20 @@ class MemoryProfiler:
         """Write the rows recorded so far to the CSV files."""
         for sink in self._sinks:
             self._guard.call(f"output: {sink.name}", sink.flush)
+
+    def max_batch_size(
+        self, *, batch_size: int, device_memory: int | None = None, margin: float = 0.1
+    ) -> int:
+        """The largest batch size that would fit, predicted from this run's records.
+
+        ``batch_size``: the batch the recorded iterations ran at; ``device_memory``:
+        bytes (default: the device's total). See
+        :func:`~pytorch_mem_profiler.estimate.records.max_batch_from_records`.
+        """
+        from .estimate.records import max_batch_from_records
+
+        recorded = [*self.records, self.last_record]
+        return max_batch_from_records(recorded, batch_size, device_memory, margin)
 
     def postmortem(self) -> dict[str, Any]:
         """What an OOM post-mortem writes about the run: plain data, ready for JSON.
@@ -364,6 +446,11 @@ class MemoryProfiler:
             self.cross_rank_summary = summary
             if self._prints_table:
                 self._report.write(format_cross_rank(summary, self.units))
+
+
+def _closed_phase(name: str) -> PhaseBlock:
+    """The block :meth:`MemoryProfiler.phase` gives once closed: checks ``name``, marks nothing."""
+    return PhaseBlock(None, name)
 
 
 def _flush_at_exit(profiler: MemoryProfiler) -> Any:

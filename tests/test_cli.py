@@ -4,6 +4,7 @@ wrote in the test."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
 import re
 from html.parser import HTMLParser
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from .profiled_run import REPO, png_size, profile_tiny_model, run_cli
+from pytorch_mem_profiler import memory_profiler
 from pytorch_mem_profiler.analysis.runs import module_of
 from pytorch_mem_profiler.analysis.summary import format_seconds
 from pytorch_mem_profiler.units import format_amount
@@ -65,6 +67,11 @@ def test_summary_of_a_named_run(runs):
     raw = pd.read_csv(runs["small"])
     assert out.splitlines()[0] == f"Run {runs['small']} on cpu (KB = 1,000 bytes)"
     assert f"Peak allocated: {format_amount(raw['peak_allocated'].max() * 1000, 'KB', digits=3)}" in out
+    assert f"Peak reserved:  {format_amount(raw['peak_cached'].max() * 1000, 'KB', digits=3)}" in out
+    # torch's words: the seed's "cached" only where a CSV column is named
+    header = next(line for line in out.splitlines() if line.startswith("Epoch "))
+    assert header.split() == "Epoch Records Peak allocated Peak reserved Slowest iteration Fastest iteration".split()
+    assert "cached" not in out.replace("peak_cached", "") and "fragmentation" not in out.lower()
 
     # per epoch: the highest iteration peak and peak cached of the epoch's rows
     for epoch, group in raw.groupby("epoch"):
@@ -225,6 +232,51 @@ def test_compare_in_another_unit_with_file_names(runs, tmp_path):
     assert result.returncode == 0, result.stderr
     peak_big = round(pd.read_csv(runs["big"])["peak_allocated"].max() * 1000)
     assert result.stdout.splitlines()[2].startswith(f"| {runs['big'].stem} | {peak_big:,} B |")
+
+
+def test_compare_shows_categories_and_says_how_runs_are_named(runs, tmp_path):
+    result = run_cli("compare", runs["small"], runs["big"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    # one folder, the profiler's dated names: named by file name, and it says so
+    assert lines[2].startswith(f"| {runs['small'].stem} |")
+    assert "Runs named by their file names; --names gives others." in lines
+    at = lines.index(f"| Category | {runs['small'].stem} | {runs['big'].stem} |")
+    weights = sum(p.numel() * p.element_size() for p in runs["model"].parameters())
+    kb = format_amount(weights, "KB", digits=3)
+    assert lines[at + 2] == f"| weights | {kb} | {kb} (same) |"
+    small, big = pd.read_csv(runs["small"]), pd.read_csv(runs["big"])
+    fm_small = round(small["total_feature_map_usage"].max() * 1000)
+    fm_big = round(big["total_feature_map_usage"].max() * 1000)
+    change = format_amount(fm_big - fm_small, "KB", digits=3)
+    assert (
+        f"| feature maps | {format_amount(fm_small, 'KB', digits=3)} | "
+        f"{format_amount(fm_big, 'KB', digits=3)} (+{change}, {(fm_big - fm_small) / fm_small * 100:+.1f}%) |"
+    ) in lines
+    assert not any(line.startswith("Note:") for line in lines)  # the same model, the same device
+
+    # named by the user: nothing to say about names
+    named = run_cli("compare", runs["small"], runs["big"], "--names", "a", "b", cwd=tmp_path)
+    assert "Runs named by" not in named.stdout
+
+
+def test_compare_names_runs_by_folder_and_notes_another_model(tmp_path):
+    base, _ = profile_tiny_model(tmp_path / "baseline")
+    wide, _ = profile_tiny_model(tmp_path / "wide batch", batch=64)
+    model = torch.nn.Linear(3, 2)
+    with memory_profiler(model, 1, True, csv_dir=tmp_path / "linear", stream=io.StringIO()) as p:
+        model(torch.randn(4, 3)).sum().backward()
+        p.record_stats()
+    result = run_cli("compare", base, wide, p.csv_path, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(" | ")[0] for line in lines[2:5]] == ["| baseline", "| wide batch", "| linear"]
+    assert "Runs named by their folders; --names gives others." in lines
+    assert lines[-1] == (
+        "Note: runs differ in model: linear has 2 parameter names baseline lacks (weight, bias) "
+        "and lacks 6 of baseline's (encoder.weight, encoder.bias, ...); "
+        "comparing them is comparing different things."
+    )
 
 
 # -- bad input ---------------------------------------------------------------------------

@@ -178,8 +178,10 @@ def test_layers_file_gets_its_tables(tmp_path):
     activations = raw[(raw["category"] == "activations") & (raw["module"] != "(input)")]
     largest = activations.groupby(["step", "module"])["bytes"].sum().groupby("module").max()
     largest = largest.sort_values(ascending=False, kind="stable")
-    assert page.tables["layers-activations"] == [["Layer", "feature maps"]] + [
-        [name, format_amount(n, "B", digits=3)] for name, n in largest.items()
+    # no repeated blocks in TinyNet: one row per module, one layer each
+    assert page.tables["layers-activations"] == [["Layer", "Layers", "Each", "feature maps"]] + [
+        [name, "1", format_amount(n, "B", digits=3), format_amount(n, "B", digits=3)]
+        for name, n in largest.items()
     ]
     totals = dict(page.tables["layer-totals"][1:])
     for module in ("(input)", "(total by layer)", "(allocator delta)"):
@@ -264,3 +266,110 @@ def test_browser_check_catches_a_broken_page(tmp_path):
     )
     result = _chromium(page.as_uri(), tmp_path / "profile")
     assert any("Content Security Policy" in line for line in _console(result.stderr))
+
+
+# -- headroom and the peak's breakdown ---------------------------------------------------
+@pytest.fixture(scope="module")
+def broken_down(tmp_path_factory):
+    """A report of a run whose file has the device's size and a breakdown per record; the
+    second record (epoch 1, iteration 4) has the run's highest peak, 40% of the device."""
+    from .peak_columns import add_peak_columns
+
+    folder = tmp_path_factory.mktemp("peak-report")
+    path, _ = profile_tiny_model(folder / "csv", units="KB")
+    peak = round(pd.read_csv(path)["iteration_peak_allocated"].max() * 1000) * 3
+    total = round(peak * 100 / 40)
+    expected = add_peak_columns(path, device_total=total, peak_scale={1: 3})
+    out = write_html(load_run(path), folder / "report.html", unit="B")
+    return {"html": out, "csv": path, "expected": expected, "total": total}
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.0f}%"
+
+
+def test_the_peak_section(broken_down):
+    import html
+    import re
+
+    from pytorch_mem_profiler.stats import PEAK_CATEGORIES, PEAK_CATEGORY_LABELS
+
+    text = broken_down["html"].read_text(encoding="utf-8")
+    page = parse(text)
+    expected, total = broken_down["expected"], broken_down["total"]
+    b = lambda n: format_amount(n, "B", digits=3)  # noqa: E731
+    record = expected.iloc[1]
+    assert record["peak"] == expected["peak"].max()
+
+    assert "peak" in {attrs["id"] for tag, attrs in page.elements if tag == "h2"}
+    headroom = html.unescape(re.search(r'<p id="headroom">(.*?)</p>', text).group(1))
+    assert headroom.startswith(f"Headroom: peak {b(record['peak'])} of {b(total)} (40%); reserved at most ")
+
+    # the run's peak, largest first, the parts summing to it
+    ranked = sorted(
+        ((c, int(record[c])) for c in PEAK_CATEGORIES if record[c] > 0), key=lambda kv: -kv[1]
+    )
+    assert page.tables["peak-table"] == [["Category", "At the peak", "Share of the peak"]] + [
+        [PEAK_CATEGORY_LABELS[c], b(n), _percent(n / record["peak"])] for c, n in ranked
+    ]
+    assert sum(n for _, n in ranked) == record["peak"]
+
+    # per epoch: its highest-peak record, every category
+    assert page.tables["peak-epochs-table"][0] == ["Epoch", "Iteration", "Peak"] + [
+        PEAK_CATEGORY_LABELS[c] for c in PEAK_CATEGORIES
+    ]
+    for cells, position in zip(page.tables["peak-epochs-table"][1:], (1, 2)):
+        row = expected.iloc[position]
+        assert cells == [str(row["epoch"]), str(row["iteration"]), b(row["peak"])] + [
+            b(row[c]) for c in PEAK_CATEGORIES
+        ]
+
+    epochs = page.tables["epoch-table"]
+    assert epochs[0][-2:] == ["Peak of device", "Largest at the peak"]
+    assert epochs[1][-2:] == ["40%", f"activations (saved for backward) {_percent(record['activations'] / record['peak'])}"]
+    second = expected.iloc[2]
+    assert epochs[2][-2:] == [
+        _percent(second["peak"] / total),
+        f"optimizer state {_percent(second['optimizer_state'] / second['peak'])}",
+    ]
+
+    # each record's peak as a share of the device
+    records = page.tables["records-table"]
+    column = records[0].index("Peak of device")
+    assert [row[column] for row in records[1:]] == [_percent(p / total) for p in expected["peak"]]
+    assert "Cache slack" in records[0] and "Reserved" in records[0] and "Cached" not in records[0]
+
+
+def test_the_peak_chart_is_inline(broken_down):
+    pytest.importorskip("matplotlib")
+    page = parse(broken_down["html"].read_text(encoding="utf-8"))
+    figures = [attrs["id"] for tag, attrs in page.elements if tag == "figure"]
+    assert figures == ["chart-memory", "chart-layers", "chart-time", "chart-peak"]
+    images = [attrs for tag, attrs in page.elements if tag == "img"]
+    assert len(images) == 4
+    peak = images[-1]
+    assert peak["src"].startswith("data:image/png;base64,")
+    assert (int(peak["width"]), int(peak["height"])) == (1200, 260)
+    assert "script" not in [tag for tag, _ in page.elements]
+
+
+def test_older_files_have_no_peak_section(report):
+    text = report["html"].read_text(encoding="utf-8")
+    page = parse(text)
+    assert 'id="headroom"' not in text and 'id="peak"' not in text
+    assert "peak-table" not in page.tables
+    assert page.tables["epoch-table"][0][-1] == "Fastest iteration"
+    assert "fragmentation" not in text.lower()
+
+
+@pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason="needs Chromium (Debian package 'chromium')"
+)
+def test_the_peak_report_opens_in_a_browser(broken_down, tmp_path):
+    pytest.importorskip("matplotlib")
+    result = _chromium(broken_down["html"].as_uri(), tmp_path / "profile")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _console(result.stderr) == []
+    dom = parse(result.stdout)
+    assert dom.tables["peak-table"] == parse(broken_down["html"].read_text(encoding="utf-8")).tables["peak-table"]
+    assert len([1 for tag, _ in dom.elements if tag == "img"]) == 4

@@ -12,6 +12,7 @@ import torch
 from .profiled_run import png_size, profile_tiny_model
 from pytorch_mem_profiler import memory_profiler
 from pytorch_mem_profiler.analysis.runs import load_run
+from pytorch_mem_profiler.units import format_amount
 
 pytest.importorskip("matplotlib")
 
@@ -68,10 +69,10 @@ def test_memory_chart_labels_units_and_epochs(run):
     assert ax.get_ylabel() == "Memory (KiB, 1 KiB = 1,024 bytes)"
     assert "Iteration" in ax.get_xlabel()
     labels = [text.get_text() for text in ax.get_legend().get_texts()]
-    assert labels[:2] == ["reserved (cached)", "peak allocated, this iteration"]
+    assert labels[:2] == ["reserved", "peak allocated, this iteration"]
     assert sorted(labels[2:]) == sorted(label for _, label, _ in CATEGORIES)
     # the reserved line is current_cached, in KiB
-    reserved = next(line for line in ax.lines if line.get_label() == "reserved (cached)")
+    reserved = next(line for line in ax.lines if line.get_label() == "reserved")
     assert list(reserved.get_ydata()) == pytest.approx(list(run.records["current_cached"] / 1024))
     # one label per epoch, a boundary line between epochs
     epoch_labels = [t.get_text() for t in ax.texts if t.get_text().startswith("epoch ")]
@@ -135,3 +136,86 @@ def test_layers_chart_orders_by_size(run):
     expected = (sizes + grads).sort_values(ascending=False)
     assert names == list(expected.index)
     assert isinstance(expected, pd.Series)
+
+
+# -- the peak's breakdown ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def broken_down(tmp_path_factory):
+    """A KB run with a breakdown per record; record 3 (epoch 2, iteration 2) has the run's peak."""
+    from .peak_columns import add_peak_columns
+
+    path, _ = profile_tiny_model(tmp_path_factory.mktemp("peak-plot"), units="KB")
+    peak = round(pd.read_csv(path)["iteration_peak_allocated"].max() * 1000) * 2
+    total = round(peak * 100 / 60)  # the run's peak: 60% of the device
+    expected = add_peak_columns(path, device_total=total, peak_scale={2: 2})
+    return load_run(path), expected
+
+
+def test_the_peak_bar_is_the_run_peak_record(broken_down, tmp_path):
+    from pytorch_mem_profiler.analysis.plot import PEAK_COLOURS, plot_peak_breakdown
+    from pytorch_mem_profiler.stats import PEAK_CATEGORIES, PEAK_CATEGORY_LABELS, PHASE_LABELS
+
+    run, expected = broken_down
+    record = expected.iloc[2]
+    assert record["peak"] == expected["peak"].max()
+    figure = plot_peak_breakdown(run, tmp_path / "peak.png", unit="KB", width=900, height=240)
+    assert png_size(tmp_path / "peak.png") == (900, 240)
+    ax = figure.axes[0]
+    drawn = [c for c in PEAK_CATEGORIES if record[c] > 0]
+    bars = [patch for patch in ax.patches]
+    # left to right in the vocabulary's order, each as wide as its bytes, in KB
+    assert [bar.get_width() for bar in bars] == pytest.approx([record[c] / 1000 for c in drawn])
+    assert [bar.get_x() for bar in bars] == pytest.approx(
+        [sum(record[c] for c in drawn[:i]) / 1000 for i in range(len(drawn))]
+    )
+    assert [bar.get_gid() for bar in bars] == [f"peak-{c}" for c in drawn]
+    assert [tuple(round(v, 3) for v in bar.get_facecolor()[:3]) for bar in bars] == [
+        tuple(round(int(PEAK_COLOURS[c][i : i + 2], 16) / 255, 3) for i in (1, 3, 5)) for c in drawn
+    ]
+    assert ax.get_xlim() == pytest.approx((0, record["peak"] / 1000))
+    # the legend: largest first, with bytes and share
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    ranked = sorted(drawn, key=lambda c: -record[c])
+    assert ranked[0] == "optimizer_state"  # epoch 2's shares
+    assert labels[0] == (
+        f"optimizer state: {format_amount(record['optimizer_state'], 'KB', digits=3)} "
+        f"({record['optimizer_state'] / record['peak'] * 100:.0f}%)"
+    )
+    assert [label.split(":")[0] for label in labels] == [
+        PEAK_CATEGORY_LABELS[c].split(" (")[0] for c in ranked
+    ]
+    phase = PHASE_LABELS[run.records["peak_phase"].iloc[2]]
+    assert ax.get_title(loc="left") == (
+        f"At the run's peak: {format_amount(record['peak'], 'KB', digits=3)}, epoch 2 iteration 2, "
+        f"{phase}; 60% of the device's {format_amount(run.device_total, 'KB', digits=3)}"
+    )
+
+
+def test_memory_chart_gets_the_bar_as_a_panel(broken_down, run, tmp_path):
+    broken, expected = broken_down
+    figure = plot_memory(broken, tmp_path / "memory.png", width=1000, height=560)
+    assert png_size(tmp_path / "memory.png") == (1000, 560)
+    assert len(figure.axes) == 2
+    chart, bar = figure.axes
+    assert chart.get_ylabel().startswith("Memory (KB")
+    assert sum(p.get_width() for p in bar.patches) == pytest.approx(expected["peak"].max() / 1000)
+    # asked not to, or a file without the breakdown: the chart alone, no error
+    assert len(plot_memory(broken, peak_bar=False).axes) == 1
+    assert len(plot_memory(run).axes) == 1
+
+
+def test_peak_bar_of_an_older_file_is_refused_with_the_reason(run):
+    from pytorch_mem_profiler.analysis.plot import plot_peak_breakdown
+
+    with pytest.raises(ValueError, match="does not record what was alive at its peak"):
+        plot_peak_breakdown(run)
+
+
+def test_cli_plot_draws_the_panel(broken_down, tmp_path):
+    from .profiled_run import run_cli
+
+    broken, _ = broken_down
+    out = tmp_path / "memory.png"
+    result = run_cli("plot", broken.path, "-o", out, "--width", 800, "--height", 500, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert png_size(out) == (800, 500)

@@ -85,3 +85,16 @@ def test_long_names_widen_the_report():
     text = format_report(_record(weights_by_name=MappingProxyType({name: 10**6})))
     line = next(line for line in text.splitlines() if name in line)
     assert line.endswith("..1 MB") and line.startswith("  " + name)
+
+
+def test_words_are_torchs():
+    """"reserved" and "allocated" as torch says them; the seed's "cached" only in the seed's lines."""
+    text = format_report(_record(allocated=600_000_000, current_cached=857_000_000, device_used=2_000_000_000,
+                                 outside_pytorch=1_143_000_000))
+    assert "Cache slack (reserved - allocated)...257 MB" in text  # 857 - 600
+    assert "  reserved by PyTorch................857 MB" in text
+    assert "Fragmentation" not in text and "cached by PyTorch" not in text
+    assert [line for line in text.splitlines() if "cached" in line.lower()] == [
+        "Peak cached..........................857 MB",
+        "Current cached.......................857 MB",
+    ]

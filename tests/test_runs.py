@@ -185,3 +185,45 @@ def test_tiny_net_layer_sizes_differ():
         sizes[module_of(name)] = sizes.get(module_of(name), 0) + nbytes
     assert max(sizes, key=sizes.get) == "encoder"
     assert sorted(sizes.values())[-1] > sorted(sizes.values())[-2]
+
+
+# -- the device's size and the peak's breakdown (newer files) ------------------------------
+@pytest.mark.parametrize("units", ["KB", "MiB", "B"])
+def test_device_total_and_peak_columns_come_back_in_bytes(tmp_path, units):
+    from pytorch_mem_profiler.stats import PEAK_CATEGORIES
+
+    from .peak_columns import add_peak_columns
+
+    path, model = profile_tiny_model(tmp_path, units=units)
+    total = 16_000_000_000 if units != "MiB" else 16 * 2**30
+    expected = add_peak_columns(path, device_total=total)
+    run = load_run(path)
+    assert run.has_peak_breakdown
+    assert run.device_total == total
+    for category in PEAK_CATEGORIES:
+        # bytes again, exactly, whatever the unit the file was written in
+        assert list(run.records[f"peak_{category}"]) == list(expected[category].astype(float))
+    parts = run.records[[f"peak_{c}" for c in PEAK_CATEGORIES]].sum(axis=1)
+    assert list(parts) == list(run.records["iteration_peak_allocated"])
+    # peak_share is a fraction, read as it is, not multiplied by the unit
+    assert list(run.records["peak_share"]) == pytest.approx(list(expected["peak"] / total), rel=1e-12)
+    assert (run.records["peak_share"] < 1).all()
+    # the new columns come after the parameters' and are not mistaken for parameters
+    assert run.parameters == list(param_bytes(model))
+
+
+def test_older_files_have_no_breakdown_and_no_device_size(tmp_path):
+    from .peak_columns import add_peak_columns
+
+    old, _ = profile_tiny_model(tmp_path / "old")
+    run = load_run(old)
+    assert not run.has_peak_breakdown and run.device_total is None
+    assert run.records["peak_activations"].isna().all()
+    assert run.records["peak_share"].isna().all()
+
+    # the columns present but empty: not measured (a CPU run, a version that did not measure)
+    empty, _ = profile_tiny_model(tmp_path / "empty")
+    add_peak_columns(empty, device_total=None, shares=None)
+    assert "peak_activations" in pd.read_csv(empty)
+    run = load_run(empty)
+    assert not run.has_peak_breakdown and run.device_total is None

@@ -161,6 +161,7 @@ def test_unwritable_path_fails_before_the_block_runs(tmp_path):
         ({"max_entries": 1.5}, ValueError, "max_entries"),
         ({"stacks": "cpp"}, ValueError, "stacks must be one of 'python', 'all'; got 'cpp'"),
         ({"segment_plot": "yes"}, TypeError, "segment_plot must be True or False"),
+        ({"memory_view": 1}, TypeError, "memory_view must be True or False"),
     ],
 )
 def test_bad_arguments_name_themselves(tmp_path, kwargs, error, match):
@@ -197,7 +198,10 @@ def test_writes_pickle_and_trace_plot_of_the_block(tmp_path, fake):
     html = snap.trace_plot_path.read_text()
     assert embedded_snapshot(html) == data
     assert snap.segment_plot_path is None
-    assert sorted(p.name for p in snap.folder.iterdir()) == ["snapshot.pickle", "trace_plot.html"]
+    assert sorted(p.name for p in snap.folder.iterdir()) == ["memory_view.html", "snapshot.pickle", "trace_plot.html"]
+    assert snap.snapshot_path.read_bytes()[:2] == b"\x80\x04"  # protocol 4: MemoryViz reads it
+    view = snap.memory_view_path.read_text()
+    assert f'id="peak-0" data-bytes="{2 * 512}"' in view  # the stand-in's two 512-byte blocks
 
 
 def test_defaults_are_bounded_python_stacks(tmp_path, fake):
@@ -276,6 +280,7 @@ def test_record_export_stop(tmp_path, fake, monkeypatch, caplog):
     assert named == tmp_path / "runs" / "step_10.pickle"
     for path in (default, named):
         assert len(pickle.loads(path.read_bytes())["device_traces"][0]) == 1
+        assert path.read_bytes()[:2] == b"\x80\x04"  # protocol 4: MemoryViz reads it
     again = export_memory_snapshot()
     assert again != default and again.is_file(), "a second export in the same second overwrote the first"
     text = caplog.text
@@ -299,6 +304,7 @@ def test_write_snapshot_files_takes_other_names(tmp_path):
     assert pickle.loads(written["snapshot"].read_bytes()) == data
     assert embedded_snapshot(written["segment_plot"].read_text()) == data
     assert json.loads(json.dumps(sorted(p.name for p in tmp_path.iterdir()))) == [
+        "memory_view.html",
         "s_rank1.pickle",
         "segment_plot.html",
         "trace_plot.html",
@@ -319,3 +325,29 @@ def test_a_failure_to_start_recording_leaves_the_block_running(tmp_path, fake, c
     with pytest.raises(RuntimeError, match="allocator refuses"):
         with save_memory_snapshot(tmp_path, strict=True):
             pass
+
+
+def test_pages_on_request(tmp_path, fake):
+    with save_memory_snapshot(tmp_path / "none", trace_plot=False, memory_view=False) as snap:
+        fake.allocate(512)
+    assert snap.recorded and snap.memory_view_path is None and snap.trace_plot_path is None
+    assert [p.name for p in snap.folder.iterdir()] == ["snapshot.pickle"]
+    with save_memory_snapshot(tmp_path / "view", trace_plot=False) as snap:
+        fake.allocate(512)
+    assert sorted(p.name for p in snap.folder.iterdir()) == ["memory_view.html", "snapshot.pickle"]
+
+
+def test_a_page_that_fails_leaves_the_pickle_and_the_other_pages(tmp_path, fake, monkeypatch, caplog):
+    def broken(snapshot, path):
+        raise KeyError("a key this torch lacks")
+
+    monkeypatch.setitem(snapshot_module._WRITERS, "memory_view", broken)
+    with save_memory_snapshot(tmp_path / "snap") as snap:
+        fake.allocate(512)
+    assert snap.recorded
+    assert sorted(p.name for p in snap.folder.iterdir()) == ["snapshot.pickle", "trace_plot.html"]
+    assert "memory snapshot memory_view failed" in caplog.text and "a key this torch lacks" in caplog.text
+    with pytest.raises(KeyError, match="a key this torch lacks"):
+        with save_memory_snapshot(tmp_path / "strict", strict=True):
+            fake.allocate(512)
+    assert not fake.recording

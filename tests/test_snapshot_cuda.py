@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import gc
+import inspect
 import io
 import json
 import pickle
 import re
 import socket
+from html.parser import HTMLParser
 
 import pytest
 import torch
@@ -31,6 +34,7 @@ from pytorch_mem_profiler import (
     stop_record_memory_history,
 )
 from pytorch_mem_profiler.tools import oom as oom_module
+from pytorch_mem_profiler.tools.snapshot_view import RECORDED, allocator_rounded, device_histories, load_snapshot
 
 pytestmark = pytest.mark.cuda
 
@@ -107,10 +111,12 @@ def test_snapshot_files_hold_the_blocks_allocations(tmp_path):
     assert not history_on(), "recording was left on"
     assert snap.recorded and snap.owns_recording
     assert sorted(p.name for p in snap.folder.iterdir()) == [
+        "memory_view.html",
         "segment_plot.html",
         "snapshot.pickle",
         "trace_plot.html",
     ]
+    assert snap.snapshot_path.read_bytes()[:2] == b"\x80\x04"  # pickle protocol 4
     data = pickle.loads(snap.snapshot_path.read_bytes())
     events = alloc_events(data, x)
     assert events, "the block's allocation is not in the recorded history"
@@ -164,8 +170,81 @@ def test_record_export_stop_functions(tmp_path, monkeypatch):
     assert not history_on()
     assert path.parent == tmp_path and path.suffix == ".pickle"
     assert path.name.startswith(socket.gethostname() + "_")
+    assert path.read_bytes()[:2] == b"\x80\x04"  # pickle protocol 4
     data = pickle.loads(path.read_bytes())
     assert alloc_events(data, x) and alloc_events(data, y)
+
+
+class _Attributes(HTMLParser):
+    """The attributes of every element with an id, and the data-bytes of table rows."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.by_id: dict[str, dict] = {}
+        self.rows: dict[str, list[int]] = {}
+        self._table = None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if "id" in attrs:
+            self.by_id[attrs["id"]] = attrs
+        if tag == "table":
+            self._table = attrs.get("id")
+            self.rows[self._table] = []
+        if tag == "tr" and "data-bytes" in attrs:
+            self.rows[self._table].append(int(attrs["data-bytes"]))
+
+
+def test_memory_view_shows_the_peak_and_the_tensors_alive_at_it(tmp_path):
+    """The offline view's peak and largest allocations against tensors made here.
+
+    Sizes are the bytes each tensor asked for; the view counts what was alive before
+    the recording as the allocator's blocks say (their requested sizes), measured here
+    before the block starts."""
+    gc.collect()
+    torch.cuda.synchronize()
+    device = torch.cuda.current_device()
+    before = sum(
+        block["requested_size"]
+        for segment in torch.cuda.memory._snapshot()["segments"]
+        if segment.get("device", device) == device
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    )
+    big_n, mid_n, small_n = 6 * MIB + 3 * 512 + 100, 2 * MIB + 1, 300_001
+    with save_memory_snapshot(tmp_path / "snap") as snap:
+        mid = cuda_bytes(mid_n)
+        small = cuda_bytes(small_n)
+        big, big_line = torch.empty(big_n, dtype=torch.uint8, device="cuda"), inspect.currentframe().f_lineno
+        del mid  # the peak is behind: a smaller tensor follows
+        later = cuda_bytes(MIB)
+    assert snap.memory_view_path.is_file()
+    data = load_snapshot(snap.snapshot_path)
+    (history,) = [h for h in device_histories(data) if h.device == device]
+    assert history.initial == before
+    assert history.peak == before + mid_n + small_n + big_n
+    assert history.allocated[-1] == before + small_n + big_n + MIB
+    # Largest first; what the test made, among what was alive before it (other tests' leftovers).
+    assert [a.size for a in history.at_peak] == sorted((a.size for a in history.at_peak), reverse=True)
+    recorded = [a for a in history.at_peak if a.origin == RECORDED]
+    assert [a.size for a in recorded] == [big_n, mid_n, small_n]
+    largest = recorded[0]
+    assert largest.address == big.data_ptr()
+    assert largest.rounded_size == allocator_rounded(big_n) == 6 * MIB + 4 * 512
+    frame = largest.user_frame
+    assert (frame.filename.rsplit("/", 1)[-1], frame.line, frame.name) == (
+        "test_snapshot_cuda.py", big_line, "test_memory_view_shows_the_peak_and_the_tensors_alive_at_it"
+    )
+    # The allocator's own block for the small tensor (the small pool always splits) is the
+    # view's rounding of its request.
+    assert live_block(data, small)["size"] == allocator_rounded(small_n) == 300_032
+    page = _Attributes(snap.memory_view_path.read_text(encoding="utf-8"))
+    assert int(page.by_id[f"peak-{device}"]["data-bytes"]) == history.peak
+    rows = page.rows[f"allocations-{device}"]
+    assert big_n in rows and rows == sorted(rows, reverse=True)
+    assert f"test_snapshot_cuda.py:{big_line} in test_memory_view" in snap.memory_view_path.read_text(encoding="utf-8")
+    del later
 
 
 # -- block usage and memory_stats ----------------------------------------------------------
@@ -322,6 +401,7 @@ def test_profiler_oom_dir_with_history_and_report(tmp_path):
     record = json.loads((folder / "record.json").read_text())
     assert (record["epoch"], record["iteration"], record["phase"]) == (1, 2, "forward")
     assert record["last_record"]["weights"] == (64 * 64 + 64) * 4
+    assert (folder / "snapshot.pickle").read_bytes()[:2] == b"\x80\x04"  # pickle protocol 4
     snapshot = pickle.loads((folder / "snapshot.pickle").read_bytes())
     device = torch.cuda.current_device()
     ooms = [e for e in traces(snapshot, device) if e["action"] == "oom"]

@@ -1,5 +1,5 @@
-"""Analysis of written runs: reading CSV files back, the summary, comparisons, plots, the
-HTML report and the command line.
+"""Analysis of written runs: reading CSV files back, the summary, what was alive at the peak,
+comparisons, plots, the HTML report and the command line.
 
 Works on files alone, so nothing here imports torch: ``pytorch-mem-profiler summary``
 starts without it. pandas is imported here (and by ``outputs.export``'s reader-facing

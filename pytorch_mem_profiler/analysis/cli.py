@@ -6,10 +6,15 @@ or nothing means the newest ``memory_stats_*.csv`` in it or in ``--dir``):
 - ``summary [RUN]``: peaks and times per epoch, the largest layers;
 - ``plot [RUN] -o FILE.png``: memory over iterations by category;
 - ``report [RUN] -o FILE.html``: one self-contained HTML file;
-- ``compare RUN_A RUN_B ... [--names ...] [--csv FILE]``: the comparison table.
+- ``compare RUN_A RUN_B ... [--names ...] [--csv FILE]``: the comparison tables (peak and
+  time; each category), and a note where the runs differ in model or device.
 
 Bad input (a missing file, a CSV the profiler did not write, a plot without
 matplotlib) gets one line on standard error and exit status 2.
+
+``estimate MODEL [--batch-size N] [--memory 80GB] ...`` (a training step's memory
+before running it) is :mod:`pytorch_mem_profiler.estimate.cli`, loaded by name; it
+imports torch only when it runs.
 
 Example::
 
@@ -20,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -81,14 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
             "--units", choices=list(UNITS), help="the unit of the figures (default: the file's)"
         )
 
-    summary = commands.add_parser("summary", help="peaks and times per epoch, the largest layers")
+    summary = commands.add_parser(
+        "summary", help="peaks, headroom and times per epoch, what the peak holds, the largest layers"
+    )
     run_arguments(summary)
     unit_argument(summary)
     summary.add_argument(
         "--top", type=_positive, default=5, help="layers per category (default: 5)"
     )
 
-    plot = commands.add_parser("plot", help="memory over iterations by category, as a PNG")
+    plot = commands.add_parser(
+        "plot", help="memory over iterations by category (and the peak's breakdown), as a PNG"
+    )
     run_arguments(plot)
     unit_argument(plot)
     plot.add_argument("-o", "--output", help="the PNG file (default: RUN's name with .png, here)")
@@ -106,17 +116,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     compare = commands.add_parser(
-        "compare", help="peak memory and time per iteration of runs, against the first"
+        "compare", help="peak memory, time per iteration and categories of runs, against the first"
     )
     compare.add_argument(
         "runs", nargs="+", metavar="RUN", help="runs' CSV files; the first is the reference"
     )
     compare.add_argument(
-        "--names", nargs="+", metavar="NAME", help="a name per run (default: file names)"
+        "--names",
+        nargs="+",
+        metavar="NAME",
+        help="a name per run (default: the runs' folders where the files have the profiler's "
+        "dated names and the folders tell them apart, else the file names)",
     )
     compare.add_argument("--csv", metavar="FILE", help="also write the table to this CSV file")
     unit_argument(compare)
+
+    estimate = commands.add_parser("estimate", help="a training step's memory and the largest batch, before running it")
+    _estimate_cli().add_arguments(estimate)
     return parser
+
+
+def _estimate_cli():  # type: ignore[no-untyped-def]
+    # By name, not an import statement: the one place the command line reaches the
+    # estimate layer; that module imports torch only when its command runs.
+    return importlib.import_module("pytorch_mem_profiler.estimate.cli")
 
 
 def _load(run: str | None, folder: str) -> Run:
@@ -159,28 +182,53 @@ def _report(args: argparse.Namespace) -> None:
 
 
 def _compare(args: argparse.Namespace) -> None:
-    from .compare import compare_runs, format_markdown, write_comparison_csv
+    from .compare import (
+        comparison_notes,
+        compare_runs,
+        default_names,
+        format_categories_markdown,
+        format_markdown,
+        write_comparison_csv,
+    )
 
     if args.names is not None and len(args.names) != len(args.runs):
         raise _BadInput(f"--names gives {len(args.names)} name(s) for {len(args.runs)} run(s)")
     runs = [_load(path, ".") for path in args.runs]
     unit = args.units or runs[0].unit
-    rows = compare_runs(runs, args.names)
+    names, source = (args.names, "") if args.names is not None else default_names(runs)
+    rows = compare_runs(runs, names)
     print(format_markdown(rows, unit))
+    categories = format_categories_markdown(rows, unit)
+    if categories:
+        print()
+        print(categories)
     print()
     print(
         f"Peak memory: the largest peak_allocated of each run ({unit} = {UNITS[unit]:,} bytes); "
         "time per iteration: the median of iteration_time_s."
     )
-    if len({row.device for row in rows}) > 1:
-        devices = ", ".join(f"{row.name}: {row.device}" for row in rows)
-        print(f"Note: the runs are on different devices ({devices}).")
+    if categories:
+        explained = "Categories: each at its largest over the run's records"
+        if any(key.startswith("peak_") for row in rows for key in row.categories):
+            explained += (
+                "; \"at the peak\": what was alive at the run's highest iteration peak "
+                "(peak_<category>)"
+            )
+        print(explained + "; in brackets, the change against the first run.")
+    if source:
+        print(f"Runs named by their {source}; --names gives others.")
+    for note in comparison_notes(rows, unit):
+        print(f"Note: {note}.")
     if args.csv:
         write_comparison_csv(rows, args.csv, unit)
         print(f"wrote {args.csv}")
 
 
-_COMMANDS = {"summary": _summary, "plot": _plot, "report": _report, "compare": _compare}
+def _estimate(args: argparse.Namespace) -> int:
+    return _estimate_cli().run(args, _fail)
+
+
+_COMMANDS = {"summary": _summary, "plot": _plot, "report": _report, "compare": _compare, "estimate": _estimate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -191,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
-        _COMMANDS[args.command](args)
+        status = _COMMANDS[args.command](args)
     except (RunFileError, _BadInput) as err:
         return _fail(str(err))
     except ImportError as err:  # an optional dependency (matplotlib) is missing
@@ -201,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:  # the output cannot be written (reading errors are RunFileError)
         where = f" {str(err.filename)!r}" if err.filename else ""
         return _fail(f"cannot write{where}: {err.strerror or err}")
-    return 0
+    return status or 0
 
 
 def _fail(message: str) -> int:

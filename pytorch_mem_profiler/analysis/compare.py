@@ -1,4 +1,5 @@
-"""Compare runs: peak memory and time per iteration, and the change against the first.
+"""Compare runs: peak memory and time per iteration, what each category holds, and the change
+against the first.
 
 The question after "where does my memory go" is "how much did checkpointing or
 mixed precision save, and what did it cost in time". :func:`compare_runs`
@@ -6,47 +7,80 @@ answers it from runs' CSV files; :func:`format_markdown` makes the table
 
 ``| Configuration | Peak memory | Time per iteration | vs first |``
 
-and :func:`comparison_frame` the same figures for a CSV file.
+:func:`format_categories_markdown` a second one with each category per run and
+its change against the first, :func:`comparison_notes` the warnings that the
+runs differ in model or device, and :func:`comparison_frame` all the figures
+for a CSV file.
 
 - Peak memory: the largest ``peak_allocated`` of the run (the most bytes
   allocated to tensors since the profiler started, so every iteration counts,
-  reported or not). ``peak_cached`` (the allocator's reservation) is in the
+  reported or not). ``peak_cached`` (what the allocator reserved) is in the
   CSV output too.
 - Time per iteration: the median of ``iteration_time_s``, so the first
   iteration's warm-up does not count.
+- Categories: weights, weight gradients, optimizer state and feature maps, each
+  at its largest over the run's records; where the files record it, what was
+  alive at the run's highest iteration peak, by category (``peak_<category>``).
+- Names: given, or by default the runs' folders where those tell the runs
+  apart and their file names are the profiler's own (dates), else the file
+  names (:func:`default_names`).
 
 Example::
 
     >>> rows = [
-    ...     Comparison("baseline", 2e9, 4e9, 0.100),
-    ...     Comparison("checkpointing", 1e9, 2e9, 0.125),
+    ...     Comparison("baseline", 2e9, 4e9, 0.100, categories={"feature_maps": 1.5e9}),
+    ...     Comparison("checkpointing", 1e9, 2e9, 0.125, categories={"feature_maps": 0.4e9}),
     ... ]
     >>> print(format_markdown(rows, "GB"))
     | Configuration | Peak memory | Time per iteration | vs first |
     | --- | ---: | ---: | --- |
     | baseline | 2.00 GB | 100 ms | (reference) |
     | checkpointing | 1.00 GB | 125 ms | -50.0% memory, +25.0% time |
+    >>> print(format_categories_markdown(rows, "GB"))
+    | Category | baseline | checkpointing |
+    | --- | ---: | ---: |
+    | feature maps | 1.50 GB | 0.400 GB (-1.10 GB, -73.3%) |
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Sequence
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
 
 import pandas as pd
 
-from .runs import Run
+from ..stats import CATEGORIES as RECORD_CATEGORIES
+from ..stats import PEAK_CATEGORIES
 from ..units import UNITS, check_unit, format_amount
+from .peaks import peak_breakdown, peak_label
+from .runs import PEAK_COLUMNS, Run
 from .summary import format_seconds, peak_memory, time_per_iteration
 
 __all__ = [
     "Comparison",
     "compare_runs",
+    "default_names",
     "format_markdown",
+    "format_categories_markdown",
+    "comparison_notes",
     "comparison_frame",
     "write_comparison_csv",
+    "CATEGORY_LABELS",
 ]
+
+#: The categories compared, by key, with their labels, in table order. The record's
+#: categories are each at their largest over the run; ``peak_<category>`` is what was
+#: alive at the run's highest iteration peak.
+CATEGORY_LABELS: Mapping[str, str] = {
+    **{name: RECORD_CATEGORIES[name] for name in ("weights", "gradients", "optimizer_state", "feature_maps")},
+    **{PEAK_COLUMNS[c]: f"at the peak: {peak_label(c)}" for c in PEAK_CATEGORIES},
+}
+
+#: What the profiler names its files: ``memory_stats_<date>-<time>...``, a date, not a name.
+_GENERATED_NAME = re.compile(r"^memory_stats_\d{8}-\d{6}")
 
 
 @dataclass(frozen=True)
@@ -60,6 +94,10 @@ class Comparison:
         time_per_iteration_s: the median iteration time, in seconds.
         device: the device the run was profiled on.
         path: the run's file, as text.
+        categories: bytes by :data:`CATEGORY_LABELS` key (``None`` where unknown;
+            the peak's categories only where the file records them).
+        parameters: the model's parameter names, in the file's order.
+        device_total: bytes of memory the device has, where the file says.
     """
 
     name: str
@@ -68,6 +106,65 @@ class Comparison:
     time_per_iteration_s: float | None
     device: str = ""
     path: str = ""
+    categories: Mapping[str, float | None] = field(default_factory=dict)
+    parameters: tuple[str, ...] = ()
+    device_total: float | None = None
+
+
+def default_names(runs: Sequence[Run]) -> tuple[list[str], str]:
+    """Names for runs nobody named, and where they come from (``"file names"`` or ``"folders"``).
+
+    A file the user named (``baseline.csv``) is named by its stem. The profiler's
+    own names are dates (``memory_stats_20240601-101500``), so where every run has
+    one, the runs are named by the nearest folder that tells them apart
+    (``runs/baseline/memory_stats_...csv`` and ``runs/ckpt/memory_stats_...csv``
+    are ``baseline`` and ``ckpt``); where no folder does, by file name.
+    A name that comes twice gets `` (2)``, `` (3)``... after it.
+
+    Example::
+
+        >>> from types import SimpleNamespace as Fake
+        >>> fake = lambda path: Fake(path=Path(path), name=Path(path).stem)
+        >>> default_names([fake("runs/base/memory_stats_20240601-101500.csv"),
+        ...                fake("runs/ckpt/memory_stats_20240601-111500.csv")])
+        (['base', 'ckpt'], 'folders')
+        >>> default_names([fake("base.csv"), fake("ckpt.csv")])
+        (['base', 'ckpt'], 'file names')
+    """
+    stems = [run.name for run in runs]
+    names, source = stems, "file names"
+    if stems and all(_GENERATED_NAME.match(stem) for stem in stems):
+        folders = [Path(os.path.abspath(run.path)).parent.parts[::-1] for run in runs]
+        for depth in range(min(len(f) for f in folders)):
+            level = [f[depth] for f in folders]
+            if len(set(level)) == len(level):
+                names, source = level, "folders"
+                break
+    return _unique(names), source
+
+
+def _unique(names: Sequence[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name} ({seen[name]})")
+    return out
+
+
+def _largest(run: Run, column: str) -> float | None:
+    value = run.records[column].max()
+    return None if pd.isna(value) else float(value)
+
+
+def _categories(run: Run) -> dict[str, float | None]:
+    out: dict[str, float | None] = {
+        key: _largest(run, key) for key in ("weights", "gradients", "optimizer_state", "feature_maps")
+    }
+    breakdown = peak_breakdown(run)
+    if breakdown is not None:
+        out.update({PEAK_COLUMNS[c]: breakdown.parts[c] for c in PEAK_CATEGORIES})
+    return out
 
 
 def compare_runs(runs: Sequence[Run], names: Sequence[str] | None = None) -> list[Comparison]:
@@ -75,7 +172,7 @@ def compare_runs(runs: Sequence[Run], names: Sequence[str] | None = None) -> lis
 
     Args:
         runs: the runs to compare.
-        names: a name per run; default the runs' file names.
+        names: a name per run; default :func:`default_names`.
 
     Raises:
         ValueError: ``names`` does not have one name per run.
@@ -84,17 +181,22 @@ def compare_runs(runs: Sequence[Run], names: Sequence[str] | None = None) -> lis
         raise ValueError(
             f"names must give one name per run ({len(runs)}), got {len(names)}: {list(names)!r}"
         )
+    if names is None:
+        names, _ = default_names(runs)
     out = []
-    for i, run in enumerate(runs):
+    for name, run in zip(names, runs):
         cached = run.records["peak_cached"].max()
         out.append(
             Comparison(
-                name=names[i] if names is not None else run.name,
+                name=name,
                 peak_allocated=peak_memory(run),
                 peak_cached=None if pd.isna(cached) else float(cached),
                 time_per_iteration_s=time_per_iteration(run),
                 device=run.device,
                 path=str(run.path),
+                categories=_categories(run),
+                parameters=tuple(run.parameters),
+                device_total=run.device_total,
             )
         )
     return out
@@ -134,44 +236,159 @@ def format_markdown(rows: Sequence[Comparison], unit: str = "MB") -> str:
     return "\n".join(lines)
 
 
+def _compared_categories(rows: Sequence[Comparison]) -> list[str]:
+    """The :data:`CATEGORY_LABELS` keys that at least one row has, in table order."""
+    return [key for key in CATEGORY_LABELS if any(row.categories.get(key) is not None for row in rows)]
+
+
+def _delta(value: float | None, reference: float | None, unit: str) -> str:
+    """``"3.10 MB (-9.20 MB, -74.8%)"``: the value, then its change against the reference."""
+    text = format_amount(value, unit, digits=3)
+    if value is None or reference is None:
+        return text
+    if value == reference:
+        return f"{text} (same)"
+    sign = "+" if value > reference else "-"
+    change = f"{sign}{format_amount(abs(value - reference), unit, digits=3)}"
+    pct = _change(value, reference)
+    return f"{text} ({change}, {'n/a' if pct is None else f'{pct:+.1f}%'})"
+
+
+def format_categories_markdown(rows: Sequence[Comparison], unit: str = "MB") -> str:
+    """Each category per run as a Markdown table (a column per run), the change against the first.
+
+    Categories no run has are left out; a run without one shows ``n/a``. Empty
+    when no run has any.
+    """
+    check_unit(unit)
+    keys = _compared_categories(rows)
+    if not rows or not keys:
+        return ""
+    lines = [
+        "| Category | " + " | ".join(_cell(row.name) for row in rows) + " |",
+        "| --- |" + " ---: |" * len(rows),
+    ]
+    first = rows[0]
+    for key in keys:
+        reference = first.categories.get(key)
+        cells = [format_amount(reference, unit, digits=3)] + [
+            _delta(row.categories.get(key), reference, unit) for row in rows[1:]
+        ]
+        lines.append(f"| {_cell(CATEGORY_LABELS[key])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _examples(names: Sequence[str], most: int = 2) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (", ..." if len(names) > most else "")
+
+
+def _device_kind(device: str) -> str:
+    return device.partition(":")[0]
+
+
+def comparison_notes(rows: Sequence[Comparison], unit: str = "MB") -> list[str]:
+    """Why the comparison may mislead: runs of different models (different parameter
+    names) or on different devices (kind, or memory size where the files say), one line each.
+
+    Example::
+
+        >>> a = Comparison("mlp", 1e6, None, 0.1, "cuda:0", parameters=("fc.weight", "fc.bias"))
+        >>> b = Comparison("gpt", 9e6, None, 0.2, "cpu", parameters=("h.0.attn.weight",))
+        >>> for note in comparison_notes([a, b]):
+        ...     print(note)
+        runs differ in model: gpt has 1 parameter name mlp lacks (h.0.attn.weight) and lacks 2 of mlp's (fc.weight, fc.bias); comparing them is comparing different things
+        runs differ in device: mlp on cuda:0, gpt on cpu; comparing them is comparing different things
+    """
+    if not rows:
+        return []
+    notes = []
+    first = rows[0]
+    models = []
+    for row in rows[1:]:
+        if not row.parameters or not first.parameters or set(row.parameters) == set(first.parameters):
+            continue
+        theirs = set(first.parameters)
+        ours = set(row.parameters)
+        extra = [p for p in row.parameters if p not in theirs]
+        missing = [p for p in first.parameters if p not in ours]
+        parts = []
+        if extra:
+            noun = "name" if len(extra) == 1 else "names"
+            parts.append(f"has {len(extra)} parameter {noun} {first.name} lacks ({_examples(extra)})")
+        if missing:
+            parts.append(f"lacks {len(missing)} of {first.name}'s ({_examples(missing)})")
+        models.append(f"{row.name} " + " and ".join(parts))
+    if models:
+        notes.append(f"runs differ in model: {'; '.join(models)}; comparing them is comparing different things")
+
+    kinds = {_device_kind(row.device) for row in rows if row.device and row.device != "unknown"}
+    totals = {row.device_total for row in rows if row.device_total is not None}
+    if len(kinds) > 1 or len(totals) > 1:
+        described = ", ".join(
+            f"{row.name} on {row.device or 'unknown'}"
+            + (f" ({format_amount(row.device_total, unit, digits=3)})" if row.device_total is not None else "")
+            for row in rows
+        )
+        notes.append(f"runs differ in device: {described}; comparing them is comparing different things")
+    return notes
+
+
 def comparison_frame(rows: Sequence[Comparison], unit: str = "MB") -> pd.DataFrame:
     """The comparison as a table with full precision: memory in ``unit``, time in seconds,
-    changes in percent against the first row (empty for the first)."""
+    changes in percent against the first row (empty for the first).
+
+    After the headline columns come ``device_total``, ``same_model_as_first`` (the
+    same parameter names as the first run) and, per category any run has
+    (:data:`CATEGORY_LABELS`), ``<category>`` and ``<category>_change_pct``.
+    """
     check_unit(unit)
     div = UNITS[unit]
     scale = lambda n: None if n is None else n / div  # noqa: E731
     first = rows[0] if rows else None
-    return pd.DataFrame(
-        [
-            {
-                "configuration": row.name,
-                "peak_memory": scale(row.peak_allocated),
-                "peak_cached": scale(row.peak_cached),
-                "unit": unit,
-                "time_per_iteration_s": row.time_per_iteration_s,
-                "peak_memory_change_pct": None
-                if i == 0
-                else _change(row.peak_allocated, first.peak_allocated),
-                "time_change_pct": None
-                if i == 0
-                else _change(row.time_per_iteration_s, first.time_per_iteration_s),
-                "device": row.device,
-                "file": row.path,
-            }
-            for i, row in enumerate(rows)
-        ],
-        columns=[
-            "configuration",
-            "peak_memory",
-            "peak_cached",
-            "unit",
-            "time_per_iteration_s",
-            "peak_memory_change_pct",
-            "time_change_pct",
-            "device",
-            "file",
-        ],
-    )
+    keys = _compared_categories(rows)
+    columns = [
+        "configuration",
+        "peak_memory",
+        "peak_cached",
+        "unit",
+        "time_per_iteration_s",
+        "peak_memory_change_pct",
+        "time_change_pct",
+        "device",
+        "file",
+        "device_total",
+        "same_model_as_first",
+    ]
+    for key in keys:
+        columns += [key, f"{key}_change_pct"]
+    records = []
+    for i, row in enumerate(rows):
+        record = {
+            "configuration": row.name,
+            "peak_memory": scale(row.peak_allocated),
+            "peak_cached": scale(row.peak_cached),
+            "unit": unit,
+            "time_per_iteration_s": row.time_per_iteration_s,
+            "peak_memory_change_pct": None
+            if i == 0
+            else _change(row.peak_allocated, first.peak_allocated),
+            "time_change_pct": None
+            if i == 0
+            else _change(row.time_per_iteration_s, first.time_per_iteration_s),
+            "device": row.device,
+            "file": row.path,
+            "device_total": scale(row.device_total),
+            "same_model_as_first": set(row.parameters) == set(first.parameters),
+        }
+        for key in keys:
+            value = row.categories.get(key)
+            record[key] = scale(value)
+            record[f"{key}_change_pct"] = (
+                None if i == 0 else _change(value, first.categories.get(key))
+            )
+        records.append(record)
+    return pd.DataFrame(records, columns=columns)
 
 
 def write_comparison_csv(

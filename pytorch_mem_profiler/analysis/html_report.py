@@ -1,10 +1,17 @@
-"""A run as one self-contained HTML file: charts, per-epoch and per-layer tables, settings.
+"""A run as one self-contained HTML file: charts, the peak's breakdown, per-epoch and per-layer
+tables, settings.
 
 Everything is inside the file: the charts are PNG images embedded as
 ``data:`` URLs, the style is inline, there is no script, and a
 Content-Security-Policy forbids loading anything else, so the page opens the
 same offline, attached to an e-mail, or years later. The charts need
 matplotlib; without it the report says so in their place.
+
+Where the run's file has them, the report adds the headroom (the peak as a
+share of ``device_total``) under the title, and a section "At the peak": what
+was alive at the run's highest-peak record by category (a stacked bar and a
+table) and the same per epoch. Repeated layers are folded into one row
+(``blocks.[0-11].attn``, 12 layers of 3 MB each).
 
 Example::
 
@@ -33,17 +40,21 @@ from typing import Iterable, Sequence
 import pandas as pd
 
 from ..stats import CATEGORIES as RECORD_CATEGORIES
-from ..stats import INPUT
+from ..stats import INPUT, PEAK_CATEGORIES, PHASE_LABELS
 from ..units import UNITS, format_amount
+from .peaks import epoch_breakdowns, format_share, peak_breakdown, peak_label
 from .runs import Run, module_of
 from .summary import (
-    EPOCH_HEADER,
     category_label,
     choose_unit,
+    epoch_header,
     epoch_rows,
     epoch_table,
+    format_headroom,
     format_seconds,
+    group_each,
     largest_layers,
+    layer_groups,
     run_settings,
 )
 
@@ -51,6 +62,9 @@ __all__ = ["render_html", "write_html", "CONTENT_SECURITY_POLICY"]
 
 #: Nothing may be fetched: images only from data: URLs, style only inline.
 CONTENT_SECURITY_POLICY = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+
+#: A parameter table longer than this is folded (a <details> element, opened by a click).
+_OPEN_PARAMETER_ROWS = 40
 
 #: The records table shows at most this many rows (the last ones); the CSV has them all.
 _MAX_RECORD_ROWS = 2000
@@ -64,7 +78,7 @@ h2 { font-size: 1.25rem; margin-top: 2rem; border-bottom: 1px solid #ddd; paddin
 table { border-collapse: collapse; margin: 0.5rem 0 1rem; font-size: 0.9rem; }
 th, td { border: 1px solid #ddd; padding: 0.25rem 0.6rem; text-align: left; }
 th { background: #f4f4f4; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 img { max-width: 100%; height: auto; display: block; margin: 0.5rem 0; }
 .note { color: #666; font-size: 0.85rem; }
 .warning { color: #8a4b00; }
@@ -92,29 +106,20 @@ def _table(
 def _charts(run: Run, unit: str) -> tuple[list[str], str | None]:
     """The charts as <figure> elements, or a note why there are none."""
     try:
-        from .plot import plot_iteration_time, plot_layers, plot_memory, png_bytes
+        from .plot import plot_iteration_time, plot_layers, plot_memory
 
         figures = [
             (
                 "chart-memory",
                 "Memory by category over the run's reported iterations",
-                plot_memory(run, unit=unit),
+                plot_memory(run, unit=unit, peak_bar=False),
             ),
             ("chart-layers", "The largest layers by category", plot_layers(run, unit=unit)),
             ("chart-time", "Host wall time per reported iteration", plot_iteration_time(run)),
         ]
     except ImportError as err:
         return [], str(err)
-    out = []
-    for chart_id, caption, figure in figures:
-        width, height = (int(round(v)) for v in figure.get_size_inches() * figure.dpi)
-        data = base64.b64encode(png_bytes(figure)).decode("ascii")
-        out.append(
-            f'<figure id="{chart_id}"><img src="data:image/png;base64,{data}" width="{width}" '
-            f'height="{height}" alt="{escape(caption)}"><figcaption class="note">{escape(caption)}'
-            "</figcaption></figure>"
-        )
-    return out, None
+    return [_figure(chart_id, caption, figure) for chart_id, caption, figure in figures], None
 
 
 def render_html(run: Run, unit: str | None = None) -> str:
@@ -141,6 +146,9 @@ def render_html(run: Run, unit: str | None = None) -> str:
         f"{escape(unit)} (1 {escape(unit)} = {UNITS[unit]:,} bytes) &middot; made {made} by "
         f"pytorch_mem_profiler {escape(__version__)}</p>",
     ]
+    room = format_headroom(run, unit)
+    if room is not None:
+        parts.append(f'<p id="headroom">Headroom: {escape(room)}</p>')
     parts += [f'<p class="warning">{escape(w)}</p>' for w in run.warnings]
 
     parts.append('<h2 id="charts">Charts</h2>')
@@ -149,6 +157,8 @@ def render_html(run: Run, unit: str | None = None) -> str:
     if missing is not None:
         parts.append(f'<p class="note" id="no-charts">No charts: {escape(missing)}</p>')
 
+    parts += _peak_section(run, unit)
+
     parts.append('<h2 id="settings">Run settings</h2>')
     parts.append(
         _table(("Setting", "Value"), run_settings(run, unit), (False, False), "settings-table")
@@ -156,43 +166,64 @@ def render_html(run: Run, unit: str | None = None) -> str:
 
     parts.append('<h2 id="epochs">Epochs</h2>')
     epochs = epoch_table(run)
+    header = epoch_header(epochs)
     parts.append(
         _table(
-            EPOCH_HEADER,
+            header,
             epoch_rows(epochs, size),
-            (False, True, True, True, True, True),
+            [h not in ("Epoch", "Largest at the peak") for h in header],
             "epoch-table",
         )
     )
-    parts.append(
-        '<p class="note">Peak allocated: the highest iteration peak among the epoch\'s records '
-        "(iteration_peak_allocated). Peak cached: the most the allocator reserved since the run "
-        "started, by the epoch's last record (peak_cached).</p>"
-    )
+    notes = [
+        "Peak allocated: the highest iteration peak among the epoch's records "
+        "(iteration_peak_allocated).",
+        "Peak reserved: the most the allocator reserved since the run started, by the epoch's "
+        "last record (peak_cached).",
+    ]
+    if "device_share" in epochs:
+        notes.append("Peak of device: peak allocated as a share of the device's memory (device_total).")
+    if "largest_category" in epochs:
+        notes.append(
+            "Largest at the peak: the category with the most bytes alive at the epoch's "
+            "highest-peak record, and its share of that peak."
+        )
+    parts.append(f'<p class="note">{escape(" ".join(notes))}</p>')
 
     parts.append('<h2 id="parameters">Layers: weights and gradients by parameter</h2>')
     last_weights = run.weights.iloc[-1] if len(run.weights.columns) else {}
     largest_grads = run.gradients.max() if len(run.gradients.columns) else {}
-    parts.append(
-        _table(
-            ("Parameter", "Layer", "Weights", "Gradients (largest)"),
-            (
-                (name, module_of(name), size(last_weights[name]), size(largest_grads[name]))
-                for name in run.parameters
-            ),
-            (False, False, True, True),
-            "parameter-table",
-        )
+    parameters = _table(
+        ("Parameter", "Layer", "Weights", "Gradients (largest)"),
+        (
+            (name, module_of(name), size(last_weights[name]), size(largest_grads[name]))
+            for name in run.parameters
+        ),
+        (False, False, True, True),
+        "parameter-table",
     )
+    # A long list (every block's every parameter) folds away; the grouped layers follow.
+    if len(run.parameters) > _OPEN_PARAMETER_ROWS:
+        parameters = f"<details><summary>{len(run.parameters)} parameters</summary>{parameters}</details>"
+    parts.append(parameters)
 
     parts.append('<h2 id="layers">Largest layers by category</h2>')
-    for category, layers in largest_layers(run, top=25).items():
+    parts.append(
+        '<p class="note">Layers that differ only in a number (blocks.0.attn ... blocks.11.attn) '
+        "are one row: how many, the size of each, and their total; each layer at its largest "
+        "over the run. The CSV files keep every name.</p>"
+    )
+    sizes = {category: dict(layers) for category, layers in largest_layers(run, top=None).items()}
+    for category, groups in layer_groups(run, top=25).items():
         parts.append(f"<h3>{escape(category_label(category).capitalize())}</h3>")
         parts.append(
             _table(
-                ("Layer", escape(category_label(category))),
-                ((name, size(nbytes)) for name, nbytes in layers),
-                (False, True),
+                ("Layer", "Layers", "Each", category_label(category)),
+                (
+                    (g.name, str(g.count), group_each(g, sizes[category], size), size(g.total))
+                    for g in groups
+                ),
+                (False, True, True, True),
                 f"layers-{_slug(category)}",
             )
         )
@@ -208,6 +239,67 @@ def render_html(run: Run, unit: str | None = None) -> str:
     parts.append(_records_table(run, unit))
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _peak_section(run: Run, unit: str) -> list[str]:
+    """"At the peak": the run's highest-peak record by category (bar and table), then per epoch."""
+    breakdown = peak_breakdown(run)
+    if breakdown is None:
+        return []
+    size = lambda n: format_amount(n, unit, digits=3)  # noqa: E731
+    where = f"epoch {breakdown.epoch}, iteration {breakdown.iteration}"
+    if breakdown.phase is not None:
+        where += f", during {PHASE_LABELS.get(breakdown.phase, breakdown.phase)}"
+    parts = [
+        '<h2 id="peak">At the peak</h2>',
+        f'<p id="peak-where">The run\'s highest iteration peak: {escape(size(breakdown.peak))} '
+        f"({escape(where)}). What was alive then, by category; the parts sum to the peak.</p>",
+    ]
+    try:
+        from .plot import plot_peak_breakdown
+
+        parts.append(
+            _figure("chart-peak", "What was alive at the run's peak", plot_peak_breakdown(run, unit=unit))
+        )
+    except ImportError:
+        pass  # the charts section says what to install
+    parts.append(
+        _table(
+            ("Category", "At the peak", "Share of the peak"),
+            (
+                (peak_label(c), size(n), format_share(breakdown.share(c)))
+                for c, n in breakdown.ranked()
+            ),
+            (False, True, True),
+            "peak-table",
+        )
+    )
+    by_epoch = epoch_breakdowns(run)
+    parts.append("<h3>Per epoch, at its highest-peak record</h3>")
+    parts.append(
+        _table(
+            ("Epoch", "Iteration", "Peak", *(peak_label(c) for c in PEAK_CATEGORIES)),
+            (
+                (str(e), str(b.iteration), size(b.peak), *(size(b.parts[c]) for c in PEAK_CATEGORIES))
+                for e, b in by_epoch.items()
+            ),
+            (False, False) + (True,) * (1 + len(PEAK_CATEGORIES)),
+            "peak-epochs-table",
+        )
+    )
+    return parts
+
+
+def _figure(chart_id: str, caption: str, figure: object) -> str:
+    from .plot import png_bytes
+
+    width, height = (int(round(v)) for v in figure.get_size_inches() * figure.dpi)  # type: ignore[attr-defined]
+    data = base64.b64encode(png_bytes(figure)).decode("ascii")
+    return (
+        f'<figure id="{chart_id}"><img src="data:image/png;base64,{data}" width="{width}" '
+        f'height="{height}" alt="{escape(caption)}"><figcaption class="note">{escape(caption)}'
+        "</figcaption></figure>"
+    )
 
 
 def _slug(text: str) -> str:
@@ -236,28 +328,36 @@ def _records_table(run: Run, unit: str) -> str:
         ("allocated", "Allocated"),
         ("iteration_peak_allocated", "Peak this iteration"),
         ("peak_allocated", "Peak since start"),
-        ("current_cached", "Cached"),
+        ("current_cached", "Reserved"),
+        ("cache_slack", "Cache slack"),
         *(
             (name, RECORD_CATEGORIES[name].capitalize())
             for name in ("weights", "gradients", "optimizer_state", "feature_maps", "intermediate_gradients")
         ),
         ("outside_pytorch", "Outside PyTorch"),
     )
+    records = run.records.assign(
+        cache_slack=run.records["current_cached"] - run.records["allocated"],
+        device_share=run.records["iteration_peak_allocated"] / run.records["device_total"].where(run.records["device_total"] > 0),
+    )
     # Figures this run's device or settings never produced are left out, not shown as n/a.
-    columns = tuple((c, label) for c, label in columns if run.records[c].notna().any())
-    records = run.records.tail(_MAX_RECORD_ROWS)
+    columns = tuple((c, label) for c, label in columns if records[c].notna().any())
+    shares = records["device_share"].notna().any()
+    records = records.tail(_MAX_RECORD_ROWS)
     rows = (
         [str(int(r["epoch"])), str(int(r["iteration"]))]
         + [format_amount(r[c], unit, digits=3) for c, _ in columns]
+        + ([format_share(r["device_share"])] if shares else [])
         + [format_seconds(r["iteration_time_s"]), _text(r["peak_phase"]), _text(r["peak_location"])]
         for _, r in records.iterrows()
     )
     header = (
         ["Epoch", "Iteration"]
         + [label for _, label in columns]
+        + (["Peak of device"] if shares else [])
         + ["Time", "Peak during", "Peak in"]
     )
-    numeric = [False, False] + [True] * (len(columns) + 1) + [False, False]
+    numeric = [False, False] + [True] * (len(columns) + int(shares) + 1) + [False, False]
     note = (
         f'<p class="note">The last {_MAX_RECORD_ROWS} of {len(run.records)} records; the CSV has all.</p>'
         if len(run.records) > _MAX_RECORD_ROWS

@@ -1,4 +1,5 @@
-"""Charts of a run: memory over iterations by category, the largest layers, iteration time.
+"""Charts of a run: memory over iterations by category, what the peak is made of, the largest
+layers, iteration time.
 
 Needs matplotlib (``pip install 'pytorch_mem_profiler[plot]'``), imported only
 when a chart is drawn. Figures are made with ``matplotlib.figure.Figure``
@@ -11,7 +12,13 @@ allocated (``iteration_peak_allocated``; ``allocated`` where the peak is
 unknown) minus those five, where that is positive (inputs, the loss,
 buffers, temporaries). The categories are each at their own largest, which do
 not all happen at one moment, so the stack may rise above the peak drawn as a
-line; the reserved (cached) line is on top.
+line; the reserved line (``current_cached``) is on top.
+
+Where the file records what was alive at each iteration's peak (the
+``peak_<category>`` columns), :func:`plot_peak_breakdown` draws the run's
+highest-peak record as one stacked bar whose parts sum to that peak exactly,
+and :func:`plot_memory` adds the same bar as a panel under its chart. Files
+without the columns get no panel.
 
 Example::
 
@@ -38,14 +45,18 @@ import pandas as pd
 
 from ..options import check_int
 from ..stats import CATEGORIES as RECORD_CATEGORIES
-from ..units import UNITS
+from ..stats import PEAK_CATEGORIES, PHASE_LABELS
+from ..units import UNITS, format_amount
+from .peaks import PeakBreakdown, format_share, peak_breakdown, peak_label
 from .runs import Run
-from .summary import category_label, choose_unit, largest_layers
+from .summary import category_label, choose_unit, layer_groups
 
 __all__ = [
     "CATEGORIES",
+    "PEAK_COLOURS",
     "memory_categories",
     "plot_memory",
+    "plot_peak_breakdown",
     "plot_layers",
     "plot_iteration_time",
     "png_bytes",
@@ -65,6 +76,18 @@ CATEGORIES = (
     ),
     ("other", "other", "#B0B0B0"),
 )
+
+#: The colour of each peak category; those the memory chart also stacks keep its colours.
+PEAK_COLOURS = {
+    "weights": "#4C72B0",
+    "gradients": "#DD8452",
+    "optimizer_state": "#55A868",
+    "activations": "#C44E52",
+    "activation_gradients": "#8172B3",
+    "inputs": "#CCB974",
+    "other": "#B0B0B0",
+}
+assert tuple(PEAK_COLOURS) == PEAK_CATEGORIES
 
 _RESERVED_COLOUR = "#111111"
 _PEAK_COLOUR = "#7A1F1F"
@@ -160,6 +183,7 @@ def plot_memory(
     width: int = 1200,
     height: int = 600,
     dpi: int = 100,
+    peak_bar: bool = True,
 ) -> Any:
     """Memory over the run's reported iterations, stacked by category, reserved on top.
 
@@ -170,9 +194,11 @@ def plot_memory(
         width: the image's width in pixels.
         height: the image's height in pixels.
         dpi: dots per inch (text size grows with it).
+        peak_bar: where the run records its peak's breakdown, draw it under the
+            chart (:func:`plot_peak_breakdown`'s bar, as a second axes).
 
     Returns:
-        The ``matplotlib.figure.Figure``.
+        The ``matplotlib.figure.Figure``; its first axes is the chart over iterations.
 
     Raises:
         ImportError: matplotlib is not installed (the message says what to install).
@@ -180,7 +206,11 @@ def plot_memory(
     unit = choose_unit(unit, run.unit)
     div = UNITS[unit]
     figure = _new_figure(width, height, dpi)
-    ax = figure.subplots()
+    breakdown = peak_breakdown(run) if peak_bar else None
+    if breakdown is None:
+        ax = figure.subplots()
+    else:
+        ax, bar_ax = figure.subplots(2, 1, gridspec_kw={"height_ratios": [4.2, 1]})
     steps = run.records["step"].astype(float)
     parts = memory_categories(run) / div
     lines = pd.DataFrame(
@@ -213,7 +243,7 @@ def plot_memory(
         handles.append(peak)
     if lines["reserved"].notna().any():
         (reserved,) = ax.plot(
-            x, lines["reserved"], color=_RESERVED_COLOUR, linewidth=2.0, label="reserved (cached)"
+            x, lines["reserved"], color=_RESERVED_COLOUR, linewidth=2.0, label="reserved"
         )
         handles.append(reserved)
     ax.set_xlim(float(x.min()), float(x.max()))
@@ -230,7 +260,111 @@ def plot_memory(
     ax.legend(
         handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9
     )
-    figure.subplots_adjust(left=0.08, right=0.77, top=0.92, bottom=0.11)
+    if breakdown is None:
+        figure.subplots_adjust(left=0.08, right=0.77, top=0.92, bottom=0.11)
+    else:
+        _draw_peak_bar(bar_ax, breakdown, unit, run.device_total)
+        # fixed pixel margins, so the two titles and the axis labels fit at any height
+        figure.subplots_adjust(
+            left=0.08, right=0.77, top=1 - 36 / height, bottom=48 / height, hspace=150 / (height * 0.6)
+        )
+    _save(figure, path)
+    return figure
+
+
+def _draw_peak_bar(ax: Any, breakdown: PeakBreakdown, unit: str, device_total: float | None) -> None:
+    """One horizontal bar: the categories alive at the peak, left to right, their widths in bytes."""
+    div = UNITS[unit]
+    left = 0.0
+    for category in PEAK_CATEGORIES:
+        nbytes = breakdown.parts[category]
+        if nbytes <= 0:
+            continue
+        amount = format_amount(nbytes, unit, digits=3)
+        ax.barh(
+            0,
+            nbytes / div,
+            left=left,
+            height=0.6,
+            color=PEAK_COLOURS[category],
+            # the short name ("activations", not "activations (saved for backward)"): it fits
+            label=f"{peak_label(category).split(' (')[0]}: {amount} ({format_share(breakdown.share(category))})",
+            gid=f"peak-{category}",
+        )
+        # the share inside the part where it fits
+        if breakdown.peak > 0 and nbytes / breakdown.peak >= 0.07:
+            ax.text(
+                left + nbytes / div / 2,
+                0,
+                format_share(breakdown.share(category)),
+                ha="center",
+                va="center",
+                fontsize=9,
+                color="white",
+            )
+        left += nbytes / div
+    ax.set_xlim(0, left if left > 0 else 1)
+    ax.set_ylim(-0.5, 0.5)
+    ax.set_yticks([])
+    ax.set_xlabel(f"Memory ({unit}, 1 {unit} = {UNITS[unit]:,} bytes)")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.6g}"))
+    title = (
+        f"At the run's peak: {format_amount(breakdown.peak, unit, digits=3)}, "
+        f"epoch {breakdown.epoch} iteration {breakdown.iteration}"
+    )
+    if breakdown.phase is not None:
+        title += f", {PHASE_LABELS.get(breakdown.phase, breakdown.phase)}"
+    if device_total:
+        title += (
+            f"; {format_share(breakdown.peak / device_total)} of the device's "
+            f"{format_amount(device_total, unit, digits=3)}"
+        )
+    ax.set_title(title, fontsize=10, loc="left")
+    # largest first in the legend, as the summary lists them
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(handles)), key=lambda i: -handles[i].patches[0].get_width())
+    ax.legend(
+        [handles[i] for i in order],
+        [labels[i] for i in order],
+        loc="center left",
+        bbox_to_anchor=(1.01, 0.5),
+        frameon=False,
+        fontsize=8,
+    )
+
+
+def plot_peak_breakdown(
+    run: Run,
+    path: str | os.PathLike | None = None,
+    *,
+    unit: str | None = None,
+    width: int = 1200,
+    height: int = 260,
+    dpi: int = 100,
+) -> Any:
+    """What was alive at the run's peak: one bar, stacked by category, largest first in the legend.
+
+    The record drawn is the one with the highest ``iteration_peak_allocated`` among
+    those with a breakdown (the earliest of equal ones); its parts sum to that peak.
+    Arguments as :func:`plot_memory`.
+
+    Raises:
+        ValueError: the run's file has no breakdown (no ``peak_<category>`` figures).
+        ImportError: matplotlib is not installed.
+    """
+    unit = choose_unit(unit, run.unit)
+    breakdown = peak_breakdown(run)
+    if breakdown is None:
+        raise ValueError(
+            f"{run.path.name} does not record what was alive at its peak (no peak_<category> "
+            "figures): the profiler version that wrote it did not measure it"
+        )
+    figure = _new_figure(width, height, dpi)
+    ax = figure.subplots()
+    _draw_peak_bar(ax, breakdown, unit, run.device_total)
+    figure.subplots_adjust(left=0.03, right=0.7, top=1 - 40 / height, bottom=55 / height)
     _save(figure, path)
     return figure
 
@@ -248,11 +382,16 @@ def plot_layers(
     """The ``top`` largest layers, a bar per category (weights, gradients, and those of the
     per-layer file such as feature maps); each layer at its largest over the run.
 
-    ``height`` defaults to one that fits the layers. Other arguments as :func:`plot_memory`.
+    Repeated layers are one bar, their total (``blocks.[0-11].attn``), as in the summary
+    (:func:`~pytorch_mem_profiler.analysis.summary.layer_groups`). ``height`` defaults to
+    one that fits the layers. Other arguments as :func:`plot_memory`.
     """
     unit = choose_unit(unit, run.unit)
     div = UNITS[unit]
-    by_category = largest_layers(run, top=10**9)
+    by_category = {
+        category: [(group.name, float(group.total)) for group in groups]
+        for category, groups in layer_groups(run, top=None).items()
+    }
     totals: dict[str, float] = {}
     for layers in by_category.values():
         for name, nbytes in layers:

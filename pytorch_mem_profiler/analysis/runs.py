@@ -12,6 +12,12 @@ parameter ``p`` is a column that is none of the fixed ones, comes before
 ``total_layer_weight_gradient_usage`` and has a partner column ``p_grad``.
 Columns a later version adds are carried along and ignored.
 
+Files from versions that record the device's size and the peak's breakdown
+have ``device_total`` (an amount), ``peak_share`` (a fraction of the device,
+read as it is) and one ``peak_<category>`` amount per
+:data:`~pytorch_mem_profiler.stats.PEAK_CATEGORIES` (:data:`PEAK_COLUMNS`);
+older files lack them, and the records then hold ``NaN`` there.
+
 Example::
 
     >>> import io, tempfile, torch
@@ -37,6 +43,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..outputs.export import EXTRA_COLUMNS, NON_AMOUNT_COLUMNS, record_columns
+from ..stats import PEAK_CATEGORIES
 from ..units import UNITS
 
 __all__ = [
@@ -49,6 +56,7 @@ __all__ = [
     "module_of",
     "RUN_GLOB",
     "MODEL",
+    "PEAK_COLUMNS",
 ]
 
 #: The names of the profiler's run files in a CSV folder.
@@ -67,18 +75,38 @@ _RENAMED = {
     "total_layer_weight_gradient_usage": "gradients",
 }
 
-#: Figures in the file's unit, by record field name; converted to bytes on reading.
-_AMOUNTS = (
-    "peak_cached",
-    "current_cached",
-    "feature_maps",
-    "weights",
-    "gradients",
-    "intermediate_gradients",
-) + tuple(c for c in EXTRA_COLUMNS if c not in NON_AMOUNT_COLUMNS)
+#: The CSV column of each peak category (:data:`~pytorch_mem_profiler.stats.PEAK_CATEGORIES`):
+#: bytes alive at the iteration's peak, summing to ``iteration_peak_allocated``.
+PEAK_COLUMNS = {category: f"peak_{category}" for category in PEAK_CATEGORIES}
 
-#: Plain numbers: counts and seconds.
-_NUMBERS = ("forward_passes", "backward_passes", "optimizer_steps", "iteration_time_s", "step")
+#: Plain numbers: counts, seconds, and the peak as a fraction (0 to 1) of the device.
+_NUMBERS = (
+    "forward_passes",
+    "backward_passes",
+    "optimizer_steps",
+    "iteration_time_s",
+    "step",
+    "peak_share",
+)
+
+#: Figures in the file's unit, by record field name; converted to bytes on reading.
+#: Named here as well as taken from the writer's list, so that files with the device's
+#: size and the peak's breakdown are read right whichever version wrote them.
+_AMOUNTS = tuple(
+    dict.fromkeys(
+        (
+            "peak_cached",
+            "current_cached",
+            "feature_maps",
+            "weights",
+            "gradients",
+            "intermediate_gradients",
+            *(c for c in EXTRA_COLUMNS if c not in NON_AMOUNT_COLUMNS and c not in _NUMBERS),
+            "device_total",
+            *PEAK_COLUMNS.values(),
+        )
+    )
+)
 
 #: Without these a file is not one the profiler wrote.
 _REQUIRED = (
@@ -112,7 +140,9 @@ class Run:
             :class:`~pytorch_mem_profiler.stats.IterationRecord`'s fields
             (``epoch``, ``iteration``, ``step``, ``allocated``, ``weights``,
             ``feature_maps``...). Amounts are bytes (float, ``NaN`` where the
-            device did not know), ``iteration_time_s`` seconds.
+            device did not know), ``iteration_time_s`` seconds. ``device_total``
+            (bytes), ``peak_share`` (0 to 1) and the :data:`PEAK_COLUMNS` are
+            ``NaN`` where the file does not have them.
         weights: bytes per parameter (columns) per reported iteration (rows).
         gradients: gradient bytes per parameter, same shape as ``weights``.
         layers: the per-layer file in long format (``epoch, iteration,
@@ -147,6 +177,19 @@ class Run:
             return "unknown"
         known = self.records["device"].dropna()
         return str(known.iloc[-1]) if len(known) else "unknown"
+
+    @property
+    def device_total(self) -> float | None:
+        """Bytes of memory the device has, as the last record that knew it said; ``None``
+        where the file does not say (older files, the CPU)."""
+        known = self.records["device_total"].dropna()
+        known = known[known > 0]
+        return float(known.iloc[-1]) if len(known) else None
+
+    @property
+    def has_peak_breakdown(self) -> bool:
+        """Whether any record says what was alive at its peak (the ``peak_<category>`` columns)."""
+        return bool(self.records[list(PEAK_COLUMNS.values())].notna().any().any())
 
     @property
     def epochs(self) -> list[int]:

@@ -5,8 +5,10 @@ The only subpackage that calls a device memory API (``torch.cuda``, ``torch.xpu`
 resolution, capacity), :mod:`.allocator` (the caching allocator's statistics, its
 history recording and out-of-memory observer), :mod:`.outside` (memory outside
 PyTorch). :mod:`.accounting` counts bytes of models and optimizers from their
-tensors, :mod:`.hooks` finds forward, backward and the optimizer step,
-:mod:`.layers` puts saved tensors down to modules, :mod:`.data_parallel` knows DDP
+tensors, :mod:`.hooks` finds forward, backward and the optimizer step (with
+:mod:`.entries`, the modules a forward enters the model through),
+:mod:`.layers` puts saved tensors down to modules (:mod:`.saved_tensors` chains
+its pack hook to the user's saved-tensor hooks), :mod:`.data_parallel` knows DDP
 and FSDP2, and :mod:`.meter` owns one iteration's state and turns it into an
 :class:`~pytorch_mem_profiler.stats.IterationRecord`.
 

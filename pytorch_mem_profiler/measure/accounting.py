@@ -1,8 +1,10 @@
 """Bytes held by a model and its optimizers, computed from the tensors themselves.
 
 Pure functions over modules, parameters and optimizers; no device counters.
-A tensor's bytes are ``numel() * element_size()``; two tensors over the same
-memory (tied weights, views) count once, under the first name met.
+A tensor's bytes are ``numel() * element_size()``; a sparse tensor's (COO, CSR,
+CSC, BSR, BSC: ``nn.Embedding(sparse=True)`` gradients) are the bytes of its index
+and value storages. Two tensors over the same memory (tied weights, views) count
+once, under the first name met.
 
 Example::
 
@@ -21,11 +23,13 @@ import torch
 
 __all__ = [
     "tensor_bytes",
+    "storage_parts",
     "allocation_bytes",
     "same_device",
     "unique_parameters",
     "weight_bytes",
     "gradient_bytes",
+    "GradientSizes",
     "buffer_bytes",
     "optimizer_state_tensors",
     "optimizer_state_bytes",
@@ -35,18 +39,52 @@ __all__ = [
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
+_COMPRESSED_ROWS = (torch.sparse_csr, torch.sparse_bsr)
+_COMPRESSED_COLUMNS = (torch.sparse_csc, torch.sparse_bsc)
+
+
+def storage_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors that hold a tensor's memory: itself, or a sparse tensor's
+    indices and values.
+
+    Example::
+
+        >>> import torch
+        >>> sparse = torch.eye(3).to_sparse()             # COO: indices and values
+        >>> [tuple(p.shape) for p in storage_parts(sparse)]
+        [(2, 3), (3,)]
+    """
+    layout = tensor.layout
+    if layout is torch.strided:
+        return (tensor,)
+    if layout is torch.sparse_coo:
+        return (tensor._indices(), tensor._values())
+    if layout in _COMPRESSED_ROWS:
+        return (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+    if layout in _COMPRESSED_COLUMNS:
+        return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+    return (tensor,)
+
+
+def _sparse_bytes(tensor: torch.Tensor) -> int:
+    return sum(part.untyped_storage().nbytes() for part in storage_parts(tensor))
+
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the tensor's elements: ``numel() * element_size()``.
 
     For a DTensor (FSDP2, tensor parallel) this is the local shard: what this
-    rank really holds.
+    rank really holds. For a sparse tensor, the bytes of its index and value
+    storages.
     """
     if type(tensor) in _PLAIN_TENSORS:  # the hot path: no attribute probing
-        return tensor.nbytes
+        # ``nbytes`` raises for COO and is the dense size for CSR: neither is what a sparse tensor holds.
+        return tensor.nbytes if tensor.layout is torch.strided else _sparse_bytes(tensor)
     local = getattr(tensor, "_local_tensor", None)
     if isinstance(local, torch.Tensor):
         tensor = local
+    if tensor.layout is not torch.strided:
+        return _sparse_bytes(tensor)
     return tensor.numel() * tensor.element_size()
 
 
@@ -56,6 +94,8 @@ def allocation_bytes(tensor: torch.Tensor) -> int:
     An expanded view (``torch.ones(()).expand(1000)``, as autograd makes for
     the gradient of a sum) has 1000 elements over 4 bytes of storage.
     """
+    if tensor.layout is not torch.strided:
+        return _sparse_bytes(tensor)
     try:
         return min(tensor_bytes(tensor), tensor.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError, TypeError):
@@ -69,9 +109,13 @@ def same_device(tensor: torch.Tensor, device: torch.device) -> bool:
 
 
 def _memory_key(tensor: torch.Tensor) -> tuple[int, int, int]:
-    """Identifies the memory a tensor covers: start address, byte count, device index."""
+    """Identifies the memory a tensor covers: start address, byte count, device index.
+
+    A sparse tensor has no ``data_ptr()``: its values' address stands for it.
+    """
     local = getattr(tensor, "_local_tensor", tensor)
-    return (local.data_ptr(), tensor_bytes(local), local.device.index or 0)
+    first = storage_parts(local)[-1]
+    return (first.data_ptr(), tensor_bytes(local), local.device.index or 0)
 
 
 def unique_parameters(
@@ -103,6 +147,49 @@ def weight_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[tuple
 def gradient_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[int]:
     """Bytes of each parameter's ``.grad`` (0 where it is ``None``), in order."""
     return [0 if (grad := p.grad) is None else tensor_bytes(grad) for _, p in params]
+
+
+class GradientSizes:
+    """:func:`gradient_bytes` of a fixed parameter list, made cheap for the hot path (twice per backward).
+
+    A dense parameter's gradient is dense or sparse COO (autograd allows no other
+    layout for it), and ``nbytes`` raises for COO: so a dense parameter's
+    gradient needs no layout check. Only when a parameter itself is sparse is
+    every gradient checked.
+
+    Example::
+
+        >>> import torch
+        >>> emb = torch.nn.Embedding(10, 4, sparse=True)
+        >>> emb(torch.tensor([1, 1, 2])).sum().backward()     # a COO gradient: 3 indices, 3 rows
+        >>> GradientSizes(list(emb.named_parameters()))() == [3 * 8 + 3 * 4 * 4]
+        True
+    """
+
+    __slots__ = ("_params", "_named", "_dense")
+
+    def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+        self._named = list(params)
+        self._params = [p for _, p in self._named]
+        self._dense = all(p.layout is torch.strided for p in self._params)
+
+    def __call__(self) -> list[int]:
+        if not self._dense:
+            return gradient_bytes(self._named)
+        sizes = []
+        append = sizes.append
+        for p in self._params:
+            grad = p.grad
+            if grad is None:
+                append(0)
+            elif type(grad) is not torch.Tensor:  # a DTensor: its local shard
+                append(tensor_bytes(grad))
+            else:
+                try:
+                    append(grad.nbytes)
+                except RuntimeError:  # "nbytes is not defined for sparse tensors"
+                    append(tensor_bytes(grad))
+        return sizes
 
 
 def buffer_bytes(model: torch.nn.Module, device: torch.device) -> list[tuple[str, int]]:

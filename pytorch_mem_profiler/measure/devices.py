@@ -31,6 +31,8 @@ from typing import Any, Iterable, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from .accounting import storage_parts
+
 __all__ = [
     "Reading",
     "MemoryCounter",
@@ -283,13 +285,13 @@ class _StorageCountingMode(TorchDispatchMode):
         if self.enabled:
             aliases = _aliasing_returns(func)
             if isinstance(out, torch.Tensor):
-                self.counter._track(out, bool(aliases) and aliases[0])
+                self.counter._track(out, bool(aliases) and aliases[0], args)
             elif isinstance(out, (tuple, list)):
                 for i, item in enumerate(out):
                     if isinstance(item, torch.Tensor):
                         # One list return (split, unbind) describes all its items.
                         alias = aliases[i] if i < len(aliases) else bool(aliases) and aliases[-1]
-                        self.counter._track(item, alias)
+                        self.counter._track(item, alias, args)
         return out
 
 
@@ -362,8 +364,11 @@ class CpuCounter(MemoryCounter):
                 "counter; the counter is switched off instead of removed"
             )
 
-    def _track(self, tensor: torch.Tensor, alias: bool = False) -> None:
+    def _track(self, tensor: torch.Tensor, alias: bool = False, inputs: Any = ()) -> None:
         if tensor.device.type != "cpu":
+            return
+        if tensor.layout is not torch.strided:
+            self._track_sparse(tensor, alias, inputs)
             return
         try:
             storage = tensor.untyped_storage()
@@ -382,6 +387,20 @@ class CpuCounter(MemoryCounter):
         self._sizes[key] = nbytes
         self._refs[key] = weakref.ref(storage, _Release(self, key))
         self._add(nbytes)
+
+    def _track_sparse(self, tensor: torch.Tensor, alias: bool, inputs: Any) -> None:
+        """A sparse tensor's memory is its index and value tensors; those that are an
+        input of the operator (embedding backward wraps its input as the indices)
+        are no new memory."""
+        given = {
+            id(part.untyped_storage())
+            for t in inputs
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+            for part in storage_parts(t)
+        }
+        for part in storage_parts(tensor):
+            if part is not tensor:
+                self._track(part, alias or id(part.untyped_storage()) in given)
 
     def _release(self, key: int) -> None:
         self._refs.pop(key, None)

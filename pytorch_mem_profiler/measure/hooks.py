@@ -1,12 +1,27 @@
 """Hooks that find the phases of a training iteration without a call from the user.
 
-- forward: a pre-hook and a hook on the model (the root module);
-- backward: a pre-hook on the autograd node of each model output marks when the
-  gradient reaches the model, and a callback queued on the autograd engine marks
-  when the whole backward pass has finished;
+- forward: the first module *of this model* entered with grad enabled from outside
+  the model's other modules (:mod:`.entries`): the root's ``forward``, or the
+  module a framework's method calls (``self.net(x)`` in Lightning's
+  ``training_step``). Modules entered one after the other before a backward
+  (``self.encoder``, then ``self.decoder``) make one forward pass. Forwards under
+  ``no_grad`` (evaluation) and checkpoint recomputation during backward are not
+  a forward phase;
+- backward: a pre-hook on the autograd node of each forward output marks when
+  the gradient reaches the model, and a callback queued on the autograd engine
+  marks when the whole backward pass has finished;
 - optimizer step: step pre/post hooks, on the given optimizers or, when none was
   given, torch's global optimizer hooks filtered to optimizers that step this
-  model's parameters.
+  model's parameters. A step that runs a closure (``optimizer.step(closure)``:
+  Lightning's automatic optimization, ``torch.optim.LBFGS``) holds forwards and
+  backwards: they count as such, and the optimizer phase is the update, what
+  runs after a closure's backward (until the next closure's forward or the
+  step's end). What runs from the step's start to the closure's first forward
+  is "other".
+
+A framework that knows its phases can say so with :meth:`TrainingStepHooks.begin`
+and :meth:`TrainingStepHooks.end` (``MemoryProfiler.phase(name)``); the
+automatic hooks that fire inside such a phase do not open a second one.
 
 At every boundary the device counter is read and a new peak interval started,
 so the peak of each phase is exact. Everything the hooks measure lands in a
@@ -39,13 +54,17 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from .accounting import allocation_bytes, gradient_bytes, optimizer_holds_any, same_device
+from .accounting import GradientSizes, allocation_bytes, optimizer_holds_any, same_device
 from .devices import MemoryCounter, Reading
 from ..faults import FaultGuard
+from .entries import EntryWatch
 from .layers import LayerAttribution, LayerBreakdown
 from .trees import output_grad_nodes
 
-__all__ = ["StepMeasurements", "TrainingStepHooks"]
+__all__ = ["StepMeasurements", "TrainingStepHooks", "PhaseBlock", "EXPLICIT_PHASES"]
+
+#: The phases a framework can mark itself (``MemoryProfiler.phase(name)``).
+EXPLICIT_PHASES = ("forward", "backward", "optimizer")
 
 
 @dataclass
@@ -82,7 +101,7 @@ def _queues_own_callbacks(model: torch.nn.Module) -> bool:
 
 
 class _BackwardPass:
-    """One forward's pending backward: fires once, when the gradient first reaches an output."""
+    """One forward pass's pending backward: fires once, when the gradient first reaches an output."""
 
     __slots__ = ("hooks", "started")
 
@@ -99,11 +118,27 @@ class _BackwardPass:
         return None
 
 
+class _ForwardPass:
+    """A forward pass: from its first entry into the model to its last exit before a backward."""
+
+    __slots__ = ("start", "end_allocated", "pending", "explicit", "attributed", "before")
+
+    def __init__(self, start: Reading, pending: _BackwardPass, explicit: bool, before: int) -> None:
+        self.start = start
+        #: the iteration's feature maps before this pass (the largest earlier pass)
+        self.before = before
+        #: allocated at the last exit from the model (None while none happened)
+        self.end_allocated: int | None = None
+        self.pending = pending
+        self.explicit = explicit
+        self.attributed = False
+
+
 class TrainingStepHooks:
     """Installs the phase hooks on a model and accumulates one iteration's measurements.
 
     Args:
-        model: the root module; its forward marks the forward phase.
+        model: the root module.
         counter: the device counter to read at each boundary.
         params: ``(name, parameter)`` pairs whose gradients are measured.
         optimizers: optimizers to hook; ``None`` hooks every optimizer that
@@ -132,16 +167,21 @@ class TrainingStepHooks:
         self._on_optimizer_step = on_optimizer_step
         self._on_forward_first_call = on_forward_first_call
         self._param_ids = {id(p) for _, p in self.params}
+        self._gradient_sizes = GradientSizes(self.params)
         self._holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._handles: list = []
+        self._entries = EntryWatch(model, self._entered, self._exited, self.guard)
         self._phase = "other"
-        self._forward_depth = 0
-        self._forward_start: Reading | None = None
-        self._pending: _BackwardPass | None = None
+        self._pass: _ForwardPass | None = None
         self._backward_base: tuple[int, int] | None = None
-        self._optimizer_depth = 0
+        # optimizer steps running (nested steps count once), forwards begun in the
+        # running step, and whether the running step began inside backward
+        self._step_depth = 0
+        self._step_forwards = 0
+        self._step_in_backward = False
+        # phases a framework marked itself (MemoryProfiler.phase)
+        self._explicit: set[str] = set()
         self._location: str | None = None
-        self._attributing = False
         #: per-layer attribution, used on iterations marked ``detailed``
         self.attribution: LayerAttribution | None = None
         #: whether the running iteration is one that will be reported
@@ -157,15 +197,7 @@ class TrainingStepHooks:
     def install(self) -> None:
         """Register every hook; :meth:`remove` takes them all away."""
         g = self.guard.wrap
-        self._handles.append(
-            self.model.register_forward_pre_hook(g("forward hooks", self._forward_pre))
-        )
-        self._handles.append(
-            # always_call: a forward that raises still closes its phase.
-            self.model.register_forward_hook(
-                g("forward hooks", self._forward_post), always_call=True
-            )
-        )
+        self._entries.install()
         pre = g("optimizer hooks", self._optimizer_pre)
         post = g("optimizer hooks", self._optimizer_post)
         if self._explicit_optimizers is None:
@@ -184,6 +216,7 @@ class TrainingStepHooks:
         """Remove the hooks and drop the callbacks, which refer back to their owner:
         a closed profiler is then freed at once, not at the next cycle collection."""
         self.remove()
+        self._entries.release()
         self._on_optimizer_step = None
         self._on_forward_first_call = None
         self.attribution = None
@@ -191,18 +224,24 @@ class TrainingStepHooks:
 
     def remove(self) -> None:
         """Remove every hook this object installed."""
+        self._entries.remove()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._pending = None
+        self._pass = None
         if self.attribution is not None:
             self.attribution.close()
-        self._attributing = False
 
     @property
     def phase(self) -> str:
         """The phase running now: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"``."""
         return self._phase
+
+    @property
+    def entry_modules(self) -> list[torch.nn.Module]:
+        """The modules hooked to find forward: the root and those a forward was seen entering
+        through (every module of the model until the first training forward)."""
+        return self._entries.hooked_modules()
 
     def retarget(self, counter: MemoryCounter, params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
         """Read ``counter`` and measure ``params`` from now on (the model moved to another device)."""
@@ -215,6 +254,7 @@ class TrainingStepHooks:
         """Measure the gradients of ``params`` from now on (after the model changed)."""
         self.params = list(params)
         self._param_ids = {id(p) for _, p in self.params}
+        self._gradient_sizes = GradientSizes(self.params)
         self._holds = weakref.WeakKeyDictionary()
 
     # -- boundaries --------------------------------------------------------
@@ -242,10 +282,13 @@ class TrainingStepHooks:
                 self.max_reserved = reading.peak_reserved
         if ended != "other" and next_phase != ended:
             m.phase_end_allocated[ended] = reading.allocated
-            m.phase_count[ended] = m.phase_count.get(ended, 0) + 1
         self._phase = next_phase
         self._location = location
         return reading
+
+    def _count(self, phase: str) -> None:
+        counts = self.current.phase_count
+        counts[phase] = counts.get(phase, 0) + 1
 
     def forward_location(self, ended_in: str, now_in: str) -> None:
         """A tracked module's forward ended: what ran since the last mark is put down to
@@ -259,56 +302,111 @@ class TrainingStepHooks:
         if self._phase == "backward":
             self._mark("backward", name)
 
-    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
-        self._forward_depth += 1
-        # Nested calls, no-grad forwards (evaluation) and recomputation inside
-        # backward leave nothing for a later backward: they are not a forward phase.
-        if self._forward_depth > 1 or not torch.is_grad_enabled() or self._phase == "backward":
-            return None
-        if self._on_forward_first_call is not None:
-            callback, self._on_forward_first_call = self._on_forward_first_call, None
-            callback()
-        self._forward_start = self._mark("forward", "" if self.detailed else None)
-        if self.detailed and self.attribution is not None and "per-layer attribution" not in self.guard.disabled:
-            try:
-                self.attribution.start(args)
-                self._attributing = True
-            except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
-                self.attribution.close()
-                self.guard.fault("per-layer attribution", exc)
-        return None
+    # -- forward -------------------------------------------------------------
+    def _entered(self, module: torch.nn.Module, args: Any) -> bool:
+        """A call entered the model from outside it: is it (part of) a training forward?"""
+        # No-grad forwards (evaluation) and recomputation inside backward leave
+        # nothing for a later backward: they are not a forward phase.
+        if not torch.is_grad_enabled() or self._phase == "backward":
+            return False
+        if "forward" in self._explicit:
+            # The framework marked this forward: only learn the inputs.
+            if self._pass is not None and self._pass.attributed and self.attribution is not None:
+                self.attribution.add_inputs(args)
+            return True
+        self._begin_forward(args, module)
+        return True
 
-    def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._forward_depth -= 1
-        if self._forward_depth > 0:
-            return None
-        start, self._forward_start = self._forward_start, None
-        breakdown = None
-        if self._attributing:
-            self._attributing = False
-            assert self.attribution is not None
-            breakdown = self.guard.call("per-layer attribution", self.attribution.stop)
-        if start is None:
-            return None
-        end = self._mark("other")
-        m = self.current
-        m.forward_passes += 1
-        kept = end.allocated - start.allocated
-        if kept > m.feature_maps or m.forward_passes == 1:
-            m.feature_maps = max(kept, m.feature_maps)
-            if breakdown is not None:
-                m.layers, m.layers_kept = breakdown, kept
+    def _exited(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """A training forward's call into the model returned."""
+        pass_ = self._pass
+        if pass_ is None:
+            return
         nodes = output_grad_nodes(output)
-        if nodes:
-            pending = _BackwardPass(self)
-            for node in nodes:
-                node.register_prehook(pending)
-            self._pending = pending
-        return None
+        for node in nodes:
+            node.register_prehook(pass_.pending)
+        if "forward" not in self._explicit:
+            self._pause_forward()
 
-    def _backward_started(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+    def _begin_forward(self, args: Any, entry: torch.nn.Module | None, explicit: bool = False) -> None:
+        pass_ = self._pass
+        location = "" if self.detailed else None
+        if pass_ is not None and not explicit and not pass_.explicit and not pass_.pending.started:
+            # Entered again before any backward (self.decoder after self.encoder): the same pass.
+            self._mark("forward", location)
+            self._attribute(args, entry, resume=True)
+        else:
+            self._close_forward()
+            if self._step_depth and not self._step_forwards and self._phase == "optimizer":
+                # From the step's start to its closure's first forward is not the update.
+                self._phase = "other"
+            if self._on_forward_first_call is not None:
+                callback, self._on_forward_first_call = self._on_forward_first_call, None
+                callback()
+            start = self._mark("forward", location)
+            self._pass = _ForwardPass(start, _BackwardPass(self), explicit, self.current.feature_maps)
+            self.current.forward_passes += 1
+            self._count("forward")
+            self._attribute(args, entry, resume=False)
+        if self._step_depth:
+            self._step_forwards += 1
+
+    def _attribute(self, args: Any, entry: torch.nn.Module | None, resume: bool) -> None:
+        attribution = self.attribution
+        pass_ = self._pass
+        if not self.detailed or attribution is None or pass_ is None:
+            return
+        if "per-layer attribution" in self.guard.disabled or (resume and not pass_.attributed):
+            return
         try:
+            if resume:
+                attribution.resume(args, entry=entry)
+            else:
+                attribution.start(args, entry=entry)
+            pass_.attributed = True
+        except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
+            attribution.close()
+            pass_.attributed = False
+            self.guard.fault("per-layer attribution", exc)
+
+    def _pause_forward(self) -> None:
+        """The model was left: the pass may go on (another entry) or end (backward, a step)."""
+        if self._pass is not None:
+            self._leave(self._pass)
+
+    def _leave(self, pass_: _ForwardPass) -> None:
+        if pass_.attributed and self.attribution is not None:
+            self.guard.call("per-layer attribution", self.attribution.close)
+        if self._phase == "forward":
+            pass_.end_allocated = end = self._mark("other").allocated
+            # Known from here on (an OOM post-mortem reads it mid-iteration).
+            self.current.feature_maps = max(pass_.before, end - pass_.start.allocated)
+
+    def _close_forward(self) -> None:
+        """End the forward pass for good: its feature maps are what it left allocated."""
+        pass_, self._pass = self._pass, None
+        if pass_ is None:
+            return
+        self._leave(pass_)  # still inside it when a phase marked by hand ends it
+        breakdown: LayerBreakdown | None = None
+        if pass_.attributed and self.attribution is not None and self.attribution.watching_saved_tensors:
+            breakdown = self.attribution.breakdown
+        if pass_.end_allocated is None:
+            return
+        m = self.current
+        kept = pass_.end_allocated - pass_.start.allocated
+        m.feature_maps = max(pass_.before, kept)
+        if breakdown is not None and (kept > pass_.before or m.layers is None):
+            m.layers, m.layers_kept = breakdown, kept
+
+    # -- backward ------------------------------------------------------------
+    def _backward_started(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        if "backward" in self._explicit or self._phase == "backward":
+            return  # marked by the framework, or a second forward's outputs in the same backward
+        try:
+            self._close_forward()
             start = self._mark("backward", "" if self.detailed else None)
+            self._count("backward")
             # The gradients of the outputs are already allocated when the
             # gradient reaches the model: they belong to backward's transient memory.
             out_grads = sum(
@@ -316,7 +414,7 @@ class TrainingStepHooks:
                 for g in grad_outputs
                 if isinstance(g, torch.Tensor) and same_device(g, self.device)
             )
-            self._backward_base = (start.allocated - out_grads, sum(gradient_bytes(self.params)))
+            self._backward_base = (start.allocated - out_grads, sum(self._gradient_sizes()))
             # Queued now, this callback runs when the whole backward pass is
             # done. Under DDP/FSDP it queues itself once more so that it runs
             # after the callbacks they queue later, in which they finish reducing.
@@ -333,10 +431,11 @@ class TrainingStepHooks:
     def _backward_finished(self) -> None:
         base = self._backward_base
         self._backward_base = None
-        end = self._mark("other")
+        # Inside an optimizer step (a closure), what follows backward is the update.
+        end = self._mark("optimizer" if self._step_depth and not self._step_in_backward else "other")
         m = self.current
         m.backward_passes += 1
-        sizes = gradient_bytes(self.params)
+        sizes = self._gradient_sizes()
         m.gradient_sizes = sizes
         if base is None or end.peak_allocated is None:
             return
@@ -346,6 +445,7 @@ class TrainingStepHooks:
         if m.intermediate_gradients is None or transient > m.intermediate_gradients:
             m.intermediate_gradients = transient
 
+    # -- optimizer step --------------------------------------------------------
     def _steps_model(self, optimizer: torch.optim.Optimizer) -> bool:
         if self._explicit_optimizers is not None:
             return True
@@ -356,23 +456,43 @@ class TrainingStepHooks:
         return holds
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._steps_model(optimizer):
-            return None
-        self._optimizer_depth += 1
-        if self._optimizer_depth == 1:
-            self._mark("optimizer")
+        if self._steps_model(optimizer) and "optimizer" not in self._explicit:
+            self._step_began()
         return None
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._steps_model(optimizer):
             return None
-        self._optimizer_depth = max(0, self._optimizer_depth - 1)
-        if self._optimizer_depth == 0:
-            self._mark("other")
-            self.current.optimizer_steps += 1
+        if "optimizer" not in self._explicit:
+            self._step_ended()
         if self._on_optimizer_step is not None:
             self._on_optimizer_step(optimizer)
         return None
+
+    def _step_began(self) -> None:
+        self._step_depth += 1
+        if self._step_depth > 1:
+            return
+        self._step_forwards = 0
+        # A step run from a gradient hook inside backward (per-parameter steps) is part of backward.
+        self._step_in_backward = self._phase == "backward"
+        if not self._step_in_backward:
+            self._close_forward()
+            self._mark("optimizer")
+
+    def _step_ended(self) -> None:
+        if self._step_depth == 0:
+            return
+        self._step_depth -= 1
+        if self._step_depth:
+            return
+        m = self.current
+        m.optimizer_steps += 1
+        if self._step_in_backward:
+            self._step_in_backward = False
+            return
+        self._mark("other")
+        self._count("optimizer")
 
     def discovered_optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers known to step this model: given ones, or those seen stepping it."""
@@ -380,9 +500,98 @@ class TrainingStepHooks:
             return list(self._explicit_optimizers)
         return [opt for opt, holds in list(self._holds.items()) if holds]
 
+    # -- phases a framework marks itself ---------------------------------------
+    def begin(self, phase: str) -> str | None:
+        """A framework says ``phase`` (``"forward"``, ``"backward"`` or ``"optimizer"``) starts now.
+
+        Returns a token for :meth:`end`; ``None`` when that phase was already
+        marked as running (the inner mark is then ignored). The automatic hooks
+        that fire inside the phase do not open a second one.
+        """
+        if phase not in EXPLICIT_PHASES:
+            raise ValueError(f"phase name must be one of {', '.join(map(repr, EXPLICIT_PHASES))}: name={phase!r}")
+        if phase in self._explicit:
+            return None
+        if phase == "forward":
+            self._begin_forward((), None, explicit=True)
+        elif phase == "backward":
+            self._close_forward()
+            start = self._mark("backward", "" if self.detailed else None)
+            self._count("backward")
+            self._backward_base = (start.allocated, sum(self._gradient_sizes()))
+        else:
+            self._step_began()
+        self._explicit.add(phase)
+        return phase
+
+    def end(self, token: str | None) -> None:
+        """The phase :meth:`begin` returned ``token`` for has ended."""
+        if token is None or token not in self._explicit:
+            return
+        self._explicit.discard(token)
+        if token == "forward":
+            self._close_forward()
+        elif token == "backward":
+            if self._phase == "backward":
+                self._backward_finished()
+        else:
+            self._step_ended()
+
     # -- iteration ---------------------------------------------------------
     def finish_iteration(self) -> StepMeasurements:
         """Close the iteration: read the counters once more and hand back its measurements."""
-        self.current.final = self._mark(self._phase)
-        done, self.current = self.current, StepMeasurements()
+        entries = self._entries
+        if self._pass is not None and not self._pass.explicit and entries.depth == 0:
+            self._close_forward()
+        m = self.current
+        m.final = self._mark(self._phase)
+        if entries.learning and m.forward_passes:
+            entries.finish_learning()  # the entry modules are known: drop the other hooks
+        elif not entries.learning and m.optimizer_steps and not m.forward_passes:
+            entries.relearn()  # stepped without a forward found: entered another way
+        done, self.current = m, StepMeasurements()
         return done
+
+
+class PhaseBlock:
+    """A ``with`` block that marks one phase on :class:`TrainingStepHooks` (see
+    ``MemoryProfiler.phase``). Faults are contained by ``guard`` (part ``"phases"``);
+    exceptions of the block itself propagate, and the phase still ends.
+
+    Example::
+
+        >>> import torch
+        >>> from pytorch_mem_profiler.measure.devices import CpuCounter
+        >>> model = torch.nn.Linear(4, 4)
+        >>> counter = CpuCounter(); counter.start()
+        >>> hooks = TrainingStepHooks(model, counter, list(model.named_parameters()))
+        >>> hooks.install()
+        >>> with PhaseBlock(hooks, "forward"):
+        ...     y = model(torch.randn(2, 4))          # the automatic hooks do not count it twice
+        >>> with PhaseBlock(hooks, "backward"):
+        ...     y.sum().backward()
+        >>> m = hooks.finish_iteration()
+        >>> m.forward_passes, m.backward_passes, m.phase_count
+        (1, 1, {'forward': 1, 'backward': 1})
+        >>> hooks.remove(); counter.stop()
+    """
+
+    __slots__ = ("hooks", "phase", "guard", "_token")
+
+    def __init__(self, hooks: TrainingStepHooks | None, phase: str, guard: FaultGuard | None = None) -> None:
+        if phase not in EXPLICIT_PHASES:
+            raise ValueError(f"phase name must be one of {', '.join(map(repr, EXPLICIT_PHASES))}: name={phase!r}")
+        self.hooks = hooks
+        self.phase = phase
+        self.guard = guard or (hooks.guard if hooks is not None else FaultGuard())
+        self._token: str | None = None
+
+    def __enter__(self) -> PhaseBlock:
+        if self.hooks is not None:
+            self._token = self.guard.call("phases", self.hooks.begin, self.phase)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        token, self._token = self._token, None
+        if token is not None and self.hooks is not None:
+            self.guard.call("phases", self.hooks.end, token)

@@ -4,7 +4,17 @@ During a reported iteration's forward (only then: the cost is divided by
 ``print_period``) a ``saved_tensors_hooks`` pack hook sees every tensor autograd
 really keeps for backward, and global module hooks keep a stack of the modules
 running, so each saved storage is put down to the innermost module whose
-forward saved it (its fully qualified name, e.g. ``encoder.layers.3.self_attn``).
+forward saved it (its fully qualified name, e.g. ``encoder.layers.3.self_attn``;
+``net.0`` when a framework enters the model through its child ``net``).
+
+The pack hook is chained to the saved-tensor hooks that were active
+(:mod:`.saved_tensors`): the user's ``save_on_cpu()`` or hand-written pair runs
+exactly as without the profiler, and what is counted is what the user's hook
+left on the profiled device (nothing for tensors moved to the CPU, the
+float16 copy for a hook that casts). Torch older than 2.8 cannot tell which
+hooks are active, so there nothing is pushed and no tensor is attributed
+(:attr:`LayerAttribution.watching_saved_tensors` is False); the peak locations
+below still work.
 
 - each storage counts once (views of it, the same tensor saved twice);
 - parameters and buffers are left out (they are weights and buffers already);
@@ -30,7 +40,7 @@ Example::
     >>> attribution.start((x,))
     >>> y = model(x)
     >>> breakdown = attribution.stop()
-    >>> breakdown.by_module[("1", "activations")] == 4 * 16 * 4   # ReLU keeps its output
+    >>> breakdown.by_module.get(("1", "activations")) == 4 * 16 * 4 or not can_chain()  # ReLU keeps its output
     True
 """
 
@@ -44,7 +54,8 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..stats import ACTIVATIONS, INPUT, WEIGHT_COPIES
-from .accounting import same_device
+from .accounting import same_device, storage_parts
+from .saved_tensors import ChainedSavedTensorsHooks, can_chain
 from .trees import output_grad_nodes, tensors_in
 
 __all__ = [
@@ -134,7 +145,7 @@ class LayerAttribution:
         self.max_locations = max_locations
         self.refresh()
         self._handles: list = []
-        self._hooks_ctx: Any = None
+        self._saved: ChainedSavedTensorsHooks | None = None
         self._stack: list[tuple[int, str]] = []
         self._seen: set[tuple[int, int]] = set()
         self._inputs: set[tuple[int, int]] = set()
@@ -149,37 +160,70 @@ class LayerAttribution:
         self._param_names: dict[int, str] = {}
         for name, p in self.model.named_parameters():
             self._param_names[id(p)] = name
-            self._state_ptrs.add(_storage_key(p))
+            self._state_ptrs.update(_storage_key(part) for part in storage_parts(p))
         for b in self.model.buffers():
             if b is not None:
-                self._state_ptrs.add(_storage_key(b))
+                self._state_ptrs.update(_storage_key(part) for part in storage_parts(b))
 
     # -- one forward -------------------------------------------------------
-    def start(self, inputs: Any) -> None:
-        """Begin attributing: call at the start of the model's forward."""
+    def start(self, inputs: Any, entry: torch.nn.Module | None = None) -> None:
+        """Begin attributing a forward pass: call where it begins.
+
+        ``inputs`` are the arguments the model was entered with (their storages
+        count as ``(input)``); ``entry`` the module it was entered through, when
+        that is not the root (``net`` under a wrapper whose method calls ``self.net``).
+        """
         self._current = LayerBreakdown()
         self._seen = set()
         self._inputs = set()
-        for t in tensors_in(inputs):
-            self._inputs.add(_storage_key(t))
+        self.resume(inputs, entry)
+
+    def resume(self, inputs: Any, entry: torch.nn.Module | None = None) -> None:
+        """Attribute again within the same forward pass (a second module entered from outside,
+        e.g. ``self.decoder`` after ``self.encoder``): the figures add up."""
+        self.close()
+        self.add_inputs(inputs)
         self._stack = [(self._root, "")]
+        if entry is not None and id(entry) != self._root:
+            name = self._names.get(id(entry))
+            if name is not None:
+                # Entered from its own pre-hook, before the module hooks below exist.
+                self._stack.append((id(entry), name))
+                self._current.calls[name] = self._current.calls.get(name, 0) + 1
         self._handles = [
             register_module_forward_pre_hook(self._module_pre),
             register_module_forward_hook(self._module_post, always_call=True),
         ]
-        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        self._hooks_ctx.__enter__()
+        # Made per forward, dropped at close(): it refers back to this object.
+        self._saved = ChainedSavedTensorsHooks(self._observe_saved)
+        self._saved.push()
+
+    def add_inputs(self, inputs: Any) -> None:
+        """Count the storages of ``inputs`` as the model's input."""
+        for t in tensors_in(inputs):
+            for part in storage_parts(t):
+                self._inputs.add(_storage_key(part))
 
     def stop(self) -> LayerBreakdown:
         """End attributing (at the end of the forward) and hand back what was saved."""
         self.close()
         return self._current
 
+    @property
+    def breakdown(self) -> LayerBreakdown:
+        """What the running (or last) forward pass saved so far."""
+        return self._current
+
+    @property
+    def watching_saved_tensors(self) -> bool:
+        """Whether saved tensors can be watched here (torch 2.8 or later: see :mod:`.saved_tensors`)."""
+        return can_chain()
+
     def close(self) -> None:
         """Remove the hooks, if installed; safe to call at any time."""
-        ctx, self._hooks_ctx = self._hooks_ctx, None
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            saved.pop()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -219,28 +263,31 @@ class LayerAttribution:
         for node in output_grad_nodes(output, limit=4):
             node.register_prehook(prehook)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            if not same_device(t, self.device):
-                return t
-            key = _storage_key(t)
-            if key[0] == 0 or key in self._seen:
-                return t
-            self._seen.add(key)
-            if key in self._state_ptrs:
-                return t
-            nbytes = t.untyped_storage().nbytes()
-            if key in self._inputs:
-                module, category = INPUT, ACTIVATIONS
-            else:
-                module = self._stack[-1][1] if self._stack else ""
-                category = WEIGHT_COPIES if self._is_weight_copy(t) else ACTIVATIONS
-            slot = (module, category)
-            by_module = self._current.by_module
-            by_module[slot] = by_module.get(slot, 0) + nbytes
-        except Exception:  # noqa: BLE001 - a tensor we cannot inspect is simply not attributed
-            pass
-        return t
+    def _observe_saved(self, kept: Any) -> None:
+        """One saved tensor, as kept for backward: the tensor itself, or what the user's
+        pack hook made of it (only what stays on the profiled device counts)."""
+        for t in tensors_in(kept):
+            for part in storage_parts(t):
+                self._attribute(part, t)
+
+    def _attribute(self, part: torch.Tensor, saved: torch.Tensor) -> None:
+        if not same_device(part, self.device):
+            return
+        key = _storage_key(part)
+        if key[0] == 0 or key in self._seen:
+            return
+        self._seen.add(key)
+        if key in self._state_ptrs:
+            return
+        nbytes = part.untyped_storage().nbytes()
+        if key in self._inputs:
+            module, category = INPUT, ACTIVATIONS
+        else:
+            module = self._stack[-1][1] if self._stack else ""
+            category = WEIGHT_COPIES if self._is_weight_copy(saved) else ACTIVATIONS
+        slot = (module, category)
+        by_module = self._current.by_module
+        by_module[slot] = by_module.get(slot, 0) + nbytes
 
     def _is_weight_copy(self, t: torch.Tensor) -> bool:
         """A cast of a parameter (autocast's bf16/fp16 weight copies), or a view of one.
@@ -259,10 +306,7 @@ class LayerAttribution:
         return False
 
 
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """A strided tensor's storage: (address, device index)."""
     local = getattr(t, "_local_tensor", t)
     return (local.untyped_storage().data_ptr(), local.device.index or 0)

@@ -43,8 +43,9 @@ from .accounting import (
 )
 from .data_parallel import FsdpGatherTracker, ddp_gradient_bucket_bytes
 from .devices import MemoryCounter, device_capacity, make_counter, rank_device, resolve_device
-from .hooks import StepMeasurements, TrainingStepHooks
+from .hooks import PhaseBlock, StepMeasurements, TrainingStepHooks
 from .layers import LayerAttribution, LayerBreakdown, is_compiled
+from .saved_tensors import can_chain
 from .outside import DeviceMemoryReader
 
 __all__ = ["Meter", "Position"]
@@ -114,6 +115,11 @@ class Meter:
         """The phase running now (``"forward"``, ``"backward"``, ``"optimizer"``, ``"other"``)."""
         return self._hooks.phase if self._hooks is not None else None
 
+    def phase_block(self, phase: str) -> PhaseBlock:
+        """A ``with`` block in which ``phase`` runs, as a framework that knows it says
+        (``ValueError`` for a phase that is not forward, backward or optimizer)."""
+        return PhaseBlock(self._hooks, phase, self.guard)
+
     @property
     def current(self) -> StepMeasurements | None:
         """What the running iteration has measured so far."""
@@ -165,6 +171,13 @@ class Meter:
                     "reported in total, not by layer"
                 )
             else:
+                if not can_chain():
+                    _log.warning(
+                        "pytorch_mem_profiler: torch %s cannot tell which saved-tensor hooks are active, "
+                        "so feature maps are reported in total, not by layer (torch 2.8 or later can); "
+                        "where each iteration peaked is still found",
+                        torch.__version__,
+                    )
                 hooks = self._hooks
                 hooks.attribution = LayerAttribution(
                     self.model,

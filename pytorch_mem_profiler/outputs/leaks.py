@@ -21,18 +21,23 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from ..stats import CATEGORIES, MODEL_STATE, IterationRecord
 from ..units import format_amount
+from .notices import warn_user
 
 __all__ = ["LeakWarning", "Leak", "LeakDetector", "category_growth"]
 
 
-class LeakWarning(ResourceWarning):
-    """Allocated memory grows from one reported iteration to the next."""
+class LeakWarning(UserWarning):
+    """Allocated memory grows from one reported iteration to the next.
+
+    A :class:`UserWarning`, so Python shows it under its default filters; it
+    points at the user's ``record_stats()`` line.
+    """
 
 
 @dataclass(frozen=True)
@@ -109,5 +114,6 @@ class LeakDetector:
         )
         return self.found
 
-    def warn(self, leak: Leak, unit: str) -> None:
-        warnings.warn("pytorch_mem_profiler: " + leak.message(unit), LeakWarning, stacklevel=4)
+    def warn(self, leak: Leak, unit: str, log: Any = None) -> None:
+        """Issue :class:`LeakWarning` at the user's line, and log it (``log``, else the package logger)."""
+        warn_user(leak.message(unit), LeakWarning, log)

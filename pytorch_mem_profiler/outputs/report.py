@@ -1,23 +1,54 @@
 """The printed report: text made from an :class:`~pytorch_mem_profiler.stats.IterationRecord`.
 
+Three layouts, chosen with ``memory_profiler(..., report=...)``:
+
+- ``"full"`` (:func:`format_report`, the default): the original tool's layout,
+  every parameter and its gradient, then the figures it lacked (the peak and
+  what it is made of, headroom, feature maps by layer with repeated blocks folded);
+- ``"compact"`` (:func:`format_compact`): a few lines: the peak and headroom,
+  the categories, what is alive at the peak, the top 5 layers (folded), the phase;
+- ``"line"`` (:func:`format_line`): one line per report, for long runs and logs.
+
 No torch here; amounts go through :func:`~pytorch_mem_profiler.units.format_amount`.
 
 Example::
 
     >>> from pytorch_mem_profiler.stats import IterationRecord
-    >>> rec = IterationRecord(epoch=1, iteration=5, step=5, device="cpu", allocated=35_454_208)
+    >>> rec = IterationRecord(epoch=1, iteration=5, step=5, device="cpu", allocated=35_454_208,
+    ...                       weights=35_454_208, iteration_peak_allocated=40_000_000)
     >>> print(format_report(rec).splitlines()[1])
     Memory Usage for Iteration 5 of Epoch 1
+    >>> print(format_line(rec))
+    memory epoch 1 iteration 5 | peak 40 MB | allocated 35 MB | weights 35 MB, weight gradients 0 MB, optimizer state 0 MB, feature maps 0 MB
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from ..stats import ACTIVATIONS, INPUT, PHASE_LABELS, IterationRecord
-from ..units import UNITS, format_amount
+from typing import Callable
 
-__all__ = ["format_report", "dotted_line", "REPORT_WIDTH"]
+from ..grouping import LayerGroup, group_repeated
+from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORY_LABELS, PHASE_LABELS, IterationRecord
+from ..units import UNITS, format_amount
+from .headroom import capacity_unit, of_capacity
+
+__all__ = [
+    "format_report",
+    "format_compact",
+    "format_line",
+    "format_record",
+    "REPORT_MODES",
+    "dotted_line",
+    "REPORT_WIDTH",
+    "COMPACT_TOP",
+]
+
+#: The report layouts, by the name ``memory_profiler(..., report=...)`` takes.
+REPORT_MODES = ("full", "compact", "line")
+
+#: How many (folded) layers the compact report lists.
+COMPACT_TOP = 5
 
 #: Width of the report's lines, the original tool's 43 characters.
 REPORT_WIDTH = 43
@@ -43,7 +74,7 @@ def _width(names: tuple[str, ...], grad_names: tuple[str, ...]) -> int:
 
 def _outside_section(record: IterationRecord, line) -> list[str]:  # type: ignore[no-untyped-def]
     out = ["", line("Device memory in use (nvidia-smi)", record.device_used)]
-    out.append(line("  cached by PyTorch", record.current_cached))
+    out.append(line("  reserved by PyTorch", record.current_cached))
     out.append(line("  outside PyTorch", record.outside_pytorch))
     if record.process_used is not None:
         out.append(line("  this process", record.process_used))
@@ -51,26 +82,81 @@ def _outside_section(record: IterationRecord, line) -> list[str]:  # type: ignor
     return out
 
 
-def _layers_section(record: IterationRecord, fmt, width: int, top: int) -> list[str]:  # type: ignore[no-untyped-def]
+def _short_amount(nbytes: float, unit: str) -> str:
+    """Three significant digits without trailing zeros (``3 MB``, ``2.62 MB``), so that
+    ``12 x 2.62 MB = 31.4 MB`` adds up on the page."""
+    number, _, suffix = format_amount(nbytes, unit, digits=3).partition(" ")
+    if "." in number:
+        number = number.rstrip("0").rstrip(".")
+    return f"{number} {suffix}"
+
+
+def _layer_groups(record: IterationRecord) -> list[LayerGroup]:
+    """The per-layer feature maps with repeated blocks folded, largest first (the input left out)."""
+    layers = record.layers
+    assert layers is not None
+    ranked = sorted(
+        ((m, c, n) for (m, c), n in layers.by_module.items() if m != INPUT), key=lambda item: -item[2]
+    )
+    labels = [(_module_label(m, c), n) for m, c, n in ranked]
+    return group_repeated(labels)
+
+
+def _module_label(module: str, category: str) -> str:
+    return (module or "(model)") + (" [weight copies]" if category != ACTIVATIONS else "")
+
+
+def _group_value(group: LayerGroup, unit: str) -> str:
+    """``12 x 3 MB = 36 MB`` for a folded group; the amount alone for one module."""
+    if group.count == 1:
+        return format_amount(group.total, unit)
+    if group.per_member is not None:
+        return f"{group.count} x {_short_amount(group.per_member, unit)} = {_short_amount(group.total, unit)}"
+    return f"{group.count} modules = {_short_amount(group.total, unit)}"
+
+
+def _calls_suffix(record: IterationRecord, group: LayerGroup) -> str:
+    layers = record.layers
+    assert layers is not None
+    calls = {layers.calls.get(name.removesuffix(" [weight copies]"), 1) for name in group.members}
+    if len(calls) == 1 and (n := calls.pop()) > 1:
+        return f"  x{n} calls" + (" each" if group.count > 1 else "")
+    return ""
+
+
+def _group_lines(
+    record: IterationRecord, unit: str, width: int | None, top: int, indent: str
+) -> tuple[list[str], int]:
+    """One line per folded group (the first ``top``), then one for the rest; and their width.
+
+    ``width``: of the dotted lines, widened to fit the longest of them.
+    """
     layers = record.layers
     assert layers is not None
     total = layers.total
-    ranked = sorted(
-        ((m, c, n) for (m, c), n in layers.by_module.items() if m != INPUT),
-        key=lambda item: -item[2],
-    )
-    out = ["", "Feature maps by layer (saved for backward by each module's forward):"]
-    for module, category, n in ranked[:top]:
-        label = f"  {module or '(model)'}" + (" [weight copies]" if category != ACTIVATIONS else "")
-        share = f" {100 * n / total:4.1f}%" if total else ""
-        calls = layers.calls.get(module, 1)
-        suffix = f"{share}" + (f"  x{calls} calls" if calls > 1 else "")
-        out.append(dotted_line(label, fmt(n), width) + suffix)
-    rest = ranked[top:]
+    groups = _layer_groups(record)
+    shown = [(f"{indent}{group.name}", _group_value(group, unit), group) for group in groups[:top]]
+    width = max([width or REPORT_WIDTH] + [len(label) + len(value) + 2 for label, value, _ in shown])
+    out = []
+    for label, value, group in shown:
+        share = f" {100 * group.total / total:4.1f}%" if total else ""
+        out.append(dotted_line(label, value, width) + share + _calls_suffix(record, group))
+    rest = groups[top:]
     if rest:
-        n_rest = sum(n for _, _, n in rest)
+        n_rest = sum(g.total for g in rest)
         share = f" {100 * n_rest / total:4.1f}%" if total else ""
-        out.append(dotted_line(f"  ({len(rest)} more)", fmt(n_rest), width) + share)
+        modules = sum(g.count for g in rest)
+        out.append(dotted_line(f"{indent}({modules} more)", format_amount(n_rest, unit), width) + share)
+    return out, width
+
+
+def _layers_section(record: IterationRecord, fmt: Callable[[int | None], str], width: int, top: int, unit: str) -> list[str]:
+    layers = record.layers
+    assert layers is not None
+    total = layers.total
+    out = ["", "Feature maps by layer (saved for backward by each module's forward; repeated blocks folded):"]
+    lines, width = _group_lines(record, unit, width, top, "  ")
+    out += lines
     if layers.inputs:
         out.append(dotted_line("  Input batch (saved)", fmt(layers.inputs), width))
     out.append(dotted_line("  Not saved by a module", fmt(layers.unattributed), width) + "  (outputs, temporaries, checkpoints)")
@@ -79,11 +165,38 @@ def _layers_section(record: IterationRecord, fmt, width: int, top: int) -> list[
     return out
 
 
+def _at_peak(record: IterationRecord) -> tuple[int, list[tuple[str, int]]] | None:
+    """(the peak, its nonzero categories largest first), or ``None`` when no breakdown was measured."""
+    breakdown = record.peak_breakdown
+    if breakdown is None:
+        return None
+    parts = sorted(((k, v) for k, v in breakdown.items() if v), key=lambda kv: -kv[1])
+    total = record.iteration_peak_allocated
+    if not total:
+        total = sum(v for _, v in parts)
+    return total, parts
+
+
+def _share(part: int, total: int) -> str:
+    return f"{100 * part / total:4.1f}%" if total else ""
+
+
+def _at_peak_section(record: IterationRecord, fmt: Callable[[int | None], str], width: int) -> list[str]:
+    found = _at_peak(record)
+    if found is None:
+        return []
+    total, parts = found
+    out = [f"At the peak ({fmt(total)}):"]
+    for name, n in parts:
+        out.append(dotted_line(f"  {PEAK_CATEGORY_LABELS.get(name, name)}", fmt(n), width) + " " + _share(n, total))
+    return out
+
+
 def format_report(record: IterationRecord, unit: str = "MB", top: int = 10) -> str:
     """The report of one iteration, in the original tool's layout plus the figures it lacked.
 
-    ``top``: how many modules the "Feature maps by layer" section lists before
-    summing the rest on one line.
+    ``top``: how many lines (repeated blocks folded into one) the "Feature maps
+    by layer" section lists before summing the rest on one line.
     """
     fmt = lambda n: format_amount(n, unit)  # noqa: E731
     width = _width(tuple(record.weights_by_name), tuple(record.gradients_by_name))
@@ -117,19 +230,145 @@ def format_report(record: IterationRecord, unit: str = "MB", top: int = 10) -> s
         line("Peak allocated, this iteration", record.iteration_peak_allocated),
         line("Peak allocated, since start", record.peak_allocated),
     ]
+    if record.device_total and record.iteration_peak_allocated is not None:
+        out.append(_headroom_text(record, unit))
     if record.peak_phase is not None and record.iteration_peak_allocated is not None:
         where = PHASE_LABELS.get(record.peak_phase, PHASE_LABELS["other"])
         text = f"Peak during: {where}, {fmt(record.iteration_peak_allocated)}"
         if record.peak_location is not None:
             text += f", reached in {record.peak_location or '(model, outside its submodules)'}"
         out.append(text)
+    out += _at_peak_section(record, fmt, width)
     if record.fragmentation is not None and record.current_cached is not None:
-        out.append(line("Fragmentation (cached - allocated)", record.fragmentation))
+        out.append(line("Cache slack (reserved - allocated)", record.fragmentation))
     if record.device_used is not None:
         out += _outside_section(record, line)
     if record.layers is not None:
-        out += _layers_section(record, fmt, width, top)
+        out += _layers_section(record, fmt, width, top, unit)
     if record.iteration_time_s is not None:
         out.append(dotted_line("Iteration time", f"{record.iteration_time_s * 1e3:.1f} ms", width))
-    out.append(f"({unit} = {UNITS[unit]:,} bytes; device {record.device})")
+    out.append(f"({_unit_note(unit)}; device {record.device})")
     return "\n".join(out)
+
+
+def _headroom_text(record: IterationRecord, unit: str) -> str:
+    """``Headroom: peak 2571 MB of 144 GB (1.8%), 141 GB free``."""
+    total, peak = record.device_total, record.iteration_peak_allocated
+    assert total and peak is not None
+    free = format_amount(total - peak, capacity_unit(total, unit), digits=3)
+    return f"Headroom: peak {of_capacity(peak, total, unit)}, {free} free"
+
+
+def _peak_text(record: IterationRecord, unit: str) -> str:
+    """``peak 2571 MB of 144 GB (1.8%) during backward, reached in blocks.3``."""
+    text = "peak " + of_capacity(record.iteration_peak_allocated, record.device_total, unit)
+    if record.peak_phase is not None and record.iteration_peak_allocated is not None:
+        text += f" during {PHASE_LABELS.get(record.peak_phase, PHASE_LABELS['other'])}"
+        if record.peak_location is not None:
+            text += f", reached in {record.peak_location or '(model, outside its submodules)'}"
+    return text
+
+
+def _categories(record: IterationRecord, unit: str) -> list[str]:
+    """The record's categories as ``name amount``: model state, then what one iteration makes."""
+    fmt = lambda n: format_amount(n, unit)  # noqa: E731
+    parts = [
+        f"weights {fmt(record.weights)}",
+        f"weight gradients {fmt(record.gradients)}",
+        f"optimizer state {fmt(record.optimizer_state)}",
+    ]
+    if record.buffers:
+        parts.append(f"buffers {fmt(record.buffers)}")
+    parts.append(f"feature maps {fmt(record.feature_maps)}")
+    if record.intermediate_gradients:
+        parts.append(f"intermediate gradients {fmt(record.intermediate_gradients)}")
+    if record.ddp_gradient_buckets is not None:
+        parts.append(f"DDP gradient buckets {fmt(record.ddp_gradient_buckets)}")
+    if record.fsdp_gathered_parameters is not None:
+        parts.append(f"FSDP gathered parameters {fmt(record.fsdp_gathered_parameters)}")
+    return parts
+
+
+def _now_text(record: IterationRecord, unit: str) -> str:
+    text = f"allocated {format_amount(record.allocated, unit)}"
+    if record.current_cached is not None:
+        text += f", reserved {format_amount(record.current_cached, unit)}"
+    return text
+
+
+def _unit_note(unit: str) -> str:
+    return "amounts in bytes" if UNITS[unit] == 1 else f"{unit} = {UNITS[unit]:,} bytes"
+
+
+def format_compact(record: IterationRecord, unit: str = "MB", top: int = COMPACT_TOP) -> str:
+    """A few lines: the peak with headroom and phase, the categories, the peak's make-up, the top layers.
+
+    Example::
+
+        >>> from pytorch_mem_profiler.stats import IterationRecord
+        >>> rec = IterationRecord(epoch=2, iteration=30, step=70, device="cuda:0", allocated=1_200_000_000,
+        ...                       current_cached=2_800_000_000, iteration_peak_allocated=2_571_000_000,
+        ...                       peak_phase="backward", device_total=143_771_000_000,
+        ...                       weights=500_000_000, gradients=500_000_000)
+        >>> print(format_compact(rec))
+        Memory at iteration 30 of epoch 2 (cuda:0; MB = 1,000,000 bytes)
+          peak 2571 MB of 144 GB (1.8%) during backward
+          now: allocated 1200 MB, reserved 2800 MB
+          weights 500 MB, weight gradients 500 MB, optimizer state 0 MB, feature maps 0 MB
+    """
+    out = [
+        f"Memory at iteration {record.iteration} of epoch {record.epoch} ({record.device}; {_unit_note(unit)})",
+        "  " + _peak_text(record, unit),
+        "  now: " + _now_text(record, unit),
+        "  " + ", ".join(_categories(record, unit)),
+    ]
+    found = _at_peak(record)
+    if found is not None:
+        total, parts = found
+        out.append(
+            "  at the peak: "
+            + ", ".join(
+                f"{PEAK_CATEGORY_LABELS.get(k, k)} {format_amount(v, unit)} ({_share(v, total).strip()})"
+                for k, v in parts
+            )
+        )
+    if record.layers is not None:
+        out.append("  top layers (feature maps saved for backward):")
+        out += _group_lines(record, unit, None, top, "    ")[0]
+    return "\n".join(out)
+
+
+def format_line(record: IterationRecord, unit: str = "MB") -> str:
+    """One line: the peak with headroom and phase, what is allocated now, the categories, the time.
+
+    Example::
+
+        >>> from pytorch_mem_profiler.stats import IterationRecord
+        >>> rec = IterationRecord(epoch=2, iteration=30, step=70, device="cuda:0", allocated=1_200_000_000,
+        ...                       iteration_peak_allocated=2_571_000_000, device_total=143_771_000_000)
+        >>> format_line(rec)
+        'memory epoch 2 iteration 30 | peak 2571 MB of 144 GB (1.8%) | allocated 1200 MB | weights 0 MB, weight gradients 0 MB, optimizer state 0 MB, feature maps 0 MB'
+    """
+    parts = [
+        f"memory epoch {record.epoch} iteration {record.iteration}",
+        _peak_text(record, unit),
+        _now_text(record, unit),
+        ", ".join(_categories(record, unit)),
+    ]
+    found = _at_peak(record)
+    if found is not None and found[1]:
+        total, at_peak = found
+        name, n = at_peak[0]
+        parts.append(f"largest at the peak: {PEAK_CATEGORY_LABELS.get(name, name)} {_share(n, total).strip()}")
+    if record.iteration_time_s is not None:
+        parts.append(f"{record.iteration_time_s * 1e3:.1f} ms")
+    return " | ".join(parts)
+
+
+def format_record(record: IterationRecord, unit: str = "MB", mode: str = "full") -> str:
+    """The report of ``record`` in layout ``mode`` (one of :data:`REPORT_MODES`)."""
+    if mode == "compact":
+        return format_compact(record, unit)
+    if mode == "line":
+        return format_line(record, unit)
+    return format_report(record, unit)

@@ -5,8 +5,10 @@ The profiler hands every reported record to each sink in turn
 (:meth:`Sink.on_epoch_end`), asks them to write what they hold
 (:meth:`Sink.flush`) and closes them (:meth:`Sink.close`). It calls each under
 its own fault-guard part, named by :attr:`Sink.name`: a sink that fails (a
-closed pipe, a vanished folder, a broken TensorBoard writer) is switched off
-alone and the others go on. A new output is a new sink, nothing else.
+broken TensorBoard writer) is switched off alone and the others go on. The
+report and the CSV files handle their own expected failures without raising:
+a closed pipe stops the report only; a vanished CSV folder is made again; a
+full disk keeps a bounded buffer. A new output is a new sink, nothing else.
 
 Example::
 
@@ -21,14 +23,18 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from typing import IO, Any, Callable
 
 from ..stats import IterationRecord
+from .headroom import HeadroomCheck, HeadroomWarning
 from .leaks import LeakDetector
-from .report import format_report
+from .notices import OutputWarning, warn_user
+from .progress import write_text
+from .report import format_record
 from .tensorboard import log_record
 
-__all__ = ["Sink", "ReportSink", "CsvSink", "LayerCsvSink", "TensorBoardSink", "LeakSink"]
+__all__ = ["Sink", "ReportSink", "CsvSink", "LayerCsvSink", "TensorBoardSink", "LeakSink", "HeadroomSink"]
 
 
 class Sink:
@@ -51,7 +57,7 @@ class Sink:
 
 
 class ReportSink(Sink):
-    """The printed report: the record's text, written to a stream.
+    """The printed report: the record's text, written to a stream or a logger.
 
     Args:
         stream: returns the stream to write to, asked at each write (so standard
@@ -59,30 +65,57 @@ class ReportSink(Sink):
         units: the unit of every amount.
         prints: whether this process prints (under torch.distributed, only some ranks do).
         prefix: put in front of every line (``"[rank 3] "``).
+        mode: the layout, ``"full"``, ``"compact"`` or ``"line"`` (see :mod:`.report`).
+        log: a :class:`logging.Logger` (or adapter) the reports go to, at ``INFO``,
+            instead of the stream.
+
+    While a ``tqdm`` bar is open, the text goes through ``tqdm.write`` (see
+    :mod:`.progress`). A stream that fails (a reader gone away, ``| head``: a
+    broken pipe; a closed file) stops the report alone, with one
+    :class:`~pytorch_mem_profiler.outputs.notices.OutputWarning`.
     """
 
     name = "report"
 
     def __init__(
-        self, stream: Callable[[], IO[str]], units: str = "MB", prints: bool = True, prefix: str = ""
+        self,
+        stream: Callable[[], IO[str]],
+        units: str = "MB",
+        prints: bool = True,
+        prefix: str = "",
+        *,
+        mode: str = "full",
+        log: logging.Logger | logging.LoggerAdapter | None = None,
     ) -> None:
         self._stream = stream
         self.units = units
         self.prints = prints
         self.prefix = prefix
+        self.mode = mode
+        self.log = log
         #: the text of the last report made
         self.last_report: str | None = None
+        #: why the report stopped, once its stream failed
+        self.stopped: str | None = None
 
     def write(self, text: str) -> None:
         """Write ``text`` if this process prints, every line with the prefix, in one write."""
-        if not self.prints:
+        if not self.prints or self.stopped is not None:
             return
         if self.prefix:
             text = "\n".join(self.prefix + line for line in text.split("\n"))
-        self._stream().write(text + "\n")
+        if self.log is not None:
+            self.log.info(text)
+            return
+        try:
+            write_text(self._stream(), text + "\n")
+        except (OSError, ValueError) as err:  # BrokenPipeError under `| head`; a closed file
+            reason = "its reader went away (broken pipe)" if isinstance(err, BrokenPipeError) else f"{type(err).__name__}: {err}"
+            self.stopped = reason
+            warn_user(f"the report's stream cannot be written ({reason}); reports stop, the other outputs go on", OutputWarning)
 
     def on_record(self, record: IterationRecord) -> None:
-        self.last_report = format_report(record, self.units)
+        self.last_report = format_record(record, self.units, self.mode)
         self.write(self.last_report)
 
     def on_epoch_end(self, epoch: int) -> None:
@@ -90,12 +123,13 @@ class ReportSink(Sink):
 
 
 class CsvSink(Sink):
-    """A row per reported record in the run's CSV file (see :mod:`.export`)."""
+    """A row per reported record in the run's CSV file (see :mod:`.export`), written as it is reported.
+
+    ``log``: a :class:`~pytorch_mem_profiler.outputs.export.CsvLog` (or anything with
+    ``add``, ``flush`` and ``close``). Each epoch's end and closing ``fsync`` the file.
+    """
 
     name = "csv"
-
-    #: Rows kept in memory before they are written even without an epoch end.
-    FLUSH_EVERY_ROWS = 1000
 
     def __init__(self, log: Any) -> None:
         self.log = log
@@ -106,8 +140,6 @@ class CsvSink(Sink):
 
     def on_record(self, record: IterationRecord) -> None:
         self.log.add(record)
-        if self.log.pending >= self.FLUSH_EVERY_ROWS:
-            self.log.flush()
 
     def on_epoch_end(self, epoch: int) -> None:
         self.log.flush()
@@ -115,16 +147,14 @@ class CsvSink(Sink):
     def flush(self) -> None:
         self.log.flush()
 
-    close = flush
+    def close(self) -> None:
+        self.log.close()
 
 
 class LayerCsvSink(CsvSink):
-    """The per-layer rows of each reported record in ``<run>_layers.csv``."""
+    """The per-layer rows of each reported record in ``<run>_layers.csv``, written as they are reported."""
 
     name = "per-layer csv"
-
-    def on_record(self, record: IterationRecord) -> None:
-        self.log.add(record)
 
 
 class TensorBoardSink(Sink):
@@ -145,11 +175,29 @@ class LeakSink(Sink):
 
     name = "leak check"
 
-    def __init__(self, window: int = 5, units: str = "MB") -> None:
+    def __init__(self, window: int = 5, units: str = "MB", log: Any = None) -> None:
         self.detector = LeakDetector(window)
         self.units = units
+        self.log = log
 
     def on_record(self, record: IterationRecord) -> None:
         leak = self.detector.observe(record)
         if leak is not None:
-            self.detector.warn(leak, self.units)
+            self.detector.warn(leak, self.units, self.log)
+
+
+class HeadroomSink(Sink):
+    """Warns once (:class:`~pytorch_mem_profiler.outputs.headroom.HeadroomWarning`) when a
+    reported record's peak passed 90% of the device's memory."""
+
+    name = "headroom check"
+
+    def __init__(self, units: str = "MB", log: Any = None) -> None:
+        self.check = HeadroomCheck()
+        self.units = units
+        self.log = log
+
+    def on_record(self, record: IterationRecord) -> None:
+        message = self.check.observe(record, self.units)
+        if message is not None:
+            warn_user(message, HeadroomWarning, self.log)

@@ -8,7 +8,10 @@ with each reported record. The writer is anything with TensorBoard's
 TensorBoard itself.
 
 Tags: ``memory_<unit>/<figure>`` (e.g. ``memory_MB/peak_allocated``) in the
-profiler's unit, ``time/iteration_s`` in seconds and ``progress/epoch``; the
+profiler's unit, with ``memory_<unit>/device_total`` (the device's memory) and
+``memory_<unit>/peak_<category>`` (what is alive at the peak, by category) where
+known; ``memory/peak_share`` (the peak as a share, 0 to 1, of the device's
+memory), ``time/iteration_s`` in seconds and ``progress/epoch``; the
 step is the record's ``step`` (iterations since the profiler started). Figures
 the device does not know are left out, never logged as 0.
 
@@ -31,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..units import UNITS
-from ..stats import BYTE_FIGURES, IterationRecord
+from ..stats import BYTE_FIGURES, PEAK_CATEGORIES, IterationRecord
 
 __all__ = ["MEMORY_FIGURES", "log_record"]
 
@@ -53,6 +56,16 @@ def log_record(writer: Any, record: IterationRecord, unit: str = "MB") -> None:
         nbytes = getattr(record, name)
         if nbytes is not None:
             writer.add_scalar(f"memory_{unit}/{name}", nbytes / div, step)
+    if record.device_total is not None:
+        writer.add_scalar(f"memory_{unit}/device_total", record.device_total / div, step)
+    share = record.peak_share
+    if share is not None:
+        writer.add_scalar("memory/peak_share", share, step)
+    breakdown = record.peak_breakdown
+    if breakdown is not None:
+        for category in PEAK_CATEGORIES:
+            if category in breakdown:
+                writer.add_scalar(f"memory_{unit}/peak_{category}", breakdown[category] / div, step)
     if record.iteration_time_s is not None:
         writer.add_scalar("time/iteration_s", record.iteration_time_s, step)
     writer.add_scalar("progress/epoch", record.epoch, step)

@@ -59,7 +59,7 @@ import torch
 from ..measure.allocator import allocator_stats, allocator_summary, attach_oom_observer, cuda_available
 from ..options import check_int
 from ..paths import distributed_rank, free_path, host_time_stem, prepare_output_dir
-from .snapshot import history_recording, take_snapshot
+from .snapshot import SNAPSHOT_PICKLE_PROTOCOL, history_recording, take_snapshot
 
 __all__ = ["OomPostmortem", "dump_on_oom", "plain_data"]
 
@@ -294,7 +294,7 @@ class OomPostmortem:
             write("record", ".json", lambda: _json({k: v for k, v in post.items() if k != "report"}))
         recording = history_recording()
         if recording:
-            write("snapshot", ".pickle", lambda: pickle.dumps(take_snapshot()))
+            write("snapshot", ".pickle", lambda: pickle.dumps(take_snapshot(), protocol=SNAPSHOT_PICKLE_PROTOCOL))
         event = {
             "time": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "host": socket.gethostname(),

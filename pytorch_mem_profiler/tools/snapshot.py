@@ -1,17 +1,28 @@
-"""Memory-history snapshots of the CUDA caching allocator, and their HTML trace plots.
+"""Memory-history snapshots of the CUDA caching allocator, and the pages that show them.
 
 While history is recorded, the allocator keeps every allocation and free with
-the Python stack that made it. A snapshot of that history opens in PyTorch's
-viewer at https://pytorch.org/memory_viz (it runs in the browser; nothing is
-uploaded) or, written as ``trace_plot.html``, in any browser offline.
+the Python stack that made it. :func:`save_memory_snapshot` writes, into a folder:
+
+- ``snapshot.pickle``: the snapshot, for PyTorch's viewer at
+  https://pytorch.org/memory_viz (drop the file on the page; it is read in the
+  browser, nothing is uploaded). Pickled with protocol 4, the newest that
+  the viewer's JavaScript unpickler reads (Python 3.14 defaults to 5);
+- ``memory_view.html``: this package's offline view
+  (:mod:`~pytorch_mem_profiler.tools.snapshot_view`): memory over the recorded
+  events and the largest allocations alive at the peak with their stacks. It
+  loads nothing: it opens without a network;
+- ``trace_plot.html``: torch's ``_memory_viz.trace_plot`` page, the
+  interactive timeline with the snapshot embedded. It imports ``MemoryViz.js``
+  from a CDN (cdn.jsdelivr.net) when opened: without a network it is blank.
 
 Two ways to get one:
 
 - :func:`save_memory_snapshot`, a context manager that records while its block
-  runs and writes ``snapshot.pickle`` and ``trace_plot.html`` into a folder;
+  runs and writes the files into a folder;
 - :func:`start_record_memory_history`, :func:`export_memory_snapshot` and
   :func:`stop_record_memory_history`, the three steps of PyTorch's guide to GPU
-  memory, for code that cannot be wrapped in one block.
+  memory, for code that cannot be wrapped in one block (``write_snapshot_view``
+  then renders the exported pickle).
 
 Without CUDA each warns or logs and does nothing else.
 
@@ -27,9 +38,11 @@ Example::
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import pickle
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -41,6 +54,7 @@ from ..faults import FaultGuard
 from ..options import check_int
 from ..measure.allocator import history as allocator_history
 from ..paths import check_path_type, free_path, host_time_stem, prepare_output_dir
+from .snapshot_view import write_snapshot_view
 
 __all__ = [
     "SnapshotRecorder",
@@ -50,6 +64,9 @@ __all__ = [
     "stop_record_memory_history",
     "history_recording",
     "write_snapshot_files",
+    "write_snapshot_view",
+    "pickle_snapshot",
+    "SNAPSHOT_PICKLE_PROTOCOL",
     "STACKS",
 ]
 
@@ -64,6 +81,12 @@ STACKS = ("python", "all")
 SNAPSHOT_FILE = "snapshot.pickle"
 TRACE_PLOT_FILE = "trace_plot.html"
 SEGMENT_PLOT_FILE = "segment_plot.html"
+MEMORY_VIEW_FILE = "memory_view.html"
+
+#: The pickle protocol of every snapshot written here. MemoryViz.js (pytorch.org/memory_viz and
+#: the trace_plot pages) reads protocols 2 to 4 and shows nothing for Python 3.14's default, 5
+#: (pytorch/pytorch#183842).
+SNAPSHOT_PICKLE_PROTOCOL = 4
 
 
 #: The backend every function here goes through (a test may put another in its place).
@@ -110,6 +133,40 @@ def _check_stacks(stacks: object) -> str:
     return stacks  # type: ignore[return-value]
 
 
+def pickle_snapshot(snapshot: Any) -> bytes:
+    """``snapshot`` pickled with :data:`SNAPSHOT_PICKLE_PROTOCOL`, so that MemoryViz reads it.
+
+    Example::
+
+        >>> pickle_snapshot({"segments": []})[:2]
+        b'\\x80\\x04'
+    """
+    return pickle.dumps(snapshot, protocol=SNAPSHOT_PICKLE_PROTOCOL)
+
+
+#: Where torch's viewer pages hold the snapshot: base64 of its pickle, in a JSON list.
+_EMBEDDED = re.compile(r'("base64": ")([A-Za-z0-9+/=]+)(")')
+
+
+def _viz_page(render: Any, snapshot: dict[str, Any]) -> str:
+    """A torch ``_memory_viz`` page of ``snapshot``, its embedded pickle in a protocol MemoryViz reads.
+
+    torch pickles with the interpreter's default protocol, which MemoryViz cannot read on
+    Python 3.14; the page is kept as torch writes it, only the embedded pickle is swapped.
+    """
+    page = render(snapshot)
+    match = _EMBEDDED.search(page)
+    if match is None:
+        return page
+    head = base64.b64decode(match.group(2)[:4])
+    if head[:1] == b"\x80" and head[1] <= SNAPSHOT_PICKLE_PROTOCOL:
+        return page
+    buffer = pickle_snapshot(snapshot)
+    buffer += b"\x00" * (3 - len(buffer) % 3)  # padded as torch pads it
+    encoded = base64.b64encode(buffer).decode("ascii")
+    return page[: match.start(2)] + encoded + page[match.end(2) :]
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash never leaves half a file under that name."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -127,17 +184,23 @@ def write_snapshot_files(
     *,
     trace_plot: bool = True,
     segment_plot: bool = False,
+    memory_view: bool = True,
     names: dict[str, str] | None = None,
 ) -> dict[str, Path]:
-    """Write a snapshot as ``snapshot.pickle`` and its HTML plots into ``folder``.
+    """Write a snapshot as ``snapshot.pickle`` and its HTML pages into ``folder``.
 
     Args:
         snapshot: a dict from ``torch.cuda.memory._snapshot()``.
         folder: an existing, writable folder.
         trace_plot: write ``trace_plot.html`` (``torch.cuda._memory_viz.trace_plot``),
-            the active-memory timeline with the snapshot embedded.
-        segment_plot: write ``segment_plot.html`` (the allocator's segments over time).
-        names: other file names, by key ``"snapshot"``, ``"trace_plot"``, ``"segment_plot"``.
+            the interactive active-memory timeline with the snapshot embedded; it
+            loads MemoryViz.js from a CDN when opened, so it needs a network.
+        segment_plot: write ``segment_plot.html`` (the allocator's segments over
+            time; the same viewer, so the same need of a network).
+        memory_view: write ``memory_view.html``, the offline view
+            (:func:`~pytorch_mem_profiler.tools.snapshot_view.write_snapshot_view`).
+        names: other file names, by key ``"snapshot"``, ``"trace_plot"``,
+            ``"segment_plot"``, ``"memory_view"``.
 
     Returns:
         The written paths, by the same keys.
@@ -148,25 +211,50 @@ def write_snapshot_files(
         >>> paths = write_snapshot_files({"segments": [], "device_traces": [[]]}, tempfile.mkdtemp())
         >>> pickle.loads(paths["snapshot"].read_bytes())["device_traces"]
         [[]]
+        >>> sorted(paths)
+        ['memory_view', 'snapshot', 'trace_plot']
     """
-    from torch.cuda import _memory_viz  # pure Python: works on the CPU build too
-
     folder = Path(folder)
-    chosen = {"snapshot": SNAPSHOT_FILE, "trace_plot": TRACE_PLOT_FILE, "segment_plot": SEGMENT_PLOT_FILE}
+    chosen = dict(_FILES)
     chosen.update(names or {})
+    asked = {"snapshot": True, "memory_view": memory_view, "trace_plot": trace_plot, "segment_plot": segment_plot}
     written: dict[str, Path] = {}
-    path = folder / chosen["snapshot"]
-    _write_atomically(path, pickle.dumps(snapshot))
-    written["snapshot"] = path
-    if trace_plot:
-        path = folder / chosen["trace_plot"]
-        _write_atomically(path, _memory_viz.trace_plot(snapshot).encode("utf-8"))
-        written["trace_plot"] = path
-    if segment_plot:
-        path = folder / chosen["segment_plot"]
-        _write_atomically(path, _memory_viz.segment_plot(snapshot).encode("utf-8"))
-        written["segment_plot"] = path
+    for key, wanted in asked.items():
+        if wanted:
+            written[key] = _WRITERS[key](snapshot, folder / chosen[key])
     return written
+
+
+def _write_pickle(snapshot: dict[str, Any], path: Path) -> Path:
+    _write_atomically(path, pickle_snapshot(snapshot))
+    return path
+
+
+def _write_viz(kind: str) -> Any:
+    """A writer of torch's ``_memory_viz.<kind>`` page."""
+
+    def write(snapshot: dict[str, Any], path: Path) -> Path:
+        from torch.cuda import _memory_viz  # pure Python: works on the CPU build too
+
+        _write_atomically(path, _viz_page(getattr(_memory_viz, kind), snapshot).encode("utf-8"))
+        return path
+
+    return write
+
+
+#: The files of a snapshot folder, in the order they are written (the pickle first).
+_FILES = {
+    "snapshot": SNAPSHOT_FILE,
+    "memory_view": MEMORY_VIEW_FILE,
+    "trace_plot": TRACE_PLOT_FILE,
+    "segment_plot": SEGMENT_PLOT_FILE,
+}
+_WRITERS = {
+    "snapshot": _write_pickle,
+    "memory_view": write_snapshot_view,
+    "trace_plot": _write_viz("trace_plot"),
+    "segment_plot": _write_viz("segment_plot"),
+}
 
 
 class SnapshotRecorder:
@@ -179,10 +267,13 @@ class SnapshotRecorder:
     Attributes:
         folder: the output folder (created when the recorder is made).
         snapshot_path: ``folder / "snapshot.pickle"``.
+        memory_view_path: ``folder / "memory_view.html"`` (the offline view), or
+            ``None`` if not asked for.
         trace_plot_path: ``folder / "trace_plot.html"``, or ``None`` if not asked for.
         segment_plot_path: ``folder / "segment_plot.html"``, or ``None`` if not asked for.
-        recorded: whether the files were written (``False`` without CUDA, or
-            before :meth:`stop`).
+        recorded: whether the snapshot was written (``False`` without CUDA, or
+            before :meth:`stop`). A page that failed is logged and left out; the
+            pickle is written first.
         owns_recording: whether this recorder switched recording on; ``False``
             when it ran inside another recording, which it then left running.
     """
@@ -195,18 +286,21 @@ class SnapshotRecorder:
         stacks: str = "python",
         trace_plot: bool = True,
         segment_plot: bool = False,
+        memory_view: bool = True,
         strict: bool = False,
     ) -> None:
         check_path_type(path, "path")
         self.max_entries = _check_max_entries(max_entries)
         self.stacks = _check_stacks(stacks)
-        for name, value in (("trace_plot", trace_plot), ("segment_plot", segment_plot), ("strict", strict)):
+        flags = {"trace_plot": trace_plot, "segment_plot": segment_plot, "memory_view": memory_view, "strict": strict}
+        for name, value in flags.items():
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         self.folder = prepare_output_dir(path, "path")
         self.snapshot_path = self.folder / SNAPSHOT_FILE
         self.trace_plot_path = self.folder / TRACE_PLOT_FILE if trace_plot else None
         self.segment_plot_path = self.folder / SEGMENT_PLOT_FILE if segment_plot else None
+        self.memory_view_path = self.folder / MEMORY_VIEW_FILE if memory_view else None
         self.recorded = False
         self.owns_recording = False
         self._guard = FaultGuard(strict)
@@ -278,18 +372,22 @@ class SnapshotRecorder:
                     self._guard.wrap("memory history", _history.stop)()
         if snapshot is None:
             return
-        written = self._guard.wrap("memory snapshot files", write_snapshot_files)(
-            snapshot,
-            self.folder,
-            trace_plot=self.trace_plot_path is not None,
-            segment_plot=self.segment_plot_path is not None,
+        path = self._guard.wrap("memory snapshot file", _write_pickle)(snapshot, self.snapshot_path)
+        if path is None:
+            return
+        self.recorded = True
+        written = [path]
+        # Each page apart: one that fails (a snapshot this torch writes differently, a
+        # full disk) is logged and left out, never the pickle or the other pages.
+        for key in ("memory_view", "trace_plot", "segment_plot"):
+            page = getattr(self, f"{key}_path")
+            if page is not None and self._guard.wrap(f"memory snapshot {key}", _WRITERS[key])(snapshot, page):
+                written.append(page)
+        _log.info(
+            "pytorch_mem_profiler: wrote %s (memory_view.html opens offline; trace_plot.html and "
+            "https://pytorch.org/memory_viz, given snapshot.pickle, need the network)",
+            ", ".join(str(p) for p in written),
         )
-        if written:
-            self.recorded = True
-            _log.info(
-                "pytorch_mem_profiler: wrote %s; open it at https://pytorch.org/memory_viz",
-                ", ".join(str(p) for p in written.values()),
-            )
 
     def __enter__(self) -> SnapshotRecorder:
         return self.start()
@@ -306,13 +404,18 @@ def save_memory_snapshot(
     stacks: str = "python",
     trace_plot: bool = True,
     segment_plot: bool = False,
+    memory_view: bool = True,
     strict: bool = False,
 ) -> SnapshotRecorder:
     """Record the CUDA allocator's history while a block runs; write it into ``path``.
 
     On exit (also when the block raises, which then re-raises) the folder holds
-    ``snapshot.pickle``, for https://pytorch.org/memory_viz, and
-    ``trace_plot.html``, the same timeline as a self-contained page.
+    ``snapshot.pickle``, for https://pytorch.org/memory_viz (pickle protocol 4,
+    which the viewer reads on every Python); ``memory_view.html``, the offline
+    view (memory over the recorded events, the largest allocations alive at the
+    peak with their stacks; it loads nothing); and ``trace_plot.html``, torch's
+    interactive timeline with the snapshot embedded, which loads its script
+    (MemoryViz.js) from a CDN when opened and is blank without a network.
 
     Nested inside another recording (another ``save_memory_snapshot``,
     :func:`start_record_memory_history`, or the user's own
@@ -326,8 +429,10 @@ def save_memory_snapshot(
             a few KB of host memory while recording.
         stacks: ``"python"`` (default) for Python frames, ``"all"`` to add C++
             frames (much slower to dump).
-        trace_plot: also write ``trace_plot.html``.
-        segment_plot: also write ``segment_plot.html``, the allocator's segments over time.
+        trace_plot: also write ``trace_plot.html`` (needs a network to open).
+        segment_plot: also write ``segment_plot.html``, the allocator's segments over
+            time (the same viewer: needs a network to open).
+        memory_view: also write ``memory_view.html``, the offline view.
         strict: raise snapshot faults instead of logging them (for tests).
 
     Returns:
@@ -351,6 +456,7 @@ def save_memory_snapshot(
         stacks=stacks,
         trace_plot=trace_plot,
         segment_plot=segment_plot,
+        memory_view=memory_view,
         strict=strict,
     )
 
@@ -407,8 +513,10 @@ def export_memory_snapshot(prefix: str | os.PathLike | None = None) -> Path | No
             Missing parent folders are created.
 
     Returns:
-        The file written, or ``None`` without CUDA or if writing failed (logged:
-        a snapshot must not end a training run).
+        The file written (pickle protocol 4, which https://pytorch.org/memory_viz
+        reads), or ``None`` without CUDA or if writing failed (logged: a snapshot
+        must not end a training run). ``write_snapshot_view(path)`` renders it
+        as an offline page.
 
     Example::
 
@@ -428,7 +536,7 @@ def export_memory_snapshot(prefix: str | os.PathLike | None = None) -> Path | No
                 path = path.with_name(path.name + ".pickle")
             path.parent.mkdir(parents=True, exist_ok=True)
         _log.info("pytorch_mem_profiler: saving the memory snapshot to %s", path)
-        _write_atomically(path, pickle.dumps(_history.snapshot()))
+        _write_atomically(path, pickle_snapshot(_history.snapshot()))
     except Exception as exc:  # noqa: BLE001 - a failed dump must not end the training run
         _log.error("pytorch_mem_profiler: failed to export the memory snapshot: %s", exc, exc_info=exc)
         return None

@@ -1,0 +1,257 @@
+"""``estimate_memory``: a training step's memory on a device, before running it, and what-ifs.
+
+Example::
+
+    >>> import torch
+    >>> from pytorch_mem_profiler.estimate import estimate_memory
+    >>> model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    >>> est = estimate_memory(model, torch.zeros(64, 512), device="cpu")
+    >>> est.weights == (512 * 512 + 512 + 512 * 10 + 10) * 4, est.optimizer_state >= 2 * est.weights
+    (True, True)
+    >>> est.max_batch_size(est.required + 1000 * int(est.fit.per_sample), margin=0) >= 64 + 1000
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from ..measure.devices import parse_device, usable_device
+from .allocator import CUDA_CONTEXT_ALLOWANCE, cublas_workspace_bytes, segment_size
+from .fake import batch_of
+from .result import BatchFit, MemoryEstimate
+from .step import EstimateUnsupported, StepMemory, StepPlan, run_step
+
+__all__ = ["estimate_memory", "EstimateUnsupported", "OPTIMIZATIONS", "parse_autocast"]
+
+#: The seed exercise's what-ifs, for ``compare=``: gradient checkpointing of the
+#: model's repeated blocks, bf16 autocast, both.
+OPTIMIZATIONS: Mapping[str, Mapping[str, Any]] = {
+    "gradient checkpointing": {"checkpointing": True},
+    "bf16 autocast": {"autocast": torch.bfloat16},
+    "checkpointing + bf16 autocast": {"checkpointing": True, "autocast": torch.bfloat16},
+}
+
+_AUTOCAST_NAMES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+_OVERRIDABLE = (
+    "model",
+    "example_inputs",
+    "optimizer",
+    "loss_fn",
+    "targets",
+    "autocast",
+    "checkpointing",
+    "batch_size",
+)
+
+
+def parse_autocast(value: Any) -> torch.dtype | None:
+    """``autocast=`` as a dtype: ``None``/``False`` (off), ``True`` (bfloat16), a dtype, or its name.
+
+    Example::
+
+        >>> parse_autocast("bf16"), parse_autocast(None)
+        (torch.bfloat16, None)
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return torch.bfloat16
+    if isinstance(value, torch.dtype) and value in (torch.bfloat16, torch.float16):
+        return value
+    if isinstance(value, str) and value.lower() in _AUTOCAST_NAMES:
+        return _AUTOCAST_NAMES[value.lower()]
+    raise ValueError(f"autocast must be None, True, torch.bfloat16, torch.float16 or 'bf16'/'fp16'; got {value!r}")
+
+
+def _run_device(device: torch.device, emulate: bool | None) -> torch.device:
+    """Where the fake step runs: on the device when its runtime is here, else on the CPU."""
+    if device.type == "cpu" or emulate is False:
+        return device
+    if emulate:
+        return torch.device("cpu")
+    try:
+        return usable_device(device)
+    except ValueError:
+        return torch.device("cpu")
+
+
+def estimate_memory(
+    model: nn.Module | Callable[[], nn.Module],
+    example_inputs: Any,
+    *,
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    targets: Any = None,
+    autocast: Any = None,
+    device: torch.device | str = "cuda",
+    batch_size: int | None = None,
+    checkpointing: bool | Callable[[str, nn.Module], bool] = False,
+    outside: int | None = None,
+    workspace: int | None = None,
+    fit: bool = True,
+    compare: Mapping[str, Mapping[str, Any]] | None = None,
+    emulate: bool | None = None,
+) -> MemoryEstimate:
+    """Estimate one training step's memory on ``device`` without allocating it (no GPU needed).
+
+    Runs forward, loss, backward and the optimizer step twice (so that lazy
+    optimizer state exists) under ``FakeTensorMode``, counting the live storages
+    with the profiler's storage counter; at two more batch sizes (twice and three
+    times the batch) to fit each phase's peak as a line in the batch size and check it.
+
+    Args:
+        model: an ``nn.Module`` (copied with fake tensors; never changed), or a function
+            that builds one: called inside the fake mode, so a model of any size is
+            estimated without its memory (build it on the default device).
+        example_inputs: the model's positional input (a tensor), a tuple of them, a dict
+            of keyword inputs, or a function ``batch_size -> inputs``. The first
+            dimension of the first tensor is the batch.
+        optimizer: a callable taking the parameters: ``torch.optim.AdamW``,
+            ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``.
+        loss_fn: ``loss_fn(output, *targets)`` returns the scalar loss; default: the
+            sum of the output.
+        targets: a tensor or a tuple of them (or a function ``batch_size -> targets``)
+            handed to ``loss_fn`` after the output; resized with the batch.
+        autocast: ``None`` (off), ``torch.bfloat16``/``torch.float16``, ``True`` (bf16):
+            the forward runs under ``torch.autocast`` (the loss outside it).
+        device: the device to estimate for (default ``"cuda"``).
+        batch_size: the batch size to estimate at; default: the example's. Needed
+            when ``example_inputs`` is a function.
+        checkpointing: wrap blocks in ``torch.utils.checkpoint`` (non-reentrant):
+            ``True`` for the model's repeated blocks, or ``(name, module) -> bool``.
+        outside: bytes outside PyTorch to allow for; default on CUDA
+            :data:`~pytorch_mem_profiler.estimate.allocator.CUDA_CONTEXT_ALLOWANCE` (1 GiB), else 0.
+        workspace: bytes libraries take from the allocator besides tensors; default on
+            CUDA two cuBLAS workspaces of 32 MiB (``CUBLAS_WORKSPACE_CONFIG`` if set), one
+            for the forward's thread and one for autograd's backward thread; else 0.
+        fit: also estimate at twice and three times the batch, for
+            :meth:`MemoryEstimate.max_batch_size`.
+        compare: what-ifs, by name: keyword arguments of this function that differ
+            (``{"bf16": {"autocast": torch.bfloat16}}``; :data:`OPTIMIZATIONS` is the
+            seed exercise's three); each is estimated and kept in ``alternatives``.
+        emulate: run on fake CPU tensors standing in for ``device`` (``None``: only
+            where the device's runtime is missing here; autocast then follows the CPU's rules).
+
+    Raises:
+        EstimateUnsupported: the step uses an operation the fake mode cannot run
+            (data-dependent shapes, ``.item()``, operators without a fake kernel); the
+            message names it.
+        ValueError, TypeError: a bad argument, named.
+    """
+    target = parse_device(device)
+    dtype = parse_autocast(autocast)
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    calls_inputs = callable(example_inputs) and not isinstance(example_inputs, torch.Tensor)
+    if calls_inputs and batch_size is None:
+        raise ValueError("batch_size is needed when example_inputs is a function batch_size -> inputs")
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a callable taking the parameters, got {type(optimizer).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not (isinstance(model, nn.Module) or callable(model)):
+        raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
+    for name, value in (("outside", outside), ("workspace", workspace)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
+    if compare is not None:
+        for name, overrides in compare.items():
+            unknown = set(overrides) - set(_OVERRIDABLE)
+            if unknown:
+                raise ValueError(f"compare[{name!r}] has unknown keys {sorted(unknown)}; allowed: {', '.join(_OVERRIDABLE)}")
+
+    run_device = _run_device(target, emulate)
+    plan = StepPlan(
+        model=model,
+        example_inputs=example_inputs,
+        optimizer=optimizer,
+        device=target,
+        loss_fn=loss_fn,
+        targets=targets,
+        autocast=dtype,
+        checkpointing=checkpointing,
+        run_device=run_device,
+    )
+    batch = batch_size if batch_size is not None else batch_of(example_inputs) if not calls_inputs else None
+    step = run_step(plan, batch)
+    batch_fit = _fit(plan, step, batch) if fit and batch is not None else None
+    on_cuda = target.type == "cuda"
+    if workspace is None:
+        # cuBLAS keeps a workspace per thread and stream: forward's thread and autograd's device thread
+        workspace = 2 * cublas_workspace_bytes() if on_cuda else 0
+    reserved = step.reserved
+    if reserved is not None and workspace:
+        reserved += 2 * segment_size(workspace // 2)  # blocks of their own, never freed
+    est = MemoryEstimate(
+        device=str(target),
+        batch_size=batch,
+        peak=step.peak,
+        peak_phase=step.peak_phase,
+        phases=step.phase_peaks,
+        peak_breakdown=step.breakdown,
+        peak_layers=step.peak_layers,
+        layers=step.layers,
+        weights=step.weights,
+        buffers=step.buffers,
+        gradients=step.gradients,
+        optimizer_state=step.optimizer_state,
+        inputs=step.inputs,
+        reserved=reserved,
+        workspace=workspace,
+        outside=outside if outside is not None else (CUDA_CONTEXT_ALLOWANCE if on_cuda else 0),
+        fit=batch_fit,
+        emulated=run_device.type != target.type,
+    )
+    if compare:
+        base = dict(
+            model=model,
+            example_inputs=example_inputs,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            targets=targets,
+            autocast=autocast,
+            batch_size=batch_size,
+            checkpointing=checkpointing,
+        )
+        alternatives = {
+            name: estimate_memory(
+                **{**base, **overrides},
+                device=target,
+                outside=outside,
+                workspace=workspace,
+                fit=fit,
+                emulate=emulate,
+            )
+            for name, overrides in compare.items()
+        }
+        est = dataclasses.replace(est, alternatives=alternatives)
+    return est
+
+
+def _fit(plan: StepPlan, first: StepMemory, batch: int) -> BatchFit:
+    """Each phase's peak as a line through ``batch`` and ``2 * batch``, checked at ``3 * batch``."""
+    second = run_step(plan, 2 * batch)
+    third = run_step(plan, 3 * batch)
+    phases = {}
+    for phase, low in first.phase_peaks.items():
+        high = second.phase_peaks.get(phase)
+        if high is None:
+            continue
+        slope = (high - low) / batch
+        phases[phase] = (low - slope * batch, slope)
+    fit = BatchFit(phases, (batch, 2 * batch), 3 * batch, None)
+    predicted = fit.peak_at(3 * batch)
+    error = abs(predicted - third.peak) / third.peak if third.peak else 0.0
+    return dataclasses.replace(fit, error=error)

@@ -1,0 +1,175 @@
+"""Live storages of one device, counted as the CPU counter counts them, with each storage's life kept.
+
+:class:`StorageLifeCounter` is the profiler's
+:class:`~pytorch_mem_profiler.measure.devices.CpuCounter` (the same dispatch mode,
+the same rules: every storage an operator returns counts once, by its bytes, until
+its last reference dies) made to count the storages of any device, fake tensors
+included, and to remember when each storage was born and died. Roles are learned
+after the fact (a storage that ends up as a ``.grad`` is a gradient from its birth
+on), so what was alive at the peak is put down to categories when the step is over.
+
+Example::
+
+    >>> import torch
+    >>> counter = StorageLifeCounter(torch.device("cpu"))
+    >>> counter.start()
+    >>> a = torch.zeros(256)                  # 1024 bytes
+    >>> b = torch.zeros(128)                  # 512 bytes
+    >>> del a
+    >>> counter.stop()
+    >>> counter.read().allocated, counter.peak
+    (512, 1536)
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..measure.accounting import same_device
+from ..measure.devices import CpuCounter, Reading
+
+__all__ = ["Life", "StorageLifeCounter"]
+
+
+@dataclass
+class Life:
+    """One storage: its bytes as counted, when it was born and died (counter ticks), its roles."""
+
+    nbytes: int
+    born: int
+    phase: str
+    died: int | None = None
+    #: roles learned later: "weights", "gradients", "optimizer_state", "inputs", "activations"
+    roles: set[str] = field(default_factory=set)
+    #: the module whose forward saved it for backward (the innermost one running)
+    saved_by: str | None = None
+
+    def alive_at(self, tick: int) -> bool:
+        return self.born <= tick and (self.died is None or self.died > tick)
+
+
+class StorageLifeCounter(CpuCounter):
+    """Counts live storages of ``device`` (fake tensors too) and keeps each one's :class:`Life`.
+
+    Args:
+        device: the device whose storages count (``cuda:0`` for fake CUDA tensors).
+        size_of: the bytes a storage of ``nbytes`` takes (the CUDA caching
+            allocator's 512-byte rounding, say); default: ``nbytes``.
+    """
+
+    def __init__(self, device: torch.device, size_of: Callable[[int], int] | None = None) -> None:
+        super().__init__(device)
+        self.device = device
+        self._size_of = size_of or (lambda n: n)
+        self._live: dict[int, Life] = {}
+        self._storage_refs: dict[int, weakref.ref] = {}
+        self.lives: list[Life] = []
+        self.tick = 0
+        self.now = 0
+        self.peak = 0
+        self.peak_tick = 0
+        self._interval_peak = 0
+        #: the phase new storages are born in, and the largest total reached in each
+        self.phase = "other"
+        self.phase_peaks: dict[str, int] = {}
+
+    # -- what the dispatch mode hands over ---------------------------------------
+    def _track(self, tensor: torch.Tensor, alias: bool = False, inputs: Any = ()) -> None:
+        if not same_device(tensor, self.device):
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        key = id(storage)
+        nbytes = self._size_of(storage.nbytes())
+        life = self._live.get(key)
+        if life is None and alias:
+            return  # a view or in-place result of a storage made before counting began
+        if life is not None:
+            if life.nbytes != nbytes:  # resized in place (``out=`` kernels)
+                self._change(nbytes - life.nbytes)
+                life.nbytes = nbytes
+            return
+        self.tick += 1
+        life = Life(nbytes, self.tick, self.phase)
+        self._live[key] = life
+        self.lives.append(life)
+        self._storage_refs[key] = weakref.ref(storage, _Death(self, key))
+        self._change(nbytes)
+
+    def _die(self, key: int) -> None:
+        self._storage_refs.pop(key, None)
+        life = self._live.pop(key, None)
+        if life is not None:
+            self.tick += 1
+            life.died = self.tick
+            self._change(-life.nbytes)
+
+    def _change(self, delta: int) -> None:
+        now = self.now = self.now + delta
+        if now > self._interval_peak:
+            self._interval_peak = now
+        if now > self.peak:
+            self.peak = now
+            self.peak_tick = self.tick
+        if now > self.phase_peaks.get(self.phase, -1):
+            self.phase_peaks[self.phase] = now
+
+    # -- roles -----------------------------------------------------------------
+    def life_of(self, tensor: torch.Tensor) -> Life | None:
+        """The life of the storage under ``tensor``, if counted and alive."""
+        try:
+            return self._live.get(id(tensor.untyped_storage()))
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
+
+    def adopt(self, tensors: Iterable[torch.Tensor], role: str | None = None) -> None:  # type: ignore[override]
+        """Count tensors made before counting began, giving them ``role``."""
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            self._track(tensor)
+            if role is not None:
+                self.give_role(tensor, role)
+
+    def give_role(self, tensor: torch.Tensor, role: str) -> None:
+        life = self.life_of(tensor)
+        if life is not None:
+            life.roles.add(role)
+
+    def enter_phase(self, phase: str) -> None:
+        """Storages born from now on are born in ``phase``; its peak starts from what is alive."""
+        self.phase = phase
+        if self.now > self.phase_peaks.get(phase, -1):
+            self.phase_peaks[phase] = self.now
+
+    # -- the MemoryCounter interface ---------------------------------------------
+    def _read_device(self) -> Reading:
+        return Reading(self.now, self._interval_peak, self.now, self._interval_peak)
+
+    def reset_peak(self) -> None:
+        self._interval_peak = self.now
+
+    def alive_at(self, tick: int) -> list[Life]:
+        """The storages alive at ``tick``."""
+        return [life for life in self.lives if life.alive_at(tick)]
+
+
+class _Death:
+    """Weak-reference callback: the storage died. Holds the counter weakly."""
+
+    __slots__ = ("counter", "key")
+
+    def __init__(self, counter: StorageLifeCounter, key: int) -> None:
+        self.counter = weakref.ref(counter)
+        self.key = key
+
+    def __call__(self, _ref: weakref.ref) -> None:
+        counter = self.counter()
+        if counter is not None:
+            counter._die(self.key)

@@ -1,0 +1,191 @@
+"""The fake training step's ingredients: a fake mode, a fake copy of the model, inputs, an optimizer.
+
+Nothing here allocates real memory: parameters, buffers and inputs are fake
+tensors with the shapes, strides and types of the real ones. A model given built
+is copied (its parameters replaced by fake ones, ties kept); the user's model is
+never changed. A model given as a function is built inside the fake mode.
+
+Where the target device cannot run autograd here (a CUDA estimate on a machine
+without a GPU: torch's autograd engine needs the device's runtime), the step runs
+on fake CPU tensors and the choices that differ on the device are made as the
+device would make them: optimizers take their ``foreach`` path, as they do by
+default on CUDA.
+
+Example::
+
+    >>> import torch
+    >>> mode = fake_mode()
+    >>> real = torch.nn.Linear(1000, 1000)
+    >>> with mode:
+    ...     model = fake_model(real, torch.device("cpu"), mode)
+    >>> type(model.weight).__name__, model.weight.shape, real.weight.abs().sum() > 0
+    ('FakeTensor', torch.Size([1000, 1000]), tensor(True))
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+__all__ = [
+    "fake_mode",
+    "fake_model",
+    "fake_like",
+    "fake_inputs",
+    "batch_of",
+    "make_optimizer",
+    "FOREACH_DEVICES",
+]
+
+#: Device types whose optimizers take the ``foreach`` path by default (real tensors only:
+#: torch's check looks at the tensor's Python type, so fake ones would take the loop).
+FOREACH_DEVICES = ("cuda", "xpu")
+
+
+def fake_mode() -> FakeTensorMode:
+    """A fake mode that refuses to run an operator's real kernel on made-up data.
+
+    ``allow_fallback_kernels=False``: an operator without a fake implementation
+    raises instead of running its real kernel on zeros (which would allocate real
+    memory, on the GPU for a CUDA extension). Real tensors met inside (a constant
+    kept in a closure) are converted.
+    """
+    return FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+
+
+def fake_like(tensor: torch.Tensor, device: torch.device, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A fake tensor (call inside the fake mode) with ``tensor``'s type and strides, on ``device``.
+
+    With ``shape`` given it is contiguous with that shape. Made by a factory, not
+    ``.to()``: moving to a device this machine lacks needs that device's runtime.
+    """
+    if shape is not None:
+        return torch.empty(shape, dtype=tensor.dtype, device=device)
+    return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device=device)
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    dev = tensor.device
+    return isinstance(tensor, FakeTensor) and dev.type == device.type and (dev.index or 0) == (device.index or 0)
+
+
+def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, owned: bool = False) -> nn.Module:
+    """``model`` with fake parameters and buffers on ``device`` (call inside ``mode``).
+
+    ``owned``: the model was built for the estimate, and one whose tensors are
+    already fake and on ``device`` is returned as it is. Any other is copied with
+    ``copy.deepcopy``, each parameter and buffer replaced by a fake one on
+    ``device`` (one per storage, so tied weights stay tied); ``requires_grad`` is
+    kept. The user's model is never changed.
+    """
+    tensors = [*model.parameters(), *model.buffers()]
+    if owned and all(_on(t, device) for t in tensors):
+        return model
+    memo: dict[int, Any] = {}
+    by_storage: dict[Any, torch.Tensor] = {}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for t in store.values():
+                if t is None or id(t) in memo:
+                    continue
+                if _on(t, device):
+                    memo[id(t)] = t
+                    continue
+                key = _storage_identity(t)
+                fake: torch.Tensor | None = by_storage.get(key) if key is not None else None
+                if fake is None:
+                    fake = fake_like(t, device)
+                    if key is not None:
+                        by_storage[key] = fake
+                if isinstance(t, nn.Parameter):
+                    fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+                memo[id(t)] = fake
+    return copy.deepcopy(model, memo)
+
+
+def _storage_identity(t: torch.Tensor) -> Any:
+    """What makes two tensors one piece of memory: same storage, offset, shape and strides."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    if isinstance(t, FakeTensor) or t.device.type == "meta":
+        anchor: Any = id(storage)
+    else:
+        anchor = (storage.data_ptr(), t.device.type, t.device.index)
+    return (anchor, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def batch_of(inputs: Any) -> int | None:
+    """The batch size of example inputs: the first dimension of the first tensor."""
+    for t in _tensors(inputs):
+        if t.dim() > 0:
+            return int(t.shape[0])
+    return None
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors(item)]
+    return []
+
+
+def fake_inputs(example: Any, batch_size: int | None, device: torch.device) -> Any:
+    """Fake inputs on ``device`` (call inside the fake mode) for a batch of ``batch_size``.
+
+    ``example`` is a tensor, a tuple, list or dict of them (or other values, passed
+    on), or a function ``batch_size -> inputs`` (called here, so big inputs cost
+    nothing). Tensors of a template whose first dimension is the template's batch
+    get ``batch_size`` there; the others keep their shapes.
+    """
+    if callable(example) and not isinstance(example, torch.Tensor):
+        made = example(batch_size) if batch_size is not None else example()
+        return _map(made, lambda t: t if _on(t, device) else fake_like(t, device))
+    template_batch = batch_of(example)
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if batch_size is None or t.dim() == 0 or t.shape[0] != template_batch:
+            return fake_like(t, device, tuple(t.shape))
+        return fake_like(t, device, (batch_size, *t.shape[1:]))
+
+    return _map(example, resize)
+
+
+def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(_map(item, fn) for item in obj)
+    if isinstance(obj, list):
+        return [_map(item, fn) for item in obj]
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def make_optimizer(factory: Callable[..., torch.optim.Optimizer], model: nn.Module, device_type: str) -> torch.optim.Optimizer:
+    """``factory(model.parameters())``, taking the path the real device would take by default.
+
+    torch picks ``foreach`` kernels on CUDA only for plain tensors: fake parameters
+    would take the per-parameter loop, whose temporaries are smaller. Groups that
+    leave ``foreach`` to torch get what torch gives real tensors on ``device_type``.
+    """
+    optimizer = factory(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "optimizer must be a callable that takes the parameters and returns a torch.optim.Optimizer "
+            f"(torch.optim.AdamW, functools.partial(torch.optim.SGD, lr=0.1)); it returned {type(optimizer).__name__}"
+        )
+    if device_type in FOREACH_DEVICES:
+        for group in optimizer.param_groups:
+            if "foreach" in group and group["foreach"] is None and not group.get("fused") and not group.get("differentiable"):
+                group["foreach"] = True
+    return optimizer

@@ -1,0 +1,241 @@
+"""The estimate of a training step's memory, its fit over batch sizes, and the largest batch that fits.
+
+A :class:`MemoryEstimate` holds bytes only; its ``str()`` is the report, amounts
+through :func:`~pytorch_mem_profiler.units.format_amount`. Each phase's peak is
+fitted as ``fixed + per_sample * batch`` from two batch sizes (weights, gradients
+and optimizer state are in ``fixed``; activations and the batch in
+``per_sample``); the step's peak at a batch size is the largest phase line there.
+
+Example::
+
+    >>> fit = BatchFit({"forward": (1000.0, 100.0), "optimizer": (3000.0, 0.0)}, (1, 2), 3, 0.0)
+    >>> fit.peak_at(10), fit.peak_at(40), fit.largest_batch(5000)
+    (3000, 5000, 40)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ..stats import INPUT, PEAK_CATEGORIES, PEAK_CATEGORY_LABELS, PHASE_LABELS, LayerFeatureMaps
+from ..units import UNITS, format_amount
+
+__all__ = ["BatchFit", "MemoryEstimate", "LINEARITY_TOLERANCE"]
+
+#: The largest relative error of the linear fit at the third batch size that
+#: :meth:`MemoryEstimate.max_batch_size` accepts without a warning.
+LINEARITY_TOLERANCE = 0.01
+
+_WIDTH = 46
+
+
+def _line(label: str, value: str, width: int = _WIDTH) -> str:
+    return f"{label}{'.' * max(2, width - len(label) - len(value))}{value}"
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """Each phase's peak as ``fixed + per_sample * batch_size``, in bytes.
+
+    Attributes:
+        phases: ``(fixed, per_sample)`` by phase.
+        batch_sizes: the two batch sizes fitted.
+        checked_at: the third batch size the fit was checked at (``None``: not checked).
+        error: the fit's relative error at ``checked_at`` (0.01 is 1%).
+    """
+
+    phases: Mapping[str, tuple[float, float]]
+    batch_sizes: tuple[int, int]
+    checked_at: int | None
+    error: float | None
+
+    def peak_at(self, batch_size: int) -> int:
+        """The step's peak predicted at ``batch_size``: the largest phase line there."""
+        return int(round(max(fixed + slope * batch_size for fixed, slope in self.phases.values())))
+
+    @property
+    def per_sample(self) -> float:
+        """Bytes one more sample adds to the largest phase's slope."""
+        return max(slope for _, slope in self.phases.values())
+
+    def largest_batch(self, budget: float) -> int:
+        """The largest batch size whose predicted peak is at most ``budget`` bytes (0: none)."""
+        best = math.inf
+        for fixed, slope in self.phases.values():
+            if slope <= 0:
+                if fixed > budget:
+                    return 0
+                continue
+            best = min(best, math.floor((budget - fixed) / slope))
+        if best == math.inf:
+            raise ValueError("no phase grows with the batch size: every batch size needs the same memory")
+        return max(0, int(best))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What one training step would take on a device, estimated without running it; bytes.
+
+    Attributes:
+        device: the device estimated for (``"cuda"``, ``"cpu"``).
+        batch_size: the batch size of the figures (``None``: unknown).
+        peak: the most bytes allocated to tensors at once, as the device's
+            allocator counts them (blocks of 512 bytes on CUDA: what
+            ``torch.cuda.max_memory_allocated()`` reports, less ``workspace``).
+        peak_phase: the phase of the peak (``forward``, ``backward``, ``optimizer``, ``other``).
+        phases: the peak of each phase.
+        peak_breakdown: bytes alive at the peak by category (keys
+            :data:`~pytorch_mem_profiler.stats.PEAK_CATEGORIES`, summing to ``peak``;
+            buffers count as weights).
+        peak_layers: activations alive at the peak by the module that saved them.
+        layers: what one forward saved for backward, by module (as the records' per-layer figures).
+        weights: parameters; buffers: registered buffers; gradients: the weight
+            gradients after backward; optimizer_state: after the optimizer's step;
+            inputs: the batch.
+        reserved: the most bytes the CUDA caching allocator would hold in segments
+            (a replay of the step through its rules); ``None`` off CUDA.
+        workspace: bytes libraries take from the allocator besides tensors (cuBLAS's workspace on CUDA).
+        outside: the allowance for memory outside PyTorch (the CUDA context), see
+            :data:`~pytorch_mem_profiler.estimate.allocator.CUDA_CONTEXT_ALLOWANCE`.
+        fit: the peak per phase as a line in the batch size (``None``: not fitted).
+        emulated: the step ran on fake CPU tensors standing in for a device this machine lacks.
+        alternatives: estimates of the same step with other settings (``compare=``), by name.
+    """
+
+    device: str
+    batch_size: int | None
+    peak: int
+    peak_phase: str
+    phases: Mapping[str, int]
+    peak_breakdown: Mapping[str, int]
+    peak_layers: Mapping[str, int]
+    layers: LayerFeatureMaps
+    weights: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    inputs: int
+    reserved: int | None = None
+    workspace: int = 0
+    outside: int = 0
+    fit: BatchFit | None = None
+    emulated: bool = False
+    alternatives: Mapping[str, MemoryEstimate] = field(default_factory=dict)
+
+    @property
+    def peak_allocated(self) -> int:
+        """The peak as ``torch.cuda.max_memory_allocated()`` would report it: tensors and workspaces."""
+        return self.peak + self.workspace
+
+    @property
+    def activations(self) -> int:
+        """Bytes one forward saved for backward (the inputs not included)."""
+        return self.layers.total
+
+    @property
+    def required(self) -> int:
+        """Bytes the device needs for the step: the peak allocated plus the allowance outside PyTorch."""
+        return self.peak_allocated + self.outside
+
+    def fits(self, device_memory: int, *, outside: int | None = None) -> bool:
+        """Whether the step fits in ``device_memory`` bytes (``outside``: another allowance)."""
+        extra = self.outside if outside is None else outside
+        return self.peak_allocated + extra <= device_memory
+
+    def max_batch_size(self, device_memory: int, margin: float = 0.1, *, outside: int | None = None) -> int:
+        """The largest batch size that fits in ``device_memory`` bytes, less ``margin`` of it.
+
+        The largest batch whose predicted peak allocated plus the allowance outside
+        PyTorch fits, times ``1 - margin``, rounded down (Lightning's
+        ``BatchSizeFinder(margin=...)`` rule). ``outside``: another allowance
+        than :attr:`outside` (0 when the limit is the allocator's own, as under
+        ``torch.cuda.set_per_process_memory_fraction``).
+
+        Raises:
+            ValueError: a bad argument, or no fit (an estimate made without a batch dimension).
+        """
+        if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory <= 0:
+            raise ValueError(f"device_memory must be a positive number of bytes, got {device_memory!r}")
+        if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ValueError(f"margin must be at least 0 and less than 1, got {margin!r}")
+        if self.fit is None:
+            raise ValueError(
+                "this estimate has no fit over batch sizes: give example inputs whose first dimension is "
+                "the batch (or a function batch_size -> inputs) and keep fit=True"
+            )
+        fit = self.fit
+        if fit.error is not None and fit.error > LINEARITY_TOLERANCE:
+            warnings.warn(
+                f"the step's memory is not linear in the batch size: the fit over batch sizes "
+                f"{fit.batch_sizes} is off by {100 * fit.error:.1f}% at {fit.checked_at}",
+                stacklevel=2,
+            )
+        extra = self.outside if outside is None else outside
+        largest = fit.largest_batch(device_memory - extra - self.workspace)
+        return int(math.floor(largest * (1 - margin)))
+
+    # -- the report --------------------------------------------------------------
+    def format(self, unit: str = "MB", top: int = 5) -> str:
+        """The report; ``str(estimate)`` is ``estimate.format()``."""
+        fmt = lambda n: format_amount(n, unit)  # noqa: E731
+        stars = "*" * _WIDTH
+        where = f"{self.device}, fake tensors" + (" on the CPU standing in for it" if self.emulated else "")
+        out = [stars, "Estimated memory of one training step", stars, f"Device: {where}"]
+        if self.batch_size is not None:
+            out.append(_line("Batch size", str(self.batch_size)))
+        out += [
+            _line("Weights", fmt(self.weights)),
+            _line("Weight gradients", fmt(self.gradients)),
+            _line("Optimizer state", fmt(self.optimizer_state)),
+            _line("Buffers", fmt(self.buffers)),
+            _line("Input batch", fmt(self.inputs)),
+            _line("Feature maps (saved for backward)", fmt(self.activations)),
+            "",
+            _line("Peak allocated", fmt(self.peak_allocated)),
+            f"Peak during: {PHASE_LABELS.get(self.peak_phase, self.peak_phase)}; alive then:",
+        ]
+        for category in PEAK_CATEGORIES:
+            n = self.peak_breakdown.get(category, 0)
+            if n:
+                out.append(_line(f"  {PEAK_CATEGORY_LABELS[category]}", fmt(n)))
+        if self.workspace:
+            out.append(_line("  cuBLAS workspace", fmt(self.workspace)))
+        out.append("Peak by phase:")
+        for phase, n in self.phases.items():
+            out.append(_line(f"  {PHASE_LABELS.get(phase, phase)}", fmt(n + self.workspace)))
+        ranked = sorted(((m, n) for (m, _), n in self.layers.by_module.items() if m != INPUT), key=lambda mn: -mn[1])
+        if ranked:
+            out.append(f"Feature maps by layer (largest {min(top, len(ranked))} of {len(ranked)}):")
+            for module, n in ranked[:top]:
+                out.append(_line(f"  {module or '(model)'}", fmt(n)))
+        if self.reserved is not None:
+            out.append(_line("Allocator segments (reserved)", fmt(self.reserved)))
+        if self.outside:
+            out.append(_line("Outside PyTorch (CUDA context)", fmt(self.outside)))
+        out.append(_line("Needed on the device", fmt(self.required)))
+        if self.fit is not None:
+            a, b = self.fit.batch_sizes
+            check = ""
+            if self.fit.checked_at is not None and self.fit.error is not None:
+                check = f", checked at {self.fit.checked_at}: off by {100 * self.fit.error:.2f}%"
+            out.append(f"Per sample: {fmt(self.fit.per_sample)} (linear over batch {a} and {b}{check})")
+        if self.alternatives:
+            out += ["", self.format_comparison(unit)]
+        out.append(f"({unit} = {UNITS[unit]:,} bytes)")
+        return "\n".join(out)
+
+    def format_comparison(self, unit: str = "MB") -> str:
+        """The alternatives' peaks against this estimate's, as a Markdown table."""
+        rows = [("baseline", self)] + list(self.alternatives.items())
+        base = self.peak_allocated
+        lines = [f"| configuration | peak allocated ({unit}) | vs baseline |", "| --- | --- | --- |"]
+        for name, est in rows:
+            change = f"{100 * (est.peak_allocated - base) / base:+.1f}%" if base else "n/a"
+            lines.append(f"| {name} | {format_amount(est.peak_allocated, unit, digits=4)} | {change} |")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()

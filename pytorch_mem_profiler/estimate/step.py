@@ -1,0 +1,463 @@
+"""One training step under the fake mode, counted: what would be alive, by category and by layer.
+
+:func:`run_step` builds the fake model, inputs and optimizer, starts a
+:class:`~.counter.StorageLifeCounter` above the fake mode and runs the step
+twice (the first makes the optimizer's lazy state): forward (under autocast if
+asked, with a ``saved_tensors_hooks`` pack hook and a module stack putting each
+saved storage down to the module that saved it, as the profiler's per-layer mode
+does), the loss, ``loss.backward()``, ``optimizer.step()``,
+``optimizer.zero_grad(set_to_none=True)``; the output and the loss are dropped at
+the end of each step, as they are when a step is a function. Phases are named as
+in the records: ``forward``, ``backward`` (the whole ``backward()`` call),
+``optimizer``, ``other`` (the loss, ``zero_grad``).
+
+Example::
+
+    >>> import functools, torch
+    >>> plan = StepPlan(model=torch.nn.Linear(256, 256), example_inputs=torch.zeros(8, 256),
+    ...                 optimizer=functools.partial(torch.optim.SGD, lr=0.1), device=torch.device("cpu"))
+    >>> step = run_step(plan, 8)
+    >>> step.breakdown["weights"] == (256 * 256 + 256) * 4
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorDeviceMismatchError,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from ..measure.accounting import optimizer_state_tensors
+from ..measure.trees import tensors_in
+from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFeatureMaps
+from .allocator import block_size, simulate_reserved
+from .counter import Life, StorageLifeCounter
+from .emulation import cuda_rules
+from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
+
+__all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks"]
+
+#: What the estimate tells a user to do instead when the fake mode cannot run their step.
+REAL_PROFILER = (
+    "estimate_memory cannot count this step without running it; measure a real step on the "
+    "device instead: MemoryProfiler(model, print_period=1) around one training iteration"
+)
+
+
+class EstimateUnsupported(RuntimeError):
+    """The step uses an operation the fake mode cannot run: the estimate would be wrong, so there is none.
+
+    Attributes:
+        operation: the operator's name (``aten.nonzero.default``), or ``None`` if unknown.
+    """
+
+    def __init__(self, message: str, operation: str | None = None) -> None:
+        super().__init__(message)
+        self.operation = operation
+
+
+@dataclass
+class StepPlan:
+    """Everything needed to run the step again at another batch size (see ``estimate_memory``)."""
+
+    model: Any
+    example_inputs: Any
+    optimizer: Callable[..., torch.optim.Optimizer]
+    device: torch.device
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    targets: Any = None
+    autocast: torch.dtype | None = None
+    checkpointing: bool | Callable[[str, nn.Module], bool] = False
+    #: where the fake tensors live: ``device``, or the CPU where ``device`` cannot run autograd here
+    run_device: torch.device | None = None
+
+
+@dataclass
+class StepMemory:
+    """What one batch size's step would hold, in bytes (as the target device counts them)."""
+
+    batch_size: int | None
+    peak: int
+    peak_phase: str
+    phase_peaks: Mapping[str, int]
+    breakdown: Mapping[str, int]
+    peak_layers: Mapping[str, int]
+    layers: LayerFeatureMaps
+    weights: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    inputs: int
+    reserved: int | None = None
+
+
+# -- errors ----------------------------------------------------------------------
+@contextlib.contextmanager
+def _unsupported_as_errors() -> Iterator[None]:
+    """The fake mode's refusals as :class:`EstimateUnsupported`, naming the operation."""
+    try:
+        yield
+    except DynamicOutputShapeException as err:
+        name = str(err.func)
+        raise EstimateUnsupported(
+            f"{name}: its output's shape depends on the values of its input (a data-dependent "
+            f"shape), which a fake tensor does not have. {REAL_PROFILER}",
+            name,
+        ) from err
+    except DataDependentOutputException as err:
+        name = str(err.func)
+        raise EstimateUnsupported(
+            f"{name}: it reads the values of a tensor (.item(), a Python `if` on a tensor, a "
+            f"data-dependent branch), which a fake tensor does not have. {REAL_PROFILER}",
+            name,
+        ) from err
+    except UnsupportedOperatorException as err:
+        name = str(err.func)
+        raise EstimateUnsupported(
+            f"{name} has no fake (meta) implementation (a custom operator or a CUDA extension "
+            f"without a registered fake kernel); running its real kernel would allocate real "
+            f"memory. {REAL_PROFILER}",
+            name,
+        ) from err
+    except UnsupportedFakeTensorException as err:
+        raise EstimateUnsupported(f"the fake mode cannot run this step: {err.reason}. {REAL_PROFILER}") from err
+    except FakeTensorDeviceMismatchError as err:
+        name = str(err.func)
+        raise EstimateUnsupported(
+            f"{name} mixes tensors of {err.common_device} and {err.device}: tensors the model makes "
+            f"on a fixed device do not follow the estimate's device. {REAL_PROFILER}",
+            name,
+        ) from err
+    except RuntimeError as err:
+        # torch.library.custom_op without register_fake says so in a plain RuntimeError
+        found = re.search(r"no fake impl registered for <CustomOpDef\((.+?)\)>", str(err))
+        if found is None:
+            raise
+        name = found.group(1)
+        raise EstimateUnsupported(
+            f"{name} has no fake implementation (a custom operator without register_fake); running "
+            f"its real kernel would allocate real memory. {REAL_PROFILER}",
+            name,
+        ) from err
+
+
+# -- gradient checkpointing --------------------------------------------------------
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """Names of the children of the outermost ``ModuleList``/``Sequential`` containers whose
+    children repeat one class (transformer layers, ResNet stages' blocks)."""
+    chosen: list[str] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if any(name == t or name.startswith(t + ".") for t in taken):
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            kids = list(module.named_children())
+            kinds = {type(child) for _, child in kids}
+            if len(kids) >= 2 and len(kinds) == 1:
+                chosen += [f"{name}.{child}" if name else child for child, _ in kids]
+                taken.append(name)
+    return chosen
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return forward(*args, **kwargs)
+
+
+def checkpoint_blocks(model: nn.Module, which: bool | Callable[[str, nn.Module], bool]) -> list[str]:
+    """Run the chosen modules' forward through ``torch.utils.checkpoint`` (non-reentrant).
+
+    ``which``: ``True`` for :func:`repeated_blocks`, or a function ``(name, module) -> bool``.
+    Changes ``model`` (the estimate's own copy); returns the names of the modules wrapped.
+    """
+    if which is True:
+        names = set(repeated_blocks(model))
+    else:
+        names = {name for name, module in model.named_modules() if name and which(name, module)}  # type: ignore[operator]
+    for name, module in model.named_modules():
+        if name in names:
+            module.forward = functools.partial(_checkpointed, module.forward)  # type: ignore[method-assign]
+    return sorted(names)
+
+
+# -- autocast ----------------------------------------------------------------------
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+# -- saved tensors by module ---------------------------------------------------------
+class _SavedByModule:
+    """During one forward: which module's forward saved each storage autograd keeps.
+
+    The module stack is kept by global module hooks (as the profiler's per-layer
+    attribution keeps it); the pack hook marks each saved storage's :class:`Life`
+    as activations of the innermost module running.
+    """
+
+    def __init__(self, model: nn.Module, counter: StorageLifeCounter) -> None:
+        self.counter = counter
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.root = id(model)
+        self.param_ids = {id(p) for p in model.parameters()}
+        self.stack = [""]
+        self.keys: list[int] = []
+        self.by_module: dict[tuple[str, str], int] = {}
+        self.calls: dict[str, int] = {}
+        self.seen: set[int] = set()
+
+    def __enter__(self) -> _SavedByModule:
+        self.handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.hooks.__exit__(None, None, None)
+        for handle in self.handles:
+            handle.remove()
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if id(module) == self.root:
+            return
+        name = self.names.get(id(module), self.stack[-1])
+        if id(module) in self.names:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        self.stack.append(name)
+        self.keys.append(id(module))
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.keys and self.keys[-1] == id(module):
+            self.keys.pop()
+            self.stack.pop()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        life = self.counter.life_of(t)
+        if life is None or id(life) in self.seen:
+            return t
+        self.seen.add(id(life))
+        if "weights" in life.roles:
+            return t
+        if "inputs" in life.roles:
+            slot = (INPUT, ACTIVATIONS)
+        else:
+            slot = (self.stack[-1], WEIGHT_COPIES if self._is_weight_copy(t) else ACTIVATIONS)
+            life.roles.add("activations")
+            life.saved_by = self.stack[-1]
+        self.by_module[slot] = self.by_module.get(slot, 0) + life.nbytes
+        return t
+
+    def _is_weight_copy(self, t: torch.Tensor) -> bool:
+        if t._is_view() and t._base is not None:
+            t = t._base
+        node = t.grad_fn
+        if node is None or type(node).__name__ != "ToCopyBackward0":
+            return False
+        return any(id(getattr(n, "variable", None)) in self.param_ids for n, _ in node.next_functions)
+
+    def result(self) -> LayerFeatureMaps:
+        total = sum(n for (m, _), n in self.by_module.items() if m != INPUT)
+        inputs = sum(n for (m, _), n in self.by_module.items() if m == INPUT)
+        return LayerFeatureMaps(
+            by_module=MappingProxyType(dict(self.by_module)),
+            calls=MappingProxyType(dict(self.calls)),
+            total=total,
+            inputs=inputs,
+            unattributed=0,
+        )
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+# -- the step ----------------------------------------------------------------------
+def _category(life: Life) -> str:
+    roles = life.roles
+    for role in ("weights", "gradients", "optimizer_state", "inputs", "activations"):
+        if role in roles:
+            return role
+    return "activation_gradients" if life.phase == "backward" else "other"
+
+
+def _build(plan: StepPlan, mode: Any, run_device: torch.device) -> nn.Module:
+    model = plan.model
+    if isinstance(model, nn.Module):
+        built = fake_model(model, run_device, mode)
+    elif callable(model):
+        with torch.device(run_device):
+            made = model()
+        if not isinstance(made, nn.Module):
+            raise TypeError(f"model() must return a torch.nn.Module; it returned {type(made).__name__}")
+        built = fake_model(made, run_device, mode, owned=True)
+    else:
+        raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
+    if plan.checkpointing:
+        if built is model:
+            built = fake_model(model, run_device, mode)
+        checkpoint_blocks(built, plan.checkpointing)
+    return built
+
+
+def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
+    """Run ``plan``'s training step twice under the fake mode at ``batch_size``; what it would hold.
+
+    Raises:
+        EstimateUnsupported: the step uses an operation the fake mode cannot run.
+    """
+    target = plan.device
+    run_device = plan.run_device or target
+    size_of = block_size if target.type == "cuda" else None
+    counter = StorageLifeCounter(run_device, size_of=size_of)
+    mode = fake_mode()
+    # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
+    rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
+    with mode, _unsupported_as_errors(), rules:
+        model = _build(plan, mode, run_device)
+        params = list(model.parameters())
+        # a model with nothing to train has no optimizer step
+        optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
+        buffers = [b for b in model.buffers() if b is not None]
+        counter.start()
+        try:
+            counter.adopt(params, role="weights")
+            counter.adopt(buffers, role="weights")
+            inputs = fake_inputs(plan.example_inputs, batch_size, run_device)
+            targets = fake_inputs(plan.targets, batch_size, run_device) if plan.targets is not None else None
+            # Loop variables would keep the last tensor alive past its time: give roles in a call.
+            _give_role(counter, [*tensors_in(inputs), *tensors_in(targets)], "inputs")
+            args = inputs if isinstance(inputs, tuple) else (inputs,)
+            kwargs: dict[str, Any] = {}
+            if isinstance(inputs, dict):
+                args, kwargs = (), inputs
+            target_args = () if targets is None else (targets if isinstance(targets, tuple) else (targets,))
+            attribution = None
+            gradients = optimizer_state = 0
+            for _ in range(2):
+                counter.enter_phase("forward")
+                attribution = _SavedByModule(model, counter)
+                with attribution, _autocast(run_device, plan.autocast):
+                    output = model(*args, **kwargs)
+                counter.enter_phase("other")
+                loss = plan.loss_fn(output, *target_args) if plan.loss_fn is not None else _default_loss(output)
+                counter.enter_phase("backward")
+                loss.backward()
+                gradients = _give_role(counter, [p.grad for p in params if p.grad is not None], "gradients")
+                if optimizer is not None:
+                    counter.enter_phase("optimizer")
+                    optimizer.step()
+                    optimizer_state = _give_role(counter, list(optimizer_state_tensors([optimizer])), "optimizer_state")
+                    counter.enter_phase("other")
+                    optimizer.zero_grad(set_to_none=True)
+                del output, loss
+            assert attribution is not None
+            layers = attribution.result()
+        finally:
+            counter.stop()
+    return _summarize(counter, batch_size, layers, params, buffers, optimizer_state, gradients, target)
+
+
+def _give_role(counter: StorageLifeCounter, tensors: list[torch.Tensor], role: str) -> int:
+    """Give ``role`` to each tensor's storage; their bytes, each storage once."""
+    for tensor in tensors:
+        counter.give_role(tensor, role)
+    return _bytes_of(counter, tensors)
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    tensors = tensors_in(output)
+    if not tensors:
+        raise TypeError("the model's output holds no tensor; give loss_fn= to turn it into a loss")
+    loss = tensors[0].float().sum() if tensors[0].dtype != torch.float32 else tensors[0].sum()
+    for t in tensors[1:]:
+        if t.is_floating_point() and t.requires_grad:
+            loss = loss + t.float().sum()
+    return loss
+
+
+def _summarize(
+    counter: StorageLifeCounter,
+    batch_size: int | None,
+    layers: LayerFeatureMaps,
+    params: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    optimizer_state: int,
+    gradients: int,
+    target: torch.device,
+) -> StepMemory:
+    at_peak = counter.alive_at(counter.peak_tick)
+    breakdown = dict.fromkeys(PEAK_CATEGORIES, 0)
+    peak_layers: dict[str, int] = {}
+    for life in at_peak:
+        category = _category(life)
+        breakdown[category] += life.nbytes
+        if category == "activations" and life.saved_by is not None:
+            peak_layers[life.saved_by] = peak_layers.get(life.saved_by, 0) + life.nbytes
+    phase_peaks = dict(counter.phase_peaks)
+    peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p]) if phase_peaks else "other"
+    param_bytes = _bytes_of(counter, params)
+    buffer_bytes = _bytes_of(counter, buffers)
+    inputs = sum(life.nbytes for life in counter.lives if "inputs" in life.roles and life.died is None)
+    reserved = None
+    if target.type == "cuda":
+        reserved = simulate_reserved(_events(counter.lives))
+    return StepMemory(
+        batch_size=batch_size,
+        peak=counter.peak,
+        peak_phase=peak_phase,
+        phase_peaks=MappingProxyType(phase_peaks),
+        breakdown=MappingProxyType(breakdown),
+        peak_layers=MappingProxyType(dict(sorted(peak_layers.items(), key=lambda kv: -kv[1]))),
+        layers=layers,
+        weights=param_bytes,
+        buffers=buffer_bytes,
+        gradients=gradients,
+        optimizer_state=optimizer_state,
+        inputs=inputs,
+        reserved=reserved,
+    )
+
+
+def _bytes_of(counter: StorageLifeCounter, tensors: list[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        life = counter.life_of(t)
+        if life is not None and id(life) not in seen:
+            seen.add(id(life))
+            total += life.nbytes
+    return total
+
+
+def _events(lives: list[Life]) -> list[tuple[int, int]]:
+    """Allocation (+bytes) and free (-bytes) events in time order, for the allocator's replay."""
+    timeline: list[tuple[int, int, int]] = []
+    for key, life in enumerate(lives):
+        if life.nbytes <= 0:
+            continue
+        timeline.append((life.born, key, life.nbytes))
+        if life.died is not None:
+            timeline.append((life.died, key, -life.nbytes))
+    timeline.sort()
+    return [(key, nbytes) for _, key, nbytes in timeline]

@@ -1,0 +1,187 @@
+"""Where a training forward enters the model: found without the root's ``forward`` being called.
+
+Frameworks often never call the profiled module's own ``forward``: Lightning calls
+``LightningModule.training_step``, which calls ``self.net(x)``; a training step may
+call ``self.encoder(x)`` and then ``self.decoder(z)``. A forward is found as the
+first module *of this model* entered from outside the model's other modules
+(depth tracking: calls nested in a running module of the model are not entries).
+
+Why hooks are placed this way (host time measured on CPU, torch 2.13, one thread,
+a model of 51 trivial modules, 30 interleaved rounds, medians):
+
+- global module hooks (``register_module_forward_pre_hook``) cost about 2.1 us
+  per module call, and tax every module of every model in the process;
+- a pre- and post-hook on every module of the model cost about 1.8 us per
+  module call (2.7 us with the depth tracking below): 180-270 us per
+  iteration for a 100-module model;
+- hooks on one module cost about 4.6 us per call of that module.
+
+So every module of the model is hooked only until the first training forward
+has shown which modules it enters through (*learning*, one iteration); from then
+on only the root and those entry modules keep hooks: the cost per iteration is
+about 5 us per entry call, whatever the model's size. Should an iteration
+step an optimizer with no forward found (the framework started entering
+through another module), learning starts again for one forward.
+
+Modules inside a compiled module (``torch.compile``) are never hooked: a hook
+there would run inside the compiled region. The compiled module itself is.
+
+Example::
+
+    >>> import torch
+    >>> wrapper = torch.nn.Module(); wrapper.net = torch.nn.Linear(4, 4)
+    >>> seen = []
+    >>> watch = EntryWatch(wrapper, lambda m, a: seen.append(m) or True, lambda m, a, o: None)
+    >>> watch.install()
+    >>> _ = wrapper.net(torch.randn(2, 4))       # the root's forward is never called
+    >>> seen == [wrapper.net]
+    True
+    >>> watch.finish_learning(); watch.hooked_modules() == [wrapper, wrapper.net]
+    True
+    >>> watch.remove()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..faults import FaultGuard
+
+__all__ = ["EntryWatch"]
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def _hookable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's modules, each once, leaving out those inside a compiled module."""
+    found: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append(module)
+        if not _is_compiled(module) and not isinstance(module, torch.jit.ScriptModule):
+            stack.extend(reversed(list(module.children())))
+    return found
+
+
+def _refuse(module: torch.nn.Module, args: Any) -> bool:
+    return False
+
+
+def _ignore(module: torch.nn.Module, args: Any, output: Any) -> None:
+    return None
+
+
+class EntryWatch:
+    """Hooks the modules a forward may enter the model through, and tracks the call depth.
+
+    Args:
+        model: the root module.
+        on_enter: called as ``on_enter(module, args)`` when a call enters the model
+            from outside it; returns whether that call is a training forward
+            (only those teach which modules are entries).
+        on_exit: called as ``on_exit(module, args, output)`` when such a call,
+            one ``on_enter`` accepted, returns (or raises).
+        guard: contains faults of the hooks.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        on_enter: Callable[[torch.nn.Module, Any], bool],
+        on_exit: Callable[[torch.nn.Module, Any, Any], None],
+        guard: FaultGuard | None = None,
+    ) -> None:
+        self.model = model
+        self.on_enter = on_enter
+        self.on_exit = on_exit
+        self.guard = guard or FaultGuard()
+        #: modules of the model currently running (those hooked)
+        self.depth = 0
+        #: whether every module is hooked (until a training forward shows the entries)
+        self.learning = False
+        self._entries: dict[int, torch.nn.Module] = {}
+        self._handles: dict[int, tuple[Any, Any]] = {}
+        self._accepted = False
+
+    # -- installation ----------------------------------------------------------
+    def install(self) -> None:
+        """Hook every module of the model (learning), the root always."""
+        self._hook(self.model)
+        self.relearn()
+
+    def relearn(self) -> None:
+        """Hook every module again until the next training forward shows its entries."""
+        if self.depth:
+            return  # never while a module of the model runs: its exit would be lost
+        self.learning = True
+        for module in _hookable_modules(self.model):
+            self._hook(module)
+
+    def finish_learning(self) -> None:
+        """Keep hooks only on the root and the modules seen entering the model."""
+        if not self.learning or self.depth:
+            return
+        self.learning = False
+        keep = {id(self.model), *self._entries}
+        for key in [k for k in self._handles if k not in keep]:
+            for handle in self._handles.pop(key):
+                handle.remove()
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
+        self._handles.clear()
+        self.depth = 0
+        self.learning = False
+
+    def release(self) -> None:
+        """Remove every hook and drop the callbacks (which refer back to their owner)."""
+        self.remove()
+        self.on_enter = _refuse
+        self.on_exit = _ignore
+        self._entries.clear()
+
+    def hooked_modules(self) -> list[torch.nn.Module]:
+        """The modules hooked now, the root first."""
+        by_id = {id(m): m for m in _hookable_modules(self.model)}
+        return [by_id[k] for k in by_id if k in self._handles]
+
+    def _hook(self, module: torch.nn.Module) -> None:
+        key = id(module)
+        if key in self._handles:
+            return
+        if isinstance(module, torch.jit.ScriptModule):
+            return  # TorchScript modules take no Python hooks; their callers are hooked
+        # Wrapped here, not kept on self: a removed watcher leaves no reference cycle.
+        pre = module.register_forward_pre_hook(self.guard.wrap("forward hooks", self._enter))
+        # always_call: a forward that raises still closes its phase.
+        post = module.register_forward_hook(self.guard.wrap("forward hooks", self._exit), always_call=True)
+        self._handles[key] = (pre, post)
+
+    # -- the hooks (the hot path: one pair per entry call per iteration) --------
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            accepted = self._accepted = bool(self.on_enter(module, args))
+            if accepted and self.learning:
+                self._entries[id(module)] = module
+        return None
+
+    def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.depth > 0:
+            self.depth -= 1
+        if self.depth == 0 and self._accepted:
+            self._accepted = False
+            self.on_exit(module, args, output)
+        return None

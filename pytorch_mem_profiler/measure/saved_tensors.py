@@ -1,0 +1,140 @@
+"""Watching what autograd saves for backward, behind the saved-tensor hooks already active.
+
+``torch.autograd.graph.saved_tensors_hooks`` is a stack and only its top pair runs.
+A watcher that pushed a pair of its own would switch off the user's
+(``save_on_cpu()``, compression or offloading libraries, a hand-written pair) and
+change both the memory and the numbers of the run it measures. So
+:class:`ChainedSavedTensorsHooks` reads the pair on top when it is pushed and
+chains to it: every tensor goes through the user's pack hook exactly as without
+the watcher, the watcher sees what the user's hook returned (what stays where,
+e.g. a CPU copy or a half-precision cast), and unpacking is the user's own.
+With no user's hooks, the watcher's own unpack runs the check autograd runs
+only when no hooks are set: a saved tensor modified in place still raises.
+
+Torch tells which pair is on top from 2.8 on
+(``torch._C._autograd._top_saved_tensors_default_hooks``). Torch 2.4 to 2.7 cannot
+tell: there the watcher must not push anything, and :func:`can_chain` is False.
+This module is the one place that knows the difference.
+
+Example::
+
+    >>> import torch
+    >>> seen = []
+    >>> x = torch.randn(3, requires_grad=True)
+    >>> with torch.autograd.graph.saved_tensors_hooks(lambda t: ("mine", t.half()), lambda p: p[1].float()):
+    ...     hooks = ChainedSavedTensorsHooks(seen.append)
+    ...     if hooks.push():
+    ...         y = x.exp()                       # exp saves its result
+    ...         hooks.pop()
+    ...     else:
+    ...         y = x.exp(); seen.append(("mine", y.half()))   # torch < 2.8
+    >>> seen[0][0], seen[0][1].dtype               # what the user's hook kept
+    ('mine', torch.float16)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["ChainedSavedTensorsHooks", "can_chain", "top_saved_tensors_hooks"]
+
+_log = logging.getLogger("pytorch_mem_profiler")
+
+# torch >= 2.8: the pair on top of the thread's saved-tensor hooks stack, or None.
+# Its argument (True) asks for the real top even while a compiler is tracing.
+_TOP = getattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
+
+
+def can_chain() -> bool:
+    """Whether this torch can tell which saved-tensor hooks are active (2.8 and later)."""
+    return _TOP is not None
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The (pack, unpack) pair active on this thread now, ``None`` when there is none.
+
+    Raises ``RuntimeError`` on torch older than 2.8, which cannot tell.
+    """
+    if _TOP is None:
+        raise RuntimeError(f"torch {torch.__version__} cannot tell which saved-tensor hooks are active")
+    top = _TOP(True)
+    return None if top is None else (top[0], top[1])
+
+
+def _unpack_checked(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """Torch checks a saved tensor's version only when no hooks are set: do it here, so that a
+    tensor modified in place after it was saved still raises as it would without the watcher."""
+    tensor, version = packed
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; "
+            f"expected version {version} instead. Hint: the tensor was saved for backward and changed "
+            "in place afterwards (this check is run by pytorch_mem_profiler's per-layer watcher, "
+            "as autograd runs it without one)"
+        )
+    return tensor
+
+
+class ChainedSavedTensorsHooks:
+    """A pack hook that watches what autograd keeps, chained to the pair that was on top.
+
+    Args:
+        observe: called with what is kept for each saved tensor: the tensor
+            itself, or what the user's pack hook made of it. A fault in it is
+            left to ``on_fault``; the tensor is kept all the same.
+        on_fault: called with an exception ``observe`` raised (default: ignore).
+    """
+
+    def __init__(self, observe: Callable[[Any], None], on_fault: Callable[[BaseException], None] | None = None) -> None:
+        self.observe = observe
+        self.on_fault = on_fault
+        self._context: Any = None
+
+    def push(self) -> bool:
+        """Start watching; False (nothing pushed) where torch cannot tell what is on top."""
+        if self._context is not None:
+            return True
+        if _TOP is None:
+            return False
+        below = top_saved_tensors_hooks()
+        if below is None:
+            pack, unpack = self._watch, _unpack_checked
+        else:
+            pack, unpack = self._chain(below[0]), below[1]
+        context = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        context.__enter__()
+        self._context = context
+        return True
+
+    def pop(self) -> None:
+        """Stop watching (pop what :meth:`push` pushed); safe when nothing was pushed."""
+        context, self._context = self._context, None
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    @property
+    def active(self) -> bool:
+        return self._context is not None
+
+    def _watch(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        self._observe(tensor)
+        return tensor, tensor._version
+
+    def _chain(self, user_pack: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+        def pack(tensor: torch.Tensor) -> Any:
+            packed = user_pack(tensor)  # the user's hook, exactly once; its errors are the user's
+            self._observe(packed)
+            return packed
+
+        return pack
+
+    def _observe(self, kept: Any) -> None:
+        try:
+            self.observe(kept)
+        except Exception as exc:  # noqa: BLE001 - watching must never break the forward
+            if self.on_fault is not None:
+                self.on_fault(exc)

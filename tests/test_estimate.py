@@ -1,0 +1,443 @@
+"""estimate_memory on the CPU: the fake step's figures against the profiler's measured CPU peaks,
+byte for byte, and against bytes counted independently."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import io
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from pytorch_mem_profiler import MemoryProfiler, estimate_memory
+from pytorch_mem_profiler.estimate import OPTIMIZATIONS, EstimateUnsupported
+from pytorch_mem_profiler.estimate.allocator import block_size, segment_size, simulate_reserved
+from pytorch_mem_profiler.estimate.records import max_batch_from_records
+from pytorch_mem_profiler.stats import PEAK_CATEGORIES
+
+from .helpers import nbytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from optimizations import FeedForwardStack  # noqa: E402
+
+CPU = "cpu"
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+
+
+def convnet() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 8, 3), nn.Flatten(), nn.LazyLinear(10)
+    )
+
+
+def measured_peak(build, make_input, optimizer, *, autocast=None, checkpointing=False, steps=2) -> int:
+    """The profiler's CPU peak over the same two steps the estimate runs: the largest
+    ``iteration_peak_allocated`` (the CPU counter counts live storages exactly)."""
+    model = build()
+    opt = optimizer(model.parameters())
+    gc.collect()
+    peaks = []
+    with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
+        x = make_input()
+        for _ in range(steps):
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                out = model(x)
+            loss = out.float().sum() if out.dtype != torch.float32 else out.sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out, loss
+            peaks.append(profiler.record_stats().iteration_peak_allocated)
+    return max(peaks)
+
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+MOMENTUM = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize(
+    "build, shape, optimizer",
+    [
+        (mlp, (8, 64), torch.optim.Adam),
+        (mlp, (200, 64), torch.optim.AdamW),
+        (mlp, (32, 64), MOMENTUM),
+        (lambda: FeedForwardStack(64, 3), (4, 32, 64), torch.optim.Adam),
+        (lambda: FeedForwardStack(32, 2), (2, 16, 32), SGD),
+    ],
+    ids=["mlp-adam-8", "mlp-adamw-200", "mlp-momentum-32", "ffstack-adam", "ffstack-sgd"],
+)
+def test_estimate_equals_the_measured_cpu_peak_to_the_byte(build, shape, optimizer):
+    estimate = estimate_memory(build(), torch.zeros(shape), optimizer=optimizer, device=CPU, fit=False)
+    assert estimate.peak == measured_peak(build, lambda: torch.randn(shape), optimizer)
+    assert sum(estimate.peak_breakdown.values()) == estimate.peak
+    assert set(estimate.peak_breakdown) == set(PEAK_CATEGORIES)
+
+
+def test_model_state_figures_equal_bytes_counted_by_hand():
+    model = mlp()
+    estimate = estimate_memory(model, torch.zeros(16, 64), optimizer=torch.optim.Adam, device=CPU, fit=False)
+    weights = sum(nbytes(p) for p in model.parameters())
+    assert estimate.weights == weights == (64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10) * 4
+    assert estimate.gradients == weights
+    # Adam: two moments per parameter, and a 4-byte step counter per parameter
+    assert estimate.optimizer_state == 2 * weights + 4 * len(list(model.parameters()))
+    assert estimate.inputs == 16 * 64 * 4
+    assert estimate.buffers == 0 and estimate.batch_size == 16
+
+
+def test_a_linear_layer_with_plain_sgd_peaks_as_computed_by_hand():
+    # y = x W^T, loss = y.sum(): forward keeps x (the input) and makes y; backward makes
+    # the gradient of the loss (4 bytes, expanded), then grad W = ones^T x. The peak is in
+    # backward: W + x + y (alive as the output) + grad W + the loss and its gradient.
+    d_in, d_out, batch = 100, 30, 50
+    model = nn.Linear(d_in, d_out, bias=False)
+    estimate = estimate_memory(model, torch.zeros(batch, d_in), optimizer=SGD, device=CPU, fit=False)
+    w, x, y = d_in * d_out * 4, batch * d_in * 4, batch * d_out * 4
+    assert estimate.peak == w + x + y + w + 4 + 4
+    assert estimate.peak == measured_peak(lambda: nn.Linear(d_in, d_out, bias=False), lambda: torch.randn(batch, d_in), SGD)
+
+
+def test_buffers_and_a_lazy_layer_count_as_measured():
+    build = convnet
+    model = build()
+    model(torch.zeros(1, 3, 12, 12))  # materialize the lazy layer
+    estimate = estimate_memory(model, torch.zeros(6, 3, 12, 12), device=CPU, fit=False)
+    built = build()
+    built(torch.zeros(1, 3, 12, 12))
+    assert estimate.peak == measured_peak(lambda: built, lambda: torch.randn(6, 3, 12, 12), torch.optim.Adam)
+    buffers = sum(nbytes(b) for b in model.buffers())
+    assert estimate.buffers == buffers > 0
+
+
+def test_checkpointing_and_autocast_equal_the_measured_cpu_runs():
+    shape = (4, 32, 64)
+    estimate = estimate_memory(FeedForwardStack(64, 3), torch.zeros(shape), device=CPU, fit=False, compare=OPTIMIZATIONS)
+    checkpointed = estimate.alternatives["gradient checkpointing"]
+    assert checkpointed.peak == measured_peak(lambda: FeedForwardStack(64, 3, checkpointing=True), lambda: torch.randn(shape), torch.optim.Adam)
+    assert checkpointed.peak < estimate.peak
+    bf16 = estimate.alternatives["bf16 autocast"]
+    assert bf16.peak == measured_peak(
+        lambda: FeedForwardStack(64, 3), lambda: torch.randn(shape), torch.optim.Adam, autocast=torch.bfloat16
+    )
+    assert bf16.peak < estimate.peak
+    both = estimate.alternatives["checkpointing + bf16 autocast"]
+    assert both.peak < min(bf16.peak, checkpointed.peak)
+    table = estimate.format_comparison()
+    assert "| gradient checkpointing |" in table and "| baseline |" in table
+
+
+def test_saved_activations_by_layer_equal_what_a_pack_hook_sees():
+    model = FeedForwardStack(64, 2)
+    x = torch.randn(4, 32, 64)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr != x.untyped_storage().data_ptr():
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    del out
+    estimate = estimate_memory(model, x, device=CPU, fit=False)
+    assert estimate.activations == sum(saved.values())
+    assert estimate.layers.by_module[("blocks.0.norm", "activations")] > 0
+    assert estimate.layers.inputs == nbytes(x)  # the first LayerNorm saves the batch
+
+
+def test_the_peak_breakdown_puts_activations_down_to_layers_at_a_backward_peak():
+    estimate = estimate_memory(FeedForwardStack(64, 4), torch.zeros(16, 64, 64), device=CPU, fit=False)
+    assert estimate.peak_phase in ("forward", "backward")
+    assert estimate.peak_breakdown["activations"] == sum(estimate.peak_layers.values()) > 0
+    assert estimate.peak_breakdown["weights"] == estimate.weights
+
+
+def test_a_tied_weight_counts_once():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 16)
+            self.head = nn.Linear(16, 100, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, idx):
+            return self.head(self.embed(idx))
+
+    estimate = estimate_memory(Tied(), torch.zeros(4, 8, dtype=torch.long), device=CPU, fit=False)
+    assert estimate.weights == 100 * 16 * 4
+    assert estimate.peak == measured_peak(Tied, lambda: torch.randint(0, 100, (4, 8)), torch.optim.Adam)
+
+
+def test_the_users_model_and_process_are_left_as_they_were():
+    model = mlp()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ids = [id(p) for p in model.parameters()]
+    estimate_memory(model, torch.zeros(8, 64), device=CPU, checkpointing=lambda name, m: name == "0")
+    assert [id(p) for p in model.parameters()] == ids
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert "forward" not in model[0].__dict__
+    assert _get_current_dispatch_mode_stack() == []
+    assert not torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_five_gigabyte_model_is_estimated_in_little_host_memory():
+    width, depth = 8192, 20  # 20 x 8192^2 float32 weights: 5.4 GB
+    estimate_memory(lambda: nn.Linear(8, 8), torch.zeros(2, 8), device=CPU, fit=False)  # imports done
+    gc.collect()
+    before = _rss()
+    estimate = estimate_memory(
+        lambda: nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]), torch.zeros(4, width), device=CPU
+    )
+    grown = _rss() - before
+    weights = depth * (width * width + width) * 4
+    assert estimate.weights == weights > 5e9
+    assert estimate.peak > 4 * weights  # weights, gradients and Adam's two moments
+    assert grown < 300e6, f"resident memory grew by {grown / 1e6:.0f} MB"
+
+
+def test_max_batch_size_holds_against_measured_cpu_runs():
+    build = lambda: FeedForwardStack(32, 2)  # noqa: E731
+    estimate = estimate_memory(build(), torch.zeros(4, 16, 32), device=CPU)
+    fit = estimate.fit
+    assert fit is not None and fit.batch_sizes == (4, 8) and fit.checked_at == 12 and fit.error < 0.001
+    device_memory = fit.peak_at(50) + 12345  # a device that holds a batch of about 50
+    predicted = estimate.max_batch_size(device_memory, margin=0)
+    assert predicted >= 40
+    assert measured_peak(build, lambda: torch.randn(predicted, 16, 32), torch.optim.Adam) <= device_memory
+    larger = math.ceil(predicted * 1.1)
+    assert measured_peak(build, lambda: torch.randn(larger, 16, 32), torch.optim.Adam) > device_memory
+    assert estimate.max_batch_size(device_memory) == int(predicted * 0.9)
+    assert estimate.fits(device_memory) and not estimate.fits(estimate.peak - 1)
+
+
+def test_the_profilers_own_prediction_holds_against_measured_cpu_runs():
+    build = lambda: FeedForwardStack(32, 2)  # noqa: E731
+    model = build()
+    opt = torch.optim.Adam(model.parameters())
+    with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
+        x = torch.randn(8, 16, 32)
+        for _ in range(2):
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del loss
+            profiler.record_stats()
+        estimate = estimate_memory(build(), torch.zeros(8, 16, 32), device=CPU)
+        device_memory = estimate.fit.peak_at(60)
+        predicted = profiler.max_batch_size(batch_size=8, device_memory=device_memory, margin=0)
+        with pytest.raises(ValueError, match="device_memory"):
+            profiler.max_batch_size(batch_size=8)  # the CPU has no total to default to
+    assert measured_peak(build, lambda: torch.randn(predicted, 16, 32), torch.optim.Adam) <= device_memory
+    # gradients count as growing in backward (the safe side): at most 20% below the true largest batch
+    assert predicted >= 0.8 * estimate.max_batch_size(device_memory, margin=0)
+    assert max_batch_from_records(list(profiler.records), 8, device_memory, margin=0.5) == int(predicted * 0.5)
+
+
+def test_unsupported_operations_name_the_operation_and_point_to_the_real_profiler():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return y[y > 0]
+
+    class Branch(Masked):
+        def forward(self, x):
+            y = self.fc(x)
+            return y if y.sum() > 0 else -y
+
+    with pytest.raises(EstimateUnsupported, match="aten.nonzero") as caught:
+        estimate_memory(Masked(), torch.zeros(2, 4), device=CPU)
+    assert caught.value.operation == "aten.nonzero.default"
+    assert "MemoryProfiler" in str(caught.value)
+    with pytest.raises(EstimateUnsupported, match="_local_scalar_dense") as caught:
+        estimate_memory(Branch(), torch.zeros(2, 4), device=CPU)
+    assert ".item()" in str(caught.value)
+
+
+def test_an_operator_without_a_fake_kernel_is_refused_not_run():
+    calls = []
+
+    @torch.library.custom_op("pmp_estimate_test::scale", mutates_args=())
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x * 2
+
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return scale(self.fc(x))
+
+    with pytest.raises(EstimateUnsupported, match="pmp_estimate_test::scale") as caught:
+        estimate_memory(Custom(), torch.zeros(2, 4), device=CPU)
+    assert "fake" in str(caught.value) and calls == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"autocast": "int8"}, ValueError, "autocast"),
+        ({"optimizer": 3}, TypeError, "optimizer"),
+        ({"loss_fn": "sum"}, TypeError, "loss_fn"),
+        ({"device": "nonsense"}, ValueError, "device"),
+        ({"outside": -1}, ValueError, "outside"),
+        ({"compare": {"x": {"lr": 1}}}, ValueError, "compare"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        estimate_memory(mlp(), torch.zeros(2, 64), **{"device": CPU, **kwargs})
+
+
+def test_inputs_as_a_function_need_a_batch_size_and_follow_it():
+    with pytest.raises(ValueError, match="batch_size"):
+        estimate_memory(mlp, lambda b: torch.zeros(b, 64), device=CPU)
+    estimate = estimate_memory(mlp, lambda b: torch.zeros(b, 64), batch_size=24, device=CPU)
+    assert estimate.batch_size == 24 and estimate.inputs == 24 * 64 * 4
+    assert estimate.peak == measured_peak(mlp, lambda: torch.randn(24, 64), torch.optim.Adam)
+
+
+def test_a_cuda_estimate_without_a_gpu_rounds_each_storage_to_512_byte_blocks():
+    model = mlp()
+    estimate = estimate_memory(model, torch.zeros(8, 64), device="cuda", fit=False)
+    if not torch.cuda.is_available():
+        assert estimate.emulated
+    assert estimate.weights == sum(block_size(nbytes(p)) for p in model.parameters())
+    assert estimate.peak % 512 == 0
+    assert estimate.workspace == 2 * (32 << 20) and estimate.outside == 1 << 30
+    assert estimate.peak_allocated == estimate.peak + estimate.workspace
+    assert estimate.required == estimate.peak_allocated + estimate.outside
+    assert estimate.reserved >= estimate.peak_allocated
+    assert "Needed on the device" in str(estimate)
+
+
+def test_the_allocator_replay_never_holds_less_than_is_allocated():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        live, events, allocated, peak, key = {}, [], 0, 0, 0
+        for _ in range(40):
+            if live and rng.random() < 0.45:
+                k = rng.choice(list(live))
+                n = live.pop(k)
+                events.append((k, -n))
+                allocated -= block_size(n)
+            else:
+                n = rng.choice([100, 600, 1 << 19, 1 << 20, (1 << 20) + 1, 3 << 20, 11 << 20])
+                live[key] = n
+                events.append((key, n))
+                key += 1
+                allocated += block_size(n)
+                peak = max(peak, allocated)
+        assert simulate_reserved(events) >= peak
+    # freed blocks are reused: a block freed and asked for again takes no new segment
+    assert simulate_reserved([(1, 5 << 20), (1, -(5 << 20)), (2, 5 << 20)]) == segment_size(5 << 20)
+
+
+def test_the_command_estimates_a_model_file(tmp_path, capsys):
+    from pytorch_mem_profiler.analysis.cli import main
+
+    path = tmp_path / "model.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\nbatch_size = 16\n"
+        "def build_model():\n    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))\n"
+        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 32)\n"
+    )
+    assert main(["estimate", str(path), "--device", "cpu", "--memory", "1MB", "--margin", "0", "--units", "KB"]) == 0
+    out = capsys.readouterr().out
+    expected = estimate_memory(
+        lambda: nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)), lambda b: torch.zeros(b, 32), batch_size=16, device=CPU
+    )
+    assert f"Largest batch on a device of 1,000 KB: {expected.max_batch_size(10**6, margin=0)} " in out
+    assert "Batch size" in out and "16" in out
+
+
+def test_the_command_explains_what_is_missing(tmp_path, capsys, monkeypatch):
+    from pytorch_mem_profiler.analysis.cli import main
+
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # as if it were not installed
+    assert main(["estimate", "resnet50"]) == 2
+    assert "needs torchvision (pip install torchvision)" in capsys.readouterr().err
+    bare = tmp_path / "bare.py"
+    bare.write_text("x = 1\n")
+    assert main(["estimate", str(bare)]) == 2
+    assert "must define build_model() and example_inputs()" in capsys.readouterr().err
+
+
+def test_repeated_blocks_are_found_for_checkpointing():
+    from pytorch_mem_profiler.estimate.step import repeated_blocks
+
+    assert repeated_blocks(FeedForwardStack(8, 3)) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []
+
+
+@pytest.mark.parametrize("name", ["gpt2", "neumf"])
+def test_the_benchmarks_estimates_run_on_the_quick_workloads(name):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import estimate_accuracy
+
+    kwargs = estimate_accuracy.estimate_kwargs(name, estimate_accuracy.QUICK_SIZES[name])
+    estimate = estimate_memory(**kwargs, batch_size=4, device="cuda")
+    model = kwargs["model"]()
+    weights = sum(block_size(nbytes(p)) for p in {id(p): p for p in model.parameters()}.values())
+    assert estimate.weights == weights
+    assert estimate.peak > estimate.weights + estimate.gradients + estimate.optimizer_state
+    assert estimate.fit is not None and estimate.fit.error < 0.01
+
+
+def test_without_a_gpu_fake_cpu_tensors_take_cudas_precisions_and_attention():
+    import torch.nn.functional as F
+
+    originals = (F.layer_norm, F.softmax, F.scaled_dot_product_attention)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
+    estimate = estimate_memory(model, torch.zeros(32, 64), device="cuda", emulate=True, autocast=torch.bfloat16, fit=False)
+    assert estimate.emulated
+    # CUDA's autocast runs layer_norm on a float32 copy of the linear's bfloat16 output and keeps
+    # it, with the float32 mean and 1/std of each row, for backward (each in 512-byte blocks)
+    assert estimate.layers.by_module[("1", "activations")] == block_size(32 * 64 * 4) + 2 * block_size(32 * 4)
+    cpu = estimate_memory(model, torch.zeros(32, 64), device="cpu", autocast=torch.bfloat16, fit=False)
+    assert cpu.layers.by_module[("1", "activations")] < 32 * 64 * 4  # the CPU's autocast keeps bfloat16
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+
+        def forward(self, x):
+            q = self.proj(x)
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
+
+    shape = (2, 4, 256, 64)
+    on_cuda = estimate_memory(Attention(), torch.zeros(shape), device="cuda", emulate=True, optimizer=SGD, fit=False)
+    on_cpu = estimate_memory(Attention(), torch.zeros(shape), device="cpu", optimizer=SGD, fit=False)
+    # memory-efficient attention keeps no L x L matrix; the CPU's math path keeps several
+    assert on_cpu.activations > 2 * 4 * 256 * 256 * 4 > on_cuda.activations
+    assert (F.layer_norm, F.softmax, F.scaled_dot_product_attention) == originals

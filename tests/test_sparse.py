@@ -1,0 +1,177 @@
+"""Sparse gradients, parameters and optimizer state (nn.Embedding(sparse=True), SparseAdam), to the byte.
+
+A sparse tensor holds its index and value tensors: the bytes expected are
+``untyped_storage().nbytes()`` of those, computed here independently.
+"""
+
+from __future__ import annotations
+
+import io
+import types
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from pytorch_mem_profiler import MemoryProfiler
+from pytorch_mem_profiler.measure.accounting import (
+    allocation_bytes,
+    gradient_bytes,
+    optimizer_state_bytes,
+    storage_parts,
+    tensor_bytes,
+    unique_parameters,
+)
+from pytorch_mem_profiler.measure.devices import CpuCounter
+from pytorch_mem_profiler.measure.saved_tensors import can_chain
+
+from .helpers import nbytes
+
+
+def held(t: torch.Tensor) -> int:
+    """Bytes a tensor holds, by hand: a sparse one's index and value storages."""
+    if t.layout == torch.sparse_coo:
+        return t._indices().untyped_storage().nbytes() + t._values().untyped_storage().nbytes()
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (t.crow_indices(), t.col_indices(), t.values())
+    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (t.ccol_indices(), t.row_indices(), t.values())
+    else:
+        return t.untyped_storage().nbytes()
+    return sum(p.untyped_storage().nbytes() for p in parts)
+
+
+def unique_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a sparse one's indices and values)."""
+    storages = {}
+    for t in tensors:
+        if not torch.is_tensor(t):
+            continue
+        if t.layout == torch.sparse_coo:
+            parts = (t._indices(), t._values())
+        else:
+            parts = (t,)
+        for part in parts:
+            storages[part.untyped_storage().data_ptr()] = part.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+class Recommender(nn.Module):
+    """NeuMF-like: sparse embeddings, a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.users = nn.Embedding(1000, 16, sparse=True)
+        self.items = nn.EmbeddingBag(500, 8, mode="sum", sparse=True)
+        self.head = nn.Linear(24, 1)
+
+    def forward(self, users, items, offsets):
+        return self.head(torch.cat([self.users(users), self.items(items, offsets)], 1))
+
+
+def batch():
+    return torch.tensor([3, 7, 7, 42]), torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2, 3, 5])
+
+
+@pytest.mark.parametrize("by_layer", [False, True])
+def test_sparse_embeddings_with_sparse_adam_are_exact(by_layer):
+    model = Recommender()
+    sparse_opt = torch.optim.SparseAdam([model.users.weight, model.items.weight])
+    dense_opt = torch.optim.Adam(model.head.parameters())
+    with MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, by_layer=by_layer) as profiler:
+        for _ in range(3):
+            users, items, offsets = batch()
+            model(users, items, offsets).sum().backward()
+            grads = [p.grad for p in model.parameters()]
+            sparse_opt.step()
+            dense_opt.step()
+            record = profiler.record_stats()
+            sparse_opt.zero_grad()
+            dense_opt.zero_grad()
+            assert [g.layout for g in grads] == [torch.sparse_coo, torch.sparse_coo, torch.strided, torch.strided]
+            assert record.gradients == sum(held(g) for g in grads)
+            # uncoalesced: one index and one row of values per looked-up id
+            assert held(grads[0]) == 4 * 8 + 4 * 16 * 4 and held(grads[1]) == 6 * 8 + 6 * 8 * 4
+            assert record.weights == sum(nbytes(p) for p in model.parameters())
+            state = [t for opt in (sparse_opt, dense_opt) for s in opt.state.values() for t in s.values()]
+            assert record.optimizer_state == sum(held(t) for t in state if torch.is_tensor(t))
+            # SparseAdam's moments are dense, the size of the tables
+            assert record.optimizer_state >= 2 * (1000 * 16 + 500 * 8) * 4
+            # the CPU counter sees every storage alive: weights, gradients, state and the batch
+            # (a gradient's indices may be the batch's own storage: each storage counts once)
+            alive = [*model.parameters(), *grads, *state, users, items, offsets]
+            assert record.allocated == unique_bytes(alive)
+            del alive, grads  # the next iteration's figures hold none of these
+            assert record.forward_passes == record.backward_passes == 1
+            if by_layer and can_chain():
+                assert record.layers.total + record.layers.unattributed == record.feature_maps
+
+
+def test_sparse_accounting_of_every_layout():
+    dense = torch.tensor([[0.0, 2.0, 0.0, 1.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 4.0], [5.0, 0.0, 6.0, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
+        tensors = [
+            dense.to_sparse(),
+            dense.to_sparse_csr(),
+            dense.to_sparse_csc(),
+            dense.to_sparse_bsr((2, 2)),
+            dense.to_sparse_bsc((2, 2)),
+        ]
+    for t in tensors:
+        assert tensor_bytes(t) == allocation_bytes(t) == held(t), t.layout
+        assert all(p.layout == torch.strided for p in storage_parts(t))
+    coo = tensors[0]
+    assert tensor_bytes(coo) == 6 * 2 * 8 + 6 * 4  # 6 entries: 2 int64 indices and 1 float each
+    assert storage_parts(dense) == (dense,)
+
+
+def test_a_sparse_parameter_and_its_sparse_gradient():
+    class SparseLinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            weight = torch.randn(64, 32) * (torch.rand(64, 32) < 0.1)
+            self.weight = nn.Parameter(weight.to_sparse())
+
+        def forward(self, x):
+            return torch.sparse.mm(self.weight, x)
+
+    model = SparseLinear()
+    params = unique_parameters(model, torch.device("cpu"))
+    assert [name for name, _ in params] == ["weight"]
+    x = torch.randn(32, 8)
+    with MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, by_layer=True) as profiler:
+        model(x).sum().backward()
+        grad = model.weight.grad
+        record = profiler.record_stats()
+    assert grad.layout == torch.sparse_coo
+    assert record.weights == held(model.weight)
+    assert record.gradients == held(grad) == gradient_bytes(params)[0]
+    assert record.forward_passes == record.backward_passes == 1
+
+
+def test_the_cpu_counter_counts_what_a_sparse_result_holds():
+    counter = CpuCounter()
+    counter.start()
+    try:
+        indices = torch.tensor([[0, 1, 1], [2, 0, 2]])
+        values = torch.tensor([3.0, 4.0, 5.0])
+        made = counter.read().allocated
+        sparse = torch.sparse_coo_tensor(indices, values, (2, 3), check_invariants=True)
+        # made around the given tensors: no new memory
+        assert counter.read().allocated == made
+        doubled = sparse * 2  # new indices and values
+        assert counter.read().allocated == made + held(doubled)
+        del doubled
+        assert counter.read().allocated == made
+    finally:
+        counter.stop()
+
+
+def test_sparse_optimizer_state_counts_once():
+    sparse = torch.eye(5).to_sparse()
+    holder = types.SimpleNamespace(state={"p": {"moment": sparse, "same": sparse, "step": torch.zeros(())}})
+    assert optimizer_state_bytes([holder], torch.device("cpu")) == held(sparse) + 4
