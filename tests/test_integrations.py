@@ -49,8 +49,9 @@ def hand_written_records(n: int, by_layer: bool = False) -> list:
     net = make_net()
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     records = []
+    data = batches(n)  # made before the profiler, as the Lightning loader's are
     with MemoryProfiler(net, 1, optimizer=opt, stream=io.StringIO(), strict=True, by_layer=by_layer) as profiler:
-        for x in batches(n):
+        for x in data:
             loss = net(x).pow(2).mean()
             opt.zero_grad()
             loss.backward()
@@ -148,8 +149,10 @@ def test_lightning_records_match_the_hand_written_loop(tmp_path):
     # The same figures as the plain loop, iteration by iteration, the peak's phase included.
     plain = hand_written_records(4)
     for ours, theirs in zip(records[:4], plain):
-        for figure in ("feature_maps", "weights", "gradients", "optimizer_state", "iteration_peak_allocated"):
+        for figure in ("feature_maps", "weights", "gradients", "optimizer_state", "allocated"):
             assert getattr(ours, figure) == getattr(theirs, figure), figure
+        # Lightning keeps a detached copy of the loss for its logs (ClosureResult): one float32 more.
+        assert ours.iteration_peak_allocated == theirs.iteration_peak_allocated + 4
         assert ours.peak_phase == theirs.peak_phase
     # The closed profiler left nothing on the module.
     assert callback.profiler._closed
@@ -291,8 +294,9 @@ def test_accelerate_prepared_loop_is_exact(tmp_path):
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     net, opt = accelerator.prepare(net, opt)
     # The prepared optimizer may be given as it is: the profiler counts the one it wraps.
+    data = batches(3)
     with MemoryProfiler(net, 1, optimizer=opt, stream=io.StringIO(), strict=True) as profiler:
-        for x in batches(3):
+        for x in data:
             loss = net(x).pow(2).mean()
             opt.zero_grad()
             accelerator.backward(loss)
@@ -308,3 +312,33 @@ def test_accelerate_prepared_loop_is_exact(tmp_path):
     assert record.allocated == plain.allocated
     # accelerator.backward divides the loss by the accumulation steps: one more float32 scalar.
     assert record.iteration_peak_allocated == plain.iteration_peak_allocated + 4
+
+
+def test_lightning_progress_bar_and_compact_reports_share_the_console(capsys):
+    from pytorch_mem_profiler.integrations.lightning import MemoryProfilerCallback
+
+    callback = MemoryProfilerCallback(print_period=2, strict=True)
+    module = Regressor()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, limit_train_batches=4, callbacks=[callback], logger=False,
+        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(batches(4), batch_size=None))
+    out = capsys.readouterr()
+    console = out.out + out.err
+    # The compact report's first line starts a line of its own: never glued to the bar's.
+    heads = [line for line in console.splitlines() if "Memory at iteration" in line]
+    assert [h.split("(")[0].strip() for h in heads] == ["Memory at iteration 2 of epoch 1", "Memory at iteration 4 of epoch 1"]
+    assert all(line.startswith("Memory at iteration") for line in heads)
+
+
+@pytest.mark.parametrize("module", ["lightning", "pytorch_lightning", "transformers"])
+def test_a_missing_framework_says_what_to_install(module, monkeypatch):
+    import importlib
+    import sys
+
+    for name in ("lightning", "lightning.pytorch", "pytorch_lightning", "transformers"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    monkeypatch.delitem(sys.modules, f"pytorch_mem_profiler.integrations.{module}", raising=False)
+    with pytest.raises(ImportError, match="pip install"):
+        importlib.import_module(f"pytorch_mem_profiler.integrations.{module}")

@@ -24,10 +24,13 @@ class LightningMemoryProfiling:
         log_to_loggers: send each reported record's main figures to the trainer's
             loggers under ``memory/`` (``memory/iteration_peak_MB``, ...).
         **profiler_kwargs: any keyword of :class:`~pytorch_mem_profiler.MemoryProfiler`
-            (``by_layer``, ``units``, ``csv_dir``, ``print_ranks``, ...), checked now.
+            (``by_layer``, ``units``, ``csv_dir``, ``print_ranks``, ...), checked now;
+            ``report`` defaults to ``"compact"``.
     """
 
     def __init__(self, print_period: int = 1, csv: bool = False, *, log_to_loggers: bool = True, **profiler_kwargs: Any) -> None:
+        # A framework's console has a progress bar and logs of its own: a few lines a report.
+        profiler_kwargs.setdefault("report", "compact")
         check_profiler_arguments(print_period, csv, profiler_kwargs)
         self.print_period = print_period
         self.csv = csv

@@ -40,10 +40,13 @@ class MemoryProfilerCallback(TrainerCallback):
         csv: write the records to CSV files (``csv_dir``, one file per rank).
         add_to_logs: add each reported record's main figures to the Trainer's logs.
         **profiler_kwargs: any keyword of :class:`~pytorch_mem_profiler.MemoryProfiler`
-            (``by_layer``, ``units``, ``csv_dir``, ...), checked now.
+            (``by_layer``, ``units``, ``csv_dir``, ...), checked now; ``report``
+            defaults to ``"compact"``.
     """
 
     def __init__(self, print_period: int = 1, csv: bool = False, *, add_to_logs: bool = True, **profiler_kwargs: Any) -> None:
+        # A framework's console has a progress bar and logs of its own: a few lines a report.
+        profiler_kwargs.setdefault("report", "compact")
         check_profiler_arguments(print_period, csv, profiler_kwargs)
         self.print_period = print_period
         self.csv = csv
