@@ -21,7 +21,18 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "pandas>=1.5"],
     extras_require={
-        "test": ["pytest>=7", "matplotlib>=3.5"],  # the plot and report tests draw
+        # The plot and report tests draw; the integration tests run the real frameworks.
+        "test": [
+            "pytest>=7",
+            "matplotlib>=3.5",
+            "lightning>=2.0",
+            "transformers>=4.40",
+            "accelerate>=0.30",
+            "tqdm>=4.60",
+            "tensorboard>=2.10",
+        ],
+        "lightning": ["lightning>=2.0"],
+        "transformers": ["transformers>=4.40", "accelerate>=0.30"],
         "plot": ["matplotlib>=3.5"],
         "nvml": ["nvidia-ml-py>=12"],
         "tensorboard": ["tensorboard>=2.10"],

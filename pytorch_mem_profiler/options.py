@@ -93,6 +93,21 @@ def check_stream(stream: object, name: str = "stream") -> Any:
     return stream
 
 
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer that really steps and holds the state: accelerate's ``AcceleratedOptimizer``
+    and Lightning's ``LightningOptimizer`` wrap one as ``.optimizer`` (the former without the
+    hook machinery of ``torch.optim.Optimizer``, so hooks on it would fail)."""
+    import torch
+
+    seen = 0
+    while seen < 8:
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            return optimizer
+        optimizer, seen = inner, seen + 1
+    return optimizer
+
+
 def check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
     """``value`` if it is one of ``choices``; ``ValueError`` naming ``name`` and the choices.
 
@@ -120,10 +135,11 @@ def _check_optimizers(optimizer: Any) -> tuple[Any, ...] | None:
         return None
     import torch
 
+    optimizer = _unwrap_optimizer(optimizer)
     if isinstance(optimizer, torch.optim.Optimizer):
         return (optimizer,)
     try:
-        opts = tuple(optimizer)
+        opts = tuple(_unwrap_optimizer(o) for o in optimizer)
     except TypeError:
         opts = ()
     if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
