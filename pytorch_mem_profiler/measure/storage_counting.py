@@ -1,0 +1,411 @@
+"""Exact live CPU storage bytes: one dispatch mode for the whole process, shared by every CPU counter.
+
+PyTorch keeps no allocation counters for the CPU, so the CPU counter sees every
+tensor an operator returns through a ``TorchDispatchMode`` and counts each new
+storage by its ``nbytes()`` until a weak reference says it died. This module
+holds what all CPU counters share:
+
+- one :class:`StorageRegistry` for the process: each live storage once, the
+  counters (:class:`Tally`) that count it, and the bytes each counter gained or
+  lost since it last looked;
+- one counting mode per thread that runs a counter, pushed when the first
+  counter starts and popped when the last one stops. A ``TorchDispatchMode``
+  leaves torch's mode stack only from the top: with a mode per counter, the
+  one closed first could not leave while another was above it, and every
+  operation in the process kept paying for it. With one mode, counters start
+  and stop in any order. If the user entered a mode of their own after ours and
+  it is still active when the last counter stops, ours is switched off (an
+  operation then costs one Python call) and leaves at the first chance: the next
+  module forward or optimizer step that finds it back on top, or the next start
+  or stop of a counter.
+
+The per-operator cost is kept small: whether an operator's returns can be new
+storages (not views, not in-place results) is decided once per operator; a
+counted storage's bytes go to its counters as appends to a list (atomic under
+the GIL, so no lock on the hot path) that a counter sums up when it is read.
+
+Example::
+
+    >>> import torch
+    >>> registry = shared_registry()
+    >>> tally = Tally()
+    >>> registry.start(tally)
+    >>> x = torch.zeros(256)            # 1024 bytes of float32
+    >>> allocated, peak = tally.settle()
+    >>> allocated >= 1024
+    True
+    >>> registry.stop(tally)
+    >>> registry.installed()
+    False
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+__all__ = ["Tally", "StorageRegistry", "shared_registry"]
+
+_log = logging.getLogger("pytorch_mem_profiler")
+
+
+class Tally:
+    """One counter's running figures: live bytes counted and their peak since the last reset.
+
+    The registry appends each change in bytes to :attr:`changes`; :meth:`settle`
+    folds them in, in order, so the peak between two reads is exact.
+    """
+
+    __slots__ = ("changes", "allocated", "peak", "_lock", "__weakref__")
+
+    def __init__(self) -> None:
+        self.changes: list[int] = []
+        self.allocated = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def settle(self) -> tuple[int, int]:
+        """Fold the changes made since the last call; return ``(allocated, peak)``."""
+        with self._lock:
+            changes = self.changes
+            if changes:
+                count = len(changes)
+                pending = changes[:count]
+                del changes[:count]  # appends made meanwhile stay for the next call
+                running = list(itertools.accumulate(pending, initial=self.allocated))
+                self.allocated = running[-1]
+                highest = max(running)
+                if highest > self.peak:
+                    self.peak = highest
+            return self.allocated, self.peak
+
+    def reset_peak(self) -> None:
+        """Start a new peak interval at the current level."""
+        self.settle()
+        with self._lock:
+            self.peak = self.allocated
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a counted storage, with its size and the tallies that count it."""
+
+    __slots__ = ("key", "nbytes", "owners")
+
+
+# What an operator's return can be, decided once per operator from its schema.
+_SKIP = 0  # a view or an in-place result: shares an input's storage and cannot change its size
+_NEW = 1  # may be a new storage
+_RESIZED = 2  # shares an input's storage, whose size the operator may change (out=, resize_)
+
+#: Operators that change the size of the storage they return (beside every ``out=`` variant).
+_RESIZING = frozenset(
+    {
+        "aten::resize_",
+        "aten::resize_as_",
+        "aten::_resize_output_",
+        "aten::set_",
+        "aten::resize_as_sparse_",
+        "aten::sparse_resize_",
+        "aten::sparse_resize_and_clear_",
+    }
+)
+
+#: Per operator: ``None`` when no return needs looking at, else one kind per return
+#: (a list return's one kind describes all its items).
+_PLANS: dict[Any, tuple[int, ...] | None] = {}
+_UNPLANNED = object()
+
+
+def _plan(func: Any) -> tuple[int, ...] | None:
+    schema = getattr(func, "_schema", None)
+    returns = getattr(schema, "returns", ())
+    name = getattr(schema, "name", "")
+    resizing = name in _RESIZING or any(
+        arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write
+        for arg in getattr(schema, "arguments", ())
+    )
+    kinds = []
+    for ret in returns:
+        alias = ret.alias_info
+        if alias is None:
+            kinds.append(_NEW)
+        elif alias.is_write and resizing:
+            kinds.append(_RESIZED)
+        else:
+            kinds.append(_SKIP)
+    if name == "aten::lift_fresh":
+        # It aliases the brand-new tensor torch.tensor() made outside the mode.
+        kinds = [_NEW] * len(kinds)
+    if schema is None:
+        kinds = [_NEW, _NEW]  # unknown: look at every returned tensor
+    plan = tuple(kinds) if any(kinds) else None
+    _PLANS[func] = plan
+    return plan
+
+
+class _CountingMode(TorchDispatchMode):
+    """Hands every tensor an operator returns to the registry while any counter runs."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a Dynamo-disabling wrapper
+        # that costs about 2 us per operator. Dynamo already refuses to compile
+        # while a non-infra dispatch mode is on the stack (frames run inside this
+        # handler included), so the wrapper buys nothing here.
+        return False
+
+    def __init__(self, registry: StorageRegistry) -> None:
+        super().__init__()
+        self.registry = registry
+        self.counting = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func._op(*args, **kwargs) if kwargs else func._op(*args)
+        if self.counting:
+            plan = _PLANS.get(func, _UNPLANNED)
+            if plan is not None:
+                try:
+                    if plan is _UNPLANNED:
+                        plan = _plan(func)
+                        if plan is None:
+                            return out
+                    self.registry.see(out, plan)
+                except Exception as exc:  # noqa: BLE001 - never break the user's operator
+                    self.registry.fail(exc)
+        return out
+
+
+class StorageRegistry:
+    """Every counted CPU storage of the process, once, with the tallies that count it.
+
+    Use :func:`shared_registry`: one registry for the process is what lets
+    counters start and stop in any order.
+    """
+
+    def __init__(self) -> None:
+        #: live storages by ``id(storage)``; a storage's id cannot be reused before its
+        #: weak-reference callback has removed it
+        self.live: dict[int, _StorageRef] = {}
+        #: the running counters' tallies; storages made now are counted by these
+        self.tallies: tuple[Tally, ...] = ()
+        self._lock = threading.RLock()
+        self._modes: dict[int, _CountingMode] = {}  # by thread ident: where each is pushed
+        self._waiting: dict[int, _CountingMode] = {}  # switched off, not yet off the stack
+        self._hooks: list[Any] = []
+        self._died = self._storage_died  # one bound method for every weak reference
+        self._failed = False
+
+    # -- lifecycle ----------------------------------------------------------
+    def start(self, tally: Tally) -> None:
+        """Count storages made from now on into ``tally``; push the counting mode if needed."""
+        with self._lock:
+            if self._failed:
+                return
+            if tally not in self.tallies:
+                self.tallies = (*self.tallies, tally)
+            ident = threading.get_ident()
+            mode = self._modes.get(ident) or self._waiting.pop(ident, None)
+            if mode is None or not _on_stack(mode):
+                mode = _CountingMode(self)
+                mode.__enter__()
+            # A mode still on the stack, switched off, is switched on again: nothing is pushed.
+            self._modes[ident] = mode
+            for running in self._modes.values():
+                running.counting = True
+            self._leave_where_possible()  # other threads' that ended
+            if not self._waiting:
+                self._remove_hooks()
+
+    def stop(self, tally: Tally) -> None:
+        """Stop counting into ``tally``; with no tally left, take the counting mode away."""
+        with self._lock:
+            if tally in self.tallies:
+                self.tallies = tuple(t for t in self.tallies if t is not tally)
+            self._forget(tally)
+            if not self.tallies:
+                self.live.clear()  # drops the weak references: no callback will run
+                self._failed = False
+                for mode in self._modes.values():
+                    mode.counting = False
+                self._waiting.update(self._modes)
+                self._modes.clear()
+            self._leave_where_possible()
+            if self._waiting and not self._hooks:
+                self._wait_for_a_chance()
+
+    def installed(self) -> bool:
+        """Whether a counting mode of this registry is on the current thread's mode stack."""
+        ident = threading.get_ident()
+        return any(
+            mode is not None and _on_stack(mode)
+            for mode in (self._modes.get(ident), self._waiting.get(ident))
+        )
+
+    # -- counting -------------------------------------------------------------
+    def see(self, out: Any, plan: tuple[int, ...]) -> None:
+        """Count the new storages among an operator's returns ``out``."""
+        if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
+            kind = plan[0]
+            if kind == _NEW:
+                self.count(out)
+            elif kind == _RESIZED:
+                self._resized(out)
+        elif isinstance(out, (tuple, list)):
+            last = plan[-1]
+            for i, item in enumerate(out):
+                if isinstance(item, torch.Tensor):
+                    kind = plan[i] if i < len(plan) else last
+                    if kind == _NEW:
+                        self.count(item)
+                    elif kind == _RESIZED:
+                        self._resized(item)
+
+    def count(self, tensor: torch.Tensor, tallies: tuple[Tally, ...] | None = None) -> None:
+        """Count ``tensor``'s storage into ``tallies`` (default: the running ones) if not counted yet."""
+        if not tensor.is_cpu:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return  # sparse, nested or wrapper tensors without one plain storage
+        key = id(storage)
+        ref = self.live.get(key)
+        if tallies is None:
+            if ref is not None:
+                return
+            tallies = self.tallies
+            if not tallies:
+                return
+            nbytes = storage.nbytes()
+            ref = _StorageRef(storage, self._died)
+            ref.key, ref.nbytes, ref.owners = key, nbytes, tallies
+            self.live[key] = ref
+            for tally in tallies:
+                tally.changes.append(nbytes)
+            return
+        if ref is None:
+            ref = _StorageRef(storage, self._died)
+            ref.key, ref.nbytes, ref.owners = key, storage.nbytes(), ()
+            self.live[key] = ref
+        for tally in tallies:
+            if tally not in ref.owners:
+                ref.owners = (*ref.owners, tally)
+                tally.changes.append(ref.nbytes)
+
+    def adopt(self, tensors: Iterable[Any], tally: Tally) -> None:
+        """Count storages made before ``tally`` started (a model's weights) into it, each once."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                self.count(tensor, (tally,))
+
+    def _resized(self, tensor: torch.Tensor) -> None:
+        if not tensor.is_cpu:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        ref = self.live.get(id(storage))
+        if ref is None:
+            return  # a storage made before counting began
+        nbytes = storage.nbytes()
+        if nbytes != ref.nbytes:
+            change, ref.nbytes = nbytes - ref.nbytes, nbytes
+            for tally in ref.owners:
+                tally.changes.append(change)
+
+    def _storage_died(self, ref: _StorageRef) -> None:
+        if self.live.get(ref.key) is ref:
+            del self.live[ref.key]
+        for tally in ref.owners:
+            tally.changes.append(-ref.nbytes)
+
+    def _forget(self, tally: Tally) -> None:
+        """Take a stopped tally off every storage, so that nothing keeps it alive."""
+        for key, ref in list(self.live.items()):
+            if tally in ref.owners:
+                ref.owners = tuple(t for t in ref.owners if t is not tally)
+                if not ref.owners:
+                    self.live.pop(key, None)
+
+    def fail(self, exc: BaseException) -> None:
+        """A fault while counting: stop counting (figures would be wrong), log it once."""
+        with self._lock:
+            if self._failed:
+                return
+            self._failed = True
+            for mode in self._modes.values():
+                mode.counting = False
+        _log.warning(
+            "pytorch_mem_profiler: the CPU storage counter failed and is switched off; "
+            "training continues (%s: %s)",
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
+
+    # -- leaving torch's mode stack ------------------------------------------------
+    def _leave_where_possible(self) -> None:
+        """Pop this thread's switched-off mode if it is on top again; forget ones no longer on the stack."""
+        ident = threading.get_ident()
+        mode = self._waiting.get(ident)
+        if mode is None:
+            return
+        stack = _get_current_dispatch_mode_stack()
+        if stack and stack[-1] is mode:
+            mode.__exit__(None, None, None)
+            del self._waiting[ident]
+        elif not any(m is mode for m in stack):
+            del self._waiting[ident]  # taken off by someone else
+        # Threads that ended took their stacks with them.
+        alive = {t.ident for t in threading.enumerate()}
+        for gone in [i for i in self._waiting if i not in alive]:
+            del self._waiting[gone]
+
+    def _a_chance(self, *args: Any, **kwargs: Any) -> None:
+        """Run at each module forward or optimizer step while a switched-off mode waits."""
+        try:
+            with self._lock:
+                self._leave_where_possible()
+                if not self._waiting:
+                    self._remove_hooks()
+        except Exception as exc:  # noqa: BLE001 - never break the user's forward
+            _log.debug("pytorch_mem_profiler: leaving the mode stack failed: %s", exc)
+        return None
+
+    def _wait_for_a_chance(self) -> None:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _log.warning(
+            "pytorch_mem_profiler: another TorchDispatchMode is active above the CPU "
+            "counter; the counter is switched off and leaves torch's mode stack as soon "
+            "as that mode has exited"
+        )
+        self._hooks = [
+            register_module_forward_pre_hook(self._a_chance),
+            register_optimizer_step_pre_hook(self._a_chance),
+        ]
+
+    def _remove_hooks(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for handle in hooks:
+            handle.remove()
+
+
+def _on_stack(mode: TorchDispatchMode) -> bool:
+    return any(m is mode for m in _get_current_dispatch_mode_stack())
+
+
+_REGISTRY = StorageRegistry()
+
+
+def shared_registry() -> StorageRegistry:
+    """The process's one :class:`StorageRegistry`."""
+    return _REGISTRY
