@@ -317,8 +317,14 @@ class CpuCounter(MemoryCounter):
         allocated, peak = self._tally.settle()
         return Reading(allocated, peak, allocated, peak)
 
+    def mark(self) -> Reading:
+        # No peers to fold (shares_peaks is False): read, then start the new interval.
+        reading = self._read_device()
+        self._tally.settle(reset=True)
+        return reading
+
     def reset_peak(self) -> None:
-        self._tally.reset_peak()
+        self._tally.settle(reset=True)
 
 
 def usable_device(device: Any) -> torch.device:

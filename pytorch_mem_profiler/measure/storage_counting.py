@@ -1,4 +1,4 @@
-"""Exact live CPU storage bytes: one dispatch mode for the whole process, shared by every CPU counter.
+"""Exact live CPU storage bytes: one dispatch mode shared by every CPU counter.
 
 PyTorch keeps no allocation counters for the CPU, so the CPU counter sees every
 tensor an operator returns through a ``TorchDispatchMode`` and counts each new
@@ -8,16 +8,16 @@ holds what all CPU counters share:
 - one :class:`StorageRegistry` for the process: each live storage once, the
   counters (:class:`Tally`) that count it, and the bytes each counter gained or
   lost since it last looked;
-- one counting mode per thread that runs a counter, pushed when the first
-  counter starts and popped when the last one stops. A ``TorchDispatchMode``
-  leaves torch's mode stack only from the top: with a mode per counter, the
-  one closed first could not leave while another was above it, and every
-  operation in the process kept paying for it. With one mode, counters start
-  and stop in any order. If the user entered a mode of their own after ours and
-  it is still active when the last counter stops, ours is switched off (an
-  operation then costs one Python call) and leaves at the first chance: the next
-  module forward or optimizer step that finds it back on top, or the next start
-  or stop of a counter.
+- one counting mode per thread that runs counters (torch's mode stack is
+  per thread), pushed when the thread's first counter starts and popped when
+  its last one stops. A ``TorchDispatchMode`` leaves the stack only from the
+  top: with a mode per counter, the one closed first could not leave while
+  another was above it, and every operation in the process kept paying for it.
+  With one mode, counters start and stop in any order. If the user entered a
+  mode of their own after ours and it is still active when the last counter
+  stops, ours is switched off (an operation then costs one Python call) and
+  leaves at the first chance: the next module forward or optimizer step that
+  finds it back on top, or the next start or stop of a counter.
 
 The per-operator cost is kept small: whether an operator's returns can be new
 storages (not views, not in-place results) is decided once per operator; a
@@ -70,8 +70,11 @@ class Tally:
         self.peak = 0
         self._lock = threading.Lock()
 
-    def settle(self) -> tuple[int, int]:
-        """Fold the changes made since the last call; return ``(allocated, peak)``."""
+    def settle(self, reset: bool = False) -> tuple[int, int]:
+        """Fold the changes made since the last call; return ``(allocated, peak)``.
+
+        ``reset``: then start a new peak interval at the current level.
+        """
         with self._lock:
             changes = self.changes
             if changes:
@@ -83,13 +86,10 @@ class Tally:
                 highest = max(running)
                 if highest > self.peak:
                     self.peak = highest
-            return self.allocated, self.peak
-
-    def reset_peak(self) -> None:
-        """Start a new peak interval at the current level."""
-        self.settle()
-        with self._lock:
-            self.peak = self.allocated
+            figures = self.allocated, self.peak
+            if reset:
+                self.peak = self.allocated
+            return figures
 
 
 class _StorageRef(weakref.ref):
@@ -120,6 +120,8 @@ _RESIZING = frozenset(
 #: (a list return's one kind describes all its items).
 _PLANS: dict[Any, tuple[int, ...] | None] = {}
 _UNPLANNED = object()
+_ONE_NEW = (_NEW,)
+_Tensor = torch.Tensor
 
 
 def _plan(func: Any) -> tuple[int, ...] | None:
@@ -145,12 +147,14 @@ def _plan(func: Any) -> tuple[int, ...] | None:
     if schema is None:
         kinds = [_NEW, _NEW]  # unknown: look at every returned tensor
     plan = tuple(kinds) if any(kinds) else None
+    if plan == _ONE_NEW:
+        plan = _ONE_NEW  # one object, so that the handler's fast path is an identity test
     _PLANS[func] = plan
     return plan
 
 
 class _CountingMode(TorchDispatchMode):
-    """Hands every tensor an operator returns to the registry while any counter runs."""
+    """Hands every tensor an operator returns on its thread to the registry, for its thread's tallies."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -163,21 +167,34 @@ class _CountingMode(TorchDispatchMode):
     def __init__(self, registry: StorageRegistry) -> None:
         super().__init__()
         self.registry = registry
-        self.counting = True
+        self.live = registry.live
+        #: the running counters started on this mode's thread; empty: switched off
+        self.tallies: tuple[Tally, ...] = ()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func._op(*args, **kwargs) if kwargs else func._op(*args)
-        if self.counting:
-            plan = _PLANS.get(func, _UNPLANNED)
-            if plan is not None:
-                try:
-                    if plan is _UNPLANNED:
-                        plan = _plan(func)
-                        if plan is None:
-                            return out
-                    self.registry.see(out, plan)
-                except Exception as exc:  # noqa: BLE001 - never break the user's operator
-                    self.registry.fail(exc)
+        tallies = self.tallies
+        if not tallies:
+            return out
+        plan = _PLANS.get(func, _UNPLANNED)
+        if plan is None:
+            return out
+        try:
+            if plan is _ONE_NEW and type(out) is _Tensor:
+                # The common case, inlined: one plain tensor that may own a new storage.
+                if out.is_cpu:
+                    storage = out.untyped_storage()
+                    key = id(storage)
+                    if key not in self.live:
+                        self.registry.add(storage, key, tallies)
+            elif plan is _UNPLANNED:
+                plan = _plan(func)
+                if plan is not None:
+                    self.registry.see(out, plan, tallies)
+            else:
+                self.registry.see(out, plan, tallies)
+        except Exception as exc:  # noqa: BLE001 - never break the user's operator
+            self.registry.fail(exc)
         return out
 
 
@@ -185,30 +202,29 @@ class StorageRegistry:
     """Every counted CPU storage of the process, once, with the tallies that count it.
 
     Use :func:`shared_registry`: one registry for the process is what lets
-    counters start and stop in any order.
+    counters start and stop in any order. A counter counts the storages made on
+    the thread it started on (and in the autograd work that thread runs), as a
+    dispatch mode does; all counters of a thread share that thread's one mode.
     """
 
     def __init__(self) -> None:
         #: live storages by ``id(storage)``; a storage's id cannot be reused before its
         #: weak-reference callback has removed it
         self.live: dict[int, _StorageRef] = {}
-        #: the running counters' tallies; storages made now are counted by these
-        self.tallies: tuple[Tally, ...] = ()
         self._lock = threading.RLock()
-        self._modes: dict[int, _CountingMode] = {}  # by thread ident: where each is pushed
-        self._waiting: dict[int, _CountingMode] = {}  # switched off, not yet off the stack
+        self._modes: dict[int, _CountingMode] = {}  # by thread ident: counting there now
+        self._waiting: dict[int, _CountingMode] = {}  # switched off, not yet off their stack
+        self._mode_of: dict[Tally, _CountingMode] = {}
         self._hooks: list[Any] = []
         self._died = self._storage_died  # one bound method for every weak reference
         self._failed = False
 
     # -- lifecycle ----------------------------------------------------------
     def start(self, tally: Tally) -> None:
-        """Count storages made from now on into ``tally``; push the counting mode if needed."""
+        """Count storages made on this thread from now on into ``tally``; push the mode if needed."""
         with self._lock:
-            if self._failed:
+            if self._failed or tally in self._mode_of:
                 return
-            if tally not in self.tallies:
-                self.tallies = (*self.tallies, tally)
             ident = threading.get_ident()
             mode = self._modes.get(ident) or self._waiting.pop(ident, None)
             if mode is None or not _on_stack(mode):
@@ -216,25 +232,27 @@ class StorageRegistry:
                 mode.__enter__()
             # A mode still on the stack, switched off, is switched on again: nothing is pushed.
             self._modes[ident] = mode
-            for running in self._modes.values():
-                running.counting = True
-            self._leave_where_possible()  # other threads' that ended
+            mode.tallies = (*mode.tallies, tally)
+            self._mode_of[tally] = mode
+            self._leave_where_possible()  # forget the modes of threads that ended
             if not self._waiting:
                 self._remove_hooks()
 
     def stop(self, tally: Tally) -> None:
-        """Stop counting into ``tally``; with no tally left, take the counting mode away."""
+        """Stop counting into ``tally``; the last counter of a thread takes its mode away."""
         with self._lock:
-            if tally in self.tallies:
-                self.tallies = tuple(t for t in self.tallies if t is not tally)
+            mode = self._mode_of.pop(tally, None)
             self._forget(tally)
-            if not self.tallies:
+            if mode is not None:
+                mode.tallies = tuple(t for t in mode.tallies if t is not tally)
+                if not mode.tallies:
+                    for ident, running in list(self._modes.items()):
+                        if running is mode:
+                            del self._modes[ident]
+                            self._waiting[ident] = mode
+            if not self._mode_of:
                 self.live.clear()  # drops the weak references: no callback will run
                 self._failed = False
-                for mode in self._modes.values():
-                    mode.counting = False
-                self._waiting.update(self._modes)
-                self._modes.clear()
             self._leave_where_possible()
             if self._waiting and not self._hooks:
                 self._wait_for_a_chance()
@@ -248,12 +266,12 @@ class StorageRegistry:
         )
 
     # -- counting -------------------------------------------------------------
-    def see(self, out: Any, plan: tuple[int, ...]) -> None:
-        """Count the new storages among an operator's returns ``out``."""
-        if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
+    def see(self, out: Any, plan: tuple[int, ...], tallies: tuple[Tally, ...]) -> None:
+        """Count the new storages among an operator's returns ``out`` into ``tallies``."""
+        if isinstance(out, torch.Tensor):
             kind = plan[0]
             if kind == _NEW:
-                self.count(out)
+                self._new(out, tallies)
             elif kind == _RESIZED:
                 self._resized(out)
         elif isinstance(out, (tuple, list)):
@@ -262,12 +280,11 @@ class StorageRegistry:
                 if isinstance(item, torch.Tensor):
                     kind = plan[i] if i < len(plan) else last
                     if kind == _NEW:
-                        self.count(item)
+                        self._new(item, tallies)
                     elif kind == _RESIZED:
                         self._resized(item)
 
-    def count(self, tensor: torch.Tensor, tallies: tuple[Tally, ...] | None = None) -> None:
-        """Count ``tensor``'s storage into ``tallies`` (default: the running ones) if not counted yet."""
+    def _new(self, tensor: torch.Tensor, tallies: tuple[Tally, ...]) -> None:
         if not tensor.is_cpu:
             return
         try:
@@ -275,34 +292,34 @@ class StorageRegistry:
         except (RuntimeError, NotImplementedError, TypeError):
             return  # sparse, nested or wrapper tensors without one plain storage
         key = id(storage)
-        ref = self.live.get(key)
-        if tallies is None:
-            if ref is not None:
-                return
-            tallies = self.tallies
-            if not tallies:
-                return
-            nbytes = storage.nbytes()
-            ref = _StorageRef(storage, self._died)
-            ref.key, ref.nbytes, ref.owners = key, nbytes, tallies
-            self.live[key] = ref
-            for tally in tallies:
-                tally.changes.append(nbytes)
-            return
-        if ref is None:
-            ref = _StorageRef(storage, self._died)
-            ref.key, ref.nbytes, ref.owners = key, storage.nbytes(), ()
-            self.live[key] = ref
+        if key not in self.live:
+            self.add(storage, key, tallies)
+
+    def add(self, storage: torch.UntypedStorage, key: int, tallies: tuple[Tally, ...]) -> None:
+        """Count a storage not counted yet into ``tallies``."""
+        nbytes = storage.nbytes()
+        ref = _StorageRef(storage, self._died)
+        ref.key, ref.nbytes, ref.owners = key, nbytes, tallies
+        self.live[key] = ref
         for tally in tallies:
-            if tally not in ref.owners:
-                ref.owners = (*ref.owners, tally)
-                tally.changes.append(ref.nbytes)
+            tally.changes.append(nbytes)
 
     def adopt(self, tensors: Iterable[Any], tally: Tally) -> None:
         """Count storages made before ``tally`` started (a model's weights) into it, each once."""
         for tensor in tensors:
-            if isinstance(tensor, torch.Tensor):
-                self.count(tensor, (tally,))
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu:
+                continue
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            key = id(storage)
+            ref = self.live.get(key)
+            if ref is None:
+                self.add(storage, key, (tally,))
+            elif tally not in ref.owners:
+                ref.owners = (*ref.owners, tally)
+                tally.changes.append(ref.nbytes)
 
     def _resized(self, tensor: torch.Tensor) -> None:
         if not tensor.is_cpu:
@@ -341,7 +358,7 @@ class StorageRegistry:
                 return
             self._failed = True
             for mode in self._modes.values():
-                mode.counting = False
+                mode.tallies = ()
         _log.warning(
             "pytorch_mem_profiler: the CPU storage counter failed and is switched off; "
             "training continues (%s: %s)",
