@@ -116,9 +116,12 @@ _RESIZING = frozenset(
     }
 )
 
-#: Per operator: ``None`` when no return needs looking at, else one kind per return
-#: (a list return's one kind describes all its items).
-_PLANS: dict[Any, tuple[int, ...] | None] = {}
+#: Per operator, by ``id``: ``None`` when no return needs looking at, else one kind per
+#: return (a list return's one kind describes all its items). Keyed by ``id`` because
+#: ``OpOverload.__hash__`` is a Python function; the operators themselves are kept in
+#: ``_PLANNED`` so that their ids stay theirs.
+_PLANS: dict[int, tuple[int, ...] | None] = {}
+_PLANNED: list[Any] = []
 _UNPLANNED = object()
 _ONE_NEW = (_NEW,)
 _Tensor = torch.Tensor
@@ -149,7 +152,8 @@ def _plan(func: Any) -> tuple[int, ...] | None:
     plan = tuple(kinds) if any(kinds) else None
     if plan == _ONE_NEW:
         plan = _ONE_NEW  # one object, so that the handler's fast path is an identity test
-    _PLANS[func] = plan
+    _PLANNED.append(func)
+    _PLANS[id(func)] = plan
     return plan
 
 
@@ -176,7 +180,7 @@ class _CountingMode(TorchDispatchMode):
         tallies = self.tallies
         if not tallies:
             return out
-        plan = _PLANS.get(func, _UNPLANNED)
+        plan = _PLANS.get(id(func), _UNPLANNED)
         if plan is None:
             return out
         try:
