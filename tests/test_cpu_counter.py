@@ -155,6 +155,8 @@ def test_operator_plans_are_made_once_and_views_need_no_storage_lookup():
     assert storage_counting._plan(aten.view.default) is None
     assert storage_counting._plan(aten.add_.Tensor) is None
     assert storage_counting._plan(aten.split.Tensor) is None
+    assert storage_counting._plan(aten._local_scalar_dense.default) is None  # item(): a Python number
+    assert storage_counting._plan(aten.is_nonzero.default) is None
     assert storage_counting._plan(aten.mm.default) is storage_counting._ONE_NEW
     assert storage_counting._plan(aten.add.out) == (storage_counting._RESIZED,)
     assert storage_counting._plan(aten.resize_.default) == (storage_counting._RESIZED,)

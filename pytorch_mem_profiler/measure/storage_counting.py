@@ -138,7 +138,9 @@ def _plan(func: Any) -> tuple[int, ...] | None:
     kinds = []
     for ret in returns:
         alias = ret.alias_info
-        if alias is None:
+        if "Tensor" not in str(ret.type):
+            kinds.append(_SKIP)  # a Python number (item()), a bool, a shape: no storage
+        elif alias is None:
             kinds.append(_NEW)
         elif alias.is_write and resizing:
             kinds.append(_RESIZED)
