@@ -164,6 +164,24 @@ def test_operator_plans_are_made_once_and_views_need_no_storage_lookup():
     assert storage_counting._plan(aten.lift_fresh.default) == (storage_counting._NEW,)
 
 
+def test_compiled_code_under_the_counter_runs_eagerly_and_compiles_none_of_the_counter(counter):
+    """The counting mode has no Dynamo-disabling wrapper: Dynamo must still leave its handler alone."""
+    from torch._dynamo.testing import CompileCounter
+
+    compiled_frames = CompileCounter()
+
+    @torch.compile(backend=compiled_frames)
+    def f(x):
+        return (x.sin() + 1).relu()
+
+    x = torch.randn(64)
+    base = counter.read().allocated
+    out = f(x)
+    assert torch.equal(out, (x.sin() + 1).relu())
+    assert compiled_frames.frame_count == 0
+    assert grown(counter, base) == storage_bytes(out)  # the intermediates died, the result lives
+
+
 def test_the_cpu_overhead_benchmark_runs(tmp_path):
     import cpu_overhead
 
