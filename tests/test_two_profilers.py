@@ -189,3 +189,15 @@ def test_profilers_on_two_threads_each_leave_their_thread_clean(installed_before
     assert results["worker"] == (4 * 64 * 4 + 4 * 10 * 4, 1)
     assert results["worker after"] == 0
     assert main_record.feature_maps == 4 * 64 * 4 + 4 * 10 * 4
+
+
+def test_a_profiler_closed_from_another_thread_leaves_at_the_next_forward(installed_before):
+    stack_before = installed_before[0]
+    model = mlp()
+    profiler = MemoryProfiler(model, stream=io.StringIO(), strict=True)
+    closer = threading.Thread(target=profiler.close)
+    closer.start()
+    closer.join()
+    assert len(counting_modes()) == 1 and not counting_modes()[0].tallies  # switched off, still here
+    model(torch.randn(4, 32))
+    assert _get_current_dispatch_mode_stack() == stack_before

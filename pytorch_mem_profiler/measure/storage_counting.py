@@ -375,7 +375,11 @@ class StorageRegistry:
 
     # -- leaving torch's mode stack ------------------------------------------------
     def _leave_where_possible(self) -> None:
-        """Pop this thread's switched-off mode if it is on top again; forget ones no longer on the stack."""
+        """Pop this thread's switched-off mode if it is on top again; forget ones no longer on a stack."""
+        # Threads that ended took their stacks with them.
+        alive = {t.ident for t in threading.enumerate()}
+        for gone in [i for i in self._waiting if i not in alive]:
+            del self._waiting[gone]
         ident = threading.get_ident()
         mode = self._waiting.get(ident)
         if mode is None:
@@ -386,10 +390,6 @@ class StorageRegistry:
             del self._waiting[ident]
         elif not any(m is mode for m in stack):
             del self._waiting[ident]  # taken off by someone else
-        # Threads that ended took their stacks with them.
-        alive = {t.ident for t in threading.enumerate()}
-        for gone in [i for i in self._waiting if i not in alive]:
-            del self._waiting[gone]
 
     def _a_chance(self, *args: Any, **kwargs: Any) -> None:
         """Run at each module forward or optimizer step while a switched-off mode waits."""
@@ -407,9 +407,10 @@ class StorageRegistry:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         _log.warning(
-            "pytorch_mem_profiler: another TorchDispatchMode is active above the CPU "
-            "counter; the counter is switched off and leaves torch's mode stack as soon "
-            "as that mode has exited"
+            "pytorch_mem_profiler: the CPU counter's dispatch mode cannot leave torch's mode "
+            "stack now (another TorchDispatchMode is active above it, or it was closed from "
+            "another thread); it is switched off and leaves at the first forward or optimizer "
+            "step that finds it on top"
         )
         self._hooks = [
             register_module_forward_pre_hook(self._a_chance),
