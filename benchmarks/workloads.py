@@ -12,6 +12,15 @@ that runs forward, loss, backward, optimizer step and ``zero_grad()``.
 ``build(name, device, quick=True)`` makes each of them small enough for a
 CPU smoke test in seconds; ``WorkloadUnavailable`` says why one cannot be
 built here (ResNet-50 needs torchvision).
+
+Two more for training on the CPU itself (``CPU_WORKLOADS``, used by
+``benchmarks/cpu_overhead.py``), where every operator passes through the CPU
+counter's dispatch mode:
+
+- ``cpu_mlp``: an MNIST-size MLP, 784-256-256-10, batch 128, cross-entropy, Adam
+  (about 3.5-4 ms a step on one thread of a 2-core EPYC);
+- ``small_cnn``: two 3x3 convolutions (16 and 32 channels) with pooling and a
+  linear head on 32x32 images, batch 24, Adam (about 8 ms a step there).
 """
 
 from __future__ import annotations
@@ -181,6 +190,55 @@ def tiny_mlp(device: torch.device, batch: int = 64, width: int = 1024, depth: in
     return Workload("tiny_mlp", model, opt, step, f"{depth} x Linear({width}), batch {batch}, Adam", (x,))
 
 
+def cpu_mlp(device: torch.device, batch: int = 128, hidden: int = 256) -> Workload:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    model = model.to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, 784, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def step() -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return Workload("cpu_mlp", model, opt, step, f"MLP 784-{hidden}-{hidden}-10, batch {batch}, cross-entropy, Adam", (x, y))
+
+
+def small_cnn(device: torch.device, batch: int = 24, channels: int = 16, image: int = 32) -> Workload:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, channels, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(channels, 2 * channels, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(2 * channels * (image // 4) ** 2, 10),
+    ).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, 3, image, image, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def step() -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return Workload(
+        "small_cnn", model, opt, step, f"CNN conv{channels}-conv{2 * channels}-linear, batch {batch}x3x{image}x{image}, Adam", (x, y)
+    )
+
+
+#: Workloads for training on the CPU (``benchmarks/cpu_overhead.py``).
+CPU_WORKLOADS: dict[str, Callable[..., Workload]] = {"cpu_mlp": cpu_mlp, "small_cnn": small_cnn}
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "gpt2": gpt2,
     "resnet50": resnet50,
@@ -194,6 +252,8 @@ QUICK: dict[str, dict[str, int]] = {
     "resnet50": {"batch": 2, "image": 64},
     "neumf": {"batch": 512, "num_users": 2_000, "num_items": 500},
     "tiny_mlp": {"batch": 16, "width": 128, "depth": 8},
+    "cpu_mlp": {"batch": 16, "hidden": 32},
+    "small_cnn": {"batch": 2, "channels": 4, "image": 16},
 }
 
 
@@ -203,9 +263,10 @@ def build(name: str, device: torch.device, quick: bool = False) -> Workload:
     Raises:
         WorkloadUnavailable: it cannot be built here (e.g. torchvision is missing).
     """
-    if name not in WORKLOADS:
-        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {name!r}")
-    return WORKLOADS[name](device, **(QUICK[name] if quick else {}))
+    known = {**WORKLOADS, **CPU_WORKLOADS}
+    if name not in known:
+        raise ValueError(f"workload must be one of {', '.join(known)}; got {name!r}")
+    return known[name](device, **(QUICK[name] if quick else {}))
 
 
 def median(values: list[float]) -> float:

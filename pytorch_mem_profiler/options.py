@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -150,6 +151,35 @@ def _check_optimizers(optimizer: Any) -> tuple[Any, ...] | None:
     return opts
 
 
+def _warn_about_missing_ranks(given: Any, ranks: frozenset[int] | None) -> None:
+    """A ``UserWarning`` when ``print_ranks`` names ranks this run does not have.
+
+    In a single process (no ``torch.distributed`` process group) the process is
+    rank 0 of 1; a rank that does not exist would print nothing, silently.
+    """
+    if not ranks:
+        return
+    from .distributed import rank_info
+
+    info = rank_info()
+    world = info.world_size if info is not None else 1
+    missing = sorted(r for r in ranks if r >= world)
+    if not missing:
+        return
+    where = (
+        f"this run has {world} rank(s), 0 to {world - 1}"
+        if info is not None
+        else "this is a single process (no torch.distributed process group): rank 0 only"
+    )
+    printed = sorted(r for r in ranks if r < world)
+    outcome = f"only rank(s) {printed} print" if printed else "no rank prints the report"
+    warnings.warn(
+        f"print_ranks={given!r} names rank(s) {missing} beyond the world size: {where}; {outcome}",
+        UserWarning,
+        stacklevel=5,
+    )
+
+
 @dataclass(frozen=True)
 class ProfilerOptions:
     """Every setting of a :class:`~pytorch_mem_profiler.MemoryProfiler`, validated.
@@ -201,7 +231,10 @@ class ProfilerOptions:
             )
         from .distributed import parse_print_ranks
 
-        self._set("print_ranks", parse_print_ranks(self.print_ranks))
+        given = self.print_ranks
+        ranks = parse_print_ranks(given)
+        self._set("print_ranks", ranks)
+        _warn_about_missing_ranks(given, ranks)
         check_choice(self.report, "report", REPORT_MODES)
         check_logger(self.log)
         if self.log is not None and self.stream is not None:

@@ -155,7 +155,9 @@ class IterationRecord:
         weights_by_name: bytes per parameter name.
         gradients: bytes of the parameters' ``.grad`` when backward ended.
         gradients_by_name: bytes per parameter name (parameters with a gradient).
-        optimizer_state: bytes of the tensors in the optimizers' ``state``.
+        optimizer_state: bytes of the tensors in the ``state`` of every optimizer known to
+            step the model (given with ``optimizer=``, or seen stepping its parameters);
+            ``None`` while none is known.
         buffers: bytes of the model's registered buffers.
         forward_passes: forwards of the model (with grad enabled) in this iteration.
         backward_passes: backwards through the model in this iteration.
@@ -199,7 +201,7 @@ class IterationRecord:
     weights_by_name: Mapping[str, int] = field(default_factory=_empty)
     gradients: int = 0
     gradients_by_name: Mapping[str, int] = field(default_factory=_empty)
-    optimizer_state: int = 0
+    optimizer_state: int | None = 0
     buffers: int = 0
     forward_passes: int = 0
     backward_passes: int = 0
@@ -220,8 +222,8 @@ class IterationRecord:
 
     @property
     def model_state(self) -> int:
-        """Weights, gradients, optimizer state and buffers together."""
-        return self.weights + self.gradients + self.optimizer_state + self.buffers
+        """Weights, gradients, optimizer state (where known) and buffers together."""
+        return self.weights + self.gradients + (self.optimizer_state or 0) + self.buffers
 
     @property
     def peak_share(self) -> float | None:

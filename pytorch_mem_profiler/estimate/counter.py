@@ -1,10 +1,12 @@
 """Live storages of one device, counted as the CPU counter counts them, with each storage's life kept.
 
-:class:`StorageLifeCounter` is the profiler's
-:class:`~pytorch_mem_profiler.measure.devices.CpuCounter` (the same dispatch mode,
-the same rules: every storage an operator returns counts once, by its bytes, until
-its last reference dies) made to count the storages of any device, fake tensors
-included, and to remember when each storage was born and died. Roles are learned
+:class:`StorageLifeCounter` counts as the profiler's
+:class:`~pytorch_mem_profiler.measure.devices.CpuCounter` does (the same rules, from
+:func:`~pytorch_mem_profiler.measure.storage_counting.return_kinds`: every storage an
+operator returns counts once, by its bytes, until its last reference dies; views and
+in-place results are no new memory), for the storages of any device, fake tensors
+included, remembering when each storage was born and died. It has a dispatch mode
+of its own, entered and left around the one step it watches. Roles are learned
 after the fact (a storage that ends up as a ``.grad`` is a gradient from its birth
 on), so what was alive at the peak is put down to categories when the step is over.
 
@@ -29,8 +31,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..measure.accounting import same_device
-from ..measure.devices import CpuCounter, Reading
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..measure.accounting import same_device, storage_parts
+from ..measure.devices import MemoryCounter, Reading
+from ..measure.storage_counting import NEW, RESIZED, return_kinds
 
 __all__ = ["Life", "StorageLifeCounter"]
 
@@ -52,7 +57,29 @@ class Life:
         return self.born <= tick and (self.died is None or self.died > tick)
 
 
-class StorageLifeCounter(CpuCounter):
+class _LifeMode(TorchDispatchMode):
+    """Hands every tensor an operator returns to the counter, as its kind of return says."""
+
+    def __init__(self, counter: StorageLifeCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        kinds = return_kinds(func)
+        if kinds is None:
+            return out
+        items = [out] if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else []
+        for i, item in enumerate(items):
+            if isinstance(item, torch.Tensor):
+                kind = kinds[i] if i < len(kinds) else kinds[-1]
+                if kind == NEW or kind == RESIZED:
+                    for part in storage_parts(item):
+                        self.counter._track(part, alias=kind == RESIZED)
+        return out
+
+
+class StorageLifeCounter(MemoryCounter):
     """Counts live storages of ``device`` (fake tensors too) and keeps each one's :class:`Life`.
 
     Args:
@@ -61,9 +88,12 @@ class StorageLifeCounter(CpuCounter):
             allocator's 512-byte rounding, say); default: ``nbytes``.
     """
 
+    shares_peaks = False  # it counts by itself
+
     def __init__(self, device: torch.device, size_of: Callable[[int], int] | None = None) -> None:
         super().__init__(device)
         self.device = device
+        self._mode: _LifeMode | None = None
         self._size_of = size_of or (lambda n: n)
         self._live: dict[int, Life] = {}
         self._storage_refs: dict[int, weakref.ref] = {}
@@ -77,8 +107,19 @@ class StorageLifeCounter(CpuCounter):
         self.phase = "other"
         self.phase_peaks: dict[str, int] = {}
 
+    def start(self) -> None:
+        if self._mode is None:
+            self._mode = _LifeMode(self)
+            self._mode.__enter__()
+
+    def stop(self) -> None:
+        super().stop()
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)  # the step is over: nothing was entered after it
+
     # -- what the dispatch mode hands over ---------------------------------------
-    def _track(self, tensor: torch.Tensor, alias: bool = False, inputs: Any = ()) -> None:
+    def _track(self, tensor: torch.Tensor, alias: bool = False) -> None:
         if not same_device(tensor, self.device):
             return
         try:
@@ -133,7 +174,8 @@ class StorageLifeCounter(CpuCounter):
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor):
                 continue
-            self._track(tensor)
+            for part in storage_parts(tensor):
+                self._track(part)
             if role is not None:
                 self.give_role(tensor, role)
 

@@ -2,7 +2,8 @@
 
 The only subpackage that calls a device memory API (``torch.cuda``, ``torch.xpu``,
 ``torch.mps``, ``torch.accelerator``, NVML): :mod:`.devices` (counters, device
-resolution, capacity), :mod:`.allocator` (the caching allocator's statistics, its
+resolution, capacity; on the CPU through the one dispatch mode of
+:mod:`.storage_counting`), :mod:`.allocator` (the caching allocator's statistics, its
 history recording and out-of-memory observer), :mod:`.outside` (memory outside
 PyTorch). :mod:`.accounting` counts bytes of models and optimizers from their
 tensors, :mod:`.hooks` finds forward, backward and the optimizer step (with

@@ -7,7 +7,8 @@ the previous mark. Where a backend has no such counter the answer is ``None``
 (shown as "n/a"), never a made-up zero.
 
 On CPU PyTorch keeps no counters, so :class:`CpuCounter` counts live tensor
-storages itself with a dispatch mode and weak references.
+storages itself with a dispatch mode and weak references (one mode for the
+whole process: :mod:`.storage_counting`).
 
 Example::
 
@@ -24,14 +25,12 @@ Example::
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from typing import Any, Iterable, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-from .accounting import storage_parts
+from .storage_counting import Tally, shared_registry
 
 __all__ = [
     "Reading",
@@ -272,176 +271,60 @@ class AcceleratorCounter(MemoryCounter):
         torch.accelerator.reset_peak_memory_stats(self._idx)
 
 
-class _StorageCountingMode(TorchDispatchMode):
-    """Sees every tensor an operator returns and hands CPU storages to the counter."""
-
-    def __init__(self, counter: CpuCounter) -> None:
-        super().__init__()
-        self.counter = counter
-        self.enabled = True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        if self.enabled:
-            aliases = _aliasing_returns(func)
-            if isinstance(out, torch.Tensor):
-                self.counter._track(out, bool(aliases) and aliases[0], args)
-            elif isinstance(out, (tuple, list)):
-                for i, item in enumerate(out):
-                    if isinstance(item, torch.Tensor):
-                        # One list return (split, unbind) describes all its items.
-                        alias = aliases[i] if i < len(aliases) else bool(aliases) and aliases[-1]
-                        self.counter._track(item, alias, args)
-        return out
-
-
-_ALIASING: dict[Any, tuple[bool, ...]] = {}
-
-
-def _aliasing_returns(func: Any) -> tuple[bool, ...]:
-    """For each return of an operator, whether it shares an input's storage (views, in-place, out=).
-
-    Such a result allocates nothing new: counting it would count a tensor made
-    before the counter started (``weight.t()`` inside ``F.linear``) as new.
-    """
-    known = _ALIASING.get(func)
-    if known is None:
-        schema = getattr(func, "_schema", None)
-        returns = getattr(schema, "returns", ())
-        known = tuple(r.alias_info is not None for r in returns)
-        if func is getattr(torch.ops.aten.lift_fresh, "default", None):
-            # lift_fresh aliases the brand-new tensor torch.tensor() made outside the mode.
-            known = (False,) * len(known)
-        _ALIASING[func] = known
-    return known
-
-
 class CpuCounter(MemoryCounter):
-    """Counts live CPU tensor storages, exactly, with a dispatch mode.
+    """Counts live CPU tensor storages, exactly, through the process's one counting mode.
 
     Every storage an operator returns while the counter runs is counted once,
-    by its ``nbytes()``, until its last reference dies (a weak-reference
-    callback subtracts it). Tensors made before :meth:`start` are counted
-    only when handed to :meth:`adopt` (the profiler adopts the model's and
-    optimizer's tensors). "Reserved" equals allocated: CPU has no cache that
-    PyTorch accounts for. Memory that kernels allocate internally and free
-    before returning is not seen, so peaks are those of live tensors.
+    by its ``nbytes()``, until its last reference dies. Tensors made before
+    :meth:`start` are counted only when handed to :meth:`adopt` (the profiler
+    adopts the model's and optimizer's tensors). "Reserved" equals allocated:
+    CPU has no cache that PyTorch accounts for. Memory that kernels allocate
+    internally and free before returning is not seen, so peaks are those of
+    live tensors.
+
+    All CPU counters share one dispatch mode
+    (:mod:`~pytorch_mem_profiler.measure.storage_counting`): several profilers
+    start and stop in any order and, once the last has stopped, no mode is left
+    on torch's stack. It costs one Python call per operator while a counter
+    runs (about 3 us on a 2-core CPU); see the README's devices section.
     """
 
     shares_peaks = False  # each CPU counter counts by itself
 
     def __init__(self, device: torch.device | None = None) -> None:
         super().__init__(device or torch.device("cpu"))
-        # Keyed by id(storage): torch keeps one Python object per live storage,
-        # and the weak-reference callback removes the key before the id can be
-        # reused.
-        self._sizes: dict[int, int] = {}
-        self._refs: dict[int, weakref.ref] = {}
-        self._allocated = 0
-        self._peak = 0
-        self._lock = threading.Lock()
-        self._mode: _StorageCountingMode | None = None
+        self._registry = shared_registry()
+        self._tally = Tally()
+        self._running = False
 
     def start(self) -> None:
-        if self._mode is not None:
+        if self._running:
             return
-        self._mode = _StorageCountingMode(self)
-        self._mode.__enter__()
+        self._registry.start(self._tally)
+        self._running = True
 
     def stop(self) -> None:
-        mode, self._mode = self._mode, None
-        if mode is None:
+        super().stop()
+        if not self._running:
             return
-        mode.enabled = False
-        if _get_current_dispatch_mode() is mode:
-            mode.__exit__(None, None, None)
-        else:
-            # Another mode was entered after ours and is still active: popping
-            # now would remove that one. Ours stays, switched off, until it
-            # leaves the stack with the thread.
-            _log.warning(
-                "pytorch_mem_profiler: another TorchDispatchMode is active above the CPU "
-                "counter; the counter is switched off instead of removed"
-            )
-
-    def _track(self, tensor: torch.Tensor, alias: bool = False, inputs: Any = ()) -> None:
-        if tensor.device.type != "cpu":
-            return
-        if tensor.layout is not torch.strided:
-            self._track_sparse(tensor, alias, inputs)
-            return
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return  # sparse, nested or wrapper tensors without one plain storage
-        key = id(storage)
-        nbytes = storage.nbytes()
-        known = self._sizes.get(key)
-        if known is None and alias:
-            return  # a view or in-place result of a storage made before counting began
-        if known is not None:
-            if known != nbytes:  # resized in place (``out=`` kernels)
-                self._sizes[key] = nbytes
-                self._add(nbytes - known)
-            return
-        self._sizes[key] = nbytes
-        self._refs[key] = weakref.ref(storage, _Release(self, key))
-        self._add(nbytes)
-
-    def _track_sparse(self, tensor: torch.Tensor, alias: bool, inputs: Any) -> None:
-        """A sparse tensor's memory is its index and value tensors; those that are an
-        input of the operator (embedding backward wraps its input as the indices)
-        are no new memory."""
-        given = {
-            id(part.untyped_storage())
-            for t in inputs
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu"
-            for part in storage_parts(t)
-        }
-        for part in storage_parts(tensor):
-            if part is not tensor:
-                self._track(part, alias or id(part.untyped_storage()) in given)
-
-    def _release(self, key: int) -> None:
-        self._refs.pop(key, None)
-        self._add(-self._sizes.pop(key, 0))
-
-    def _add(self, delta: int) -> None:
-        with self._lock:
-            self._allocated += delta
-            if self._allocated > self._peak:
-                self._peak = self._allocated
+        self._running = False
+        self._registry.stop(self._tally)
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
-        for tensor in tensors:
-            if isinstance(tensor, torch.Tensor):
-                self._track(tensor)
+        self._registry.adopt(tensors, self._tally)
 
     def _read_device(self) -> Reading:
-        with self._lock:
-            return Reading(self._allocated, self._peak, self._allocated, self._peak)
+        allocated, peak = self._tally.settle()
+        return Reading(allocated, peak, allocated, peak)
+
+    def mark(self) -> Reading:
+        # No peers to fold (shares_peaks is False): read, then start the new interval.
+        reading = self._read_device()
+        self._tally.settle(reset=True)
+        return reading
 
     def reset_peak(self) -> None:
-        with self._lock:
-            self._peak = self._allocated
-
-
-class _Release:
-    """Weak-reference callback that subtracts a dead storage's bytes.
-
-    Holds the counter weakly so that counted storages do not keep it alive.
-    """
-
-    __slots__ = ("counter", "key")
-
-    def __init__(self, counter: CpuCounter, key: int) -> None:
-        self.counter = weakref.ref(counter)
-        self.key = key
-
-    def __call__(self, _ref: weakref.ref) -> None:
-        counter = self.counter()
-        if counter is not None:
-            counter._release(self.key)
+        self._tally.settle(reset=True)
 
 
 def usable_device(device: Any) -> torch.device:

@@ -99,8 +99,12 @@ class Meter:
         self._ddp_buckets: int | None = None
         self._refresh_model_state()
         self._outside = DeviceMemoryReader(self.device)
-        self._optimizer_state_cache: dict[int, tuple[int, int]] = {}
-        self._adopted: weakref.WeakSet = weakref.WeakSet()
+        # Every optimizer known to step the model: given, or seen stepping it. Kept
+        # across epochs, held weakly; the value is its state's (entries, bytes) when
+        # last counted, or None before it was.
+        self._known_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        for opt in self._optimizers or ():
+            self._known_optimizers[opt] = None
         self._hooks: TrainingStepHooks | None = None
         self._last_time = time.perf_counter()
 
@@ -154,6 +158,8 @@ class Meter:
         counter.adopt(p for _, p in self._params)
         counter.adopt(b for b in self.model.buffers())
         counter.adopt(p.grad for _, p in self._params if p.grad is not None)
+        # A profiler made mid-training: the given optimizers' state exists already.
+        counter.adopt(optimizer_state_tensors(self._optimizers or ()))
         wrap = self.guard.wrap
         self._hooks = TrainingStepHooks(
             self.model,
@@ -238,28 +244,28 @@ class Meter:
         self._hooks.retarget(self.counter, self._params)
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
-        if optimizer not in self._adopted:
+        if optimizer not in self._known_optimizers:
             # State made before the profiler started is invisible to the CPU counter.
             self.counter.adopt(optimizer_state_tensors([optimizer]))
-            self._adopted.add(optimizer)
+            self._known_optimizers[optimizer] = None
 
-    def _optimizer_state(self, recount: bool = False) -> int:
-        """Optimizer state bytes, counted again only when an optimizer's state changed in size.
+    def _optimizer_state(self, recount: bool = False) -> int | None:
+        """Bytes of the state of every optimizer known; ``None`` while none is known.
 
-        State tensors keep their sizes once made (Adam makes its moments at the
-        first step), so the count is reused while ``len(optimizer.state)``
-        holds; :meth:`refresh` recounts everything.
+        Known: given with ``optimizer=``, or seen stepping the model's parameters
+        (remembered across epochs). State tensors keep their sizes once made (Adam
+        makes its moments at the first step), so the count is reused while
+        ``len(optimizer.state)`` holds; :meth:`refresh` recounts everything.
         """
-        if self._hooks is None:
-            return 0
+        known = self._known_optimizers
+        if not known:
+            return None
         total = 0
-        for opt in self._hooks.discovered_optimizers():
-            key = id(opt)
+        for opt, cached in list(known.items()):
             size = len(opt.state)
-            cached = self._optimizer_state_cache.get(key)
             if recount or cached is None or cached[0] != size:
                 cached = (size, optimizer_state_bytes([opt], self.device))
-                self._optimizer_state_cache[key] = cached
+                known[opt] = cached
             total += cached[1]
         return total
 

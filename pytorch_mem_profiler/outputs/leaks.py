@@ -66,7 +66,7 @@ class Leak:
 
 
 def _other(record: IterationRecord) -> int:
-    return record.allocated - record.weights - record.optimizer_state - record.buffers
+    return record.allocated - record.weights - (record.optimizer_state or 0) - record.buffers
 
 
 def category_growth(first: IterationRecord, last: IterationRecord) -> dict[str, int]:
@@ -75,7 +75,7 @@ def category_growth(first: IterationRecord, last: IterationRecord) -> dict[str, 
     Gradients are left out of "other": they are measured when backward ends,
     while allocated is read when ``record_stats()`` runs, after ``zero_grad()``.
     """
-    growth = {name: getattr(last, name) - getattr(first, name) for name in MODEL_STATE}
+    growth = {name: (getattr(last, name) or 0) - (getattr(first, name) or 0) for name in MODEL_STATE}
     growth["other"] = _other(last) - _other(first)
     growth["allocated"] = last.allocated - first.allocated
     return growth

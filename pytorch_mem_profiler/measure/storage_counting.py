@@ -1,0 +1,489 @@
+"""Exact live CPU storage bytes: one dispatch mode shared by every CPU counter.
+
+PyTorch keeps no allocation counters for the CPU, so the CPU counter sees every
+tensor an operator returns through a ``TorchDispatchMode`` and counts each new
+storage by its ``nbytes()`` until a weak reference says it died. This module
+holds what all CPU counters share:
+
+- one :class:`StorageRegistry` for the process: each live storage once, the
+  counters (:class:`Tally`) that count it, and the bytes each counter gained or
+  lost since it last looked;
+- one counting mode per thread that runs counters (torch's mode stack is
+  per thread), pushed when the thread's first counter starts and popped when
+  its last one stops. A ``TorchDispatchMode`` leaves the stack only from the
+  top: with a mode per counter, the one closed first could not leave while
+  another was above it, and every operation in the process kept paying for it.
+  With one mode, counters start and stop in any order. If the user entered a
+  mode of their own after ours and it is still active when the last counter
+  stops, ours is switched off (an operation then costs one Python call) and
+  leaves at the first chance: the next module forward or optimizer step that
+  finds it back on top, or the next start or stop of a counter.
+
+The per-operator cost is kept small: whether an operator's returns can be new
+storages (not views, not in-place results) is decided once per operator; a
+counted storage's bytes go to its counters as appends to a list (atomic under
+the GIL, so no lock on the hot path) that a counter sums up when it is read.
+
+Example::
+
+    >>> import torch
+    >>> registry = shared_registry()
+    >>> tally = Tally()
+    >>> registry.start(tally)
+    >>> x = torch.zeros(256)            # 1024 bytes of float32
+    >>> allocated, peak = tally.settle()
+    >>> allocated >= 1024
+    True
+    >>> registry.stop(tally)
+    >>> registry.installed()
+    False
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from .accounting import storage_parts
+
+__all__ = ["Tally", "StorageRegistry", "shared_registry", "return_kinds", "NEW", "RESIZED", "SKIP"]
+
+_log = logging.getLogger("pytorch_mem_profiler")
+
+
+class Tally:
+    """One counter's running figures: live bytes counted and their peak since the last reset.
+
+    The registry appends each change in bytes to :attr:`changes`; :meth:`settle`
+    folds them in, in order, so the peak between two reads is exact.
+    """
+
+    __slots__ = ("changes", "allocated", "peak", "_lock", "__weakref__")
+
+    def __init__(self) -> None:
+        self.changes: list[int] = []
+        self.allocated = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def settle(self, reset: bool = False) -> tuple[int, int]:
+        """Fold the changes made since the last call; return ``(allocated, peak)``.
+
+        ``reset``: then start a new peak interval at the current level.
+        """
+        with self._lock:
+            changes = self.changes
+            if changes:
+                count = len(changes)
+                pending = changes[:count]
+                del changes[:count]  # appends made meanwhile stay for the next call
+                running = list(itertools.accumulate(pending, initial=self.allocated))
+                self.allocated = running[-1]
+                highest = max(running)
+                if highest > self.peak:
+                    self.peak = highest
+            figures = self.allocated, self.peak
+            if reset:
+                self.peak = self.allocated
+            return figures
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a counted storage, with its size and the tallies that count it."""
+
+    __slots__ = ("key", "nbytes", "owners")
+
+
+# What an operator's return can be, decided once per operator from its schema.
+_SKIP = 0  # a view or an in-place result: shares an input's storage and cannot change its size
+_NEW = 1  # may be a new storage
+_RESIZED = 2  # shares an input's storage, whose size the operator may change (out=, resize_)
+
+#: Operators that change the size of the storage they return (beside every ``out=`` variant).
+_RESIZING = frozenset(
+    {
+        "aten::resize_",
+        "aten::resize_as_",
+        "aten::_resize_output_",
+        "aten::set_",
+        "aten::resize_as_sparse_",
+        "aten::sparse_resize_",
+        "aten::sparse_resize_and_clear_",
+    }
+)
+
+#: Per operator, by ``id``: ``None`` when no return needs looking at, else one kind per
+#: return (a list return's one kind describes all its items). Keyed by ``id`` because
+#: ``OpOverload.__hash__`` is a Python function; the operators themselves are kept in
+#: ``_PLANNED`` so that their ids stay theirs.
+_PLANS: dict[int, tuple[int, ...] | None] = {}
+_PLANNED: list[Any] = []
+_UNPLANNED = object()
+_ONE_NEW = (_NEW,)
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+
+
+def _plan(func: Any) -> tuple[int, ...] | None:
+    schema = getattr(func, "_schema", None)
+    returns = getattr(schema, "returns", ())
+    name = getattr(schema, "name", "")
+    resizing = name in _RESIZING or any(
+        arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write
+        for arg in getattr(schema, "arguments", ())
+    )
+    kinds = []
+    for ret in returns:
+        alias = ret.alias_info
+        if "Tensor" not in str(ret.type):
+            kinds.append(_SKIP)  # a Python number (item()), a bool, a shape: no storage
+        elif alias is None:
+            kinds.append(_NEW)
+        elif alias.is_write and resizing:
+            kinds.append(_RESIZED)
+        else:
+            kinds.append(_SKIP)
+    if name == "aten::lift_fresh":
+        # It aliases the brand-new tensor torch.tensor() made outside the mode.
+        kinds = [_NEW] * len(kinds)
+    if schema is None:
+        kinds = [_NEW, _NEW]  # unknown: look at every returned tensor
+    plan = tuple(kinds) if any(kinds) else None
+    if plan == _ONE_NEW:
+        plan = _ONE_NEW  # one object, so that the handler's fast path is an identity test
+    _PLANNED.append(func)
+    _PLANS[id(func)] = plan
+    return plan
+
+
+#: Public names of the kinds of return, for other counters that follow the same rules.
+SKIP, NEW, RESIZED = _SKIP, _NEW, _RESIZED
+
+
+def return_kinds(func: Any) -> tuple[int, ...] | None:
+    """Per return of the operator ``func``: :data:`NEW` (may be a new storage), :data:`RESIZED`
+    (an input's storage whose size it may change) or :data:`SKIP` (a view, an in-place result, a
+    number); ``None`` when no return needs looking at. Decided once per operator.
+
+    Example::
+
+        >>> import torch
+        >>> return_kinds(torch.ops.aten.add.Tensor) == (NEW,), return_kinds(torch.ops.aten.view.default)
+        (True, None)
+    """
+    plan = _PLANS.get(id(func), _UNPLANNED)
+    return _plan(func) if plan is _UNPLANNED else plan
+
+
+class _CountingMode(TorchDispatchMode):
+    """Hands every tensor an operator returns on its thread to the registry, for its thread's tallies."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a Dynamo-disabling wrapper
+        # that costs about 2 us per operator. Dynamo already refuses to compile
+        # while a non-infra dispatch mode is on the stack (frames run inside this
+        # handler included), so the wrapper buys nothing here.
+        return False
+
+    def __init__(self, registry: StorageRegistry) -> None:
+        super().__init__()
+        self.registry = registry
+        self.live = registry.live
+        #: the running counters started on this mode's thread; empty: switched off
+        self.tallies: tuple[Tally, ...] = ()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func._op(*args, **kwargs) if kwargs else func._op(*args)
+        tallies = self.tallies
+        if not tallies:
+            return out
+        plan = _PLANS.get(id(func), _UNPLANNED)
+        if plan is None:
+            return out
+        try:
+            if plan is _ONE_NEW and type(out) is _Tensor and out.layout is _STRIDED:
+                # The common case, inlined: one plain tensor that may own a new storage.
+                if out.is_cpu:
+                    storage = out.untyped_storage()
+                    key = id(storage)
+                    if key not in self.live:
+                        self.registry.add(storage, key, tallies)
+            elif plan is _UNPLANNED:
+                plan = _plan(func)
+                if plan is not None:
+                    self.registry.see(out, plan, tallies, args)
+            else:
+                self.registry.see(out, plan, tallies, args)
+        except Exception as exc:  # noqa: BLE001 - never break the user's operator
+            self.registry.fail(exc)
+        return out
+
+
+class StorageRegistry:
+    """Every counted CPU storage of the process, once, with the tallies that count it.
+
+    Use :func:`shared_registry`: one registry for the process is what lets
+    counters start and stop in any order. A counter counts the storages made on
+    the thread it started on (and in the autograd work that thread runs), as a
+    dispatch mode does; all counters of a thread share that thread's one mode.
+    """
+
+    def __init__(self) -> None:
+        #: live storages by ``id(storage)``; a storage's id cannot be reused before its
+        #: weak-reference callback has removed it
+        self.live: dict[int, _StorageRef] = {}
+        self._lock = threading.RLock()
+        self._modes: dict[int, _CountingMode] = {}  # by thread ident: counting there now
+        self._waiting: dict[int, _CountingMode] = {}  # switched off, not yet off their stack
+        self._mode_of: dict[Tally, _CountingMode] = {}
+        self._hooks: list[Any] = []
+        self._died = self._storage_died  # one bound method for every weak reference
+        self._failed = False
+
+    # -- lifecycle ----------------------------------------------------------
+    def start(self, tally: Tally) -> None:
+        """Count storages made on this thread from now on into ``tally``; push the mode if needed."""
+        with self._lock:
+            if self._failed or tally in self._mode_of:
+                return
+            ident = threading.get_ident()
+            mode = self._modes.get(ident) or self._waiting.pop(ident, None)
+            if mode is None or not _on_stack(mode):
+                mode = _CountingMode(self)
+                mode.__enter__()
+            # A mode still on the stack, switched off, is switched on again: nothing is pushed.
+            self._modes[ident] = mode
+            mode.tallies = (*mode.tallies, tally)
+            self._mode_of[tally] = mode
+            self._leave_where_possible()  # forget the modes of threads that ended
+            if not self._waiting:
+                self._remove_hooks()
+
+    def stop(self, tally: Tally) -> None:
+        """Stop counting into ``tally``; the last counter of a thread takes its mode away."""
+        with self._lock:
+            mode = self._mode_of.pop(tally, None)
+            self._forget(tally)
+            if mode is not None:
+                mode.tallies = tuple(t for t in mode.tallies if t is not tally)
+                if not mode.tallies:
+                    for ident, running in list(self._modes.items()):
+                        if running is mode:
+                            del self._modes[ident]
+                            self._waiting[ident] = mode
+            if not self._mode_of:
+                self.live.clear()  # drops the weak references: no callback will run
+                self._failed = False
+            self._leave_where_possible()
+            if self._waiting and not self._hooks:
+                self._wait_for_a_chance()
+
+    def installed(self) -> bool:
+        """Whether a counting mode of this registry is on the current thread's mode stack."""
+        ident = threading.get_ident()
+        return any(
+            mode is not None and _on_stack(mode)
+            for mode in (self._modes.get(ident), self._waiting.get(ident))
+        )
+
+    # -- counting -------------------------------------------------------------
+    def see(self, out: Any, plan: tuple[int, ...], tallies: tuple[Tally, ...], inputs: Any = ()) -> None:
+        """Count the new storages among an operator's returns ``out`` into ``tallies``.
+
+        ``inputs``: the operator's arguments, which a sparse result may wrap.
+        """
+        if isinstance(out, torch.Tensor):
+            kind = plan[0]
+            if kind == _NEW:
+                if out.layout is not _STRIDED:
+                    self._new_sparse(out, tallies, inputs)
+                else:
+                    self._new(out, tallies)
+            elif kind == _RESIZED:
+                self._resized(out)
+        elif isinstance(out, (tuple, list)):
+            last = plan[-1]
+            for i, item in enumerate(out):
+                if isinstance(item, torch.Tensor):
+                    kind = plan[i] if i < len(plan) else last
+                    if kind == _NEW:
+                        if item.layout is not _STRIDED:
+                            self._new_sparse(item, tallies, inputs)
+                        else:
+                            self._new(item, tallies)
+                    elif kind == _RESIZED:
+                        self._resized(item)
+
+    def _new(self, tensor: torch.Tensor, tallies: tuple[Tally, ...]) -> None:
+        if not tensor.is_cpu:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return  # sparse, nested or wrapper tensors without one plain storage
+        key = id(storage)
+        if key not in self.live:
+            self.add(storage, key, tallies)
+
+    def _new_sparse(self, tensor: torch.Tensor, tallies: tuple[Tally, ...], inputs: Any) -> None:
+        """A sparse tensor's memory is its index and value tensors; those that are an input
+        of the operator (embedding backward wraps its input as the indices) are no new memory."""
+        if not tensor.is_cpu:
+            return
+        given = {
+            id(part.untyped_storage())
+            for t in inputs
+            if isinstance(t, torch.Tensor) and t.is_cpu
+            for part in storage_parts(t)
+        }
+        for part in storage_parts(tensor):
+            if part is tensor:
+                continue
+            storage = part.untyped_storage()
+            key = id(storage)
+            if key not in given and key not in self.live:
+                self.add(storage, key, tallies)
+
+    def add(self, storage: torch.UntypedStorage, key: int, tallies: tuple[Tally, ...]) -> None:
+        """Count a storage not counted yet into ``tallies``."""
+        nbytes = storage.nbytes()
+        ref = _StorageRef(storage, self._died)
+        ref.key, ref.nbytes, ref.owners = key, nbytes, tallies
+        self.live[key] = ref
+        for tally in tallies:
+            tally.changes.append(nbytes)
+
+    def adopt(self, tensors: Iterable[Any], tally: Tally) -> None:
+        """Count storages made before ``tally`` started (a model's weights) into it, each once."""
+        for whole in tensors:
+            if not isinstance(whole, torch.Tensor) or not whole.is_cpu:
+                continue
+            for tensor in storage_parts(whole):  # a sparse tensor: its indices and values
+                self._adopt_one(tensor, tally)
+
+    def _adopt_one(self, tensor: torch.Tensor, tally: Tally) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        key = id(storage)
+        ref = self.live.get(key)
+        if ref is None:
+            self.add(storage, key, (tally,))
+        elif tally not in ref.owners:
+            ref.owners = (*ref.owners, tally)
+            tally.changes.append(ref.nbytes)
+
+    def _resized(self, tensor: torch.Tensor) -> None:
+        if not tensor.is_cpu:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        ref = self.live.get(id(storage))
+        if ref is None:
+            return  # a storage made before counting began
+        nbytes = storage.nbytes()
+        if nbytes != ref.nbytes:
+            change, ref.nbytes = nbytes - ref.nbytes, nbytes
+            for tally in ref.owners:
+                tally.changes.append(change)
+
+    def _storage_died(self, ref: _StorageRef) -> None:
+        if self.live.get(ref.key) is ref:
+            del self.live[ref.key]
+        for tally in ref.owners:
+            tally.changes.append(-ref.nbytes)
+
+    def _forget(self, tally: Tally) -> None:
+        """Take a stopped tally off every storage, so that nothing keeps it alive."""
+        for key, ref in list(self.live.items()):
+            if tally in ref.owners:
+                ref.owners = tuple(t for t in ref.owners if t is not tally)
+                if not ref.owners:
+                    self.live.pop(key, None)
+
+    def fail(self, exc: BaseException) -> None:
+        """A fault while counting: stop counting (figures would be wrong), log it once."""
+        with self._lock:
+            if self._failed:
+                return
+            self._failed = True
+            for mode in self._modes.values():
+                mode.tallies = ()
+        _log.warning(
+            "pytorch_mem_profiler: the CPU storage counter failed and is switched off; "
+            "training continues (%s: %s)",
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
+
+    # -- leaving torch's mode stack ------------------------------------------------
+    def _leave_where_possible(self) -> None:
+        """Pop this thread's switched-off mode if it is on top again; forget ones no longer on a stack."""
+        # Threads that ended took their stacks with them.
+        alive = {t.ident for t in threading.enumerate()}
+        for gone in [i for i in self._waiting if i not in alive]:
+            del self._waiting[gone]
+        ident = threading.get_ident()
+        mode = self._waiting.get(ident)
+        if mode is None:
+            return
+        stack = _get_current_dispatch_mode_stack()
+        if stack and stack[-1] is mode:
+            mode.__exit__(None, None, None)
+            del self._waiting[ident]
+        elif not any(m is mode for m in stack):
+            del self._waiting[ident]  # taken off by someone else
+
+    def _a_chance(self, *args: Any, **kwargs: Any) -> None:
+        """Run at each module forward or optimizer step while a switched-off mode waits."""
+        try:
+            with self._lock:
+                self._leave_where_possible()
+                if not self._waiting:
+                    self._remove_hooks()
+        except Exception as exc:  # noqa: BLE001 - never break the user's forward
+            _log.debug("pytorch_mem_profiler: leaving the mode stack failed: %s", exc)
+        return None
+
+    def _wait_for_a_chance(self) -> None:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _log.warning(
+            "pytorch_mem_profiler: the CPU counter's dispatch mode cannot leave torch's mode "
+            "stack now (another TorchDispatchMode is active above it, or it was closed from "
+            "another thread); it is switched off and leaves at the first forward or optimizer "
+            "step that finds it on top"
+        )
+        self._hooks = [
+            register_module_forward_pre_hook(self._a_chance),
+            register_optimizer_step_pre_hook(self._a_chance),
+        ]
+
+    def _remove_hooks(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for handle in hooks:
+            handle.remove()
+
+
+def _on_stack(mode: TorchDispatchMode) -> bool:
+    return any(m is mode for m in _get_current_dispatch_mode_stack())
+
+
+_REGISTRY = StorageRegistry()
+
+
+def shared_registry() -> StorageRegistry:
+    """The process's one :class:`StorageRegistry`."""
+    return _REGISTRY
