@@ -32,10 +32,10 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch._subclasses import fake_tensor as _fake
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
-    FakeTensorDeviceMismatchError,
     UnsupportedFakeTensorException,
     UnsupportedOperatorException,
 )
@@ -106,6 +106,13 @@ class StepMemory:
 
 
 # -- errors ----------------------------------------------------------------------
+class _NotInThisTorch(Exception):
+    """Stands for an exception class that this torch does not have: never raised."""
+
+
+#: Newer torch names the fake mode's device mismatch (torch 2.11 does not: there it is a
+#: plain RuntimeError, which reaches the user as it is).
+_DEVICE_MISMATCH: type[BaseException] = getattr(_fake, "FakeTensorDeviceMismatchError", _NotInThisTorch)
 @contextlib.contextmanager
 def _unsupported_as_errors() -> Iterator[None]:
     """The fake mode's refusals as :class:`EstimateUnsupported`, naming the operation."""
@@ -135,10 +142,10 @@ def _unsupported_as_errors() -> Iterator[None]:
         ) from err
     except UnsupportedFakeTensorException as err:
         raise EstimateUnsupported(f"the fake mode cannot run this step: {err.reason}. {REAL_PROFILER}") from err
-    except FakeTensorDeviceMismatchError as err:
-        name = str(err.func)
+    except _DEVICE_MISMATCH as err:
+        name = str(getattr(err, "func", "an operator"))
         raise EstimateUnsupported(
-            f"{name} mixes tensors of {err.common_device} and {err.device}: tensors the model makes "
+            f"{name} mixes tensors of {getattr(err, 'common_device', '?')} and {getattr(err, 'device', '?')}: tensors the model makes "
             f"on a fixed device do not follow the estimate's device. {REAL_PROFILER}",
             name,
         ) from err
