@@ -27,12 +27,16 @@ transformers = pytest.importorskip("transformers")
 def test_lightning_on_a_gpu():
     from pytorch_mem_profiler.integrations.lightning import MemoryProfilerCallback
 
-    records = []
+    records, moments = [], []
 
     class Keep(MemoryProfilerCallback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             records.append(self.profiler.last_record)
+            # Read now: at the end of fit, Lightning moves the optimizer's state to the CPU.
+            # Adam's step counters stay on the CPU: only the moments are on the device.
+            state = trainer.optimizers[0].state
+            moments.append(storage_bytes(v for s in state.values() for v in s.values() if torch.is_tensor(v) and v.is_cuda))
 
     callback = Keep(print_period=1, stream=io.StringIO(), strict=True)
     module = Regressor()
@@ -49,10 +53,7 @@ def test_lightning_on_a_gpu():
         assert (r.forward_passes, r.backward_passes, r.optimizer_steps) == (1, 1, 1)
     assert last.weights == storage_bytes(module.parameters())
     assert last.gradients == last.weights
-    # Adam's step counters stay on the CPU: only the moments are on the device.
-    state = trainer.optimizers[0].state
-    moments = [v for s in state.values() for k, v in s.items() if torch.is_tensor(v) and v.is_cuda]
-    assert last.optimizer_state == storage_bytes(moments) > 0
+    assert [r.optimizer_state for r in records] == moments and moments[-1] > 0
     assert last.feature_maps == BATCH * (HIDDEN + D_OUT) * 4
     assert last.device_total == torch.cuda.get_device_properties(0).total_memory
 
