@@ -1,9 +1,11 @@
 """NeuMF on MovieLens-20M sizes, synthetic data, profiled every 5 iterations.
 
 The README's demo: ``python examples/neumf.py``. Runs on the GPU when there is
-one, else on the CPU (with a smaller batch so it finishes in seconds). The
-report shows the four embeddings at 35, 7, 71 and 14 MB, 127 MB of weights in
-all, and the same again for their gradients; the CSV lands in ``memory_csv_data/``.
+one, else on the CPU (with a smaller batch so it finishes in seconds). It prints
+the compact report with feature maps by layer; ``--report full`` prints the
+original tool's layout, which lists the four embeddings at 35, 7, 71 and 14 MB,
+127 MB of weights in all, and the same again for their gradients. The CSV lands
+in ``memory_csv_data/``.
 
 NeuMF (He et al., 2017): a matrix-factorisation branch (user and item
 embeddings of 64, multiplied) beside an MLP branch (user and item embeddings
@@ -61,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--print-period", type=int, default=5)
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--csv-dir", default="memory_csv_data")
+    parser.add_argument("--report", default="compact", choices=("compact", "full", "line"))
+    parser.add_argument("--no-by-layer", dest="by_layer", action="store_false", help="skip the per-layer figures")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -70,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.BCEWithLogitsLoss()
 
-    profiler = memory_profiler(model, args.print_period, True, csv_dir=args.csv_dir)
+    profiler = memory_profiler(
+        model, args.print_period, True, csv_dir=args.csv_dir, report=args.report, by_layer=args.by_layer
+    )
     for _epoch in range(args.epochs):
         for _ in range(args.iterations):
             users = torch.randint(0, NUM_USERS, (batch,), device=device)

@@ -91,7 +91,16 @@ def _key(name: str) -> tuple[str, ...]:
 def group_repeated(sizes: Mapping[str, int] | Iterable[tuple[str, int]]) -> list[LayerGroup]:
     """Fold names that differ only in numeric path parts; largest total first (ties: first met).
 
-    A name with no numeric part, or the only one of its shape, is a group of one.
+    A name with no numeric part, or the only one of its shape, is a group of one; so
+    is each child of a Sequential (``mlp.0``, ``mlp.1``, ``mlp.3``) unless all have the
+    same size, as a repeated block has (``h.0`` ... ``h.11``).
+
+    Example::
+
+        >>> [g.name for g in group_repeated({"mlp.0": 9, "mlp.1": 4, "mlp.3": 2})]
+        ['mlp.0', 'mlp.1', 'mlp.3']
+        >>> [g.name for g in group_repeated({f"h.{i}": 7 for i in range(12)})]
+        ['h.[0-11]']
     """
     items = list(sizes.items()) if isinstance(sizes, Mapping) else list(sizes)
     shapes: dict[tuple[str, ...], list[tuple[str, int]]] = {}
@@ -103,7 +112,10 @@ def group_repeated(sizes: Mapping[str, int] | Iterable[tuple[str, int]]) -> list
         total = sum(n for _, n in members)
         sizes_seen = {n for _, n in members}
         per_member = members[0][1] if len(sizes_seen) == 1 else None
-        if len(members) == 1 or "#" not in key:
+        # Children of one Sequential (``mlp.0``, ``mlp.1``...) are different layers unless they
+        # are the same block repeated (``h.0`` ... ``h.11``), which shows in equal sizes.
+        sequential_children = key[-1] == "#" and "#" not in key[:-1] and per_member is None
+        if len(members) == 1 or "#" not in key or sequential_children:
             groups.extend(LayerGroup(name, (name,), n, n) for name, n in members)
             continue
         parts = []

@@ -50,3 +50,20 @@ def check_neumf_report(device: torch.device, batch: int) -> None:
 
 def test_neumf_report_on_cpu():
     check_neumf_report(torch.device("cpu"), batch=512)
+
+
+def test_the_demo_prints_the_compact_report_and_writes_its_csv(tmp_path, capsys):
+    import pandas as pd
+    from neumf import main
+
+    main(["--epochs", "1", "--iterations", "2", "--print-period", "1", "--batch-size", "256",
+          "--device", "cpu", "--csv-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if line.startswith("Memory at iteration")]
+    assert heads == [
+        "Memory at iteration 1 of epoch 1 (cpu; MB = 1,000,000 bytes)",
+        "Memory at iteration 2 of epoch 1 (cpu; MB = 1,000,000 bytes)",
+    ]
+    assert "  weights 127 MB, weight gradients 127 MB" in out
+    (csv,) = [p for p in tmp_path.glob("memory_stats_*.csv") if not p.name.endswith("_layers.csv")]
+    assert len(pd.read_csv(csv)) == 2
