@@ -309,7 +309,8 @@ def _epoch_bars(by_epoch: dict[int, PeakBreakdown], unit: str) -> str:
     ``title`` (shown on hover) and the legend give the amounts.
     """
     size = lambda n: format_amount(n, unit, digits=3)  # noqa: E731
-    scale = max((b.peak for b in by_epoch.values()), default=0.0)
+    # a peak below its parts' sum (a file's rounding) must not push a bar past its track
+    scale = max((max(b.peak, sum(b.parts.values())) for b in by_epoch.values()), default=0.0)
     rows = []
     for epoch, b in by_epoch.items():
         segments = []

@@ -150,7 +150,7 @@ def _fold_names(blocks: list[str]) -> list[str]:
     ]
 
 
-def _checkpointing(record: IterationRecord, peak: int) -> Advice | None:
+def _checkpointing(record: IterationRecord) -> Advice | None:
     modules = _module_activations(record)
     blocks: dict[str, int] = {}
     for module, nbytes in modules.items():
@@ -183,7 +183,7 @@ def _checkpointing(record: IterationRecord, peak: int) -> Advice | None:
     )
 
 
-def _eight_bit(record: IterationRecord, breakdown: Mapping[str, int]) -> Advice:
+def _eight_bit(breakdown: Mapping[str, int]) -> Advice:
     state = breakdown.get("optimizer_state", 0)
     return Advice("8-bit optimizer", state * 3 // 4, basis={"optimizer_state": state})
 
@@ -207,11 +207,11 @@ def advise(record: IterationRecord) -> list[Advice]:
         return []
     found: list[Advice] = []
     if breakdown.get("activations", 0) >= DOMINANT_SHARE * peak:
-        advice = _checkpointing(record, peak)
+        advice = _checkpointing(record)
         if advice is not None:
             found.append(advice)
     if breakdown.get("optimizer_state", 0) >= DOMINANT_SHARE * peak:
-        found.append(_eight_bit(record, breakdown))
+        found.append(_eight_bit(breakdown))
     if record.peak_phase == "optimizer" and breakdown.get("other", 0) >= FOREACH_SHARE * peak:
         found.append(_foreach_free(record, breakdown))
     # several forwards in one iteration: gradient accumulation, whose gradients must stay
