@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import subprocess
 import tempfile
 from html.parser import HTMLParser
@@ -18,6 +19,7 @@ from torch import nn
 from .profiled_run import png_size, profile_tiny_model
 from pytorch_mem_profiler import memory_profiler
 from pytorch_mem_profiler.analysis.html_report import CONTENT_SECURITY_POLICY, render_html, write_html
+from pytorch_mem_profiler.analysis.peaks import format_share
 from pytorch_mem_profiler.analysis.runs import layers_path, load_run
 from pytorch_mem_profiler.units import format_amount
 
@@ -373,3 +375,154 @@ def test_the_peak_report_opens_in_a_browser(broken_down, tmp_path):
     dom = parse(result.stdout)
     assert dom.tables["peak-table"] == parse(broken_down["html"].read_text(encoding="utf-8")).tables["peak-table"]
     assert len([1 for tag, _ in dom.elements if tag == "img"]) == 4
+
+
+# -- the per-epoch bars, in HTML ---------------------------------------------------------
+def _bars(page: Page) -> dict[int, tuple[dict[str, str], list[dict[str, str]]]]:
+    """Each epoch's bar: the row's attributes and its parts' attributes, in order."""
+    bars: dict[int, tuple[dict[str, str], list[dict[str, str]]]] = {}
+    current = None
+    for tag, attrs in page.elements:
+        if tag == "div" and attrs.get("class") == "peakrow":
+            current = int(attrs["data-epoch"])
+            bars[current] = (attrs, [])
+        elif tag == "span" and attrs.get("class") == "seg":
+            bars[current][1].append(attrs)
+    return bars
+
+
+def _csv_epoch_peaks(path: Path) -> dict[int, pd.Series]:
+    """Straight from the CSV file: each epoch's highest-peak row (the first of equal ones)."""
+    raw = pd.read_csv(path)
+    return {int(e): g.loc[g["iteration_peak_allocated"].idxmax()] for e, g in raw.groupby("epoch")}
+
+
+def _check_bars(bars, path: Path, unit_bytes: int, unit: str) -> None:
+    from pytorch_mem_profiler.stats import PEAK_CATEGORIES, PEAK_CATEGORY_LABELS
+
+    rows = _csv_epoch_peaks(path)
+    assert sorted(bars) == sorted(rows)
+    largest = max(round(r["iteration_peak_allocated"] * unit_bytes) for r in rows.values())
+    for epoch, row in rows.items():
+        attrs, segments = bars[epoch]
+        peak = round(row["iteration_peak_allocated"] * unit_bytes)
+        assert int(attrs["data-peak"]) == peak and int(attrs["data-iteration"]) == int(row["iteration"])
+        drawn = [c for c in PEAK_CATEGORIES if row[f"peak_{c}"] > 0]
+        assert [s["data-category"] for s in segments] == drawn
+        values = [round(row[f"peak_{c}"] * unit_bytes) for c in drawn]
+        assert [int(s["data-bytes"]) for s in segments] == values
+        assert sum(values) == peak
+        for s, c, n in zip(segments, drawn, values):
+            assert s["title"] == f"{PEAK_CATEGORY_LABELS[c]}: {format_amount(n, unit, digits=3)} ({format_share(n / peak)})"
+            width = float(re.search(r"width:([0-9.]+)%", s["style"]).group(1))
+            assert width == pytest.approx(100 * n / largest, abs=1e-4)
+
+
+def test_the_epoch_bars_hold_the_csv_figures(broken_down):
+    page = parse(broken_down["html"].read_text(encoding="utf-8"))
+    bars = _bars(page)
+    assert len(bars) == 2
+    _check_bars(bars, broken_down["csv"], 1000, "B")  # the file in KB, the report in bytes
+
+
+def test_older_files_have_no_epoch_bars(report):
+    page = parse(report["html"].read_text(encoding="utf-8"))
+    assert _bars(page) == {} and 'id="peak-bars"' not in report["html"].read_text(encoding="utf-8")
+
+
+def test_bars_of_records_the_export_wrote(tmp_path):
+    """Records made by hand, written by the profiler's CSV writer: the HTML bars and the plot's
+    bar carry the file's peak_<category> figures; a record without a breakdown draws nothing."""
+    from types import MappingProxyType
+
+    from pytorch_mem_profiler.outputs.export import CsvLog
+    from pytorch_mem_profiler.stats import PEAK_CATEGORIES, IterationRecord
+
+    def rec(epoch, iteration, peak, **parts):
+        breakdown = None
+        if parts:
+            full = {c: parts.get(c, 0) for c in PEAK_CATEGORIES if c != "other"}
+            full["other"] = peak - sum(full.values())
+            breakdown = MappingProxyType(full)
+        return IterationRecord(
+            epoch=epoch, iteration=iteration, step=2 * (epoch - 1) + iteration, device="cuda:0",
+            allocated=peak // 2, peak_allocated=peak, iteration_peak_allocated=peak, peak_phase="backward",
+            current_cached=peak, weights=1_000_000, weights_by_name=MappingProxyType({"w": 1_000_000}),
+            peak_breakdown=breakdown,
+        )
+
+    records = [
+        rec(1, 1, 9_000_000),  # no breakdown measured on this one
+        rec(1, 2, 10_000_000, weights=1_000_000, activations=6_500_000, inputs=40_000),
+        rec(2, 1, 12_000_000, weights=1_000_000, gradients=1_000_000, optimizer_state=7_000_000),
+        rec(2, 2, 11_000_000, weights=1_000_000, activations=9_000_000),
+    ]
+    log = CsvLog(tmp_path, ["w"], unit="KB")
+    for r in records:
+        log.add(r)
+    log.close()
+    run = load_run(log.path)
+    page = parse(render_html(run, unit="KB"))
+    bars = _bars(page)
+    # epoch 1's highest-peak record with a breakdown is its second; epoch 2's its first
+    raw = pd.read_csv(log.path)
+    assert [int(bars[1][0]["data-iteration"]), int(bars[2][0]["data-iteration"])] == [2, 1]
+    _check_bars(bars, log.path, 1000, "KB")
+    assert [int(s["data-bytes"]) for s in bars[1][1]] == [1_000_000, 6_500_000, 40_000, 2_460_000]
+
+    pytest.importorskip("matplotlib")
+    from pytorch_mem_profiler.analysis.plot import plot_peak_breakdown
+
+    figure = plot_peak_breakdown(run, unit="KB")
+    top = raw.loc[raw["iteration_peak_allocated"].idxmax()]
+    drawn = [c for c in PEAK_CATEGORIES if top[f"peak_{c}"] > 0]
+    assert [p.get_gid() for p in figure.axes[0].patches] == [f"peak-{c}" for c in drawn]
+    assert [p.get_width() for p in figure.axes[0].patches] == pytest.approx([top[f"peak_{c}"] for c in drawn])
+
+    # the same run, no breakdown anywhere: no bars, no peak section
+    log = CsvLog(tmp_path / "none", ["w"], unit="KB")
+    for r in (rec(1, 1, 9_000_000), rec(1, 2, 8_000_000)):
+        log.add(r)
+    log.close()
+    text = render_html(load_run(log.path))
+    assert _bars(parse(text)) == {} and 'id="peak"' not in text
+
+
+@pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason="needs Chromium (Debian package 'chromium')"
+)
+def test_the_epoch_bars_in_a_browser(broken_down, tmp_path):
+    """The browser's page has the bars' parts with the CSV's figures, and draws each part as
+    wide as its bytes (against the largest epoch peak, on the row's track)."""
+    import json
+
+    text = broken_down["html"].read_text(encoding="utf-8")
+    result = _chromium(broken_down["html"].as_uri(), tmp_path / "profile-1", "--window-size=1400,900")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _console(result.stderr) == []
+    _check_bars(_bars(parse(result.stdout)), broken_down["csv"], 1000, "B")
+
+    policy = CONTENT_SECURITY_POLICY + "; script-src 'unsafe-inline'"
+    probe = (
+        "<script>window.addEventListener('load', () => document.body.setAttribute('data-bars', "
+        "JSON.stringify(Array.from(document.querySelectorAll('.peakrow')).map(r => ({epoch: r.dataset.epoch, "
+        "track: r.querySelector('.track').getBoundingClientRect().width, "
+        "parts: Array.from(r.querySelectorAll('.seg')).map(s => [s.dataset.category, "
+        "Number(s.dataset.bytes), s.getBoundingClientRect().width])})))));</script></body>"
+    )
+    probed = tmp_path / "probed.html"
+    probed.write_text(text.replace(CONTENT_SECURITY_POLICY, policy).replace("</body>", probe), encoding="utf-8")
+    result = _chromium(probed.as_uri(), tmp_path / "profile-2", "--window-size=1400,900")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _console(result.stderr) == []
+    body = next(attrs for tag, attrs in parse(result.stdout).elements if tag == "body")
+    drawn = json.loads(body["data-bars"])
+    rows = _csv_epoch_peaks(broken_down["csv"])
+    largest = max(round(r["iteration_peak_allocated"] * 1000) for r in rows.values())
+    assert [int(r["epoch"]) for r in drawn] == sorted(rows)
+    for row in drawn:
+        csv_row = rows[int(row["epoch"])]
+        assert row["track"] > 300
+        for category, nbytes, width in row["parts"]:
+            assert nbytes == round(csv_row[f"peak_{category}"] * 1000)
+            assert width == pytest.approx(row["track"] * nbytes / largest, abs=1.0)

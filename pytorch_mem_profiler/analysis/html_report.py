@@ -42,7 +42,8 @@ import pandas as pd
 from ..stats import CATEGORIES as RECORD_CATEGORIES
 from ..stats import INPUT, PEAK_CATEGORIES, PHASE_LABELS
 from ..units import UNITS, format_amount
-from .peaks import epoch_breakdowns, format_share, peak_breakdown, peak_label
+from .peaks import PeakBreakdown, epoch_breakdowns, format_share, peak_breakdown, peak_label
+from .plot import PEAK_COLOURS
 from .runs import Run, module_of
 from .summary import (
     category_label,
@@ -83,6 +84,15 @@ img { max-width: 100%; height: auto; display: block; margin: 0.5rem 0; }
 .note { color: #666; font-size: 0.85rem; }
 .warning { color: #8a4b00; }
 details summary { cursor: pointer; }
+.peakbars { margin: 0.5rem 0 1rem; font-size: 0.85rem; }
+.peakrow { display: flex; align-items: center; margin: 0.25rem 0; }
+.peakrow .label { width: 13rem; flex: none; white-space: nowrap; }
+.peakrow .track { flex: 1; display: flex; height: 1.5rem; }
+.peakrow .seg { display: block; flex: none; height: 100%; overflow: hidden; color: #fff;
+                text-align: center; line-height: 1.5rem; font-size: 0.75rem; }
+.legend span { display: inline-block; margin-right: 1rem; }
+.legend i { display: inline-block; width: 0.8rem; height: 0.8rem; margin-right: 0.3rem;
+            vertical-align: middle; }
 """
 
 
@@ -276,6 +286,7 @@ def _peak_section(run: Run, unit: str) -> list[str]:
     )
     by_epoch = epoch_breakdowns(run)
     parts.append("<h3>Per epoch, at its highest-peak record</h3>")
+    parts.append(_epoch_bars(by_epoch, unit))
     parts.append(
         _table(
             ("Epoch", "Iteration", "Peak", *(peak_label(c) for c in PEAK_CATEGORIES)),
@@ -288,6 +299,50 @@ def _peak_section(run: Run, unit: str) -> list[str]:
         )
     )
     return parts
+
+
+def _epoch_bars(by_epoch: dict[int, PeakBreakdown], unit: str) -> str:
+    """One stacked bar per epoch (its highest-peak record), in HTML: no image, no script.
+
+    Each part is a ``<span class="seg">`` whose ``data-bytes`` are the category's bytes and whose
+    width is that share of the largest epoch peak, so the bars compare across epochs; its
+    ``title`` (shown on hover) and the legend give the amounts.
+    """
+    size = lambda n: format_amount(n, unit, digits=3)  # noqa: E731
+    # a peak below its parts' sum (a file's rounding) must not push a bar past its track
+    scale = max((max(b.peak, sum(b.parts.values())) for b in by_epoch.values()), default=0.0)
+    rows = []
+    for epoch, b in by_epoch.items():
+        segments = []
+        for category in PEAK_CATEGORIES:
+            nbytes = b.parts[category]
+            if nbytes <= 0:
+                continue
+            share = format_share(b.share(category))
+            # the share written inside a part wide enough for it (7% of the largest peak)
+            text = share if scale and nbytes / scale >= 0.07 else ""
+            segments.append(
+                f'<span class="seg" data-category="{category}" data-bytes="{nbytes:.0f}" '
+                f'style="width:{100 * nbytes / scale:.4f}%;background:{PEAK_COLOURS[category]}" '
+                f'title="{escape(peak_label(category))}: {escape(size(nbytes))} ({escape(share)})">'
+                f"{escape(text)}</span>"
+            )
+        rows.append(
+            f'<div class="peakrow" data-epoch="{epoch}" data-iteration="{b.iteration}" '
+            f'data-peak="{b.peak:.0f}"><span class="label">Epoch {epoch}: {escape(size(b.peak))}</span>'
+            f'<span class="track">{"".join(segments)}</span></div>'
+        )
+    legend = "".join(
+        f'<span><i style="background:{PEAK_COLOURS[c]}"></i>{escape(peak_label(c))}</span>'
+        for c in PEAK_CATEGORIES
+        if any(b.parts[c] > 0 for b in by_epoch.values())
+    )
+    return (
+        f'<div class="peakbars" id="peak-bars">{"".join(rows)}'
+        f'<p class="legend note">{legend}</p><p class="note">Each bar: what was alive at the epoch\'s '
+        "highest iteration peak, by category, its length that peak against the largest; hover over a "
+        "part for its amount.</p></div>"
+    )
 
 
 def _figure(chart_id: str, caption: str, figure: object) -> str:

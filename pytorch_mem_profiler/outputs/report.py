@@ -4,10 +4,11 @@ Three layouts, chosen with ``memory_profiler(..., report=...)``:
 
 - ``"full"`` (:func:`format_report`, the default): the original tool's layout,
   every parameter and its gradient, then the figures it lacked (the peak and
-  what it is made of, headroom, feature maps by layer with repeated blocks folded);
+  what it is made of, with advice where it applies (:mod:`.advice`), headroom,
+  feature maps by layer with repeated blocks folded);
 - ``"compact"`` (:func:`format_compact`): a few lines: the peak and headroom,
-  the categories, what is alive at the peak, the top 5 layers (folded), the phase;
-- ``"line"`` (:func:`format_line`): one line per report, for long runs and logs.
+  the categories, what is alive at the peak and its advice, the top 5 layers (folded), the phase;
+- ``"line"`` (:func:`format_line`): one line per report, for long runs and logs (no advice).
 
 No torch here; amounts go through :func:`~pytorch_mem_profiler.units.format_amount`.
 
@@ -28,9 +29,12 @@ from functools import lru_cache
 
 from typing import Callable
 
+import logging
+
 from ..grouping import LayerGroup, group_repeated
 from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORY_LABELS, PHASE_LABELS, IterationRecord
 from ..units import UNITS, format_amount
+from .advice import advise, format_advice
 from .headroom import capacity_unit, of_capacity
 
 __all__ = [
@@ -192,6 +196,19 @@ def _at_peak_section(record: IterationRecord, fmt: Callable[[int | None], str], 
     return out
 
 
+_log = logging.getLogger("pytorch_mem_profiler")
+
+
+def _advice_lines(record: IterationRecord, unit: str, indent: str) -> list[str]:
+    """The advice (:mod:`.advice`) the record's peak supports, one line each; none if it fails:
+    advice is a bonus that must never cost the report."""
+    try:
+        return [f"{indent}{format_advice(a, unit)}" for a in advise(record)]
+    except Exception:  # noqa: BLE001
+        _log.debug("no advice for this record", exc_info=True)
+        return []
+
+
 def format_report(record: IterationRecord, unit: str = "MB", top: int = 10) -> str:
     """The report of one iteration, in the original tool's layout plus the figures it lacked.
 
@@ -239,6 +256,9 @@ def format_report(record: IterationRecord, unit: str = "MB", top: int = 10) -> s
             text += f", reached in {record.peak_location or '(model, outside its submodules)'}"
         out.append(text)
     out += _at_peak_section(record, fmt, width)
+    advice = _advice_lines(record, unit, "  ")
+    if advice:
+        out += ["Advice (from what is alive at the peak):", *advice]
     if record.fragmentation is not None and record.current_cached is not None:
         out.append(line("Cache slack (reserved - allocated)", record.fragmentation))
     if record.device_used is not None:
@@ -332,6 +352,7 @@ def format_compact(record: IterationRecord, unit: str = "MB", top: int = COMPACT
                 for k, v in parts
             )
         )
+        out += _advice_lines(record, unit, "  advice: ")
     if record.layers is not None:
         out.append("  top layers (feature maps saved for backward):")
         out += _group_lines(record, unit, None, top, "    ")[0]
