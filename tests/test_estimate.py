@@ -466,6 +466,19 @@ def test_the_benchmarks_estimates_run_on_the_quick_workloads(name):
     assert estimate.fit is not None and estimate.fit.error < 0.01
 
 
+def test_the_accuracy_benchmark_runs_on_the_cpu_and_writes_its_tables(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import estimate_accuracy
+
+    peaks, batches = estimate_accuracy.main(["--quick", "--device", "cpu", "--workloads", "neumf", "--out", str(tmp_path)])
+    rows = [line for line in peaks.splitlines() if line.startswith("| neumf |")]
+    assert len(rows) == 2
+    for row in rows:  # the estimate against the profiler's exact CPU counter, within 1%
+        assert abs(float(row.split("|")[5].strip().rstrip("%"))) < 1.0
+    assert (tmp_path / "estimate_accuracy.md").read_text().count("| neumf |") == 3
+    assert (tmp_path / "estimate_peaks.csv").exists() and (tmp_path / "estimate_batches.csv").exists()
+
+
 def test_without_a_gpu_fake_cpu_tensors_take_cudas_precisions_and_attention():
     import torch.nn.functional as F
 
