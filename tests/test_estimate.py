@@ -20,7 +20,7 @@ from pytorch_mem_profiler import MemoryProfiler, estimate_memory
 from pytorch_mem_profiler.estimate import OPTIMIZATIONS, EstimateUnsupported
 from pytorch_mem_profiler.estimate.allocator import block_size, segment_size, simulate_reserved
 from pytorch_mem_profiler.estimate.records import max_batch_from_records
-from pytorch_mem_profiler.stats import PEAK_CATEGORIES
+from pytorch_mem_profiler.stats import PEAK_CATEGORIES, WEIGHT_COPIES
 
 from .helpers import nbytes
 
@@ -136,6 +136,24 @@ def test_checkpointing_and_autocast_equal_the_measured_cpu_runs():
     assert both.peak < min(bf16.peak, checkpointed.peak)
     table = estimate.format_comparison()
     assert "| gradient checkpointing |" in table and "| baseline |" in table
+
+
+def test_autocasts_cached_weight_copies_live_until_the_region_exits_as_measured():
+    # Under autocast each fp32 weight is cast to bf16 once and the copy cached until the
+    # autocast region exits. The first layer's input needs no gradient, so nothing saves
+    # its weight's copy for backward: only the cache keeps it alive, to the forward's end.
+    d, batch = 512, 4
+    build = lambda: nn.Sequential(nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False))  # noqa: E731
+    estimate = estimate_memory(build(), torch.zeros(batch, d), optimizer=SGD, autocast=torch.bfloat16, device=CPU, fit=False)
+    weights, copy = 2 * d * d * 4, d * d * 2
+    x, x16 = batch * d * 4, batch * d * 2
+    # at the forward's end: weights, the input, its bf16 cast, both cached copies, both outputs
+    assert estimate.phases["forward"] == weights + x + x16 + copy + x16 + copy + x16
+    # what the layers saved: the second layer's weight copy (its input needs a gradient), not the first's
+    assert estimate.layers.by_module.get(("1", WEIGHT_COPIES)) == copy
+    assert ("0", WEIGHT_COPIES) not in estimate.layers.by_module
+    measured = measured_peak(build, lambda: torch.randn(batch, d), SGD, autocast=torch.bfloat16)
+    assert estimate.peak == measured
 
 
 def test_saved_activations_by_layer_equal_what_a_pack_hook_sees():
@@ -333,8 +351,8 @@ def test_a_cuda_estimate_without_a_gpu_rounds_each_storage_to_512_byte_blocks():
     assert estimate.peak % 512 == 0
     assert estimate.workspace == 2 * (32 << 20) and estimate.outside == 1 << 30
     assert estimate.peak_allocated == estimate.peak + estimate.workspace
-    assert estimate.required == estimate.peak_allocated + estimate.outside
     assert estimate.reserved >= estimate.peak_allocated
+    assert estimate.required == estimate.needed + estimate.outside == estimate.reserved + estimate.outside
     assert "Needed on the device" in str(estimate)
 
 
@@ -360,6 +378,41 @@ def test_the_allocator_replay_never_holds_less_than_is_allocated():
         assert simulate_reserved(events) >= peak
     # freed blocks are reused: a block freed and asked for again takes no new segment
     assert simulate_reserved([(1, 5 << 20), (1, -(5 << 20)), (2, 5 << 20)]) == segment_size(5 << 20)
+
+
+def test_the_allocator_replay_keeps_the_pools_apart_and_gives_back_free_segments_under_a_limit():
+    kib, mib = 1 << 10, 1 << 20
+    # two small requests share a 2 MiB segment; one over 1 MiB takes a 20 MiB segment of the
+    # large pool; a small request later fits in the small segment's rest; 3 MiB reuses the large one
+    events = [(1, 600 * kib), (2, 600 * kib), (3, mib + 1), (3, -(mib + 1)), (4, 800 * kib), (5, 3 * mib)]
+    assert simulate_reserved(events) == 2 * mib + 20 * mib
+    # a free block of the large pool never serves a small request
+    assert simulate_reserved([(1, mib + 1), (1, -(mib + 1)), (2, 1000)]) == 20 * mib + 2 * mib
+    # under a limit the wholly free segment is given back first: 2 MiB then fits in 20 MiB
+    assert simulate_reserved([(1, 3 * mib), (1, -(3 * mib)), (2, 1000)], limit=20 * mib) == 20 * mib
+    # a segment in use is not given back: out of memory
+    assert simulate_reserved([(1, 3 * mib), (2, 1000)], limit=21 * mib) is None
+    assert simulate_reserved([(1, 3 * mib), (2, 1000)], limit=22 * mib) == 22 * mib
+
+
+def test_the_largest_batch_on_cuda_is_what_the_allocators_segments_hold():
+    # Activations of a few MiB each: the caching allocator reserves noticeably more than it
+    # allocates, and a device's memory limits what it reserves.
+    build = lambda: FeedForwardStack(256, 2)  # noqa: E731
+    estimate = estimate_memory(build(), torch.zeros(2, 512, 256), device="cuda")
+    assert estimate.reserved_at is not None and estimate.needed == estimate.reserved > estimate.peak_allocated
+    limit = 256 << 20
+    predicted = estimate.max_batch_size(limit, margin=0, outside=0)
+    by_allocated = estimate.fit.largest_batch(limit - estimate.workspace)
+    assert 2 < predicted < by_allocated
+    assert estimate.reserved_at(predicted, limit) is not None
+    assert estimate.reserved_at(math.ceil(predicted * 1.1), limit) is None
+    # the replay at the predicted batch is the same step estimated there: the blocks fit under the limit
+    there = estimate_memory(build(), torch.zeros(predicted, 512, 256), device="cuda", fit=False)
+    assert there.peak_allocated <= there.reserved and there.peak_allocated <= limit
+    assert estimate.max_batch_size(limit, outside=0) == int(predicted * 0.9)
+    assert estimate.max_batch_size(limit + (100 << 20), margin=0, outside=100 << 20) == predicted
+    assert not there.fits(there.reserved - 1, outside=0) and there.fits(there.reserved, outside=0)
 
 
 def test_the_command_estimates_a_model_file(tmp_path, capsys):
@@ -411,6 +464,19 @@ def test_the_benchmarks_estimates_run_on_the_quick_workloads(name):
     assert estimate.weights == weights
     assert estimate.peak > estimate.weights + estimate.gradients + estimate.optimizer_state
     assert estimate.fit is not None and estimate.fit.error < 0.01
+
+
+def test_the_accuracy_benchmark_runs_on_the_cpu_and_writes_its_tables(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import estimate_accuracy
+
+    peaks, batches = estimate_accuracy.main(["--quick", "--device", "cpu", "--workloads", "neumf", "--out", str(tmp_path)])
+    rows = [line for line in peaks.splitlines() if line.startswith("| neumf |")]
+    assert len(rows) == 2
+    for row in rows:  # the estimate against the profiler's exact CPU counter, within 1%
+        assert abs(float(row.split("|")[5].strip().rstrip("%"))) < 1.0
+    assert (tmp_path / "estimate_accuracy.md").read_text().count("| neumf |") == 3
+    assert (tmp_path / "estimate_peaks.csv").exists() and (tmp_path / "estimate_batches.csv").exists()
 
 
 def test_without_a_gpu_fake_cpu_tensors_take_cudas_precisions_and_attention():

@@ -127,17 +127,30 @@ class _Pool:
             self.free.pop(i)
 
 
-def simulate_reserved(events: Iterable[tuple[int, int]]) -> int:
+def simulate_reserved(events: Iterable[tuple[int, int]], *, limit: int | None = None) -> int | None:
     """The most bytes of segments the caching allocator would hold over ``events``.
 
     ``events`` are ``(key, nbytes)`` pairs in time order: a positive ``nbytes``
     allocates a block for ``key``, a negative one frees it. Best fit in each pool,
-    splitting and merging as the allocator does, no segment ever given back
-    (``torch.cuda.empty_cache()`` is never called during a step).
+    splitting and merging as the allocator does. Without ``limit`` no segment is
+    ever given back (``torch.cuda.empty_cache()`` is never called during a step).
+    With ``limit`` (what ``torch.cuda.set_per_process_memory_fraction`` allows), a
+    segment that would take the reserved bytes past it first makes the allocator
+    give back its wholly free segments and try again, as it does before raising
+    an out-of-memory error; ``None`` if it still does not fit.
+
+    Approximations: one stream, default settings (no ``expandable_segments``, no
+    ``max_split_size_mb``), and only the storages the step's operators return:
+    memory a kernel takes for itself inside an operator (a library's scratch
+    space) is not in ``events``.
 
     Example::
 
         >>> simulate_reserved([(1, 1000), (2, 3 << 20), (1, -1000), (3, 1000)]) == (2 << 20) + (20 << 20)
+        True
+        >>> simulate_reserved([(1, 3 << 20), (1, -(3 << 20)), (2, 12 << 20)], limit=20 << 20) == 20 << 20
+        True
+        >>> simulate_reserved([(1, 3 << 20), (2, 19 << 20)], limit=30 << 20) is None  # 20 MiB + 20 MiB
         True
     """
     pools = {True: _Pool(True), False: _Pool(False)}
@@ -145,6 +158,7 @@ def simulate_reserved(events: Iterable[tuple[int, int]]) -> int:
     segments: dict[int, dict[int, list]] = {}
     where: dict[int, tuple[int, int, bool]] = {}
     reserved = peak = 0
+    made = 0
     for key, nbytes in events:
         if nbytes > 0:
             size = block_size(nbytes)
@@ -153,7 +167,12 @@ def simulate_reserved(events: Iterable[tuple[int, int]]) -> int:
             found = pool.take(size)
             if found is None:
                 seg_bytes = segment_size(nbytes)
-                seg = len(segments)
+                if limit is not None and reserved + seg_bytes > limit:
+                    reserved -= _release_free_segments(segments, pools)
+                    if reserved + seg_bytes > limit:
+                        return None
+                seg = made
+                made += 1
                 segments[seg] = {0: [seg_bytes, False]}
                 reserved += seg_bytes
                 peak = max(peak, reserved)
@@ -186,3 +205,14 @@ def simulate_reserved(events: Iterable[tuple[int, int]]) -> int:
             blocks[offset] = [size, True]
             pool.put((size, seg, offset))
     return peak
+
+
+def _release_free_segments(segments: dict[int, dict[int, list]], pools: dict[bool, _Pool]) -> int:
+    """Give back every segment that is one free block (what ``release_cached_blocks`` frees); the bytes."""
+    freed = 0
+    for seg in [s for s, blocks in segments.items() if len(blocks) == 1 and blocks[0][1]]:
+        size = segments.pop(seg)[0][0]
+        for pool in pools.values():
+            pool.remove((size, seg, 0))
+        freed += size
+    return freed

@@ -15,13 +15,14 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from ..measure.devices import parse_device, usable_device
-from .allocator import CUDA_CONTEXT_ALLOWANCE, cublas_workspace_bytes, segment_size
+from .allocator import CUDA_CONTEXT_ALLOWANCE, cublas_workspace_bytes, simulate_reserved
 from .fake import batch_of
 from .result import BatchFit, MemoryEstimate
 from .step import EstimateUnsupported, StepMemory, StepPlan, run_step
@@ -191,9 +192,15 @@ def estimate_memory(
     if workspace is None:
         # cuBLAS keeps a workspace per thread and stream: forward's thread and autograd's device thread
         workspace = 2 * cublas_workspace_bytes() if on_cuda else 0
-    reserved = step.reserved
-    if reserved is not None and workspace:
-        reserved += 2 * segment_size(workspace // 2)  # blocks of their own, never freed
+    # The workspaces are blocks of their own, never freed, made before the step's tensors
+    # (at the first matmul, or by an earlier step); replayed first, each takes a segment.
+    workspace_events = [(-1, workspace // 2), (-2, workspace - workspace // 2)] if workspace else []
+    reserved = None
+    if step.reserved is not None:
+        reserved = simulate_reserved([*workspace_events, *step.events])
+    reserved_at = None
+    if reserved is not None and fit and batch is not None:
+        reserved_at = functools.partial(_reserved_at, plan, tuple(workspace_events))
     est = MemoryEstimate(
         device=str(target),
         batch_size=batch,
@@ -213,6 +220,7 @@ def estimate_memory(
         outside=outside if outside is not None else (CUDA_CONTEXT_ALLOWANCE if on_cuda else 0),
         fit=batch_fit,
         emulated=run_device.type != target.type,
+        reserved_at=reserved_at,
     )
     if compare:
         base = dict(
@@ -238,6 +246,12 @@ def estimate_memory(
         }
         est = dataclasses.replace(est, alternatives=alternatives)
     return est
+
+
+def _reserved_at(plan: StepPlan, workspace_events: tuple[tuple[int, int], ...], batch: int, limit: int | None = None) -> int | None:
+    """The allocator replay's reserved bytes for the step at ``batch``, workspaces included;
+    ``None`` if it runs out of memory under ``limit`` (see :func:`~.allocator.simulate_reserved`)."""
+    return simulate_reserved([*workspace_events, *run_step(plan, batch).events], limit=limit)
 
 
 def _fit(plan: StepPlan, first: StepMemory, batch: int) -> BatchFit:

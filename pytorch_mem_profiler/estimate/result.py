@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..stats import INPUT, PEAK_CATEGORIES, PEAK_CATEGORY_LABELS, PHASE_LABELS, LayerFeatureMaps
 from ..units import UNITS, format_amount
 
-__all__ = ["BatchFit", "MemoryEstimate", "LINEARITY_TOLERANCE"]
+__all__ = ["BatchFit", "MemoryEstimate", "LINEARITY_TOLERANCE", "largest_fitting"]
 
 #: The largest relative error of the linear fit at the third batch size that
 #: :meth:`MemoryEstimate.max_batch_size` accepts without a warning.
@@ -75,6 +75,43 @@ class BatchFit:
         return max(0, int(best))
 
 
+def largest_fitting(fits: Callable[[int], bool], guess: int, upper: int, *, tolerance: float = 0.01) -> int:
+    """The largest batch size up to ``upper`` for which ``fits(batch)`` (0: none).
+
+    A bisection started at ``guess``, ending when the bracket is within
+    ``tolerance`` of the batch (or 1): the answer fits, and a batch that much
+    larger did not. ``fits`` is taken to be true up to some batch and false after.
+
+    Example::
+
+        >>> largest_fitting(lambda b: 100 + 7 * b <= 1000, 50, 200)
+        128
+    """
+    cache: dict[int, bool] = {}
+
+    def ok(batch: int) -> bool:
+        if batch not in cache:
+            cache[batch] = fits(batch)
+        return cache[batch]
+
+    if ok(upper):
+        return upper
+    lo, hi = 0, upper  # lo fits (0 always does), hi does not
+    guess = max(1, min(guess, upper - 1))
+    if guess < hi:
+        if ok(guess):
+            lo = guess
+        else:
+            hi = guess
+    while hi - lo > max(1, int(lo * tolerance)):
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """What one training step would take on a device, estimated without running it; bytes.
@@ -96,13 +133,20 @@ class MemoryEstimate:
             gradients after backward; optimizer_state: after the optimizer's step;
             inputs: the batch.
         reserved: the most bytes the CUDA caching allocator would hold in segments
-            (a replay of the step through its rules); ``None`` off CUDA.
+            (a replay of the step's allocations and frees through its rules, see
+            :func:`~pytorch_mem_profiler.estimate.allocator.simulate_reserved`, plus
+            the workspaces' own segments); ``None`` off CUDA. This, not the peak
+            allocated, is what a device's memory (and
+            ``torch.cuda.set_per_process_memory_fraction``) must hold.
         workspace: bytes libraries take from the allocator besides tensors (cuBLAS's workspace on CUDA).
         outside: the allowance for memory outside PyTorch (the CUDA context), see
             :data:`~pytorch_mem_profiler.estimate.allocator.CUDA_CONTEXT_ALLOWANCE`.
         fit: the peak per phase as a line in the batch size (``None``: not fitted).
         emulated: the step ran on fake CPU tensors standing in for a device this machine lacks.
         alternatives: estimates of the same step with other settings (``compare=``), by name.
+        reserved_at: the replay at another batch size: ``(batch_size, limit) -> reserved``
+            bytes, ``None`` if the allocator would run out under ``limit`` (``None``: off
+            CUDA, or no batch dimension); :meth:`max_batch_size` calls it.
     """
 
     device: str
@@ -124,6 +168,7 @@ class MemoryEstimate:
     fit: BatchFit | None = None
     emulated: bool = False
     alternatives: Mapping[str, MemoryEstimate] = field(default_factory=dict)
+    reserved_at: Callable[[int, int | None], int | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak_allocated(self) -> int:
@@ -136,22 +181,35 @@ class MemoryEstimate:
         return self.layers.total
 
     @property
+    def needed(self) -> int:
+        """Bytes the device must give PyTorch: the allocator's segments where known (CUDA), else the peak allocated."""
+        return self.peak_allocated if self.reserved is None else max(self.reserved, self.peak_allocated)
+
+    @property
     def required(self) -> int:
-        """Bytes the device needs for the step: the peak allocated plus the allowance outside PyTorch."""
-        return self.peak_allocated + self.outside
+        """Bytes the device needs for the step: :attr:`needed` plus the allowance outside PyTorch."""
+        return self.needed + self.outside
 
     def fits(self, device_memory: int, *, outside: int | None = None) -> bool:
         """Whether the step fits in ``device_memory`` bytes (``outside``: another allowance)."""
         extra = self.outside if outside is None else outside
-        return self.peak_allocated + extra <= device_memory
+        return self.needed + extra <= device_memory
 
     def max_batch_size(self, device_memory: int, margin: float = 0.1, *, outside: int | None = None) -> int:
         """The largest batch size that fits in ``device_memory`` bytes, less ``margin`` of it.
 
-        The largest batch whose predicted peak allocated plus the allowance outside
-        PyTorch fits, times ``1 - margin``, rounded down (Lightning's
-        ``BatchSizeFinder(margin=...)`` rule). ``outside``: another allowance
-        than :attr:`outside` (0 when the limit is the allocator's own, as under
+        Off CUDA: the largest batch whose predicted peak (the fit over batch sizes)
+        plus the allowance outside PyTorch fits. On CUDA the limit is on what the
+        caching allocator reserves, which is more than it allocates (blocks rounded
+        into 2 MiB and 20 MiB segments, freed blocks that a larger request cannot
+        use): the peak's line gives an upper bound, and the allocator replay at
+        batch sizes below it (:attr:`reserved_at`, a bisection to within 1%) finds
+        the largest batch that the allocator runs without running out, its segments
+        plus the allowance within ``device_memory`` (it gives back its wholly free
+        segments before it gives up, as the real one does). The result
+        is that batch times ``1 - margin``, rounded down (Lightning's
+        ``BatchSizeFinder(margin=...)`` rule). ``outside``: another allowance than
+        :attr:`outside` (0 when the limit is the allocator's own, as under
         ``torch.cuda.set_per_process_memory_fraction``).
 
         Raises:
@@ -174,7 +232,15 @@ class MemoryEstimate:
                 stacklevel=2,
             )
         extra = self.outside if outside is None else outside
-        largest = fit.largest_batch(device_memory - extra - self.workspace)
+        budget = device_memory - extra
+        largest = fit.largest_batch(budget - self.workspace)
+        if self.reserved_at is not None and largest > 0:
+            guess = largest
+            if self.reserved and self.peak_allocated:
+                # segments hold about the same share more than the blocks at any batch: a first guess
+                guess = min(largest, fit.largest_batch(budget * self.peak_allocated / self.reserved - self.workspace))
+            replay = self.reserved_at
+            largest = largest_fitting(lambda b: replay(b, budget) is not None, guess, largest)
         return int(math.floor(largest * (1 - margin)))
 
     # -- the report --------------------------------------------------------------
@@ -212,7 +278,7 @@ class MemoryEstimate:
             for module, n in ranked[:top]:
                 out.append(_line(f"  {module or '(model)'}", fmt(n)))
         if self.reserved is not None:
-            out.append(_line("Allocator segments (reserved)", fmt(self.reserved)))
+            out.append(_line("Allocator segments (reserved, at the peak)", fmt(self.reserved)))
         if self.outside:
             out.append(_line("Outside PyTorch (CUDA context)", fmt(self.outside)))
         out.append(_line("Needed on the device", fmt(self.required)))

@@ -103,6 +103,8 @@ class StepMemory:
     optimizer_state: int
     inputs: int
     reserved: int | None = None
+    #: the allocations (+bytes) and frees (-bytes) by storage, in time order, for the allocator's replay (CUDA only)
+    events: tuple[tuple[int, int], ...] = ()
 
 
 # -- errors ----------------------------------------------------------------------
@@ -427,8 +429,10 @@ def _summarize(
     buffer_bytes = _bytes_of(counter, buffers)
     inputs = sum(life.nbytes for life in counter.lives if "inputs" in life.roles and life.died is None)
     reserved = None
+    events: tuple[tuple[int, int], ...] = ()
     if target.type == "cuda":
-        reserved = simulate_reserved(_events(counter.lives))
+        events = tuple(_events(counter.lives))
+        reserved = simulate_reserved(events)
     return StepMemory(
         batch_size=batch_size,
         peak=counter.peak,
@@ -443,6 +447,7 @@ def _summarize(
         optimizer_state=optimizer_state,
         inputs=inputs,
         reserved=reserved,
+        events=events,
     )
 
 
