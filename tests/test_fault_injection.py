@@ -1,7 +1,7 @@
 """Fault injection: a fault in any function of the package never breaks or changes the training run.
 
-A short CPU training loop (an MLP with Adam, two epochs of six iterations,
-``by_layer=True``, the CSV files, ``print_period=3`` so that reported and
+A short CPU training loop (an MLP with Adam, two epochs of three iterations,
+``by_layer=True``, the CSV files, ``print_period=2`` so that reported and
 non-reported iterations both run, ``epoch_end`` and ``close``) runs once under
 ``sys.setprofile`` to learn every code object of ``pytorch_mem_profiler`` that
 it calls, found by the file it was compiled from (so a renamed function is
@@ -46,7 +46,7 @@ from pytorch_mem_profiler.measure.saved_tensors import can_chain, top_saved_tens
 from pytorch_mem_profiler.measure.storage_counting import shared_registry
 
 PACKAGE = str(Path(pytorch_mem_profiler.__file__).resolve().parent)
-EPOCHS, ITERATIONS, PRINT_PERIOD = 2, 6, 3
+EPOCHS, ITERATIONS, PRINT_PERIOD = 2, 3, 2
 
 
 class InjectedFault(Exception):
