@@ -20,7 +20,7 @@ import functools
 import logging
 from typing import Any, Callable, TypeVar
 
-__all__ = ["FaultGuard"]
+__all__ = ["FaultGuard", "twice"]
 
 _log = logging.getLogger("pytorch_mem_profiler")
 
@@ -36,22 +36,49 @@ class FaultGuard:
 
     def wrap(self, part: str, fn: F) -> F:
         """``fn`` made safe: after its first exception it does nothing and returns ``None``."""
+        disabled = self.disabled
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            return self.call(part, fn, *args, **kwargs)
+            # Torch and the user call this directly: every line of it is inside the try.
+            try:
+                if part in disabled:
+                    return None
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
+                self.fault(part, exc)
+                return None
 
         return guarded  # type: ignore[return-value]
 
     def call(self, part: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` now, contained as :meth:`wrap` would (no wrapper made)."""
-        if part in self.disabled:
-            return None
         try:
+            if part in self.disabled:
+                return None
             return fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
             self.fault(part, exc)
             return None
+
+    def clean_up(self, part: str, *steps: Callable[[], Any]) -> None:
+        """Run every clean-up step (a removal), each in its own try, even when ``part`` is off.
+
+        A step that raises is run once more (removing twice is harmless; a
+        transient fault then still leaves nothing installed), then the fault is
+        logged; the steps after it run all the same. When strict, the first
+        fault is re-raised after every step ran.
+        """
+        first: BaseException | None = None
+        for step in steps:
+            try:
+                twice(step)
+            except Exception as exc:  # noqa: BLE001 - the other steps must run
+                first = first or exc
+                if not self.strict:
+                    self.fault(part, exc)
+        if first is not None and self.strict:
+            raise first
 
     def fault(self, part: str, exc: BaseException) -> None:
         """Record a fault in ``part``: re-raise when strict, else log once and switch it off."""
@@ -66,3 +93,23 @@ class FaultGuard:
                 exc,
                 exc_info=exc,
             )
+
+
+def twice(step: Callable[[], Any]) -> Any:
+    """Run an idempotent clean-up ``step``; if it raises, once more (its second fault propagates).
+
+    Example::
+
+        >>> faults = iter([RuntimeError("transient")])
+        >>> def remove():
+        ...     fault = next(faults, None)
+        ...     if fault is not None:
+        ...         raise fault
+        ...     return "removed"
+        >>> twice(remove)
+        'removed'
+    """
+    try:
+        return step()
+    except Exception:  # noqa: BLE001 - tried once more below
+        return step()

@@ -291,7 +291,12 @@ class MemoryProfiler:
         report and the CSV row are made from; ``None`` only if the profiler
         failed and switched itself off.
         """
-        return self._guard.call("record_stats", self._record_stats)
+        # A door the user calls: every line inside the try (so are epoch_end's and close's).
+        try:
+            return self._guard.call("record_stats", self._record_stats)
+        except Exception as exc:  # noqa: BLE001 - never raise into the training loop
+            self._guard.fault("record_stats", exc)
+            return None
 
     def epoch_end(self) -> None:
         """Print ``Epoch N finished``, write the epoch's rows, and start the next epoch.
@@ -300,12 +305,19 @@ class MemoryProfiler:
         all-gather) into :attr:`cross_rank_summary` and print the cross-rank
         table: every rank must call it.
         """
-        epoch = self.epoch
-        self._guard.call("epoch_end", self._epoch_end)
-        if self.rank_info is not None:
-            # Apart from the rest of epoch_end, so that a fault there never
-            # keeps this rank out of the collective the others wait in.
-            self._guard.call("cross-rank summary", self._cross_rank_summary, epoch)
+        try:
+            epoch = self.epoch
+            self._guard.call("epoch_end", self._epoch_end)
+        except Exception as exc:  # noqa: BLE001 - never raise into the training loop
+            self._guard.fault("epoch_end", exc)
+            epoch = self.epoch
+        try:
+            if self.rank_info is not None:
+                # Apart from the rest of epoch_end, so that a fault there never
+                # keeps this rank out of the collective the others wait in.
+                self._guard.call("cross-rank summary", self._cross_rank_summary, epoch)
+        except Exception as exc:  # noqa: BLE001 - never raise into the training loop
+            self._guard.fault("cross-rank summary", exc)
 
     def phase(self, name: str) -> ContextManager[Any]:
         """A ``with`` block in which the phase ``name`` runs, for frameworks that know their phases.
@@ -348,24 +360,37 @@ class MemoryProfiler:
 
     def close(self) -> None:
         """Remove every hook, write pending rows and stop counting. Safe to call twice."""
+        try:
+            self._close()
+        except Exception as first:  # noqa: BLE001 - never raise into the training loop
+            try:
+                self._close()  # once more: its steps are safe to repeat
+            except Exception as exc:  # noqa: BLE001
+                first = exc
+            self._guard.fault("close", first)
+
+    def _close(self) -> None:
         if self._closed:
             return
+        # Each removal in its own try, run even when an earlier one failed
+        # (and once more if it raised): nothing is left installed.
+        steps = [self._meter.close]
+        if self.oom_postmortem is not None:
+            steps.insert(0, self.oom_postmortem.remove)
+        if self._ranks is not None:
+            steps.append(self._ranks.release)
+        steps.extend(sink.close for sink in self._sinks)
+        steps.append(lambda: atexit.unregister(self._atexit))
+        self._guard.clean_up("close", *steps)
         self._closed = True
-        try:
-            if self.oom_postmortem is not None:
-                self.oom_postmortem.remove()
-            self._meter.close()
-            if self._ranks is not None:
-                self._ranks.release()
-        finally:
-            for sink in self._sinks:
-                self._guard.call(f"output: {sink.name}", sink.close)
-            atexit.unregister(self._atexit)
 
     def flush(self) -> None:
         """Write the rows recorded so far to the CSV files."""
-        for sink in self._sinks:
-            self._guard.call(f"output: {sink.name}", sink.flush)
+        try:
+            for sink in self._sinks:
+                self._guard.call(f"output: {sink.name}", sink.flush)
+        except Exception as exc:  # noqa: BLE001 - never raise into the caller
+            self._guard.fault("flush", exc)
 
     def max_batch_size(
         self, *, batch_size: int, device_memory: int | None = None, margin: float = 0.1
@@ -458,9 +483,12 @@ def _flush_at_exit(profiler: MemoryProfiler) -> Any:
     ref = weakref.ref(profiler)
 
     def flush() -> None:
-        alive = ref()
-        if alive is not None:
-            alive.flush()
+        try:
+            alive = ref()
+            if alive is not None:
+                alive.flush()
+        except Exception:  # noqa: BLE001 - at exit, nothing is left to tell
+            pass
 
     return flush
 

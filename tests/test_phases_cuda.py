@@ -203,3 +203,67 @@ def test_lightning_on_cuda():
         assert record.feature_maps > 64 * 1024 * 4
         if can_chain():
             assert all(m == "(input)" or m.startswith("net.") for m, _ in record.layers.by_module)
+
+
+def test_save_on_cpu_with_by_layer_on_a_cnn_reported_or_not():
+    """A CNN (convolutions, batch norm) under ``save_on_cpu()``, ``by_layer=True`` and ``print_period=2``:
+    on reported and non-reported iterations alike, the feature maps (what forward leaves on the GPU)
+    and the iteration peak equal those of the run without the profiler, measured by the allocator
+    around the same steps, and the weights are the same."""
+    dev = device()
+    deterministic, benchmark = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    # the same convolution algorithms (and workspaces) in both runs
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+    def run(profiled: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.AvgPool2d(64), nn.Flatten(), nn.Linear(64, 10),
+        ).to(dev)  # fmt: skip  (AvgPool2d: AdaptiveAvgPool2d's CUDA backward is not deterministic)
+        opt = torch.optim.Adam(model.parameters())
+        torch.manual_seed(1)
+        batches = [torch.randn(64, 3, 64, 64, device=dev) for _ in range(5)]
+        profiler = MemoryProfiler(model, 2, stream=io.StringIO(), strict=True, by_layer=True) if profiled else None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        figures = []
+        for x in batches:
+            if profiler is None:
+                torch.cuda.reset_peak_memory_stats()  # where record_stats() starts an iteration
+            before = torch.cuda.memory_allocated()
+            with torch.autograd.graph.save_on_cpu():
+                out = model(x)
+            forward_delta = torch.cuda.memory_allocated() - before
+            out.square().mean().backward()
+            del out
+            opt.step()
+            opt.zero_grad()
+            if profiler is None:
+                torch.cuda.synchronize()
+                figures.append((forward_delta, torch.cuda.max_memory_allocated(), None))
+            else:
+                record = profiler.record_stats()
+                figures.append((record.feature_maps, record.iteration_peak_allocated, record))
+                assert forward_delta == record.feature_maps
+        if profiler is not None:
+            profiler.close()
+        return figures, [p.detach().cpu() for p in model.parameters()]
+
+    try:
+        plain, plain_weights = run(False)
+        profiled, weights = run(True)
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic, benchmark
+    # the first iteration makes Adam's state: compared from the second on
+    for i, ((maps, peak, _), (p_maps, p_peak, record)) in enumerate(zip(plain[1:], profiled[1:]), start=2):
+        assert p_maps == maps, i  # the activations went to the CPU, as without the profiler
+        assert p_peak == peak, i
+        if can_chain():
+            assert (record.layers is not None) == (i % 2 == 0), i  # per-layer figures on reported iterations
+            if record.layers is not None:
+                assert record.layers.total == 0  # nothing saved stays on the GPU
+    # the activations (each conv's output is 64 MiB) went to the CPU: little stays on the GPU
+    assert plain[1][0] < 1024 * 1024
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights))

@@ -307,8 +307,8 @@ class CpuCounter(MemoryCounter):
         super().stop()
         if not self._running:
             return
-        self._running = False
         self._registry.stop(self._tally)
+        self._running = False  # only now: a stop that raised is done again by a second call
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
         self._registry.adopt(tensors, self._tally)

@@ -103,18 +103,22 @@ def _queues_own_callbacks(model: torch.nn.Module) -> bool:
 class _BackwardPass:
     """One forward pass's pending backward: fires once, when the gradient first reaches an output."""
 
-    __slots__ = ("hooks", "started")
+    __slots__ = ("hooks", "started", "guard")
 
     def __init__(self, hooks: TrainingStepHooks) -> None:
         self.hooks = weakref.ref(hooks)
         self.started = False
+        self.guard = hooks.guard
 
     def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
-        hooks = self.hooks()
-        if hooks is None or self.started:
-            return None
-        self.started = True
-        hooks._backward_started(grad_outputs)
+        try:  # autograd calls this: nothing may escape into backward
+            hooks = self.hooks()
+            if hooks is None or self.started or "backward hooks" in self.guard.disabled:
+                return None
+            self.started = True
+            hooks._backward_started(grad_outputs)
+        except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
+            self.guard.fault("backward hooks", exc)
         return None
 
 
@@ -215,22 +219,24 @@ class TrainingStepHooks:
     def release(self) -> None:
         """Remove the hooks and drop the callbacks, which refer back to their owner:
         a closed profiler is then freed at once, not at the next cycle collection."""
-        self.remove()
-        self._entries.release()
+        self.guard.clean_up("close", self.remove, self._entries.release)
         self._on_optimizer_step = None
         self._on_forward_first_call = None
         self.attribution = None
         self.current = StepMeasurements()
 
     def remove(self) -> None:
-        """Remove every hook this object installed."""
-        self._entries.remove()
+        """Remove every hook this object installed (each in its own try: see ``FaultGuard.clean_up``)."""
+        self._pass = None
+        steps = [self._entries.remove, self._remove_handles]
+        if self.attribution is not None:
+            steps.append(self.attribution.close)
+        self.guard.clean_up("close", *steps)
+
+    def _remove_handles(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._pass = None
-        if self.attribution is not None:
-            self.attribution.close()
 
     @property
     def phase(self) -> str:
@@ -401,9 +407,9 @@ class TrainingStepHooks:
 
     # -- backward ------------------------------------------------------------
     def _backward_started(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
-        if "backward" in self._explicit or self._phase == "backward":
-            return  # marked by the framework, or a second forward's outputs in the same backward
         try:
+            if "backward" in self._explicit or self._phase == "backward":
+                return  # marked by the framework, or a second forward's outputs in the same backward
             self._close_forward()
             start = self._mark("backward", "" if self.detailed else None)
             self._count("backward")

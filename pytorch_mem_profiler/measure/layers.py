@@ -53,6 +53,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from ..faults import FaultGuard
 from ..stats import ACTIVATIONS, INPUT, WEIGHT_COPIES
 from .accounting import same_device, storage_parts
 from .saved_tensors import ChainedSavedTensorsHooks, can_chain
@@ -69,6 +70,9 @@ __all__ = [
 ]
 
 _log = logging.getLogger("pytorch_mem_profiler")
+
+#: The part of the profiler a fault in these hooks switches off.
+_PART = "per-layer attribution"
 
 #: At most this many modules mark peak locations (the deepest level that fits):
 #: each mark is one read of the allocator's counters.
@@ -137,8 +141,11 @@ class LayerAttribution:
         on_exit: Callable[[str, str], None] | None = None,
         on_backward_enter: Callable[[str], None] | None = None,
         max_locations: int = MAX_LOCATIONS,
+        guard: FaultGuard | None = None,
     ) -> None:
         self.model = model
+        #: contains the faults of the hooks it installs (part ``"per-layer attribution"``)
+        self.guard = guard or FaultGuard()
         self.device = device
         self.on_exit = on_exit
         self.on_backward_enter = on_backward_enter
@@ -190,12 +197,13 @@ class LayerAttribution:
                 # Entered from its own pre-hook, before the module hooks below exist.
                 self._stack.append((id(entry), name))
                 self._current.calls[name] = self._current.calls.get(name, 0) + 1
+        # Wrapped per forward, dropped at close(): they refer back to this object.
+        wrap = self.guard.wrap
         self._handles = [
-            register_module_forward_pre_hook(self._module_pre),
-            register_module_forward_hook(self._module_post, always_call=True),
+            register_module_forward_pre_hook(wrap(_PART, self._module_pre)),
+            register_module_forward_hook(wrap(_PART, self._module_post), always_call=True),
         ]
-        # Made per forward, dropped at close(): it refers back to this object.
-        self._saved = ChainedSavedTensorsHooks(self._observe_saved)
+        self._saved = ChainedSavedTensorsHooks(self._observe_saved, lambda exc: self.guard.fault(_PART, exc))
         self._saved.push()
 
     def add_inputs(self, inputs: Any) -> None:
@@ -220,10 +228,11 @@ class LayerAttribution:
         return can_chain()
 
     def close(self) -> None:
-        """Remove the hooks, if installed; safe to call at any time."""
-        saved, self._saved = self._saved, None
+        """Remove the hooks, if installed; safe to call at any time (and again after it raised)."""
+        saved = self._saved
         if saved is not None:
             saved.pop()
+            self._saved = None  # only once popped, so that a second call pops what a failed one left
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -260,8 +269,9 @@ class LayerAttribution:
                 fired[0] = True
                 callback(name)  # type: ignore[misc]
 
+        guarded = self.guard.wrap(_PART, prehook)  # autograd calls it: contained
         for node in output_grad_nodes(output, limit=4):
-            node.register_prehook(prehook)
+            node.register_prehook(guarded)
 
     def _observe_saved(self, kept: Any) -> None:
         """One saved tensor, as kept for backward: the tensor itself, or what the user's

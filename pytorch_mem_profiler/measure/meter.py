@@ -190,6 +190,7 @@ class Meter:
                     self.device,
                     on_exit=wrap("per-layer attribution", hooks.forward_location),
                     on_backward_enter=wrap("per-layer attribution", hooks.backward_location),
+                    guard=self.guard,
                 )
         self._hooks.install()
         if self.rank_info is not None:
@@ -212,14 +213,14 @@ class Meter:
         self._optimizer_state(recount=True)
 
     def close(self) -> None:
-        """Remove every hook and stop counting."""
-        try:
-            if self._hooks is not None:
-                self._hooks.release()
-            if self._fsdp is not None:
-                self._fsdp.remove()
-        finally:
-            self.counter.stop()
+        """Remove every hook and stop counting (each in its own try: see ``FaultGuard.clean_up``)."""
+        hooks, fsdp = self._hooks, self._fsdp
+        steps = [self.counter.stop]
+        if hooks is not None:
+            steps.insert(0, hooks.release)
+        if fsdp is not None:
+            steps.insert(1, fsdp.remove)
+        self.guard.clean_up("close", *steps)
 
     # -- callbacks from the hooks ----------------------------------------------
     def _check_device_once(self) -> None:

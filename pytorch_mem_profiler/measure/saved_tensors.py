@@ -67,8 +67,13 @@ def top_saved_tensors_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[
 def _unpack_checked(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     """Torch checks a saved tensor's version only when no hooks are set: do it here, so that a
     tensor modified in place after it was saved still raises as it would without the watcher."""
-    tensor, version = packed
-    if tensor._version != version:
+    try:  # autograd calls this: a fault of the check itself must not fail backward
+        tensor, version = packed
+        stale = tensor._version != version
+    except Exception as exc:  # noqa: BLE001 - the tensor is handed back unchecked
+        _unchecked(exc)
+        return packed[0]
+    if stale:
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by an inplace "
             f"operation: [{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; "
@@ -77,6 +82,20 @@ def _unpack_checked(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
             "as autograd runs it without one)"
         )
     return tensor
+
+
+_UNCHECKED_LOGGED: list[bool] = []
+
+
+def _unchecked(exc: BaseException) -> None:
+    if not _UNCHECKED_LOGGED:
+        _UNCHECKED_LOGGED.append(True)
+        _log.warning(
+            "pytorch_mem_profiler: checking a saved tensor's version failed; it is handed back unchecked (%s: %s)",
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
 
 
 class ChainedSavedTensorsHooks:
@@ -121,7 +140,10 @@ class ChainedSavedTensorsHooks:
         return self._context is not None
 
     def _watch(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-        self._observe(tensor)
+        try:  # autograd calls this: whatever fails, the tensor is kept unchanged
+            self._observe(tensor)
+        except Exception as exc:  # noqa: BLE001 - watching must never break the forward
+            self._fault(exc)
         return tensor, tensor._version
 
     def _chain(self, user_pack: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
@@ -136,5 +158,8 @@ class ChainedSavedTensorsHooks:
         try:
             self.observe(kept)
         except Exception as exc:  # noqa: BLE001 - watching must never break the forward
-            if self.on_fault is not None:
-                self.on_fault(exc)
+            self._fault(exc)
+
+    def _fault(self, exc: BaseException) -> None:
+        if self.on_fault is not None:
+            self.on_fault(exc)  # a guard re-raises only when strict (tests)

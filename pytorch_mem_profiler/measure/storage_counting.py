@@ -200,14 +200,20 @@ class _CountingMode(TorchDispatchMode):
         self.tallies: tuple[Tally, ...] = ()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # The operator runs exactly once, outside any try (its errors are the user's);
+        # every line of bookkeeping is inside one, so a fault there never stops it.
+        try:
+            tallies = self.tallies
+        except Exception as exc:  # noqa: BLE001 - never break the user's operator
+            tallies = ()
+            self.registry.fail(exc)
         out = func._op(*args, **kwargs) if kwargs else func._op(*args)
-        tallies = self.tallies
         if not tallies:
             return out
-        plan = _PLANS.get(id(func), _UNPLANNED)
-        if plan is None:
-            return out
         try:
+            plan = _PLANS.get(id(func), _UNPLANNED)
+            if plan is None:
+                return out
             if plan is _ONE_NEW and type(out) is _Tensor and out.layout is _STRIDED:
                 # The common case, inlined: one plain tensor that may own a new storage.
                 if out.is_cpu:
@@ -267,10 +273,12 @@ class StorageRegistry:
                 self._remove_hooks()
 
     def stop(self, tally: Tally) -> None:
-        """Stop counting into ``tally``; the last counter of a thread takes its mode away."""
+        """Stop counting into ``tally``; the last counter of a thread takes its mode away.
+
+        Safe to call again after it raised: each step is done again or found done.
+        """
         with self._lock:
-            mode = self._mode_of.pop(tally, None)
-            self._forget(tally)
+            mode = self._mode_of.get(tally)
             if mode is not None:
                 mode.tallies = tuple(t for t in mode.tallies if t is not tally)
                 if not mode.tallies:
@@ -278,6 +286,8 @@ class StorageRegistry:
                         if running is mode:
                             del self._modes[ident]
                             self._waiting[ident] = mode
+                del self._mode_of[tally]
+            self._forget(tally)
             if not self._mode_of:
                 self.live.clear()  # drops the weak references: no callback will run
                 self._failed = False
@@ -398,10 +408,13 @@ class StorageRegistry:
                 tally.changes.append(change)
 
     def _storage_died(self, ref: _StorageRef) -> None:
-        if self.live.get(ref.key) is ref:
-            del self.live[ref.key]
-        for tally in ref.owners:
-            tally.changes.append(-ref.nbytes)
+        try:  # a weak-reference callback: a fault would only be printed, and the figures wrong
+            if self.live.get(ref.key) is ref:
+                del self.live[ref.key]
+            for tally in ref.owners:
+                tally.changes.append(-ref.nbytes)
+        except Exception as exc:  # noqa: BLE001 - counting stops, training goes on
+            self.fail(exc)
 
     def _forget(self, tally: Tally) -> None:
         """Take a stopped tally off every storage, so that nothing keeps it alive."""
