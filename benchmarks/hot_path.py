@@ -1,6 +1,7 @@
 """Where the profiler's per-iteration cost goes: ablations and a cProfile of the hot path.
 
     python benchmarks/hot_path.py --workload tiny_mlp --steps 300
+    python benchmarks/hot_path.py --host-cost        # host us per iteration, reported or not (CPU, seconds)
 
 Times the workload without the profiler, with it, and with parts of it
 replaced by no-ops (the device reads; the backward hooks), alternating in one
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workloads import WORKLOADS, median  # noqa: E402
 
-import pytorch_mem_profiler.profiler as profiler_module  # noqa: E402
+import pytorch_mem_profiler.measure.meter as meter_module  # noqa: E402
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
 from pytorch_mem_profiler.measure.devices import MemoryCounter, Reading  # noqa: E402
 from pytorch_mem_profiler.measure.hooks import TrainingStepHooks  # noqa: E402
@@ -38,6 +39,77 @@ class NullCounter(MemoryCounter):
 
     def _read_device(self) -> Reading:
         return Reading(0, 0, 0, 0)
+
+
+class CountingCounter(NullCounter):
+    """A null counter that counts its device reads and peak resets."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.reads = 0
+        self.resets = 0
+
+    def _read_device(self) -> Reading:
+        self.reads += 1
+        return Reading(0, 0, 0, 0)
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+
+
+def host_cost(print_period: int, by_layer: bool, steps: int = 2000, rounds: int = 9) -> float:
+    """Host microseconds the profiler adds to an iteration of a tiny CPU model, its counter a
+    :class:`NullCounter` (so only the Python of the hooks and the record is timed): the median
+    over interleaved rounds of (with - without) per step, in the thread's CPU time. ``print_period`` larger than ``steps``
+    times non-reported iterations only; 1 reported ones only."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def block(profiler: MemoryProfiler | None) -> float:
+        # The thread's CPU time: other processes on a shared machine do not count.
+        start = time.thread_time()
+        for _ in range(steps):
+            step()
+            if profiler is not None:
+                profiler.record_stats()
+        return (time.thread_time() - start) / steps * 1e6
+
+    real = meter_module.make_counter
+    meter_module.make_counter = lambda d: NullCounter(d)
+    sink = open(os.devnull, "w")
+    try:
+        for _ in range(200):
+            step()
+        diffs = []
+        for _ in range(rounds):
+            before = block(None)
+            prof = MemoryProfiler(model, print_period, stream=sink, by_layer=by_layer, strict=True)
+            with_ = block(prof)
+            prof.close()
+            after = block(None)
+            diffs.append(with_ - (before + after) / 2)
+    finally:
+        meter_module.make_counter = real
+        sink.close()
+    return median(diffs)
+
+
+def print_host_cost() -> None:
+    print("host us the profiler adds per iteration (NullCounter, 3-layer CPU model, median of interleaved rounds):")
+    for label, period, by_layer in (
+        ("not reported", 10**9, False),
+        ("not reported, by_layer", 10**9, True),
+        ("reported (print_period=1)", 1, False),
+        ("reported, by_layer", 1, True),
+    ):
+        print(f"  {label:28s} {host_cost(period, by_layer):8.1f} us")
 
 
 def run(work, steps: int, profiler: MemoryProfiler | None, device: torch.device) -> float:
@@ -111,13 +183,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--print-period", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--host-cost", action="store_true", help="only the host cost per iteration, on the CPU")
     args = parser.parse_args()
+    if args.host_cost:
+        torch.set_num_threads(1)
+        print_host_cost()
+        return
     device = torch.device(args.device)
     work = WORKLOADS[args.workload](device)
     for _ in range(10):
         work.step()
     sink = open(os.devnull, "w")
-    real_make_counter = profiler_module.make_counter
+    real_make_counter = meter_module.make_counter
     real_backward_started = TrainingStepHooks._backward_started
 
     variants = {
@@ -130,12 +207,12 @@ def main() -> None:
     for _ in range(args.rounds):
         times["baseline"].append(run(work, args.steps, None, device))
         for name, parts in variants.items():
-            profiler_module.make_counter = (lambda d: NullCounter(d)) if parts.get("counter") else real_make_counter
+            meter_module.make_counter = (lambda d: NullCounter(d)) if parts.get("counter") else real_make_counter
             TrainingStepHooks._backward_started = (lambda self, g: None) if parts.get("backward") else real_backward_started
             prof = MemoryProfiler(work.model, args.print_period, stream=sink)
             times[name].append(run(work, args.steps, prof, device))
             prof.close()
-    profiler_module.make_counter = real_make_counter
+    meter_module.make_counter = real_make_counter
     TrainingStepHooks._backward_started = real_backward_started
 
     base = median(times["baseline"])

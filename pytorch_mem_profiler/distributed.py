@@ -272,6 +272,8 @@ class RankPeakTracker:
     def observe(self, record: IterationRecord) -> None:
         self.latest = record
         best = self.peak
+        if not record.reported:
+            return  # its categories were not measured: the epoch's peak is among the reported
         if best is None or (record.iteration_peak_allocated or 0) > (
             best.iteration_peak_allocated or 0
         ):

@@ -113,8 +113,12 @@ class MemoryProfiler:
     each :meth:`epoch_end`; gradients, feature maps and the rest every iteration.
 
     On CUDA the profiler resets the allocator's peak statistics at each phase
-    boundary (``torch.cuda.reset_peak_memory_stats``): read peaks from its
-    records (``peak_allocated``) rather than ``torch.cuda.max_memory_allocated()``.
+    boundary of a reported iteration and once at ``record_stats()`` of the others
+    (``torch.cuda.reset_peak_memory_stats``): read peaks from its records
+    (``peak_allocated``) rather than ``torch.cuda.max_memory_allocated()``.
+    Iterations that are not reported cost one read of the counters: their
+    record (``reported=False``) leaves the figures that need the phase
+    boundaries ``None`` (see :class:`~pytorch_mem_profiler.stats.IterationRecord`).
 
     Example::
 

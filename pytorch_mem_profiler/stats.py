@@ -183,6 +183,11 @@ class IterationRecord:
         fsdp_gathered_parameters: most bytes of FSDP2's gathered (unsharded)
             parameters alive at once in this iteration; ``None`` without FSDP2.
         rank: the global rank under ``torch.distributed``; ``None`` in a single process.
+        reported: whether the iteration was one to report (every ``print_period``-th).
+            The others are measured by one read of the allocator at ``record_stats()``:
+            they carry allocated, the peaks, cached, the pass counts, weights, buffers
+            and optimizer state, and ``None`` for ``feature_maps``, ``gradients``,
+            ``intermediate_gradients`` and ``peak_phase`` (``phases`` empty).
     """
 
     epoch: int
@@ -195,11 +200,11 @@ class IterationRecord:
     peak_phase: str | None = None
     peak_cached: int | None = None
     current_cached: int | None = None
-    feature_maps: int = 0
+    feature_maps: int | None = 0
     intermediate_gradients: int | None = 0
     weights: int = 0
     weights_by_name: Mapping[str, int] = field(default_factory=_empty)
-    gradients: int = 0
+    gradients: int | None = 0
     gradients_by_name: Mapping[str, int] = field(default_factory=_empty)
     optimizer_state: int | None = 0
     buffers: int = 0
@@ -219,11 +224,12 @@ class IterationRecord:
     ddp_gradient_buckets: int | None = None
     fsdp_gathered_parameters: int | None = None
     rank: int | None = None
+    reported: bool = True
 
     @property
     def model_state(self) -> int:
         """Weights, gradients, optimizer state (where known) and buffers together."""
-        return self.weights + self.gradients + (self.optimizer_state or 0) + self.buffers
+        return self.weights + (self.gradients or 0) + (self.optimizer_state or 0) + self.buffers
 
     @property
     def peak_share(self) -> float | None:

@@ -69,7 +69,7 @@ def padded_bytes(p: torch.Tensor, world: int) -> int:
 def record_dict(rec) -> dict:
     keys = (
         "epoch iteration step device allocated peak_allocated peak_cached weights gradients "
-        "optimizer_state buffers feature_maps ddp_gradient_buckets fsdp_gathered_parameters rank"
+        "optimizer_state buffers feature_maps ddp_gradient_buckets fsdp_gathered_parameters rank reported"
     ).split()
     return {k: getattr(rec, k) for k in keys}
 

@@ -109,7 +109,9 @@ def test_ddp_weights_gradients_and_buckets_match_the_real_tensors(ranks):
         assert result["buckets_seen"] == result["buckets_logged"] > 0
         for rec, grads in zip(result["records"], result["grads_after_backward"]):
             assert rec["weights"] == result["weights_expected"]
-            assert rec["gradients"] == grads == result["weights_expected"]
+            # Gradients are measured on reported iterations; the others leave them None.
+            assert rec["gradients"] == (grads if rec["reported"] else None)
+            assert grads == result["weights_expected"]
             # The buckets DDP really reduced in, seen by a comm hook.
             assert rec["ddp_gradient_buckets"] == result["buckets_seen"]
         frame = pd.read_csv(result["csv"])
@@ -122,7 +124,7 @@ def test_ddp_gradient_as_bucket_view_counts_the_buckets_as_gradients(ranks):
         result = scenario(ranks, "ddp_view", r)
         for rec in result["records"]:
             assert rec["ddp_gradient_buckets"] == 0
-            assert rec["gradients"] == result["buckets_seen"]
+            assert rec["gradients"] == (result["buckets_seen"] if rec["reported"] else None)
 
 
 def test_cross_rank_table_on_rank_0_only_with_every_ranks_peaks(ranks):
@@ -164,7 +166,8 @@ def test_fsdp2_weights_and_gradients_are_the_local_shards(ranks):
         assert result["weights_expected"] < result["full_weights"]
         for rec, grads in zip(result["records"], result["grads_after_backward"]):
             assert rec["weights"] == result["weights_expected"]
-            assert rec["gradients"] == grads == result["weights_expected"]
+            assert rec["gradients"] == (grads if rec["reported"] else None)
+            assert grads == result["weights_expected"]
             assert rec["ddp_gradient_buckets"] is None
         assert result["records"][-1]["optimizer_state"] == result["optimizer_expected"]
 
@@ -184,7 +187,8 @@ def test_pipeline_stages_report_their_own_parameters(ranks):
         result = scenario(ranks, "pipeline", r)
         for rec, grads in zip(result["records"], result["grads_after_backward"]):
             assert rec["weights"] == weights[r]
-            assert rec["gradients"] == grads == weights[r]
+            assert rec["gradients"] == (grads if rec["reported"] else None)
+            assert grads == weights[r]
         assert len(result["summary"]["ranks"]) == 2
 
 

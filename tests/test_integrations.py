@@ -149,11 +149,15 @@ def test_lightning_records_match_the_hand_written_loop(tmp_path):
     # The same figures as the plain loop, iteration by iteration, the peak's phase included.
     plain = hand_written_records(4)
     for ours, theirs in zip(records[:4], plain):
-        for figure in ("feature_maps", "weights", "gradients", "optimizer_state", "allocated"):
+        for figure in ("weights", "optimizer_state", "allocated"):
             assert getattr(ours, figure) == getattr(theirs, figure), figure
         # Lightning keeps a detached copy of the loss for its logs (ClosureResult): one float32 more.
         assert ours.iteration_peak_allocated == theirs.iteration_peak_allocated + 4
-        assert ours.peak_phase == theirs.peak_phase
+        if ours.reported:  # the figures measured phase by phase (print_period=2: iterations 2 and 4)
+            for figure in ("feature_maps", "gradients", "peak_phase"):
+                assert getattr(ours, figure) == getattr(theirs, figure), figure
+        else:
+            assert ours.feature_maps is ours.gradients is ours.peak_phase is None
     # The closed profiler left nothing on the module.
     assert callback.profiler._closed
     assert not module.net._forward_pre_hooks and not module._forward_pre_hooks

@@ -23,9 +23,16 @@ A framework that knows its phases can say so with :meth:`TrainingStepHooks.begin
 and :meth:`TrainingStepHooks.end` (``MemoryProfiler.phase(name)``); the
 automatic hooks that fire inside such a phase do not open a second one.
 
-At every boundary the device counter is read and a new peak interval started,
-so the peak of each phase is exact. Everything the hooks measure lands in a
-:class:`StepMeasurements`, which the profiler turns into a record.
+On iterations that will be reported (:attr:`TrainingStepHooks.reported`) the
+device counter is read at every boundary and a new peak interval started, so
+the peak of each phase is exact. On the others the hooks only count passes and
+steps and follow the phase (a forward during backward is a recomputation, a
+step inside backward is part of it): no counter read, no gradient sizes, no
+callback queued on autograd's engine; backward's end is noticed at the next
+forward, step or ``record_stats()``. The one read of such an iteration is
+:meth:`TrainingStepHooks.finish_iteration`'s, whose peak is the iteration's.
+Everything the hooks measure lands in a :class:`StepMeasurements`, which the
+profiler turns into a record.
 
 Example::
 
@@ -62,6 +69,10 @@ from .layers import LayerAttribution, LayerBreakdown
 from .trees import output_grad_nodes
 
 __all__ = ["StepMeasurements", "TrainingStepHooks", "PhaseBlock", "EXPLICIT_PHASES"]
+
+#: The id of the backward graph running on this thread, -1 outside backward
+#: (torch 2.1 and later; without it, a backward is taken as ended at the next event).
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 #: The phases a framework can mark itself (``MemoryProfiler.phase(name)``).
 EXPLICIT_PHASES = ("forward", "backward", "optimizer")
@@ -127,7 +138,8 @@ class _ForwardPass:
 
     __slots__ = ("start", "end_allocated", "pending", "explicit", "attributed", "before")
 
-    def __init__(self, start: Reading, pending: _BackwardPass, explicit: bool, before: int) -> None:
+    def __init__(self, start: Reading | None, pending: _BackwardPass, explicit: bool, before: int) -> None:
+        #: the reading when it began; ``None`` on an iteration that is not reported
         self.start = start
         #: the iteration's feature maps before this pass (the largest earlier pass)
         self.before = before
@@ -188,8 +200,13 @@ class TrainingStepHooks:
         self._location: str | None = None
         #: per-layer attribution, used on iterations marked ``detailed``
         self.attribution: LayerAttribution | None = None
-        #: whether the running iteration is one that will be reported
+        #: whether per-layer attribution runs in this iteration (a reported one)
         self.detailed = False
+        #: whether the running iteration will be reported: only then are the
+        #: counters read at the phase boundaries and the gradients measured
+        self.reported = True
+        # a backward began on an iteration not reported and its end is not noticed yet
+        self._backward_unsettled = False
         #: read backward's end only after callbacks queued later during backward
         #: (DDP and FSDP finish their gradient reduction in one)
         self.defer_backward_end = _queues_own_callbacks(model)
@@ -264,6 +281,24 @@ class TrainingStepHooks:
         self._holds = weakref.WeakKeyDictionary()
 
     # -- boundaries --------------------------------------------------------
+    def _switch(self, next_phase: str, location: str | None = None) -> Reading | None:
+        """A phase boundary: read the counters (:meth:`_mark`) on a reported iteration;
+        on the others only note the phase, and give ``None``."""
+        if self.reported:
+            return self._mark(next_phase, location)
+        self._phase = next_phase
+        return None
+
+    def _settle_backward(self) -> None:
+        """On an iteration not reported, a backward whose start was seen has ended once
+        this thread is outside every backward graph: count it and leave its phase."""
+        if not self._backward_unsettled or _graph_task_id() != -1:
+            return
+        self._backward_unsettled = False
+        self.current.backward_passes += 1
+        if self._phase == "backward":
+            self._phase = "optimizer" if self._step_depth and not self._step_in_backward else "other"
+
     def _mark(self, next_phase: str, location: str | None = None) -> Reading:
         """Close the running interval (recording its peak) and open the next one.
 
@@ -313,6 +348,8 @@ class TrainingStepHooks:
         """A call entered the model from outside it: is it (part of) a training forward?"""
         # No-grad forwards (evaluation) and recomputation inside backward leave
         # nothing for a later backward: they are not a forward phase.
+        if self._backward_unsettled:
+            self._settle_backward()
         if not torch.is_grad_enabled() or self._phase == "backward":
             return False
         if "forward" in self._explicit:
@@ -339,7 +376,7 @@ class TrainingStepHooks:
         location = "" if self.detailed else None
         if pass_ is not None and not explicit and not pass_.explicit and not pass_.pending.started:
             # Entered again before any backward (self.decoder after self.encoder): the same pass.
-            self._mark("forward", location)
+            self._switch("forward", location)
             self._attribute(args, entry, resume=True)
         else:
             self._close_forward()
@@ -349,7 +386,7 @@ class TrainingStepHooks:
             if self._on_forward_first_call is not None:
                 callback, self._on_forward_first_call = self._on_forward_first_call, None
                 callback()
-            start = self._mark("forward", location)
+            start = self._switch("forward", location)
             self._pass = _ForwardPass(start, _BackwardPass(self), explicit, self.current.feature_maps)
             self.current.forward_passes += 1
             self._count("forward")
@@ -384,7 +421,10 @@ class TrainingStepHooks:
         if pass_.attributed and self.attribution is not None:
             self.guard.call("per-layer attribution", self.attribution.close)
         if self._phase == "forward":
-            pass_.end_allocated = end = self._mark("other").allocated
+            reading = self._switch("other")
+            if reading is None or pass_.start is None:
+                return  # not reported: feature maps are not measured
+            pass_.end_allocated = end = reading.allocated
             # Known from here on (an OOM post-mortem reads it mid-iteration).
             self.current.feature_maps = max(pass_.before, end - pass_.start.allocated)
 
@@ -397,7 +437,7 @@ class TrainingStepHooks:
         breakdown: LayerBreakdown | None = None
         if pass_.attributed and self.attribution is not None and self.attribution.watching_saved_tensors:
             breakdown = self.attribution.breakdown
-        if pass_.end_allocated is None:
+        if pass_.end_allocated is None or pass_.start is None:
             return
         m = self.current
         kept = pass_.end_allocated - pass_.start.allocated
@@ -411,6 +451,12 @@ class TrainingStepHooks:
             if "backward" in self._explicit or self._phase == "backward":
                 return  # marked by the framework, or a second forward's outputs in the same backward
             self._close_forward()
+            if not self.reported:
+                # Counted and left when noticed ended (_settle_backward): nothing queued on
+                # the engine, no gradient sizes, no hand-over to autograd's device thread.
+                self._phase = "backward"
+                self._backward_unsettled = True
+                return
             start = self._mark("backward", "" if self.detailed else None)
             self._count("backward")
             # The gradients of the outputs are already allocated when the
@@ -438,9 +484,11 @@ class TrainingStepHooks:
         base = self._backward_base
         self._backward_base = None
         # Inside an optimizer step (a closure), what follows backward is the update.
-        end = self._mark("optimizer" if self._step_depth and not self._step_in_backward else "other")
+        end = self._switch("optimizer" if self._step_depth and not self._step_in_backward else "other")
         m = self.current
         m.backward_passes += 1
+        if end is None:
+            return  # not reported: gradients and backward's transient memory are not measured
         sizes = self._gradient_sizes()
         m.gradient_sizes = sizes
         if base is None or end.peak_allocated is None:
@@ -476,6 +524,8 @@ class TrainingStepHooks:
         return None
 
     def _step_began(self) -> None:
+        if self._backward_unsettled:
+            self._settle_backward()
         self._step_depth += 1
         if self._step_depth > 1:
             return
@@ -484,7 +534,7 @@ class TrainingStepHooks:
         self._step_in_backward = self._phase == "backward"
         if not self._step_in_backward:
             self._close_forward()
-            self._mark("optimizer")
+            self._switch("optimizer")
 
     def _step_ended(self) -> None:
         if self._step_depth == 0:
@@ -497,7 +547,7 @@ class TrainingStepHooks:
         if self._step_in_backward:
             self._step_in_backward = False
             return
-        self._mark("other")
+        self._switch("other")
         self._count("optimizer")
 
     def discovered_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -518,13 +568,15 @@ class TrainingStepHooks:
             raise ValueError(f"phase name must be one of {', '.join(map(repr, EXPLICIT_PHASES))}: name={phase!r}")
         if phase in self._explicit:
             return None
+        if self._backward_unsettled:
+            self._settle_backward()
         if phase == "forward":
             self._begin_forward((), None, explicit=True)
         elif phase == "backward":
             self._close_forward()
-            start = self._mark("backward", "" if self.detailed else None)
+            start = self._switch("backward", "" if self.detailed else None)
             self._count("backward")
-            self._backward_base = (start.allocated, sum(self._gradient_sizes()))
+            self._backward_base = None if start is None else (start.allocated, sum(self._gradient_sizes()))
         else:
             self._step_began()
         self._explicit.add(phase)
@@ -547,9 +599,12 @@ class TrainingStepHooks:
     def finish_iteration(self) -> StepMeasurements:
         """Close the iteration: read the counters once more and hand back its measurements."""
         entries = self._entries
+        if self._backward_unsettled:
+            self._settle_backward()
         if self._pass is not None and not self._pass.explicit and entries.depth == 0:
             self._close_forward()
         m = self.current
+        # The iteration's one read when it is not reported: its peak is the iteration's.
         m.final = self._mark(self._phase)
         if entries.learning and m.forward_passes:
             entries.finish_learning()  # the entry modules are known: drop the other hooks

@@ -148,6 +148,8 @@ class Meter:
             self._ddp_buckets = ddp_gradient_bucket_bytes(self.model, self.device)
             if self._fsdp is not None:
                 self._fsdp.refresh()
+        # the fields a non-reported record shares with every other until the model changes
+        self._light_fields: dict[str, Any] | None = None
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
@@ -198,9 +200,15 @@ class Meter:
         self._last_time = time.perf_counter()
 
     def prepare(self, detailed: bool) -> None:
-        """Whether the coming iteration is one that will be reported (per-layer hooks run only then)."""
+        """Whether the coming iteration is one that will be reported.
+
+        Only a reported iteration reads the counters at its phase boundaries,
+        measures gradients and runs the per-layer hooks; the others cost one read
+        and one peak reset, at :meth:`finish`.
+        """
         hooks = self._hooks
         if hooks is not None:
+            hooks.reported = detailed
             hooks.detailed = hooks.attribution is not None and detailed
 
     def refresh(self) -> None:
@@ -276,15 +284,19 @@ class Meter:
 
         ``reported``: the iteration is one that will be reported, so the figures
         that cost a driver call (memory outside PyTorch) and the per-layer ones
-        are included.
+        are included. An iteration that was not prepared as reported
+        (:meth:`prepare`) gets the light record of :meth:`_light_record`.
         """
         hooks = self._hooks
         assert hooks is not None, "Meter.start() was not called"
+        measured = hooks.reported
         m = hooks.finish_iteration()
         now = time.perf_counter()
         elapsed, self._last_time = now - self._last_time, now
         final = m.final
         assert final is not None
+        if not measured:
+            return self._light_record(position, m, final, elapsed)
         sizes = m.gradient_sizes
         if sizes is None or len(sizes) != len(self._params):
             # No backward reached the model this iteration: take the gradients as they are.
@@ -346,6 +358,60 @@ class Meter:
             fsdp_gathered_parameters=self._fsdp.finish_iteration() if self._fsdp else None,
             rank=self.rank_info.rank if self.rank_info is not None else None,
         )
+
+
+    def _light_record(self, position: Position, m: StepMeasurements, final: Any, elapsed: float) -> IterationRecord:
+        """The record of an iteration that is not reported: what one read of the counters,
+        the pass counts and the sizes known already give; what needs the phase
+        boundaries (phases, feature maps, gradients, intermediate gradients, the
+        peak's phase) is ``None``."""
+        shared = self._light_fields
+        if shared is None:
+            shared = self._light_fields = vars(
+                IterationRecord(
+                    epoch=0,
+                    iteration=0,
+                    step=0,
+                    device=str(self.device),
+                    allocated=0,
+                    feature_maps=None,
+                    intermediate_gradients=None,
+                    weights=self._weights_total,
+                    weights_by_name=self._weights_by_name,
+                    gradients=None,
+                    buffers=self._buffers_total,
+                    device_total=self.capacity,
+                    ddp_gradient_buckets=self._ddp_buckets,
+                    rank=self.rank_info.rank if self.rank_info is not None else None,
+                    reported=False,
+                )
+            ).copy()
+        has_peak = self.counter.has_peak
+        hooks = self._hooks
+        assert hooks is not None
+        # A frozen dataclass's __init__ sets its 30-odd fields one object.__setattr__ at a
+        # time (about 5 us); filling the instance's dict from the shared fields takes 1.
+        record = object.__new__(IterationRecord)
+        fields = record.__dict__
+        fields.update(shared)
+        fields.update(
+            epoch=position.epoch,
+            iteration=position.iteration,
+            step=position.step,
+            allocated=final.allocated,
+            peak_allocated=hooks.max_allocated if has_peak else None,
+            iteration_peak_allocated=m.iteration_peak,
+            peak_cached=hooks.max_reserved if has_peak else None,
+            current_cached=final.reserved,
+            optimizer_state=self._optimizer_state(),
+            forward_passes=m.forward_passes,
+            backward_passes=m.backward_passes,
+            optimizer_steps=m.optimizer_steps,
+            iteration_time_s=elapsed,
+        )
+        if self._fsdp is not None:
+            fields["fsdp_gathered_parameters"] = self._fsdp.finish_iteration()
+        return record
 
 
 def _feature_maps_by_layer(breakdown: LayerBreakdown | None, kept: int) -> LayerFeatureMaps | None:

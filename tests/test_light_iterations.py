@@ -1,0 +1,208 @@
+"""Iterations that are not reported cost one read of the counters; reported ones keep every figure.
+
+A stand-in counter (an exact CPU counter that counts its reads and peak resets)
+and a stand-in autograd engine (torch's, counting ``queue_callback``) show what
+each iteration did; the figures of a non-reported iteration are compared with
+those of a reported one of the same step.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import pytorch_mem_profiler.measure.meter as meter_module
+from pytorch_mem_profiler import MemoryProfiler
+from pytorch_mem_profiler.measure.devices import CpuCounter
+from pytorch_mem_profiler.measure.layers import LayerAttribution
+
+PERIOD = 4
+
+
+class CountingCounter(CpuCounter):
+    """The exact CPU counter, counting device reads and peak resets."""
+
+    def __init__(self, device=None) -> None:
+        super().__init__(device)
+        self.reads = 0
+        self.resets = 0
+
+    def _read_device(self):
+        self.reads += 1
+        return super()._read_device()
+
+    def mark(self):
+        self.resets += 1  # CpuCounter.mark reads, then starts a new interval itself
+        return super().mark()
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+        super().reset_peak()
+
+
+class CountingEngine:
+    """torch's autograd engine, counting the callbacks queued on it."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.queued = 0
+
+    def queue_callback(self, callback):
+        self.queued += 1
+        return self._engine.queue_callback(callback)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    made: list[CountingCounter] = []
+
+    def make(device):
+        counter = CountingCounter(device)
+        made.append(counter)
+        return counter
+
+    monkeypatch.setattr(meter_module, "make_counter", make)
+    engine = CountingEngine(torch.autograd.Variable._execution_engine)
+    monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", engine)
+    return made, engine
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _train(model, opt, profiler, iterations, x, y, after_step=None):
+    """Run ``iterations`` steps; per iteration: (record, reads, resets, callbacks queued, layer starts)."""
+    seen = []
+    counter = profiler._meter.counter
+    engine = torch.autograd.Variable._execution_engine
+    for _ in range(iterations):
+        before = (counter.reads, counter.resets, engine.queued, LayerStarts.calls)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        record = profiler.record_stats()
+        after = (counter.reads, counter.resets, engine.queued, LayerStarts.calls)
+        seen.append((record, *(b - a for a, b in zip(before, after))))
+    return seen
+
+
+class LayerStarts:
+    calls = 0
+
+
+@pytest.fixture
+def layer_starts(monkeypatch):
+    LayerStarts.calls = 0
+    real_start, real_resume = LayerAttribution.start, LayerAttribution.resume
+
+    def start(self, *args, **kwargs):
+        LayerStarts.calls += 1
+        return real_start(self, *args, **kwargs)
+
+    def resume(self, *args, **kwargs):
+        LayerStarts.calls += 1
+        return real_resume(self, *args, **kwargs)
+
+    monkeypatch.setattr(LayerAttribution, "start", start)
+    monkeypatch.setattr(LayerAttribution, "resume", resume)
+
+
+@pytest.mark.parametrize("by_layer", [False, True])
+def test_a_non_reported_iteration_reads_the_counters_once_and_queues_nothing(counting, layer_starts, by_layer):
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with MemoryProfiler(model, PERIOD, stream=io.StringIO(), strict=True, by_layer=by_layer) as profiler:
+        seen = _train(model, opt, profiler, 3 * PERIOD, x, y)
+    assert len(counting[0]) == 1
+    for record, reads, resets, queued, layer_calls in seen:
+        if record.reported:
+            # Every phase boundary read: forward start and end, backward start and end,
+            # optimizer step start and end, record_stats(); plus the module boundaries by layer.
+            assert reads >= 7 and resets >= 7
+            assert queued == 1
+            assert (layer_calls >= 1) if by_layer else (layer_calls == 0)
+        else:
+            assert (reads, resets, queued, layer_calls) == (1, 1, 0, 0)
+    assert [r.reported for r, *_ in seen] == [(i + 1) % PERIOD == 0 for i in range(3 * PERIOD)]
+
+
+def test_a_non_reported_record_carries_what_one_read_gives_exactly(counting):
+    """Same step, same figures: the non-reported iteration just before a reported one
+    has the same allocated, iteration peak and counts; the rest is None, not a guess."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with MemoryProfiler(model, PERIOD, stream=io.StringIO(), strict=True) as profiler:
+        seen = _train(model, opt, profiler, 2 * PERIOD, x, y)
+    light, full = seen[2 * PERIOD - 2][0], seen[2 * PERIOD - 1][0]
+    assert (light.reported, full.reported) == (False, True)
+    for name in (
+        "allocated", "iteration_peak_allocated", "peak_allocated", "peak_cached", "current_cached",
+        "weights", "buffers", "optimizer_state", "forward_passes", "backward_passes", "optimizer_steps",
+    ):  # fmt: skip
+        assert getattr(light, name) == getattr(full, name), name
+    assert light.iteration_peak_allocated > light.allocated > 0
+    state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()}
+    assert light.optimizer_state == sum(state.values())
+    assert light.weights == sum(p.untyped_storage().nbytes() for p in model.parameters())
+    assert (light.forward_passes, light.backward_passes, light.optimizer_steps) == (1, 1, 1)
+    assert light.feature_maps is None and light.gradients is None and light.intermediate_gradients is None
+    assert light.peak_phase is None and dict(light.phases) == {} and light.layers is None
+    assert full.gradients == light.weights and full.feature_maps > 0 and full.peak_phase in ("backward", "optimizer")
+    assert light.model_state == light.weights + light.optimizer_state + light.buffers
+
+
+def test_accumulation_and_recomputation_are_counted_alike_reported_or_not(counting):
+    """Two forwards and two backwards before one step, each forward through a checkpointed
+    block: the recomputation inside backward is no forward, reported or not."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    records = []
+    with MemoryProfiler(model, 2, stream=io.StringIO(), strict=True) as profiler:
+        for _ in range(4):
+            for half in (x[:4], x[4:]):
+                F.mse_loss(model(half), y[:4]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            records.append(profiler.record_stats())
+    assert [r.reported for r in records] == [False, True, False, True]
+    assert {(r.forward_passes, r.backward_passes, r.optimizer_steps) for r in records} == {(2, 2, 1)}
+    assert [r.iteration_peak_allocated for r in records[2:]] == [records[1].iteration_peak_allocated] * 2
+
+
+def test_a_backward_left_open_is_counted_at_record_stats(counting):
+    """A non-reported iteration ending right after backward (no step): its backward is
+    counted, and the next, reported, iteration finds forward and backward again."""
+    model = _model()
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with MemoryProfiler(model, 2, stream=io.StringIO(), strict=True) as profiler:
+        records = []
+        for _ in range(2):
+            F.mse_loss(model(x), y).backward()
+            records.append(profiler.record_stats())
+    light, full = records
+    assert (light.reported, full.reported) == (False, True)
+    assert (light.forward_passes, light.backward_passes) == (full.forward_passes, full.backward_passes) == (1, 1)
+    assert full.phases["backward"].occurrences == 1 and full.phases["forward"].occurrences == 1
