@@ -70,9 +70,7 @@ def test_summary_of_a_named_run(runs):
     assert f"Peak reserved:  {format_amount(raw['peak_cached'].max() * 1000, 'KB', digits=3)}" in out
     # torch's words: the seed's "cached" only where a CSV column is named
     header = next(line for line in out.splitlines() if line.startswith("Epoch "))
-    assert header.split() == (
-        "Epoch Records Peak allocated Peak reserved Largest at the peak Slowest iteration Fastest iteration".split()
-    )
+    assert header.split() == "Epoch Records Peak allocated Peak reserved Slowest iteration Fastest iteration".split()
     assert "cached" not in out.replace("peak_cached", "") and "fragmentation" not in out.lower()
 
     # per epoch: the highest iteration peak and peak cached of the epoch's rows

@@ -245,6 +245,7 @@ class Meter:
                 self._peak.close()
                 self._peak = None
             if self._hooks is not None:
+                self._hooks.breakdown = None
                 self._hooks.release()
             if self._fsdp is not None:
                 self._fsdp.remove()

@@ -127,6 +127,8 @@ class PeakBreakdown:
     def close(self) -> None:
         """Drop everything held (the hooks are removed, the storages forgotten)."""
         self._saved_hooks.pop()
+        self.module_name = None  # refers back to the hooks through the attribution
+        self.on_fault = None
 
     # -- for the two ways -------------------------------------------------------
     def _input(self, tensor: torch.Tensor) -> None:
