@@ -21,7 +21,13 @@ For each workload, after a few warm-up steps:
 - allocated: ``torch.cuda.memory_allocated()`` right after ``record_stats()``;
 - categories plus other: weights + optimizer state + buffers + gradients still
   held + the batch (other) against ``memory_allocated()``; what is left is what
-  no category explains (the allocator's rounding to 512 bytes, cuBLAS workspaces).
+  no category explains (the allocator's rounding to 512 bytes, cuBLAS workspaces);
+- peak breakdown (sum): the sum of ``record.peak_breakdown`` against
+  ``max_memory_allocated()`` over an identical unprofiled step (on the CPU,
+  against the profiler's own iteration peak: the sum must be exact);
+- activations at the peak: ``peak_breakdown["activations"]`` against the bytes
+  this script's pack hook saw (equal where the peak is reached before backward
+  has freed any of them, as where backward begins; smaller otherwise).
 
 Errors are the profiler's figure minus the independent one, in bytes and in
 percent of the independent one. Prints a Markdown table; with ``--out DIR``
@@ -59,6 +65,8 @@ FIGURES = (
     "iteration peak",
     "allocated",
     "categories + other",
+    "peak breakdown (sum)",
+    "activations at the peak",
 )
 
 
@@ -277,7 +285,23 @@ def compare(work: Workload, device: torch.device, warmup: int) -> list[Compariso
                 "vs memory_allocated()",
             ),
         ]
+    breakdown = record.peak_breakdown
+    breakdown_sum = sum(breakdown.values()) if breakdown is not None else None
+    if cuda:
+        rows.append(row("peak breakdown (sum)", breakdown_sum, reference_peaks[0], method))
     else:
+        rows.append(
+            row("peak breakdown (sum)", breakdown_sum, record.iteration_peak_allocated, "the profiler's own iteration peak (CPU counter)")
+        )
+    rows.append(
+        row(
+            "activations at the peak",
+            breakdown["activations"] if breakdown is not None else None,
+            saved.saved_bytes,
+            saved_method + f"; peak in {record.peak_phase}",
+        )
+    )
+    if not cuda:
         rows += [
             no_allocator("iteration peak", record.iteration_peak_allocated),
             no_allocator("allocated", record.allocated),

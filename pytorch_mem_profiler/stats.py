@@ -149,8 +149,10 @@ class IterationRecord:
         current_cached: bytes the caching allocator reserves now.
         feature_maps: allocated when forward ended minus when it started (the
             largest forward of the iteration).
-        intermediate_gradients: peak allocated during backward minus allocated
-            when it started, minus the weight gradients it created (largest backward).
+        intermediate_gradients: the ``activation_gradients`` part of what was alive at
+            backward's peak (gradients with respect to activations and backward's
+            temporaries; see :attr:`peak_breakdown`), on reported iterations; ``None``
+            where it was not measured.
         weights: bytes of the model's parameters (unique storages).
         weights_by_name: bytes per parameter name.
         gradients: bytes of the parameters' ``.grad`` when backward ended.
@@ -178,6 +180,13 @@ class IterationRecord:
             where it was not measured.
         peak_layers: per-layer mode: bytes of each module's saved activations still
             alive at the peak, by module name.
+        peak_transient: bytes of the peak that were made and freed between two
+            boundaries the profiler read (CUDA and other allocators: module boundaries in
+            per-layer mode, phase boundaries otherwise), counted in ``peak_breakdown`` as
+            ``activation_gradients`` in backward and ``other`` elsewhere; ``None`` where every
+            byte was seen by identity (the CPU) or no breakdown was measured.
+        peak_transient_in: the module (``""``: the model's own code) or, without
+            per-layer mode, the phase that transient ran in.
         ddp_gradient_buckets: bytes of DDP's gradient buckets held apart from the
             gradients (0 with ``gradient_as_bucket_view=True``); ``None`` without DDP.
         fsdp_gathered_parameters: most bytes of FSDP2's gathered (unsharded)
@@ -221,6 +230,8 @@ class IterationRecord:
     device_total: int | None = None
     peak_breakdown: Mapping[str, int] | None = None
     peak_layers: Mapping[str, int] | None = None
+    peak_transient: int | None = None
+    peak_transient_in: str | None = None
     ddp_gradient_buckets: int | None = None
     fsdp_gathered_parameters: int | None = None
     rank: int | None = None

@@ -43,10 +43,14 @@ def profile_tiny_model(
     units: str = "KB",
     seed: int = 0,
     by_layer: bool = False,
+    breakdown: bool = False,
 ) -> tuple[Path, nn.Module]:
     """Train :class:`TinyNet` with the profiler writing CSV into ``folder``; (CSV path, model).
 
     With ``by_layer`` the profiler also writes the per-layer file ``<run>_layers.csv``.
+    Without ``breakdown`` the ``peak_<category>`` columns are emptied, as in a file
+    written before the breakdown was measured: the analysis tests choose breakdowns
+    whose figures they know (:mod:`.peak_columns`).
     """
     torch.manual_seed(seed)
     model = TinyNet()
@@ -69,7 +73,12 @@ def profile_tiny_model(
                 optimizer.zero_grad()
                 profiler.record_stats()
             profiler.epoch_end()
-    return Path(profiler.csv_path), model
+    path = Path(profiler.csv_path)
+    if not breakdown:
+        from .peak_columns import add_peak_columns
+
+        add_peak_columns(path, device_total=None, shares=None)
+    return path, model
 
 
 def run_cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:

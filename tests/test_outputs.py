@@ -40,7 +40,7 @@ from pytorch_mem_profiler.outputs.leaks import LeakWarning
 from pytorch_mem_profiler.outputs.notices import OutputWarning
 from pytorch_mem_profiler.outputs.report import format_compact, format_line, format_report
 from pytorch_mem_profiler.outputs.sinks import CsvSink, LayerCsvSink
-from pytorch_mem_profiler.stats import PEAK_CATEGORIES, IterationRecord
+from pytorch_mem_profiler.stats import PEAK_CATEGORIES, PEAK_CATEGORY_LABELS, IterationRecord
 from pytorch_mem_profiler.units import format_amount
 
 from .helpers import mlp, nbytes, train_step
@@ -89,6 +89,33 @@ def saved_by_module(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
             h.remove()
     stack.pop(0)
     return {name or "(model)": n for name, n in found.items() if name != "(root)"}
+
+
+def mlp_adam_peak(model: nn.Module, opt: torch.optim.Optimizer, batch: int = 16) -> dict[str, int]:
+    """What is alive at the peak of :func:`run_mlp`'s steps after the first, computed by hand.
+
+    The peak is in Adam's step (single-tensor on the CPU), at the largest parameter: ``sqrt()`` of
+    its second moment and that divided by the bias correction are two temporaries of its size,
+    alive together, while the weights, their gradients, Adam's state, the batch and the model's
+    output (``out`` in :func:`train_step`, still referenced) are alive too.
+    """
+    weights = sum(nbytes(q) for q in model.parameters())
+    largest = max(nbytes(q) for q in model.parameters())
+    outputs = model[-1].out_features
+    return {
+        "weights": weights,
+        "gradients": weights,
+        "optimizer_state": adam_state_bytes(opt),
+        "activations": 0,
+        "activation_gradients": 0,
+        "inputs": batch * 32 * 4,
+        "other": batch * outputs * 4 + 2 * largest,
+    }
+
+
+def at_peak_parts(expected: dict[str, int]) -> list[tuple[str, int]]:
+    """The nonzero categories, largest first, ties in :data:`PEAK_CATEGORIES` order."""
+    return sorted(((k, expected[k]) for k in PEAK_CATEGORIES if expected[k]), key=lambda kv: -kv[1])
 
 
 def render_terminal(text: str) -> list[str]:
@@ -179,11 +206,18 @@ def test_compact_mode_line_by_line():
     if record.intermediate_gradients:
         categories += f", intermediate gradients {mb(record.intermediate_gradients)}"
     assert lines[3] == categories
-    assert lines[4] == "  top layers (feature maps saved for backward):"
+    expected = mlp_adam_peak(model, opt)
+    peak = sum(expected.values())
+    assert record.peak_phase == "optimizer" and record.iteration_peak_allocated == peak
+    assert lines[4] == "  at the peak: " + ", ".join(
+        f"{label} {mb(n)} ({100 * n / peak:.1f}%)"
+        for label, n in ((PEAK_CATEGORY_LABELS[k], n) for k, n in at_peak_parts(expected))
+    )
+    assert lines[5] == "  top layers (feature maps saved for backward):"
     saved = saved_by_module(model, torch.randn(16, 32))
     assert saved == {"1": 16 * 64 * 4}  # ReLU keeps its output; the Linears save the batch and that
-    assert re.fullmatch(rf"    1\.+{16 * 64 * 4} B 100\.0%", lines[5]), lines[5]
-    assert len(lines) == 6
+    assert re.fullmatch(rf"    1\.+{16 * 64 * 4} B 100\.0%", lines[6]), lines[6]
+    assert len(lines) == 7
 
 
 def test_line_mode_is_one_line_per_report():
@@ -200,11 +234,17 @@ def test_line_mode_is_one_line_per_report():
     for line, record in zip(lines, (records[1], records[3])):
         phase = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}[record.peak_phase]
         extra = f", intermediate gradients {mb(record.intermediate_gradients)}" if record.intermediate_gradients else ""
+        expected = mlp_adam_peak(model, opt)
+        peak = sum(expected.values())
+        assert record.iteration_peak_allocated == peak
+        largest, n = at_peak_parts(expected)[0]
         assert line == (
             f"memory epoch 1 iteration {record.iteration} | peak {mb(record.iteration_peak_allocated)} during {phase}"
             f" | allocated {mb(weights + state)}, reserved {mb(record.current_cached)}"
             f" | weights {mb(weights)}, weight gradients {mb(weights)}, optimizer state {mb(state)},"
-            f" feature maps {mb(16 * 74 * 4)}{extra} | {record.iteration_time_s * 1e3:.1f} ms"
+            f" feature maps {mb(16 * 74 * 4)}{extra}"
+            f" | largest at the peak: {PEAK_CATEGORY_LABELS[largest]} {100 * n / peak:.1f}%"
+            f" | {record.iteration_time_s * 1e3:.1f} ms"
         )
 
 
@@ -693,7 +733,9 @@ def test_a_full_disk_keeps_a_bounded_buffer_and_says_so_once(csv_dir, monkeypatc
             run_mlp(p, model, opt, 5)
             row_bytes = len(Path(p.csv_path).read_bytes().splitlines()[-1]) + 1
             monkeypatch.setattr(CsvFile, "MAX_PENDING_BYTES", 10 * row_bytes + row_bytes // 2)
-            assert CsvFile.MAX_PENDING_BYTES < 3_000
+            # The bound is ten rows and a half (the peak_<category> columns included): far below
+            # what the 150 failed rows below would take if nothing bounded them.
+            assert 150 * row_bytes > 10 * CsvFile.MAX_PENDING_BYTES
             real = os.dup(file._fd)
             full = os.open("/dev/full", os.O_WRONLY)
             os.dup2(full, file._fd)
@@ -719,7 +761,7 @@ def test_a_full_disk_keeps_a_bounded_buffer_and_says_so_once(csv_dir, monkeypatc
     assert list(frame.iteration) == list(range(1, 6)) + list(range(kept_from, 5 + 4 + 5 + 150 + 2 + 1))
     notes = [str(w.message) for w in caught if w.category is OutputWarning]
     assert len(notes) == 1 and "No space left on device" in notes[0] and "wait in memory" in notes[0]
-    assert growth < CsvFile.MAX_PENDING_BYTES + 1_000, growth  # bounded: 150 failed rows are ~30 KB
+    assert growth < CsvFile.MAX_PENDING_BYTES + 1_000, (growth, 150 * row_bytes)  # bounded: not 150 rows
     assert not p._guard.disabled
 
 

@@ -1,13 +1,21 @@
 """The largest batch that fits, predicted from a real run's records (no estimate needed).
 
-One run at one batch size is enough: in each phase, the weights, buffers and
-optimizer state the record counted stay whatever the batch; the rest of the
-phase's peak (activations, their gradients, the batch, the loss) grows with it.
-Gradients count as fixed where the record's peak breakdown says how much of
-them was alive at a backward peak, and as growing otherwise (a smaller batch
-predicted: the safe side). The optimizer step's peak is taken as fixed. Memory
-outside PyTorch is the record's own measurement (``outside_pytorch``) where it
-has one.
+One run at one batch size is enough: each phase's peak is split into what stays
+whatever the batch and what grows with it.
+
+- Where the record's peak breakdown explains this phase's peak (the iteration
+  peaked in it): ``weights``, ``gradients`` and ``optimizer_state`` stay;
+  ``activations``, ``activation_gradients``, ``inputs`` and ``other`` (the
+  model's outputs, the loss, temporaries: what of it is sized by the
+  parameters cannot be told apart at one batch size, so all of it grows, the
+  safe side) grow.
+- Otherwise the weights, buffers and optimizer state the record counted stay
+  and the rest grows; in the optimizer step the weight gradients stay too (the
+  step reads them, whatever the batch), in forward and backward they grow (a
+  smaller batch predicted: the safe side).
+
+Memory outside PyTorch is the record's own measurement (``outside_pytorch``)
+where it has one.
 
 Example::
 
@@ -29,15 +37,21 @@ from .result import BatchFit
 __all__ = ["fit_records", "max_batch_from_records"]
 
 
+#: The parts of the peak breakdown that do not grow with the batch (the rest does).
+_FIXED_AT_PEAK = ("weights", "gradients", "optimizer_state")
+
+
 def _line(record: IterationRecord, phase: str, peak: int, batch_size: int) -> tuple[float, float]:
-    fixed = record.weights + record.buffers + record.optimizer_state
-    if phase == "optimizer":
-        return float(peak), 0.0
+    """``(fixed, per_sample)`` of ``phase``'s ``peak`` in ``record`` (see the module's text)."""
     breakdown = record.peak_breakdown
-    if phase == "backward" and breakdown is not None and record.peak_phase == "backward":
-        fixed = sum(breakdown.get(k, 0) for k in ("weights", "gradients", "optimizer_state"))
-    growing = max(0, peak - fixed)
-    per_sample = growing / batch_size
+    if breakdown is not None and record.peak_phase == phase and sum(breakdown.values()) == peak:
+        growing = sum(n for k, n in breakdown.items() if k not in _FIXED_AT_PEAK)
+    else:
+        fixed = record.weights + record.buffers + record.optimizer_state
+        if phase == "optimizer":
+            fixed += record.gradients
+        growing = peak - fixed
+    per_sample = max(0, growing) / batch_size
     return peak - per_sample * batch_size, per_sample
 
 

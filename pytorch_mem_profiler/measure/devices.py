@@ -317,6 +317,19 @@ class CpuCounter(MemoryCounter):
         allocated, peak = self._tally.settle()
         return Reading(allocated, peak, allocated, peak)
 
+    def watch_storages(self) -> tuple[dict[Any, int], list[tuple[Any, int]]]:
+        """Key the changes by storage from now on (the peak breakdown, reported iterations):
+        the storages counted now with their bytes, and the list each later change lands in."""
+        return self._registry.watch(self._tally)
+
+    def unwatch_storages(self) -> None:
+        """Stop keying the changes by storage."""
+        self._registry.unwatch(self._tally)
+
+    def storage_ref(self, tensor: torch.Tensor) -> Any:
+        """The counted storage of ``tensor`` (the key :meth:`watch_storages` uses); ``None`` if not counted."""
+        return self._registry.ref_of(tensor)
+
     def mark(self) -> Reading:
         # No peers to fold (shares_peaks is False): read, then start the new interval.
         reading = self._read_device()

@@ -66,6 +66,7 @@ from .devices import MemoryCounter, Reading
 from ..faults import FaultGuard
 from .entries import EntryWatch
 from .layers import LayerAttribution, LayerBreakdown
+from .peak_breakdown import PeakBreakdown
 from .trees import output_grad_nodes
 
 __all__ = ["StepMeasurements", "TrainingStepHooks", "PhaseBlock", "EXPLICIT_PHASES"]
@@ -86,7 +87,6 @@ class StepMeasurements:
     backward_passes: int = 0
     optimizer_steps: int = 0
     feature_maps: int = 0
-    intermediate_gradients: int | None = None
     #: gradient bytes per parameter when the last backward ended (None: no backward seen)
     gradient_sizes: list[int] | None = None
     iteration_peak: int | None = None
@@ -189,7 +189,6 @@ class TrainingStepHooks:
         self._entries = EntryWatch(model, self._entered, self._exited, self.guard)
         self._phase = "other"
         self._pass: _ForwardPass | None = None
-        self._backward_base: tuple[int, int] | None = None
         # optimizer steps running (nested steps count once), forwards begun in the
         # running step, and whether the running step began inside backward
         self._step_depth = 0
@@ -207,6 +206,8 @@ class TrainingStepHooks:
         self.reported = True
         # a backward began on an iteration not reported and its end is not noticed yet
         self._backward_unsettled = False
+        #: what is alive at the peak, watched on reported iterations only (``None`` otherwise)
+        self.breakdown: PeakBreakdown | None = None
         #: read backward's end only after callbacks queued later during backward
         #: (DDP and FSDP finish their gradient reduction in one)
         self.defer_backward_end = _queues_own_callbacks(model)
@@ -323,9 +324,23 @@ class TrainingStepHooks:
                 self.max_reserved = reading.peak_reserved
         if ended != "other" and next_phase != ended:
             m.phase_end_allocated[ended] = reading.allocated
+        if self.breakdown is not None:
+            self._tell_breakdown("marked", reading, ended, next_phase, self._location)
         self._phase = next_phase
         self._location = location
         return reading
+
+    def _tell_breakdown(self, what: str, *args: Any) -> None:
+        """Hand an event to the peak breakdown; a fault switches it off (the rest goes on)."""
+        tracker = self.breakdown
+        if tracker is None:
+            return
+        try:
+            getattr(tracker, what)(*args)
+        except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
+            self.breakdown = None
+            tracker.close()
+            self.guard.fault("peak breakdown", exc)
 
     def _count(self, phase: str) -> None:
         counts = self.current.phase_count
@@ -356,6 +371,8 @@ class TrainingStepHooks:
             # The framework marked this forward: only learn the inputs.
             if self._pass is not None and self._pass.attributed and self.attribution is not None:
                 self.attribution.add_inputs(args)
+            if self.breakdown is not None:
+                self._tell_breakdown("add_inputs", args)
             return True
         self._begin_forward(args, module)
         return True
@@ -377,6 +394,7 @@ class TrainingStepHooks:
         if pass_ is not None and not explicit and not pass_.explicit and not pass_.pending.started:
             # Entered again before any backward (self.decoder after self.encoder): the same pass.
             self._switch("forward", location)
+            self._tell_breakdown("watch_forward", args)
             self._attribute(args, entry, resume=True)
         else:
             self._close_forward()
@@ -390,6 +408,7 @@ class TrainingStepHooks:
             self._pass = _ForwardPass(start, _BackwardPass(self), explicit, self.current.feature_maps)
             self.current.forward_passes += 1
             self._count("forward")
+            self._tell_breakdown("watch_forward", args)
             self._attribute(args, entry, resume=False)
         if self._step_depth:
             self._step_forwards += 1
@@ -420,6 +439,8 @@ class TrainingStepHooks:
     def _leave(self, pass_: _ForwardPass) -> None:
         if pass_.attributed and self.attribution is not None:
             self.guard.call("per-layer attribution", self.attribution.close)
+        if self.breakdown is not None:  # pushed before the attribution's: popped after it
+            self._tell_breakdown("unwatch_forward")
         if self._phase == "forward":
             reading = self._switch("other")
             if reading is None or pass_.start is None:
@@ -457,16 +478,17 @@ class TrainingStepHooks:
                 self._phase = "backward"
                 self._backward_unsettled = True
                 return
-            start = self._mark("backward", "" if self.detailed else None)
+            self._mark("backward", "" if self.detailed else None)
             self._count("backward")
-            # The gradients of the outputs are already allocated when the
-            # gradient reaches the model: they belong to backward's transient memory.
-            out_grads = sum(
-                allocation_bytes(g)
-                for g in grad_outputs
-                if isinstance(g, torch.Tensor) and same_device(g, self.device)
-            )
-            self._backward_base = (start.allocated - out_grads, sum(self._gradient_sizes()))
+            if self.breakdown is not None:
+                # The gradients of the outputs are already allocated when the
+                # gradient reaches the model: they belong to backward.
+                out_grads = sum(
+                    allocation_bytes(g)
+                    for g in grad_outputs
+                    if isinstance(g, torch.Tensor) and same_device(g, self.device)
+                )
+                self._tell_breakdown("backward_started", out_grads)
             # Queued now, this callback runs when the whole backward pass is
             # done. Under DDP/FSDP it queues itself once more so that it runs
             # after the callbacks they queue later, in which they finish reducing.
@@ -481,23 +503,15 @@ class TrainingStepHooks:
         engine.queue_callback(self.guard.wrap("backward hooks", self._backward_finished))
 
     def _backward_finished(self) -> None:
-        base = self._backward_base
-        self._backward_base = None
         # Inside an optimizer step (a closure), what follows backward is the update.
         end = self._switch("optimizer" if self._step_depth and not self._step_in_backward else "other")
         m = self.current
         m.backward_passes += 1
         if end is None:
-            return  # not reported: gradients and backward's transient memory are not measured
-        sizes = self._gradient_sizes()
-        m.gradient_sizes = sizes
-        if base is None or end.peak_allocated is None:
-            return
-        allocated_before, grads_before = base
-        created = max(0, sum(sizes) - grads_before)
-        transient = max(0, end.peak_allocated - allocated_before - created)
-        if m.intermediate_gradients is None or transient > m.intermediate_gradients:
-            m.intermediate_gradients = transient
+            return  # not reported: gradients and backward's activation gradients are not measured
+        m.gradient_sizes = self._gradient_sizes()
+        if self.breakdown is not None:
+            self._tell_breakdown("gradients_ready", [p for _, p in self.params])
 
     # -- optimizer step --------------------------------------------------------
     def _steps_model(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -574,9 +588,8 @@ class TrainingStepHooks:
             self._begin_forward((), None, explicit=True)
         elif phase == "backward":
             self._close_forward()
-            start = self._switch("backward", "" if self.detailed else None)
+            self._switch("backward", "" if self.detailed else None)
             self._count("backward")
-            self._backward_base = None if start is None else (start.allocated, sum(self._gradient_sizes()))
         else:
             self._step_began()
         self._explicit.add(phase)

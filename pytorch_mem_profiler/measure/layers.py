@@ -222,6 +222,10 @@ class LayerAttribution:
         """What the running (or last) forward pass saved so far."""
         return self._current
 
+    def current_module(self) -> str:
+        """The name of the innermost module running now (``""``: the model's own code)."""
+        return self._stack[-1][1] if self._stack else ""
+
     @property
     def watching_saved_tensors(self) -> bool:
         """Whether saved tensors can be watched here (torch 2.8 or later: see :mod:`.saved_tensors`)."""

@@ -47,6 +47,7 @@ from .hooks import PhaseBlock, StepMeasurements, TrainingStepHooks
 from .layers import LayerAttribution, LayerBreakdown, is_compiled
 from .saved_tensors import can_chain
 from .outside import DeviceMemoryReader
+from .peak_breakdown import PeakBreakdown, PeakResult, make_peak_breakdown
 
 __all__ = ["Meter", "Position"]
 
@@ -106,6 +107,7 @@ class Meter:
         for opt in self._optimizers or ():
             self._known_optimizers[opt] = None
         self._hooks: TrainingStepHooks | None = None
+        self._peak: PeakBreakdown | None = None
         self._last_time = time.perf_counter()
 
     # -- what the model holds ------------------------------------------------
@@ -195,21 +197,45 @@ class Meter:
                     guard=self.guard,
                 )
         self._hooks.install()
+        self._peak = self._make_peak_breakdown()
         if self.rank_info is not None:
             self._fsdp = FsdpGatherTracker.attach(self.model, wrap)
         self._last_time = time.perf_counter()
+
+    def _make_peak_breakdown(self) -> PeakBreakdown | None:
+        tracker = make_peak_breakdown(self.counter)
+        if tracker is not None:
+            guard = self.guard
+            tracker.on_fault = lambda exc: guard.fault("peak breakdown", exc)
+        hooks = self._hooks
+        if tracker is not None and hooks is not None and hooks.attribution is not None:
+            tracker.module_name = hooks.attribution.current_module
+        return tracker
 
     def prepare(self, detailed: bool) -> None:
         """Whether the coming iteration is one that will be reported.
 
         Only a reported iteration reads the counters at its phase boundaries,
-        measures gradients and runs the per-layer hooks; the others cost one read
-        and one peak reset, at :meth:`finish`.
+        measures gradients, runs the per-layer hooks and watches what is alive at
+        its peak; the others cost one read and one peak reset, at :meth:`finish`.
         """
         hooks = self._hooks
         if hooks is not None:
             hooks.reported = detailed
             hooks.detailed = hooks.attribution is not None and detailed
+            hooks.breakdown = None
+            tracker = self._peak
+            if detailed and tracker is not None and "peak breakdown" not in self.guard.disabled:
+                params = [p for _, p in self._params]
+                self.guard.call("peak breakdown", tracker.begin, params, self._buffers(), self._optimizer_list())
+                if "peak breakdown" not in self.guard.disabled:
+                    hooks.breakdown = tracker
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [b for b in self.model.buffers() if b is not None]
+
+    def _optimizer_list(self) -> list[torch.optim.Optimizer]:
+        return list(self._known_optimizers.keys())
 
     def refresh(self) -> None:
         """Learn the model again (at each epoch end): parameters, weights, buffers, optimizer state."""
@@ -222,12 +248,17 @@ class Meter:
 
     def close(self) -> None:
         """Remove every hook and stop counting (each in its own try: see ``FaultGuard.clean_up``)."""
-        hooks, fsdp = self._hooks, self._fsdp
-        steps = [self.counter.stop]
+        hooks, fsdp, peak = self._hooks, self._fsdp, self._peak
+        self._peak = None
+        steps = []
+        if peak is not None:
+            steps.append(peak.close)
         if hooks is not None:
-            steps.insert(0, hooks.release)
+            hooks.breakdown = None
+            steps.append(hooks.release)
         if fsdp is not None:
-            steps.insert(1, fsdp.remove)
+            steps.append(fsdp.remove)
+        steps.append(self.counter.stop)
         self.guard.clean_up("close", *steps)
 
     # -- callbacks from the hooks ----------------------------------------------
@@ -251,6 +282,11 @@ class Meter:
         self._refresh_model_state()
         assert self._hooks is not None
         self._hooks.retarget(self.counter, self._params)
+        # This iteration's breakdown followed the old device: none for it.
+        self._hooks.breakdown = None
+        if self._peak is not None:
+            self._peak.close()
+        self._peak = self._make_peak_breakdown()
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer not in self._known_optimizers:
@@ -297,6 +333,7 @@ class Meter:
         assert final is not None
         if not measured:
             return self._light_record(position, m, final, elapsed)
+        peak = self._peak_result(m.iteration_peak)
         sizes = m.gradient_sizes
         if sizes is None or len(sizes) != len(self._params):
             # No backward reached the model this iteration: take the gradients as they are.
@@ -336,7 +373,7 @@ class Meter:
             peak_cached=hooks.max_reserved if has_peak else None,
             current_cached=final.reserved,
             feature_maps=m.feature_maps,
-            intermediate_gradients=m.intermediate_gradients if has_peak else None,
+            intermediate_gradients=peak.backward_activation_gradients if peak is not None else None,
             weights=self._weights_total,
             weights_by_name=self._weights_by_name,
             gradients=sum(sizes),
@@ -350,6 +387,10 @@ class Meter:
             phases=phases,
             peak_location=m.peak_location,
             layers=_feature_maps_by_layer(m.layers, m.layers_kept) if reported else None,
+            peak_breakdown=MappingProxyType(peak.breakdown) if peak is not None else None,
+            peak_layers=MappingProxyType(peak.peak_layers) if peak is not None and peak.peak_layers is not None else None,
+            peak_transient=peak.transient if peak is not None and peak.transient_in is not None else None,
+            peak_transient_in=peak.transient_in if peak is not None else None,
             device_used=usage.device_used if usage is not None else None,
             process_used=usage.process_used if usage is not None else None,
             outside_pytorch=outside,
@@ -412,6 +453,16 @@ class Meter:
         if self._fsdp is not None:
             fields["fsdp_gathered_parameters"] = self._fsdp.finish_iteration()
         return record
+
+    def _peak_result(self, iteration_peak: int | None) -> PeakResult | None:
+        """What the iteration's peak held, where the breakdown watched it (reported iterations)."""
+        hooks = self._hooks
+        assert hooks is not None
+        tracker, hooks.breakdown = hooks.breakdown, None
+        if tracker is None:
+            return None
+        params = [p for _, p in self._params]
+        return self.guard.call("peak breakdown", tracker.result, iteration_peak, params, self._optimizer_list())
 
 
 def _feature_maps_by_layer(breakdown: LayerBreakdown | None, kept: int) -> LayerFeatureMaps | None:

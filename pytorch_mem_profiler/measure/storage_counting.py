@@ -64,10 +64,13 @@ class Tally:
     folds them in, in order, so the peak between two reads is exact.
     """
 
-    __slots__ = ("changes", "allocated", "peak", "_lock", "__weakref__")
+    __slots__ = ("changes", "keyed", "allocated", "peak", "_lock", "__weakref__")
 
     def __init__(self) -> None:
         self.changes: list[int] = []
+        #: while not ``None``, each change is also appended here as ``(storage reference, bytes)``,
+        #: in the same order: who is alive at the peak (:mod:`.peak_breakdown`, reported iterations)
+        self.keyed: list[tuple[Any, int]] | None = None
         self.allocated = 0
         self.peak = 0
         self._lock = threading.Lock()
@@ -98,6 +101,11 @@ class _StorageRef(weakref.ref):
     """A weak reference to a counted storage, with its size and the tallies that count it."""
 
     __slots__ = ("key", "nbytes", "owners")
+
+    # Compared and hashed by identity: a weak reference's own hash is its referent's and
+    # fails once the referent died, and the peak breakdown keys dictionaries on these.
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__  # type: ignore[assignment]
 
 
 # What an operator's return can be, decided once per operator from its schema.
@@ -369,6 +377,8 @@ class StorageRegistry:
         self.live[key] = ref
         for tally in tallies:
             tally.changes.append(nbytes)
+            if tally.keyed is not None:
+                tally.keyed.append((ref, nbytes))
 
     def adopt(self, tensors: Iterable[Any], tally: Tally) -> None:
         """Count storages made before ``tally`` started (a model's weights) into it, each once."""
@@ -390,6 +400,8 @@ class StorageRegistry:
         elif tally not in ref.owners:
             ref.owners = (*ref.owners, tally)
             tally.changes.append(ref.nbytes)
+            if tally.keyed is not None:
+                tally.keyed.append((ref, ref.nbytes))
 
     def _resized(self, tensor: torch.Tensor) -> None:
         if not tensor.is_cpu:
@@ -406,6 +418,8 @@ class StorageRegistry:
             change, ref.nbytes = nbytes - ref.nbytes, nbytes
             for tally in ref.owners:
                 tally.changes.append(change)
+                if tally.keyed is not None:
+                    tally.keyed.append((ref, change))
 
     def _storage_died(self, ref: _StorageRef) -> None:
         try:  # a weak-reference callback: a fault would only be printed, and the figures wrong
@@ -413,6 +427,8 @@ class StorageRegistry:
                 del self.live[ref.key]
             for tally in ref.owners:
                 tally.changes.append(-ref.nbytes)
+                if tally.keyed is not None:
+                    tally.keyed.append((ref, -ref.nbytes))
         except Exception as exc:  # noqa: BLE001 - counting stops, training goes on
             self.fail(exc)
 
@@ -423,6 +439,26 @@ class StorageRegistry:
                 ref.owners = tuple(t for t in ref.owners if t is not tally)
                 if not ref.owners:
                     self.live.pop(key, None)
+
+    def ref_of(self, tensor: torch.Tensor) -> _StorageRef | None:
+        """The live counted storage of a strided CPU tensor (``None``: not counted)."""
+        try:
+            return self.live.get(id(tensor.untyped_storage()))
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
+
+    def watch(self, tally: Tally) -> tuple[dict[Any, int], list[tuple[Any, int]]]:
+        """Start keying ``tally``'s changes by storage: the storages it counts now with their
+        bytes, and the list each later change is appended to as ``(storage reference, bytes)``."""
+        with self._lock:
+            alive = {ref: ref.nbytes for ref in list(self.live.values()) if tally in ref.owners}
+            keyed: list[tuple[Any, int]] = []
+            tally.keyed = keyed
+            return alive, keyed
+
+    def unwatch(self, tally: Tally) -> None:
+        """Stop keying ``tally``'s changes."""
+        tally.keyed = None
 
     def fail(self, exc: BaseException) -> None:
         """A fault while counting: stop counting (figures would be wrong), log it once."""

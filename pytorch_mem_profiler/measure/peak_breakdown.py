@@ -1,0 +1,540 @@
+"""What is alive at an iteration's peak, by category: the measure side of ``peak_breakdown``.
+
+On reported iterations only (the hooks hold a tracker then, and nothing on the
+others), each storage alive at the iteration's peak is put in one category
+of :data:`~pytorch_mem_profiler.stats.PEAK_CATEGORIES`, by identity, in this
+order: ``weights`` (parameters and buffers), ``gradients`` (a parameter's
+``.grad``), ``optimizer_state``, ``inputs`` (the tensors the model was entered
+with), ``activations`` (saved for backward during the model's forward, seen
+by a ``saved_tensors_hooks`` pack hook chained to the user's), then
+``activation_gradients`` (made during backward) and ``other``. The values sum
+to the iteration's peak exactly.
+
+Two ways, by what the device lets one see:
+
+- :class:`CpuPeakBreakdown`: the CPU counter sees every storage made and
+  freed. While the iteration runs, its changes are also appended keyed by
+  storage; at each boundary (phase, module) they are folded in order, and when
+  a new peak is set the set of live storages is copied (a dictionary copy).
+  Exact to the byte.
+- :class:`BoundaryPeakBreakdown` (CUDA and other devices with a peak counter):
+  the allocator gives no per-allocation view, so the categories are tracked by
+  identity (weak references to the storages, hooks that see gradients made)
+  and read at each boundary the hooks mark (phases; modules in per-layer mode)
+  together with the allocator. The iteration's peak lies in one interval
+  between two boundaries: what was alive at the interval's start is put in its
+  categories, and the rest (peak minus allocated at that start) is a
+  *transient* of the module the interval ran in: ``activation_gradients`` in
+  backward, ``other`` elsewhere, with its module and bytes reported apart.
+  In backward, the allocated bytes no category claims beyond what was
+  unclaimed when backward began count as ``activation_gradients``.
+
+Example::
+
+    >>> import torch
+    >>> from pytorch_mem_profiler.measure.devices import CpuCounter
+    >>> counter = CpuCounter(); counter.start()
+    >>> model = torch.nn.Linear(4, 4)
+    >>> counter.adopt(model.parameters())
+    >>> tracker = CpuPeakBreakdown(counter)
+    >>> tracker.begin(list(model.parameters()), [], [])
+    >>> _ = counter.mark(); tracker.marked(counter.read(), "other", "forward", None)
+    >>> x = torch.randn(2, 4)
+    >>> result = tracker.result(counter.mark().peak_allocated, list(model.parameters()), [])
+    >>> result.breakdown["weights"], result.breakdown["other"]
+    (80, 32)
+    >>> counter.stop()
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
+
+import torch
+
+from ..stats import PEAK_CATEGORIES
+from .accounting import optimizer_state_tensors, same_device, storage_parts
+from .devices import CpuCounter, MemoryCounter, Reading
+from .saved_tensors import ChainedSavedTensorsHooks, can_chain
+from .trees import tensors_in
+
+__all__ = ["PeakResult", "PeakBreakdown", "CpuPeakBreakdown", "BoundaryPeakBreakdown", "make_peak_breakdown"]
+
+
+class PeakResult(NamedTuple):
+    """One iteration's peak, explained (bytes)."""
+
+    #: bytes alive at the peak by category; the values sum to the peak
+    breakdown: dict[str, int]
+    #: the ``activation_gradients`` part at backward's own peak (``None``: no backward seen)
+    backward_activation_gradients: int | None
+    #: bytes of each module's saved activations alive at the peak (per-layer mode), largest first
+    peak_layers: dict[str, int] | None
+    #: bytes of the peak made and freed between two boundaries (not seen by identity; 0 on the CPU)
+    transient: int
+    #: the module (``""``: the model's own code) or phase the transient ran in
+    transient_in: str | None
+
+
+def _empty() -> dict[str, int]:
+    return dict.fromkeys(PEAK_CATEGORIES, 0)
+
+
+class PeakBreakdown:
+    """What both ways share: watching saved tensors and the model's inputs during forward.
+
+    Args:
+        device: the profiled device.
+        module_name: tells the module running now (per-layer mode), or ``None``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        #: the module running now (set by the hooks in per-layer mode), for ``peak_layers``
+        self.module_name: Callable[[], str] | None = None
+        self._saved_hooks = ChainedSavedTensorsHooks(self._observe_saved)
+        self.on_fault: Callable[[BaseException], None] | None = None
+
+    # -- forward -------------------------------------------------------------
+    def add_inputs(self, inputs: Any) -> None:
+        """The model was entered with ``inputs``: their storages are the ``inputs``."""
+        for t in tensors_in(inputs):
+            for part in storage_parts(t):
+                if same_device(part, self.device):
+                    self._input(part)
+
+    def watch_forward(self, inputs: Any) -> None:
+        """The model was entered with ``inputs``: count them, and watch what autograd saves
+        (call before the per-layer attribution pushes its own hooks: they pop in reverse)."""
+        self.add_inputs(inputs)
+        if can_chain():
+            self._saved_hooks.on_fault = self.on_fault
+            self._saved_hooks.push()
+
+    def unwatch_forward(self) -> None:
+        """The model was left: stop watching saved tensors."""
+        self._saved_hooks.pop()
+
+    def _observe_saved(self, kept: Any) -> None:
+        module = self.module_name() if self.module_name is not None else None
+        for t in tensors_in(kept):
+            for part in storage_parts(t):
+                if same_device(part, self.device):
+                    self._saved(part, module)
+
+    def close(self) -> None:
+        """Drop everything held (the hooks are removed, the storages forgotten)."""
+        self._saved_hooks.pop()
+        self.module_name = None  # refers back to the hooks through the attribution
+        self.on_fault = None
+
+    # -- for the two ways -------------------------------------------------------
+    def _input(self, tensor: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _saved(self, tensor: torch.Tensor, module: str | None) -> None:
+        raise NotImplementedError
+
+    def begin(self, params: Sequence[torch.Tensor], buffers: Iterable[torch.Tensor], optimizers: Iterable[Any]) -> None:
+        """A reported iteration starts."""
+        raise NotImplementedError
+
+    def marked(self, reading: Reading, ended: str, following: str, location: str | None) -> None:
+        """The hooks marked a boundary: ``reading`` closed an interval of phase ``ended`` run in
+        ``location`` (a module name, or ``None``) and opened one of phase ``following``."""
+        raise NotImplementedError
+
+    def backward_started(self, output_gradients: int) -> None:
+        """Backward reached the model, whose outputs' gradients (``output_gradients`` bytes) exist."""
+
+    def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
+        """A backward ended: the parameters' ``.grad`` are the weight gradients."""
+
+    def result(self, peak: int | None, params: Sequence[torch.Tensor], optimizers: Iterable[Any]) -> PeakResult | None:
+        """The iteration (whose peak the hooks measured as ``peak``) ends: what its peak held."""
+        raise NotImplementedError
+
+
+# -- the CPU: exact ---------------------------------------------------------------------------------
+class CpuPeakBreakdown(PeakBreakdown):
+    """Exact breakdown from the CPU counter's storage changes (see the module's text)."""
+
+    def __init__(self, counter: CpuCounter) -> None:
+        super().__init__(counter.device)
+        self.counter = counter
+        self._reset()
+
+    def _reset(self) -> None:
+        self._live: dict[Any, int] = {}
+        self._events: list[tuple[Any, int]] | None = None
+        self._total = 0
+        self._best: tuple[int, dict[Any, int]] | None = None
+        self._backward_best: tuple[int, dict[Any, int]] | None = None
+        self._born_in_backward: set[Any] = set()
+        self._saved_by: dict[Any, str | None] = {}
+        self._inputs: set[Any] = set()
+        self._gradients: set[Any] = set()
+        self._state: set[Any] = set()
+
+    def begin(self, params: Sequence[torch.Tensor], buffers: Iterable[torch.Tensor], optimizers: Iterable[Any]) -> None:
+        self.counter.unwatch_storages()
+        self._reset()
+        self._buffers = list(buffers)
+        self._live, self._events = self.counter.watch_storages()
+        self._total = sum(self._live.values())
+        self.gradients_ready(params)
+        self._add_refs(self._state, optimizer_state_tensors(optimizers))
+
+    def _add_refs(self, into: set[Any], tensors: Iterable[Any]) -> None:
+        ref_of = self.counter.storage_ref
+        for whole in tensors:
+            if isinstance(whole, torch.Tensor) and whole.is_cpu:
+                for part in storage_parts(whole):
+                    ref = ref_of(part)
+                    if ref is not None:
+                        into.add(ref)
+
+    def _input(self, tensor: torch.Tensor) -> None:
+        ref = self.counter.storage_ref(tensor)
+        if ref is not None:
+            self._inputs.add(ref)
+
+    def _saved(self, tensor: torch.Tensor, module: str | None) -> None:
+        ref = self.counter.storage_ref(tensor)
+        if ref is not None and ref not in self._saved_by:
+            self._saved_by[ref] = module
+
+    def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
+        self._add_refs(self._gradients, (p.grad for p in params if p.grad is not None))
+
+    def marked(self, reading: Reading, ended: str, following: str, location: str | None) -> None:
+        events = self._events
+        if events is None:
+            return
+        count = len(events)
+        batch = events[:count]
+        del events[:count]  # changes appended meanwhile stay for the next boundary
+        running = list(itertools.accumulate((delta for _, delta in batch), initial=self._total))
+        top = max(running)
+        best, backward_best = self._best, self._backward_best
+        new_peak = best is None or top > best[0]
+        new_backward_peak = ended == "backward" and (backward_best is None or top > backward_best[0])
+        if new_peak or new_backward_peak:
+            at = running.index(top)  # the first time the top was reached: changes before it
+            self._fold(batch[:at], ended)
+            alive = self._live.copy()
+            if new_peak:
+                self._best = (top, alive)
+            if new_backward_peak:
+                self._backward_best = (top, alive)
+            self._fold(batch[at:], ended)
+        else:
+            self._fold(batch, ended)
+        self._total = running[-1]
+
+    def _fold(self, batch: list[tuple[Any, int]], phase: str) -> None:
+        live = self._live
+        in_backward = phase == "backward"
+        for ref, delta in batch:
+            n = live.get(ref)
+            if n is None:
+                live[ref] = delta
+                if in_backward:
+                    self._born_in_backward.add(ref)
+            else:
+                n += delta
+                if n > 0:
+                    live[ref] = n
+                else:
+                    del live[ref]
+
+    def _categorize(self, alive: dict[Any, int], weights: set[Any]) -> tuple[dict[str, int], dict[str, int]]:
+        out = _empty()
+        layers: dict[str, int] = {}
+        saved_by = self._saved_by
+        for ref, n in alive.items():
+            if ref in weights:
+                category = "weights"
+            elif ref in self._gradients:
+                category = "gradients"
+            elif ref in self._state:
+                category = "optimizer_state"
+            elif ref in self._inputs:
+                category = "inputs"
+            elif ref in saved_by:
+                category = "activations"
+                module = saved_by[ref]
+                if module is not None:
+                    layers[module] = layers.get(module, 0) + n
+            elif ref in self._born_in_backward:
+                category = "activation_gradients"
+            else:
+                category = "other"
+            out[category] += n
+        return out, layers
+
+    def result(self, peak: int | None, params: Sequence[torch.Tensor], optimizers: Iterable[Any]) -> PeakResult | None:
+        try:
+            if self._events is None or self._best is None or peak is None:
+                return None
+            self.gradients_ready(params)
+            self._add_refs(self._state, optimizer_state_tensors(optimizers))
+            weights: set[Any] = set()
+            self._add_refs(weights, params)
+            self._add_refs(weights, self._buffers)
+            top, alive = self._best
+            breakdown, layers = self._categorize(alive, weights)
+            # The hooks' peak is read from the same changes: equal unless another thread counted
+            # into this counter between the two reads; what differs is not known by identity.
+            breakdown["other"] += peak - top
+            backward = None
+            if self._backward_best is not None:
+                backward = self._categorize(self._backward_best[1], weights)[0]["activation_gradients"]
+            has_layers = self.module_name is not None
+            return PeakResult(
+                breakdown,
+                backward,
+                dict(sorted(layers.items(), key=lambda kv: -kv[1])) if has_layers else None,
+                0,
+                None,
+            )
+        finally:
+            self.counter.unwatch_storages()
+            self._reset()
+
+    _buffers: Sequence[torch.Tensor] = ()
+
+    def close(self) -> None:
+        super().close()
+        self.counter.unwatch_storages()
+        self._reset()
+
+
+# -- CUDA and other devices: boundaries -------------------------------------------------------------
+class _StorageLife(weakref.ref):
+    """A weak reference to a tracked storage, with its key, size, category and module."""
+
+    __slots__ = ("key", "nbytes", "category", "module")
+
+
+class _Alive:
+    """Storages tracked by identity while they live, with running totals per category and module."""
+
+    def __init__(self) -> None:
+        self.items: dict[int, _StorageLife] = {}
+        self.totals = _empty()
+        self.by_module: dict[str, int] = {}
+        self._died = self._on_death
+
+    def add(self, tensor: torch.Tensor, category: str, module: str | None = None) -> bool:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
+        key = id(storage)
+        if key in self.items:
+            return False  # the first category given wins
+        life = _StorageLife(storage, self._died)
+        life.key, life.nbytes, life.category, life.module = key, storage.nbytes(), category, module
+        self.items[key] = life
+        self.totals[category] += life.nbytes
+        if module is not None:
+            self.by_module[module] = self.by_module.get(module, 0) + life.nbytes
+        return True
+
+    def _on_death(self, life: _StorageLife) -> None:
+        if self.items.get(life.key) is life:
+            del self.items[life.key]
+            self.totals[life.category] -= life.nbytes
+            if life.module is not None:
+                self.by_module[life.module] -= life.nbytes
+
+    def clear(self) -> None:
+        self.items.clear()  # the weak references go with them: no callback runs
+        self.totals = _empty()
+        self.by_module = {}
+
+
+class _Boundary(NamedTuple):
+    """What was alive when an interval opened."""
+
+    allocated: int
+    parts: dict[str, int]
+    layers: dict[str, int] | None
+
+
+class BoundaryPeakBreakdown(PeakBreakdown):
+    """Breakdown from the allocator read at the hooks' boundaries (see the module's text).
+
+    Args:
+        counter: the device counter (read at :meth:`begin`; the hooks read it at boundaries).
+    """
+
+    def __init__(self, counter: MemoryCounter) -> None:
+        super().__init__(counter.device)
+        self.counter = counter
+        self._alive = _Alive()
+        self._handles: list[Any] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._alive.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._open: _Boundary | None = None
+        # (peak, the interval's opening, its phase, where it ran, weight gradients at its end)
+        self._best: tuple[int, _Boundary, str, str | None, int] | None = None
+        self._backward_best: tuple[int, _Boundary, str, str | None, int] | None = None
+        self._unclaimed_before_backward = 0
+        self._started = False
+
+    def begin(self, params: Sequence[torch.Tensor], buffers: Iterable[torch.Tensor], optimizers: Iterable[Any]) -> None:
+        self._reset()
+        alive = self._alive
+        for t in itertools.chain(params, buffers):
+            for part in storage_parts(t):
+                if same_device(part, self.device):
+                    alive.add(part, "weights")
+        self.gradients_ready(params)
+        self._add_state(optimizers)
+        hook = self._gradient_made
+        for p in params:
+            if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+                self._handles.append(p.register_post_accumulate_grad_hook(hook))
+        self._open = self._boundary(self.counter.read().allocated, in_backward=False)
+        self._started = True
+
+    def _add_state(self, optimizers: Iterable[Any]) -> None:
+        for t in optimizer_state_tensors(optimizers):
+            for part in storage_parts(t):
+                if same_device(part, self.device):
+                    self._alive.add(part, "optimizer_state")
+
+    def _gradient_made(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is not None:
+            for part in storage_parts(grad):
+                if same_device(part, self.device):
+                    self._alive.add(part, "gradients")
+
+    def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
+        for p in params:
+            if p.grad is not None:
+                self._gradient_made(p)
+
+    def _input(self, tensor: torch.Tensor) -> None:
+        self._alive.add(tensor, "inputs")
+
+    def _saved(self, tensor: torch.Tensor, module: str | None) -> None:
+        self._alive.add(tensor, "activations", module)
+
+    def _boundary(self, allocated: int, in_backward: bool) -> _Boundary:
+        parts = dict(self._alive.totals)
+        unclaimed = allocated - sum(parts.values())
+        if in_backward:
+            grads = max(0, unclaimed - self._unclaimed_before_backward)
+            parts["activation_gradients"] += grads
+            unclaimed -= grads
+        parts["other"] += unclaimed
+        layers = dict(self._alive.by_module) if self.module_name is not None else None
+        return _Boundary(allocated, parts, layers)
+
+    def marked(self, reading: Reading, ended: str, following: str, location: str | None) -> None:
+        if not self._started:
+            return
+        opened, peak = self._open, reading.peak_allocated
+        if opened is not None and peak is not None:
+            where = location if location is not None else ended
+            interval = (peak, opened, ended, where, self._alive.totals["gradients"])
+            if self._best is None or peak > self._best[0]:
+                self._best = interval
+            if ended == "backward" and (self._backward_best is None or peak > self._backward_best[0]):
+                self._backward_best = interval
+        if following == "backward" and ended != "backward":
+            # Backward begins: what no category claims now is not backward's.
+            self._unclaimed_before_backward = reading.allocated - sum(self._alive.totals.values())
+        self._open = self._boundary(reading.allocated, in_backward=following == "backward" and ended == "backward")
+
+    def backward_started(self, output_gradients: int) -> None:
+        # The outputs' gradients existed when backward reached the model: they are backward's.
+        opened = self._open
+        if opened is None or output_gradients <= 0:
+            return
+        moved = min(output_gradients, opened.parts["other"])
+        self._unclaimed_before_backward -= moved
+        parts = dict(opened.parts)
+        parts["other"] -= moved
+        parts["activation_gradients"] += moved
+        self._open = opened._replace(parts=parts)
+
+    def _explain(self, best: tuple[int, _Boundary, str, str | None, int], optimizers: list[Any]) -> tuple[dict[str, int], int]:
+        peak, opened, phase, _, gradients_at_end = best
+        parts = dict(opened.parts)
+        transient = peak - opened.allocated
+        if transient < 0:  # cannot happen with a sound counter: keep the sum exact all the same
+            parts["other"] += transient
+            transient = 0
+        if phase == "backward":
+            # Weight gradients made in the interval and alive at its end were likely alive at
+            # its peak too; the rest of what it made and freed is backward's.
+            made = min(transient, max(0, gradients_at_end - opened.parts["gradients"]))
+            parts["gradients"] += made
+            parts["activation_gradients"] += transient - made
+        elif phase == "optimizer":
+            state_now = sum(
+                part.untyped_storage().nbytes()
+                for t in optimizer_state_tensors(optimizers)
+                for part in storage_parts(t)
+                if same_device(part, self.device)
+            )
+            made = min(transient, max(0, state_now - opened.parts["optimizer_state"]))
+            parts["optimizer_state"] += made
+            parts["other"] += transient - made
+        else:
+            parts["other"] += transient
+        if parts["other"] < 0:  # tracked storages outside the allocator: take it off the largest
+            largest = max(parts, key=lambda k: parts[k])
+            parts[largest] += parts["other"]
+            parts["other"] = 0
+        return parts, transient
+
+    def result(self, peak: int | None, params: Sequence[torch.Tensor], optimizers: Iterable[Any]) -> PeakResult | None:
+        try:
+            best = self._best
+            if not self._started or best is None or peak is None:
+                return None
+            optimizers = list(optimizers)
+            if best[0] != peak:
+                return None  # an interval this tracker did not see (it started late)
+            parts, transient = self._explain(best, optimizers)
+            backward = None
+            if self._backward_best is not None:
+                backward = self._explain(self._backward_best, optimizers)[0]["activation_gradients"]
+            layers = best[1].layers
+            return PeakResult(
+                parts,
+                backward,
+                dict(sorted(((k, v) for k, v in layers.items() if v > 0), key=lambda kv: -kv[1]))
+                if layers is not None
+                else None,
+                transient,
+                best[3],
+            )
+        finally:
+            self._reset()
+
+    def close(self) -> None:
+        super().close()
+        self._reset()
+
+
+def make_peak_breakdown(counter: MemoryCounter) -> PeakBreakdown | None:
+    """The tracker for ``counter``'s device; ``None`` where the device keeps no peak (MPS)."""
+    if isinstance(counter, CpuCounter):
+        return CpuPeakBreakdown(counter)
+    if counter.has_peak:
+        return BoundaryPeakBreakdown(counter)
+    return None
