@@ -17,7 +17,8 @@ have a rule here giving the bytes of the blocks they take:
   blocks of 128 threads each), which reproduces every measured shape to the byte:
   0 up to 512 rows; ``8 * rows * cols + 512`` bytes for 256 columns and more from
   1024 rows; ``2 * rows * cols + 512`` for 64 columns from 2048 rows; at most
-  ``multiprocessors`` MiB + 512 (132 on an H100 or H200).
+  ``multiprocessors`` MiB + 512 (132 on an H100 or H200) while each thread adds at
+  most 256 rows (more rows than that take more).
 - **embedding backward** (:func:`embedding_backward_scratch`):
   ``aten.embedding_dense_backward`` above 3072 indices sorts the indices and sums
   the gradient rows of each distinct index into float partials: an upper bound
