@@ -113,7 +113,10 @@ def test_a_transformer_block_stack_estimate_is_within_three_percent(autocast):
     phases: dict[str, int] = {}
     measured = step_peak(build, lambda b: torch.randn(b or 8, 256, 512, device=CUDA), torch.optim.Adam, autocast, phases)
     # on failure: which phase differs, and what the libraries kept (workspaces) before the model
-    detail = f"estimated {estimate.peak:,} by phase {dict(estimate.phases)}; measured {measured:,} by phase {phases}"
+    detail = (
+        f"estimated {estimate.peak:,} (kernel scratch {estimate.kernel_scratch:,}) by phase {dict(estimate.phases)}; "
+        f"measured {measured:,} by phase {phases}"
+    )
     assert abs(estimate.peak - measured) <= 0.03 * measured, detail
 
 
@@ -143,3 +146,20 @@ def test_the_predicted_largest_batch_fits_a_small_card_and_ten_percent_more_does
     assert run(predicted) is not None, predicted
     larger = run(math.ceil(predicted * 1.1))
     assert larger is None or larger >= 0.95 * limit, (predicted, larger)
+
+
+@pytest.mark.parametrize("rows, cols", [(512, 3072), (1024, 256), (2048, 64), (2048, 2048), (8192, 1024), (65536, 3072)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_column_reduction_rule_gives_this_gpus_scratch(rows, cols, dtype):
+    from pytorch_mem_profiler.estimate.step import kernel_scratch
+
+    x = torch.randn(rows, cols, device=CUDA, dtype=dtype)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = x.sum(0)
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - max(before, torch.cuda.memory_allocated())
+    del out, x
+    predicted = sum(kernel_scratch(CUDA)(torch.ops.aten.sum.dim_IntList, (torch.empty(rows, cols, device="meta", dtype=dtype), [0]), {}))
+    assert predicted == measured

@@ -140,9 +140,9 @@ def simulate_reserved(events: Iterable[tuple[int, int]], *, limit: int | None = 
     an out-of-memory error; ``None`` if it still does not fit.
 
     Approximations: one stream, default settings (no ``expandable_segments``, no
-    ``max_split_size_mb``), and only the storages the step's operators return:
-    memory a kernel takes for itself inside an operator (a library's scratch
-    space) is not in ``events``.
+    ``max_split_size_mb``); of the memory a kernel takes for itself inside an
+    operator, only what :mod:`~.scratch`'s rules give is in ``events`` (an
+    allocation and a free around the operator).
 
     Example::
 

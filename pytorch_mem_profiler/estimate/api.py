@@ -217,6 +217,7 @@ def estimate_memory(
         inputs=step.inputs,
         reserved=reserved,
         workspace=workspace,
+        kernel_scratch=step.kernel_scratch,
         outside=outside if outside is not None else (CUDA_CONTEXT_ALLOWANCE if on_cuda else 0),
         fit=batch_fit,
         emulated=run_device.type != target.type,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -48,7 +48,8 @@ class Life:
     born: int
     phase: str
     died: int | None = None
-    #: roles learned later: "weights", "gradients", "optimizer_state", "inputs", "activations"
+    #: roles learned later: "weights", "gradients", "optimizer_state", "inputs", "activations";
+    #: "scratch" for a kernel's own buffer inside one operator (see ``StorageLifeCounter.transient``)
     roles: set[str] = field(default_factory=set)
     #: the module whose forward saved it for backward (the innermost one running)
     saved_by: str | None = None
@@ -76,6 +77,10 @@ class _LifeMode(TorchDispatchMode):
                 if kind == NEW or kind == RESIZED:
                     for part in storage_parts(item):
                         self.counter._track(part, alias=kind == RESIZED)
+        first = args[0] if args else None
+        if self.counter.scratch is not None and isinstance(first, torch.Tensor) and same_device(first, self.counter.device):
+            # what the kernel took for itself and gave back: on top of its outputs, gone at its return
+            self.counter.transient(self.counter.scratch(func, args, kwargs or {}))
         return out
 
 
@@ -86,13 +91,22 @@ class StorageLifeCounter(MemoryCounter):
         device: the device whose storages count (``cuda:0`` for fake CUDA tensors).
         size_of: the bytes a storage of ``nbytes`` takes (the CUDA caching
             allocator's 512-byte rounding, say); default: ``nbytes``.
+        scratch: ``(func, args, kwargs) -> blocks``: the bytes of the blocks an
+            operator's kernel takes and gives back before it returns (see
+            :class:`~.scratch.KernelScratch`), counted as transients; default: none.
     """
 
     shares_peaks = False  # it counts by itself
 
-    def __init__(self, device: torch.device, size_of: Callable[[int], int] | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        size_of: Callable[[int], int] | None = None,
+        scratch: Callable[[Any, tuple, dict], Sequence[int]] | None = None,
+    ) -> None:
         super().__init__(device)
         self.device = device
+        self.scratch = scratch
         self._mode: _LifeMode | None = None
         self._size_of = size_of or (lambda n: n)
         self._live: dict[int, Life] = {}
@@ -142,6 +156,28 @@ class StorageLifeCounter(MemoryCounter):
         self.lives.append(life)
         self._storage_refs[key] = weakref.ref(storage, _Death(self, key))
         self._change(nbytes)
+
+    def transient(self, blocks: Sequence[int]) -> None:
+        """Blocks taken and given back within one operator, on top of what is alive now.
+
+        Each is a :class:`Life` with the role ``"scratch"``, born one tick and dead
+        the next, all alive together: the peaks see them, and so does the
+        allocator's replay (their allocations and frees are events like any other).
+        """
+        blocks = [n for n in blocks if n > 0]
+        if not blocks:
+            return
+        taken = []
+        for nbytes in blocks:
+            self.tick += 1
+            life = Life(nbytes, self.tick, self.phase, roles={"scratch"})
+            self.lives.append(life)
+            taken.append(life)
+            self._change(nbytes)
+        for life in taken:
+            self.tick += 1
+            life.died = self.tick
+            self._change(-life.nbytes)
 
     def _die(self, key: int) -> None:
         self._storage_refs.pop(key, None)

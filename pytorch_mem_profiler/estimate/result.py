@@ -139,6 +139,9 @@ class MemoryEstimate:
             allocated, is what a device's memory (and
             ``torch.cuda.set_per_process_memory_fraction``) must hold.
         workspace: bytes libraries take from the allocator besides tensors (cuBLAS's workspace on CUDA).
+        kernel_scratch: bytes in ``peak`` (counted in ``peak_breakdown["other"]``) that a CUDA
+            kernel takes for itself inside the operator running at the peak, by the rules of
+            :mod:`~pytorch_mem_profiler.estimate.scratch`; 0 when the peak is not at such an operator.
         outside: the allowance for memory outside PyTorch (the CUDA context), see
             :data:`~pytorch_mem_profiler.estimate.allocator.CUDA_CONTEXT_ALLOWANCE`.
         fit: the peak per phase as a line in the batch size (``None``: not fitted).
@@ -164,6 +167,7 @@ class MemoryEstimate:
     inputs: int
     reserved: int | None = None
     workspace: int = 0
+    kernel_scratch: int = 0
     outside: int = 0
     fit: BatchFit | None = None
     emulated: bool = False
@@ -267,6 +271,8 @@ class MemoryEstimate:
             n = self.peak_breakdown.get(category, 0)
             if n:
                 out.append(_line(f"  {PEAK_CATEGORY_LABELS[category]}", fmt(n)))
+        if self.kernel_scratch:
+            out.append(_line("  (of other: kernel scratch)", fmt(self.kernel_scratch)))
         if self.workspace:
             out.append(_line("  cuBLAS workspace", fmt(self.workspace)))
         out.append("Peak by phase:")

@@ -42,12 +42,14 @@ from torch._subclasses.fake_tensor import (
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..measure.accounting import optimizer_state_tensors
+from ..measure.devices import cuda_multiprocessors
 from ..measure.trees import tensors_in
 from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFeatureMaps
 from .allocator import block_size, simulate_reserved
 from .counter import Life, StorageLifeCounter
 from .emulation import cuda_rules
 from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
+from .scratch import KernelScratch
 
 __all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks"]
 
@@ -105,6 +107,8 @@ class StepMemory:
     reserved: int | None = None
     #: the allocations (+bytes) and frees (-bytes) by storage, in time order, for the allocator's replay (CUDA only)
     events: tuple[tuple[int, int], ...] = ()
+    #: bytes of kernel scratch in ``peak`` (in ``breakdown["other"]``): an operator's own buffers (CUDA only)
+    kernel_scratch: int = 0
 
 
 # -- errors ----------------------------------------------------------------------
@@ -304,6 +308,8 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 # -- the step ----------------------------------------------------------------------
 def _category(life: Life) -> str:
     roles = life.roles
+    if "scratch" in roles:
+        return "other"  # a kernel's own buffer: alive only inside its operator
     for role in ("weights", "gradients", "optimizer_state", "inputs", "activations"):
         if role in roles:
             return role
@@ -338,7 +344,7 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     target = plan.device
     run_device = plan.run_device or target
     size_of = block_size if target.type == "cuda" else None
-    counter = StorageLifeCounter(run_device, size_of=size_of)
+    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=kernel_scratch(target))
     mode = fake_mode()
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
@@ -387,6 +393,16 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     return _summarize(counter, batch_size, layers, params, buffers, optimizer_state, gradients, target)
 
 
+def kernel_scratch(target: torch.device) -> KernelScratch | None:
+    """The kernel scratch rules for ``target``: CUDA's, sized by its multiprocessors where this
+    machine has the device (else an H100's or H200's); ``None`` elsewhere (a CPU kernel's
+    scratch is a tensor the counter sees)."""
+    if target.type != "cuda":
+        return None
+    found = cuda_multiprocessors(target)
+    return KernelScratch(*found) if found is not None else KernelScratch()
+
+
 def _give_role(counter: StorageLifeCounter, tensors: list[torch.Tensor], role: str) -> int:
     """Give ``role`` to each tensor's storage; their bytes, each storage once."""
     for tensor in tensors:
@@ -417,6 +433,7 @@ def _summarize(
 ) -> StepMemory:
     at_peak = counter.alive_at(counter.peak_tick)
     breakdown = dict.fromkeys(PEAK_CATEGORIES, 0)
+    scratch = sum(life.nbytes for life in at_peak if "scratch" in life.roles)
     peak_layers: dict[str, int] = {}
     for life in at_peak:
         category = _category(life)
@@ -448,6 +465,7 @@ def _summarize(
         inputs=inputs,
         reserved=reserved,
         events=events,
+        kernel_scratch=scratch,
     )
 
 

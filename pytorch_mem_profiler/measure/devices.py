@@ -47,6 +47,7 @@ __all__ = [
     "current_device",
     "device_index",
     "device_capacity",
+    "cuda_multiprocessors",
     "accelerator_device",
     "rank_device",
 ]
@@ -488,6 +489,22 @@ def device_capacity(device: torch.device) -> int | None:
         recommended = getattr(torch.mps, "recommended_max_memory", None)
         return int(recommended()) if recommended is not None else None
     return None
+
+
+def cuda_multiprocessors(device: torch.device) -> tuple[int, int] | None:
+    """A CUDA device's streaming multiprocessors and resident threads per multiprocessor
+    (``None`` off CUDA or where no CUDA device is present). Never initializes an absent device.
+
+    Example::
+
+        >>> import torch
+        >>> cuda_multiprocessors(torch.device("cpu")) is None
+        True
+    """
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device_index(device))
+    return int(props.multi_processor_count), int(getattr(props, "max_threads_per_multi_processor", 2048))
 
 
 def accelerator_device(device_type: str, index: int | None = None) -> torch.device | None:

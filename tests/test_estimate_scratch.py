@@ -1,0 +1,140 @@
+"""Kernel scratch on CUDA: the rules against the H200's measured figures, and an estimate for CUDA
+taking a bias gradient's reduction buffer at its operator (CPU estimates take none)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from pytorch_mem_profiler import estimate_memory
+from pytorch_mem_profiler.estimate.scratch import KernelScratch, column_reduction_scratch, embedding_backward_scratch
+from pytorch_mem_profiler.estimate.step import StepPlan, run_step
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+MiB = 1 << 20
+
+#: ``x.sum(0)`` of a contiguous (rows, cols) tensor on an H200 (132 multiprocessors), torch 2.11:
+#: the allocator's peak inside the operator above both ends, bytes (fp32; bf16 and fp16 identical).
+MEASURED_SUMS = [
+    (16, 1, 0), (16, 7, 0), (16, 64, 0), (16, 256, 0), (16, 1024, 0), (16, 3072, 0), (32, 1, 0), (32, 7, 0),
+    (32, 64, 0), (32, 256, 0), (32, 1024, 0), (32, 3072, 0), (64, 1, 0), (64, 7, 0), (64, 64, 0), (64, 256, 0),
+    (64, 1024, 0), (64, 3072, 0), (128, 1, 0), (128, 7, 0), (128, 64, 0), (128, 256, 0), (128, 1024, 0),
+    (128, 3072, 0), (256, 1, 0), (256, 7, 0), (256, 64, 0), (256, 256, 0), (256, 1024, 0), (256, 3072, 0),
+    (512, 1, 0), (512, 7, 0), (512, 64, 0), (512, 256, 0), (512, 1024, 0), (512, 3072, 0), (1024, 1, 0),
+    (1024, 7, 0), (1024, 64, 0), (1024, 256, 2097664), (1024, 1024, 8389120), (1024, 3072, 25166336),
+    (2048, 1, 0), (2048, 7, 0), (2048, 64, 262656), (2048, 256, 4194816), (2048, 1024, 16777728),
+    (2048, 3072, 50332160), (8192, 1, 0), (8192, 7, 0), (8192, 64, 1049088), (8192, 256, 16777728),
+    (8192, 1024, 67109376), (8192, 3072, 138412544), (65536, 1, 0), (65536, 7, 4096), (65536, 64, 8389120),
+    (65536, 256, 134218240), (65536, 1024, 138412544), (65536, 3072, 138412544),
+    # in training steps: bias gradients of FeedForwardStack(512) at 8 x 256 tokens
+    (2048, 2048, 33554944), (2048, 512, 8389120),
+]  # fmt: skip
+
+#: ``embedding_dense_backward`` of an (N, D) fp32 gradient, N random indices below 138,493
+#: (nearly all distinct), measured the same way.
+MEASURED_EMBEDDING_BACKWARD = [
+    (64, 16, 0), (512, 768, 0), (4096, 16, 489984), (4096, 128, 2507776), (4096, 768, 14040576),
+    (65536, 16, 7813632), (65536, 128, 40109056), (65536, 768, 224656896),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rows, cols, measured", MEASURED_SUMS)
+def test_the_column_reduction_rule_gives_the_measured_scratch_to_the_byte(rows, cols, measured):
+    assert sum(column_reduction_scratch(rows, cols, multiprocessors=132)) == measured
+
+
+def test_the_reductions_buffer_is_capped_by_the_multiprocessors():
+    assert sum(column_reduction_scratch(65536, 3072, multiprocessors=132)) == 132 * MiB + 512
+    # half the multiprocessors, half the thread blocks meeting in the buffer
+    assert sum(column_reduction_scratch(8192, 3072, multiprocessors=66)) == 66 * MiB + 512
+    # unless each thread would then add more than 256 rows
+    assert sum(column_reduction_scratch(65536, 3072, multiprocessors=66)) == 65536 // 1024 * 3072 * 512 + 512
+    # the semaphores are a block of their own (the small pool), the partial sums another
+    assert column_reduction_scratch(2048, 2048) == (8 * 2048 * 2048, 512)
+
+
+@pytest.mark.parametrize("n, d, measured", MEASURED_EMBEDDING_BACKWARD)
+def test_the_embedding_backward_rule_bounds_the_measured_scratch_within_one_percent(n, d, measured):
+    bound = sum(embedding_backward_scratch(n, d))
+    assert measured <= bound <= measured * 1.01 + 512, (bound, measured)
+
+
+def test_the_embedding_backward_rule_counts_the_copies_of_non_contiguous_arguments():
+    # NeuMF at batch 65,536: a slice of a concatenation's gradient, copied before the sort (73,663,488 measured)
+    neumf = sum(embedding_backward_scratch(65536, 128, grad_contiguous=False))
+    assert 73_663_488 <= neumf <= 73_663_488 * 1.01
+    # GPT-2 at 8 x 512 tokens: sliced token ids (14,073,344 measured)
+    gpt2 = sum(embedding_backward_scratch(4096, 768, indices_contiguous=False))
+    assert 14_073_344 <= gpt2 <= 14_073_344 * 1.01
+    # up to 3072 indices the direct kernel needs nothing but the copy
+    assert embedding_backward_scratch(3072, 768) == ()
+    assert embedding_backward_scratch(3072, 768, grad_contiguous=False) == (3072 * 768 * 4,)
+
+
+def test_the_rules_by_operator_on_shapes():
+    aten = torch.ops.aten
+    rules = KernelScratch(132)
+    with torch.device("meta"):
+        stacked = torch.empty(8, 256, 2048, dtype=torch.bfloat16)
+        flat = torch.empty(2048, 2048)
+        doubles = torch.empty(2048, 2048, dtype=torch.float64)
+        grad, ids = torch.empty(4096, 768), torch.zeros(4096, dtype=torch.long)
+    # a 3-D tensor summed over (0, 1) is the 2-D case with 8 x 256 rows; mean runs the same kernel
+    assert rules(aten.sum.dim_IntList, (stacked, [0, 1]), {}) == rules(aten.sum.dim_IntList, (flat, [0], True), {})
+    assert sum(rules(aten.mean.dim, (flat, [0]), {})) == 33_554_944
+    assert rules(aten.sum.dim_IntList, (flat, [-1]), {}) == ()  # along the innermost dimension: none
+    assert rules(aten.sum.dim_IntList, (stacked, [1]), {}) == ()  # a middle dimension: not covered
+    assert rules(aten.sum.dim_IntList, (flat.t(), [0]), {}) == ()  # non-contiguous: not covered
+    assert rules(aten.sum.dim_IntList, (doubles, [0]), {}) == ()  # float64: not measured
+    assert sum(rules(aten.embedding_dense_backward.default, (grad, ids, 50257, -1, False), {})) == sum(
+        embedding_backward_scratch(4096, 768)
+    )
+    assert rules(aten.mm.default, (flat, flat), {}) == ()
+
+
+def _bias_linear_step():
+    """Linear(64, 2048) with a bias on an (8, 256, 64) batch, SGD; the loss scales the output by a
+    constant, so the gradient reaching the bias is one contiguous (8, 256, 2048) tensor."""
+    model = nn.Linear(64, 2048)
+    batch = torch.zeros(8, 256, 64)
+    loss_fn = lambda out: (out * out.new_ones(out.shape[-1])).sum()  # noqa: E731
+    return model, batch, loss_fn
+
+
+def test_a_cuda_estimate_takes_the_bias_gradients_reduction_buffer_at_its_operator():
+    model, batch, loss_fn = _bias_linear_step()
+    estimate = estimate_memory(model, batch, optimizer=SGD, loss_fn=loss_fn, device="cuda", fit=False)
+    cpu = estimate_memory(model, batch, optimizer=SGD, loss_fn=loss_fn, device="cpu", fit=False)
+    # alive while the bias gradient is summed over its 2048 rows, counted by hand (CUDA blocks)
+    weights = 2048 * 64 * 4 + 2048 * 4
+    batch_bytes = 8 * 256 * 64 * 4
+    output = 8 * 256 * 2048 * 4  # kept by the step until it ends
+    loss = ones = 512  # the scalar loss and its gradient, one block each
+    output_grad = 8 * 256 * 2048 * 4
+    weight_grad, bias_grad = 2048 * 64 * 4, 2048 * 4
+    alive = weights + batch_bytes + output + loss + ones + output_grad + weight_grad + bias_grad
+    scratch = 8 * 2048 * 2048 + 512  # measured on the H200 for a (2048, 2048) column sum
+    assert estimate.kernel_scratch == scratch
+    assert estimate.phases["backward"] == estimate.peak == alive + scratch
+    assert sum(estimate.peak_breakdown.values()) == estimate.peak
+    # the CPU's estimate takes none: the same step, its scalars 4 bytes instead of a block
+    assert cpu.kernel_scratch == 0
+    assert cpu.phases["backward"] == alive - 2 * (512 - 4)
+
+
+def test_the_allocator_replay_takes_and_gives_back_the_scratch_around_its_operator():
+    model, batch, loss_fn = _bias_linear_step()
+    plan = StepPlan(model=model, example_inputs=batch, optimizer=SGD, device=torch.device("cuda"), loss_fn=loss_fn,
+                    run_device=torch.device("cpu"))  # fmt: skip
+    events = list(run_step(plan, 8).events)
+    partials = [i for i, (_, n) in enumerate(events) if n == 8 * 2048 * 2048]
+    assert len(partials) == 2  # one in each of the two steps
+    for i in partials:
+        key = events[i][0]
+        # taken with its semaphores and given back before anything else happens
+        assert events[i + 1][1] == 512 and events[i + 2] == (key, -8 * 2048 * 2048) and events[i + 3][1] == -512
+    cpu_plan = StepPlan(model=model, example_inputs=batch, optimizer=SGD, device=torch.device("cpu"), loss_fn=loss_fn)
+    assert not run_step(cpu_plan, 8).events  # no replay off CUDA
