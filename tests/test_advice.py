@@ -217,7 +217,11 @@ def test_foreach_free_step_at_an_optimizer_peak():
                  peak_breakdown=breakdown(weights=160_000_000, gradients=160_000_000,
                                           optimizer_state=320_000_000, other=other, inputs=PEAK - 1_140_000_000))
     (advice,) = advise(rec)
-    assert advice.kind == "foreach-free step" and advice.saves == other - 120_000_000
+    assert advice.kind == "foreach-free step" and advice.saves == other - 2 * 120_000_000
+    # 'other' within two of the largest parameter: already a per-parameter step, no advice
+    small = breakdown(weights=160_000_000, gradients=160_000_000, optimizer_state=320_000_000,
+                      other=2 * 120_000_000, inputs=PEAK - 880_000_000)
+    assert advise(dataclasses.replace(rec, peak_breakdown=small)) == []
     # the same make-up at a backward peak: the step's temporaries are not what peaks
     assert advise(dataclasses.replace(rec, peak_phase="backward")) == []
 

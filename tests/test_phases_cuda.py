@@ -259,6 +259,7 @@ def test_save_on_cpu_with_by_layer_on_a_cnn_reported_or_not():
     # the first iteration makes Adam's state: compared from the second on
     for i, ((maps, peak, _), (p_maps, p_peak, record)) in enumerate(zip(plain[1:], profiled[1:]), start=2):
         assert p_maps == maps, i  # the activations went to the CPU, as without the profiler
+        assert record.reported == (i % 2 == 0), i
         assert p_peak == peak, i
         if can_chain():
             assert (record.layers is not None) == (i % 2 == 0), i  # per-layer figures on reported iterations

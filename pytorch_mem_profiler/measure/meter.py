@@ -108,6 +108,8 @@ class Meter:
             self._known_optimizers[opt] = None
         self._hooks: TrainingStepHooks | None = None
         self._peak: PeakBreakdown | None = None
+        # allocated at the last read (the end of the last iteration): a reported one starts there
+        self._last_allocated: int | None = None
         self._last_time = time.perf_counter()
 
     # -- what the model holds ------------------------------------------------
@@ -227,7 +229,9 @@ class Meter:
             tracker = self._peak
             if detailed and tracker is not None and "peak breakdown" not in self.guard.disabled:
                 params = [p for _, p in self._params]
-                self.guard.call("peak breakdown", tracker.begin, params, self._buffers(), self._optimizer_list())
+                self.guard.call(
+                    "peak breakdown", tracker.begin, params, self._buffers(), self._optimizer_list(), self._last_allocated
+                )
                 if "peak breakdown" not in self.guard.disabled:
                     hooks.breakdown = tracker
 
@@ -331,6 +335,7 @@ class Meter:
         elapsed, self._last_time = now - self._last_time, now
         final = m.final
         assert final is not None
+        self._last_allocated = final.allocated
         if not measured:
             return self._light_record(position, m, final, elapsed)
         peak = self._peak_result(m.iteration_peak)

@@ -137,7 +137,13 @@ class PeakBreakdown:
     def _saved(self, tensor: torch.Tensor, module: str | None) -> None:
         raise NotImplementedError
 
-    def begin(self, params: Sequence[torch.Tensor], buffers: Iterable[torch.Tensor], optimizers: Iterable[Any]) -> None:
+    def begin(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Iterable[torch.Tensor],
+        optimizers: Iterable[Any],
+        allocated: int | None = None,
+    ) -> None:
         """A reported iteration starts."""
         raise NotImplementedError
 
@@ -178,7 +184,13 @@ class CpuPeakBreakdown(PeakBreakdown):
         self._gradients: set[Any] = set()
         self._state: set[Any] = set()
 
-    def begin(self, params: Sequence[torch.Tensor], buffers: Iterable[torch.Tensor], optimizers: Iterable[Any]) -> None:
+    def begin(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Iterable[torch.Tensor],
+        optimizers: Iterable[Any],
+        allocated: int | None = None,
+    ) -> None:
         self.counter.unwatch_storages()
         self._reset()
         self._buffers = list(buffers)
@@ -391,7 +403,13 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         self._unclaimed_before_backward = 0
         self._started = False
 
-    def begin(self, params: Sequence[torch.Tensor], buffers: Iterable[torch.Tensor], optimizers: Iterable[Any]) -> None:
+    def begin(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Iterable[torch.Tensor],
+        optimizers: Iterable[Any],
+        allocated: int | None = None,
+    ) -> None:
         self._reset()
         alive = self._alive
         for t in itertools.chain(params, buffers):
@@ -404,7 +422,10 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         for p in params:
             if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
                 self._handles.append(p.register_post_accumulate_grad_hook(hook))
-        self._open = self._boundary(self.counter.read().allocated, in_backward=False)
+        # ``allocated``: what the iteration before read last (the same moment): no second read.
+        if allocated is None:
+            allocated = self.counter.read().allocated
+        self._open = self._boundary(allocated, in_backward=False)
         self._started = True
 
     def _add_state(self, optimizers: Iterable[Any]) -> None:

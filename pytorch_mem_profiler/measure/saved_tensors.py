@@ -148,8 +148,14 @@ class ChainedSavedTensorsHooks:
 
     def _chain(self, user_pack: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
         def pack(tensor: torch.Tensor) -> Any:
+            try:  # autograd calls this: a fault of ours must neither escape nor skip the user's hook
+                observe: Callable[[Any], None] | None = self._observe
+            except Exception as exc:  # noqa: BLE001 - the user's hook still runs, unwatched
+                self._fault(exc)
+                observe = None
             packed = user_pack(tensor)  # the user's hook, exactly once; its errors are the user's
-            self._observe(packed)
+            if observe is not None:
+                observe(packed)
             return packed
 
         return pack

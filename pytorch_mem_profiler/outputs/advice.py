@@ -30,9 +30,11 @@ The rules (``a`` is a category's bytes at the peak, ``P`` the iteration's peak):
 - **foreach-free step**: the peak is in the optimizer step and ``other >=
   FOREACH_SHARE * P``. The default ``foreach`` step makes its temporaries for
   all parameters at once; with ``foreach=False`` it makes them one parameter at
-  a time. Saving: ``other - largest parameter`` (the per-parameter loop's
-  temporaries are about one parameter's size; ``other`` also holds what is not
-  the step's, so this is an upper bound). The step is slower.
+  a time. Saving: ``other - 2 x largest parameter`` (the per-parameter loop
+  holds at most two temporaries of one parameter's size, Adam's ``sqrt`` and its
+  division; ``other`` also holds what is not the step's, so this is an upper
+  bound). An ``other`` no larger than that is already a per-parameter step: no
+  advice. The step is slower.
 - **set_to_none**: the peak is in the forward, weight gradients are alive then
   and there is one forward in the iteration (with gradient accumulation the
   gradients must stay). They are the previous step's: ``zero_grad(set_to_none=True)``
@@ -191,7 +193,9 @@ def _eight_bit(breakdown: Mapping[str, int]) -> Advice:
 def _foreach_free(record: IterationRecord, breakdown: Mapping[str, int]) -> Advice:
     other = breakdown.get("other", 0)
     largest = max(record.weights_by_name.values(), default=0)
-    return Advice("foreach-free step", max(0, other - largest), basis={"other": other, "largest_parameter": largest})
+    # a per-parameter step keeps at most two temporaries of the largest parameter's size
+    saves = max(0, other - 2 * largest)
+    return Advice("foreach-free step", saves, basis={"other": other, "largest_parameter": largest})
 
 
 def advise(record: IterationRecord) -> list[Advice]:
@@ -241,7 +245,7 @@ def format_advice(advice: Advice, unit: str = "MB") -> str:
     if advice.kind == "foreach-free step":
         return (
             f"the optimizer with foreach=False would save up to {fmt(advice.saves)} (a slower step): "
-            f"'other' at the peak, {fmt(basis['other'])}, less the largest parameter, "
+            f"'other' at the peak, {fmt(basis['other'])}, less twice the largest parameter, "
             f"{fmt(basis['largest_parameter'])} (temporaries one parameter at a time)"
         )
     if advice.kind == "set_to_none":
