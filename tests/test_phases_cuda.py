@@ -116,8 +116,9 @@ def test_save_on_cpu_with_by_layer_changes_neither_feature_maps_nor_peak():
                 figures.append((forward_delta, torch.cuda.max_memory_allocated(), None))
             else:
                 record = profiler.record_stats()
-                figures.append((record.feature_maps, record.iteration_peak_allocated, record))
-                assert forward_delta == record.feature_maps
+                if record.reported:  # feature maps are measured on reported iterations (None on the others)
+                    assert forward_delta == record.feature_maps
+                figures.append((forward_delta, record.iteration_peak_allocated, record))
         if profiler is not None:
             profiler.close()
         return figures, [p.detach().cpu() for p in model.parameters()]
@@ -207,9 +208,9 @@ def test_lightning_on_cuda():
 
 def test_save_on_cpu_with_by_layer_on_a_cnn_reported_or_not():
     """A CNN (convolutions, batch norm) under ``save_on_cpu()``, ``by_layer=True`` and ``print_period=2``:
-    on reported and non-reported iterations alike, the feature maps (what forward leaves on the GPU)
-    and the iteration peak equal those of the run without the profiler, measured by the allocator
-    around the same steps, and the weights are the same."""
+    on reported and non-reported iterations alike, what forward leaves on the GPU and the iteration
+    peak equal those of the run without the profiler, measured by the allocator around the same
+    steps (and the reported feature maps equal it), and the weights are the same."""
     dev = device()
     deterministic, benchmark = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
     # the same convolution algorithms (and workspaces) in both runs
@@ -245,8 +246,9 @@ def test_save_on_cpu_with_by_layer_on_a_cnn_reported_or_not():
                 figures.append((forward_delta, torch.cuda.max_memory_allocated(), None))
             else:
                 record = profiler.record_stats()
-                figures.append((record.feature_maps, record.iteration_peak_allocated, record))
-                assert forward_delta == record.feature_maps
+                if record.reported:  # feature maps are measured on reported iterations (None on the others)
+                    assert forward_delta == record.feature_maps
+                figures.append((forward_delta, record.iteration_peak_allocated, record))
         if profiler is not None:
             profiler.close()
         return figures, [p.detach().cpu() for p in model.parameters()]
