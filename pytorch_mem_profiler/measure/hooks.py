@@ -117,7 +117,7 @@ class _BackwardPass:
     __slots__ = ("hooks", "started", "guard")
 
     def __init__(self, hooks: TrainingStepHooks) -> None:
-        self.hooks = weakref.ref(hooks)
+        self.hooks = hooks._weak_self  # one weak reference for every pass: none made per forward
         self.started = False
         self.guard = hooks.guard
 
@@ -175,6 +175,7 @@ class TrainingStepHooks:
         on_forward_first_call: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
+        self._weak_self = weakref.ref(self)
         self.counter = counter
         self.params = list(params)
         self.device = counter.device
