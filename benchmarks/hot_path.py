@@ -126,8 +126,8 @@ def run(work, steps: int, profiler: MemoryProfiler | None, device: torch.device)
 
 
 _TIMED = (
-    "_forward_pre",
-    "_forward_post",
+    "_entered",
+    "_exited",
     "_backward_started",
     "_backward_finishing",
     "_backward_finished",

@@ -295,9 +295,12 @@ class MemoryProfiler:
         report and the CSV row are made from; ``None`` only if the profiler
         failed and switched itself off.
         """
-        # A door the user calls: every line inside the try (so are epoch_end's and close's).
+        # A door the user calls: every line inside the try (so are epoch_end's and close's);
+        # contained as FaultGuard.call("record_stats", ...) would, inline (it runs every iteration).
         try:
-            return self._guard.call("record_stats", self._record_stats)
+            if "record_stats" in self._guard.disabled:
+                return None
+            return self._record_stats()
         except Exception as exc:  # noqa: BLE001 - never raise into the training loop
             self._guard.fault("record_stats", exc)
             return None
@@ -444,12 +447,14 @@ class MemoryProfiler:
     def _record_stats(self) -> IterationRecord:
         if self._closed:
             raise RuntimeError("record_stats() called after close()")
-        self.iteration += 1
+        self.iteration = iteration = self.iteration + 1
         self.step += 1
-        reported = self.iteration % self.print_period == 0
-        record = self._meter.finish(Position(self.epoch, self.iteration, self.step), reported)
+        period = self.print_period
+        reported = iteration % period == 0
+        meter = self._meter
+        record = meter.finish(Position(self.epoch, iteration, self.step), reported)
         self.last_record = record
-        self._meter.prepare(self._next_reported())
+        meter.prepare((iteration + 1) % period == 0)  # the next one: see _next_reported
         if self._ranks is not None:
             self._ranks.observe(record)
         if reported:

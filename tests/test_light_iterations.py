@@ -206,3 +206,106 @@ def test_a_backward_left_open_is_counted_at_record_stats(counting):
     assert (light.reported, full.reported) == (False, True)
     assert (light.forward_passes, light.backward_passes) == (full.forward_passes, full.backward_passes) == (1, 1)
     assert full.phases["backward"].occurrences == 1 and full.phases["forward"].occurrences == 1
+
+
+class Calls:
+    """Counts the calls of functions and methods replaced by counting stand-ins."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.monkeypatch = monkeypatch
+        self.counts: dict[str, int] = {}
+
+    def count(self, owner, name: str, label: str | None = None) -> None:
+        real = getattr(owner, name)
+        key = label or name
+        self.counts[key] = 0
+
+        def counted(*args, **kwargs):
+            self.counts[key] += 1
+            return real(*args, **kwargs)
+
+        self.monkeypatch.setattr(owner, name, counted)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.counts)
+
+
+def test_a_non_reported_iteration_skips_the_detailed_work(counting, monkeypatch):
+    """Counted with stand-ins: a non-reported iteration recomputes no weights, buffers,
+    gradients or optimizer state, calls no output, makes no guard wrapper and calls no
+    guard frame; the optimizer is told to the meter once. Its figures stay exact."""
+    from pytorch_mem_profiler.faults import FaultGuard
+    from pytorch_mem_profiler.measure import accounting, hooks as hooks_module
+    from pytorch_mem_profiler.outputs import sinks
+
+    calls = Calls(monkeypatch)
+    for name in ("weight_bytes", "buffer_bytes", "gradient_bytes", "optimizer_state_bytes"):
+        calls.count(meter_module, name)
+    calls.count(accounting.GradientSizes, "__call__", "gradient sizes")
+    calls.count(hooks_module, "output_grad_nodes")
+    calls.count(FaultGuard, "wrap", "FaultGuard.wrap")
+    calls.count(FaultGuard, "call", "FaultGuard.call")
+    calls.count(meter_module.Meter, "_optimizer_stepped")
+    for kind in (sinks.ReportSink, sinks.LeakSink, sinks.HeadroomSink):
+        calls.count(kind, "on_record", f"{kind.__name__}.on_record")
+
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    seen = []
+    with MemoryProfiler(model, PERIOD, stream=io.StringIO(), strict=True, by_layer=True) as profiler:
+        for _ in range(2 * PERIOD):
+            before = calls.snapshot()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            record = profiler.record_stats()
+            seen.append((record, {k: v - before[k] for k, v in calls.snapshot().items()}))
+    # weights and buffers: counted when the profiler was made (and at each epoch end), never per iteration
+    assert all(delta["weight_bytes"] == delta["buffer_bytes"] == 0 for _, delta in seen)
+    # the optimizer is told to the meter once; its state counted when it appears (Adam's first step)
+    assert sum(delta["_optimizer_stepped"] for _, delta in seen) == 1
+    assert [delta["optimizer_state_bytes"] for _, delta in seen] == [1] + [0] * (2 * PERIOD - 1)
+    state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()}
+    for record, delta in seen:
+        assert record.optimizer_state == sum(state.values())  # exact on every iteration, reported or not
+        assert record.weights == sum(p.untyped_storage().nbytes() for p in model.parameters())
+        if record.reported:
+            assert delta["gradient sizes"] >= 1
+            for kind in ("ReportSink", "LeakSink", "HeadroomSink"):
+                assert delta[f"{kind}.on_record"] == 1
+        else:
+            assert delta["gradient sizes"] == delta["gradient_bytes"] == 0
+            assert delta["output_grad_nodes"] == 0  # one tensor out: its grad_fn, no walk
+            assert delta["FaultGuard.wrap"] == delta["FaultGuard.call"] == 0
+            assert all(delta[f"{kind}.on_record"] == 0 for kind in ("ReportSink", "LeakSink", "HeadroomSink"))
+    assert [r.reported for r, _ in seen].count(False) == 2 * (PERIOD - 1)
+
+
+def test_optimizer_state_follows_a_new_optimizer_and_one_that_is_freed(counting):
+    """Counted from every known optimizer: a second optimizer found stepping the model adds
+    its state on the iteration it appears, reported or not; once freed it counts no more."""
+    import gc
+
+    model = _model()
+    first = torch.optim.Adam(model[0].parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+
+    def state_bytes(*optimizers) -> int:
+        return sum(t.untyped_storage().nbytes() for o in optimizers for s in o.state.values() for t in s.values())
+
+    with MemoryProfiler(model, PERIOD, stream=io.StringIO(), strict=True) as profiler:
+        F.mse_loss(model(x), y).backward()
+        first.step()
+        assert profiler.record_stats().optimizer_state == state_bytes(first)
+        second = torch.optim.Adam(model[2].parameters(), lr=1e-3)
+        F.mse_loss(model(x), y).backward()
+        first.step()
+        second.step()
+        record = profiler.record_stats()
+        assert not record.reported and record.optimizer_state == state_bytes(first, second) > state_bytes(first)
+        del second
+        gc.collect()
+        F.mse_loss(model(x), y).backward()
+        first.step()
+        assert profiler.record_stats().optimizer_state == state_bytes(first)

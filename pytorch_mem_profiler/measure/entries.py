@@ -51,6 +51,9 @@ from ..faults import FaultGuard
 
 __all__ = ["EntryWatch"]
 
+#: The part of the profiler a fault in these hooks switches off.
+_PART = "forward hooks"
+
 
 def _is_compiled(module: torch.nn.Module) -> bool:
     return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
@@ -163,25 +166,37 @@ class EntryWatch:
             return
         if isinstance(module, torch.jit.ScriptModule):
             return  # TorchScript modules take no Python hooks; their callers are hooked
-        # Wrapped here, not kept on self: a removed watcher leaves no reference cycle.
-        pre = module.register_forward_pre_hook(self.guard.wrap("forward hooks", self._enter))
+        # The bound methods themselves, each its guard's try inline (no wrapper frame on the
+        # hot path); a removed hook leaves no reference cycle.
+        pre = module.register_forward_pre_hook(self._enter)
         # always_call: a forward that raises still closes its phase.
-        post = module.register_forward_hook(self.guard.wrap("forward hooks", self._exit), always_call=True)
+        post = module.register_forward_hook(self._exit, always_call=True)
         self._handles[key] = (pre, post)
 
     # -- the hooks (the hot path: one pair per entry call per iteration) --------
+    # Torch calls them: each is contained as ``FaultGuard.wrap(_PART, ...)`` would, inline.
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        self.depth += 1
-        if self.depth == 1:
-            accepted = self._accepted = bool(self.on_enter(module, args))
-            if accepted and self.learning:
-                self._entries[id(module)] = module
+        try:
+            if _PART in self.guard.disabled:
+                return None
+            self.depth += 1
+            if self.depth == 1:
+                accepted = self._accepted = bool(self.on_enter(module, args))
+                if accepted and self.learning:
+                    self._entries[id(module)] = module
+        except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
+            self.guard.fault(_PART, exc)
         return None
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.depth > 0:
-            self.depth -= 1
-        if self.depth == 0 and self._accepted:
-            self._accepted = False
-            self.on_exit(module, args, output)
+        try:
+            if _PART in self.guard.disabled:
+                return None
+            if self.depth > 0:
+                self.depth -= 1
+            if self.depth == 0 and self._accepted:
+                self._accepted = False
+                self.on_exit(module, args, output)
+        except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
+            self.guard.fault(_PART, exc)
         return None

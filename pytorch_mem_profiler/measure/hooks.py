@@ -117,7 +117,7 @@ class _BackwardPass:
     __slots__ = ("hooks", "started", "guard")
 
     def __init__(self, hooks: TrainingStepHooks) -> None:
-        self.hooks = weakref.ref(hooks)
+        self.hooks = hooks._weak_self  # one weak reference for every pass: none made per forward
         self.started = False
         self.guard = hooks.guard
 
@@ -160,7 +160,7 @@ class TrainingStepHooks:
         optimizers: optimizers to hook; ``None`` hooks every optimizer that
             steps one of ``params``.
         guard: contains faults (see :class:`~pytorch_mem_profiler.faults.FaultGuard`).
-        on_optimizer_step: called with the optimizer after each of its steps.
+        on_optimizer_step: called with an optimizer after the first of its steps seen.
         on_forward_first_call: called once, at the first forward.
     """
 
@@ -175,6 +175,7 @@ class TrainingStepHooks:
         on_forward_first_call: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
+        self._weak_self = weakref.ref(self)
         self.counter = counter
         self.params = list(params)
         self.device = counter.device
@@ -185,6 +186,8 @@ class TrainingStepHooks:
         self._param_ids = {id(p) for _, p in self.params}
         self._gradient_sizes = GradientSizes(self.params)
         self._holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # optimizers already passed to on_optimizer_step
+        self._announced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._handles: list = []
         self._entries = EntryWatch(model, self._entered, self._exited, self.guard)
         self._phase = "other"
@@ -218,10 +221,9 @@ class TrainingStepHooks:
     # -- installation ------------------------------------------------------
     def install(self) -> None:
         """Register every hook; :meth:`remove` takes them all away."""
-        g = self.guard.wrap
         self._entries.install()
-        pre = g("optimizer hooks", self._optimizer_pre)
-        post = g("optimizer hooks", self._optimizer_post)
+        # The bound methods: each holds its guard's try inline (no wrapper frame per step).
+        pre, post = self._optimizer_pre, self._optimizer_post
         if self._explicit_optimizers is None:
             self._handles.append(register_optimizer_step_pre_hook(pre))
             self._handles.append(register_optimizer_step_post_hook(post))
@@ -382,11 +384,15 @@ class TrainingStepHooks:
         pass_ = self._pass
         if pass_ is None:
             return
-        nodes = output_grad_nodes(output)
-        for node in nodes:
-            node.register_prehook(pass_.pending)
+        if isinstance(output, torch.Tensor):  # the common case, without walking a structure
+            node = output.grad_fn
+            if node is not None:
+                node.register_prehook(pass_.pending)
+        else:
+            for node in output_grad_nodes(output):
+                node.register_prehook(pass_.pending)
         if "forward" not in self._explicit:
-            self._pause_forward()
+            self._leave(pass_)
 
     def _begin_forward(self, args: Any, entry: torch.nn.Module | None, explicit: bool = False) -> None:
         pass_ = self._pass
@@ -397,19 +403,26 @@ class TrainingStepHooks:
             self._tell_breakdown("watch_forward", args)
             self._attribute(args, entry, resume=True)
         else:
-            self._close_forward()
+            if pass_ is not None:
+                self._close_forward()
             if self._step_depth and not self._step_forwards and self._phase == "optimizer":
                 # From the step's start to its closure's first forward is not the update.
                 self._phase = "other"
             if self._on_forward_first_call is not None:
                 callback, self._on_forward_first_call = self._on_forward_first_call, None
                 callback()
-            start = self._switch("forward", location)
-            self._pass = _ForwardPass(start, _BackwardPass(self), explicit, self.current.feature_maps)
-            self.current.forward_passes += 1
-            self._count("forward")
-            self._tell_breakdown("watch_forward", args)
-            self._attribute(args, entry, resume=False)
+            m = self.current
+            if self.reported:
+                start: Reading | None = self._mark("forward", location)
+                self._count("forward")
+            else:  # the light path: only the phase and the count
+                self._phase, start = "forward", None
+            self._pass = _ForwardPass(start, _BackwardPass(self), explicit, m.feature_maps)
+            m.forward_passes += 1
+            if self.breakdown is not None:  # before the attribution's hooks: popped after them
+                self._tell_breakdown("watch_forward", args)
+            if self.detailed:
+                self._attribute(args, entry, resume=False)
         if self._step_depth:
             self._step_forwards += 1
 
@@ -431,12 +444,8 @@ class TrainingStepHooks:
             pass_.attributed = False
             self.guard.fault("per-layer attribution", exc)
 
-    def _pause_forward(self) -> None:
-        """The model was left: the pass may go on (another entry) or end (backward, a step)."""
-        if self._pass is not None:
-            self._leave(self._pass)
-
     def _leave(self, pass_: _ForwardPass) -> None:
+        """The model was left: the pass may go on (another entry) or end (backward, a step)."""
         if pass_.attributed and self.attribution is not None:
             self.guard.call("per-layer attribution", self.attribution.close)
         if self.breakdown is not None:  # pushed before the attribution's: popped after it
@@ -471,7 +480,11 @@ class TrainingStepHooks:
         try:
             if "backward" in self._explicit or self._phase == "backward":
                 return  # marked by the framework, or a second forward's outputs in the same backward
-            self._close_forward()
+            pass_ = self._pass
+            if pass_ is not None and not pass_.attributed and pass_.start is None and self._phase != "forward":
+                self._pass = None  # what _close_forward does to a pass of a light iteration, left already
+            else:
+                self._close_forward()
             if not self.reported:
                 # Counted and left when noticed ended (_settle_backward): nothing queued on
                 # the engine, no gradient sizes, no hand-over to autograd's device thread.
@@ -523,18 +536,34 @@ class TrainingStepHooks:
             self._holds[optimizer] = holds
         return holds
 
+    # Torch calls the two step hooks: each is contained as ``FaultGuard.wrap("optimizer hooks", ...)``
+    # would, inline (one Python frame fewer per step).
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._steps_model(optimizer) and "optimizer" not in self._explicit:
-            self._step_began()
+        try:
+            if "optimizer hooks" in self.guard.disabled:
+                return None
+            if (self._explicit_optimizers is not None or self._steps_model(optimizer)) and (
+                "optimizer" not in self._explicit
+            ):
+                self._step_began()
+        except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
+            self.guard.fault("optimizer hooks", exc)
         return None
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._steps_model(optimizer):
-            return None
-        if "optimizer" not in self._explicit:
-            self._step_ended()
-        if self._on_optimizer_step is not None:
-            self._on_optimizer_step(optimizer)
+        try:
+            if "optimizer hooks" in self.guard.disabled:
+                return None
+            if self._explicit_optimizers is None and not self._steps_model(optimizer):
+                return None
+            if "optimizer" not in self._explicit:
+                self._step_ended()
+            # Told once per optimizer (what it is for: an optimizer newly seen stepping the model).
+            if self._on_optimizer_step is not None and optimizer not in self._announced:
+                self._announced[optimizer] = True
+                self._on_optimizer_step(optimizer)
+        except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
+            self.guard.fault("optimizer hooks", exc)
         return None
 
     def _step_began(self) -> None:
@@ -547,8 +576,12 @@ class TrainingStepHooks:
         # A step run from a gradient hook inside backward (per-parameter steps) is part of backward.
         self._step_in_backward = self._phase == "backward"
         if not self._step_in_backward:
-            self._close_forward()
-            self._switch("optimizer")
+            if self._pass is not None:
+                self._close_forward()
+            if self.reported:
+                self._mark("optimizer")
+            else:
+                self._phase = "optimizer"
 
     def _step_ended(self) -> None:
         if self._step_depth == 0:
@@ -561,8 +594,11 @@ class TrainingStepHooks:
         if self._step_in_backward:
             self._step_in_backward = False
             return
-        self._switch("other")
-        self._count("optimizer")
+        if self.reported:
+            self._mark("other")
+            self._count("optimizer")
+        else:
+            self._phase = "other"
 
     def discovered_optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers known to step this model: given ones, or those seen stepping it."""
