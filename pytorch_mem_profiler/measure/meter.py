@@ -229,11 +229,14 @@ class Meter:
             hooks.breakdown = None
             tracker = self._peak
             if detailed and tracker is not None and "peak breakdown" not in self.guard.disabled:
-                params = [p for _, p in self._params]
-                self.guard.call(
-                    "peak breakdown", tracker.begin, params, self._buffers(), self._optimizer_list(), self._last_allocated
-                )
-                if "peak breakdown" not in self.guard.disabled:
+                # Inline rather than through guard.call: this runs at the end of the
+                # iteration before a reported one, which stays on the light path.
+                try:
+                    params = [p for _, p in self._params]
+                    tracker.begin(params, self._buffers(), self._optimizer_list(), self._last_allocated)
+                except Exception as exc:  # noqa: BLE001 - the breakdown switches off, the rest goes on
+                    self.guard.fault("peak breakdown", exc)
+                else:
                     hooks.breakdown = tracker
 
     def _buffers(self) -> list[torch.Tensor]:
