@@ -31,7 +31,7 @@ def _profile(folder, *, width: int = 256, batch: int = 64):
         *[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(3)]
     ).cuda()
     optimizer = torch.optim.Adam(model.parameters())
-    with memory_profiler(model, 2, True, csv_dir=folder, stream=io.StringIO(), units="MB") as profiler:
+    with memory_profiler(model, 2, True, csv_dir=folder, stream=io.StringIO(), units="MB", by_layer=True) as profiler:
         for _ in range(2):
             for _ in range(4):
                 model(torch.randn(batch, width, device="cuda")).square().mean().backward()

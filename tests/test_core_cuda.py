@@ -67,12 +67,11 @@ def test_feature_maps_and_intermediate_gradients_match_an_independent_measuremen
     model.zero_grad(set_to_none=True)
     assert inter > BackwardScratch.SCRATCH_ELEMS * 4
 
-    with MemoryProfiler(model, 1, stream=io.StringIO(), strict=True) as profiler:
+    with MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, by_layer=True) as profiler:
         record = _profiled_step(profiler, model, x)
     assert record.feature_maps == pytest.approx(fmaps, rel=0.05)
-    # Intermediate gradients are the activation gradients at backward's peak. Without per-layer
-    # mode the allocator is read at the phase boundaries only: what backward made and freed before
-    # its peak is a transient of backward, less the weight gradients it made, plus the output's
+    # Intermediate gradients (per-layer mode) are the activation gradients at backward's peak:
+    # what backward made and holds then, less the weight gradients it made, plus the output's
     # gradient (alive when backward reached the model): the bracket measured above.
     assert record.intermediate_gradients == pytest.approx(inter, rel=0.05)
     if record.peak_phase == "backward":

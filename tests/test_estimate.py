@@ -252,7 +252,7 @@ def test_the_profilers_own_prediction_holds_against_measured_cpu_runs():
     build = lambda: FeedForwardStack(32, 2)  # noqa: E731
     model = build()
     opt = torch.optim.Adam(model.parameters())
-    with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
+    with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt, by_layer=True) as profiler:
         x = torch.randn(8, 16, 32)
         for _ in range(2):  # the loop measured_peak runs: the output is held through the step
             out = model(x)

@@ -224,7 +224,7 @@ def test_line_mode_is_one_line_per_report():
     model = mlp(32, 64, 10)
     opt = torch.optim.Adam(model.parameters())
     out = io.StringIO()
-    with memory_profiler(model, 2, stream=out, units="B", report="line", strict=True) as p:
+    with memory_profiler(model, 2, stream=out, units="B", report="line", strict=True, by_layer=True) as p:
         records = run_mlp(p, model, opt, 4)
         p.epoch_end()
     weights = sum(nbytes(q) for q in model.parameters())

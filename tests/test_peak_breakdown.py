@@ -80,7 +80,7 @@ def test_the_peak_by_category_computed_by_hand(body, shape):
     model = Scratched(body())
     opt = torch.optim.Adam(model.parameters())
     records = []
-    with memory_profiler(model, 1, stream=io.StringIO(), strict=True) as profiler:
+    with memory_profiler(model, 1, stream=io.StringIO(), strict=True, by_layer=True) as profiler:
         for _ in range(2):
             torch.manual_seed(1)
             x = torch.randn(*shape)  # made while profiled, as a data loader's batch is
@@ -127,7 +127,7 @@ def test_activation_gradients_at_backwards_peak_without_a_scratch():
     breakdown of the iteration's peak sums to it to the byte."""
     model = mlp_body()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with memory_profiler(model, 1, stream=io.StringIO(), strict=True) as profiler:
+    with memory_profiler(model, 1, stream=io.StringIO(), strict=True, by_layer=True) as profiler:
         for _ in range(2):
             x = torch.randn(256, 32)
             model(x).pow(2).mean().backward()

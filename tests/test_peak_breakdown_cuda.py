@@ -103,7 +103,7 @@ def test_gpt2_small_bf16_peak_and_activations():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     expected = allocator_peak_of(gpt2_step(model, ids, opt))
     saved = SavedBytes(model, (ids,))
-    record = profiled(model, gpt2_step(model, ids, opt, saved))
+    record = profiled(model, gpt2_step(model, ids, opt, saved), by_layer=True)
     check_sums(record, expected)
     activations = record.peak_breakdown["activations"]
     # the peak is where backward begins (the logits' gradients): everything saved is alive then
@@ -135,7 +135,7 @@ def test_resnet50_peak_and_activations():
     # BatchNorm's running statistics change each step, its figures do not
     expected = allocator_peak_of(make_step())
     saved = SavedBytes(model, (x,))
-    record = profiled(model, make_step(saved))
+    record = profiled(model, make_step(saved), by_layer=True)
     check_sums(record, expected)
     assert record.peak_breakdown["activations"] == pytest.approx(saved.total, rel=0.02), (
         dict(record.peak_breakdown),

@@ -304,7 +304,7 @@ def test_marking_phases_the_hooks_also_find_changes_no_figure():
     model = StepWrapper()
     opt = torch.optim.Adam(model.parameters())
     x, y = torch.randn(16, 32), torch.randn(16, 10)
-    with profile(model) as profiler:
+    with profile(model, by_layer=True) as profiler:  # by_layer: intermediate gradients measured
         model.training_step(x, y).backward()
         opt.step()
         opt.zero_grad()

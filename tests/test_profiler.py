@@ -51,7 +51,7 @@ def test_mlp_weights_gradients_and_feature_maps_by_hand(stream):
 def test_intermediate_gradients_are_what_backward_made_and_holds_at_its_peak(stream):
     x = torch.randn(128, 64)
     model = ScratchNet()
-    with make(model, stream) as profiler:
+    with make(model, stream, by_layer=True) as profiler:
         output = model(x)
         output.pow(2).mean().backward()
         record = profiler.record_stats()
@@ -67,9 +67,13 @@ def test_intermediate_gradients_are_what_backward_made_and_holds_at_its_peak(str
 
 def test_intermediate_gradients_are_never_negative(stream):
     model = mlp()
-    with make(model, stream) as profiler:
+    with make(model, stream, by_layer=True) as profiler:
         train_step(model, None, torch.randn(8, 32))
         assert profiler.record_stats().intermediate_gradients >= 0
+    with make(model, stream) as profiler:  # measured in per-layer mode only: unknown, never a false 0
+        train_step(model, None, torch.randn(8, 32))
+        record = profiler.record_stats()
+        assert record.intermediate_gradients is None and record.peak_breakdown is None
 
 
 def test_tied_weights_count_once(stream):
