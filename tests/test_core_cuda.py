@@ -70,10 +70,12 @@ def test_feature_maps_and_intermediate_gradients_match_an_independent_measuremen
     with MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, by_layer=True) as profiler:
         record = _profiled_step(profiler, model, x)
     assert record.feature_maps == pytest.approx(fmaps, rel=0.05)
-    # Intermediate gradients (per-layer mode) are the activation gradients at backward's peak:
-    # what backward made and holds then, less the weight gradients it made, plus the output's
-    # gradient (alive when backward reached the model): the bracket measured above.
-    assert record.intermediate_gradients == pytest.approx(inter, rel=0.05)
+    # Intermediate gradients (per-layer mode) are the activation gradients at backward's peak.
+    # The bracket measured above (backward's peak - allocated when it starts - every weight
+    # gradient it made) is a lower bound of them: backward frees saved activations before its
+    # peak, and some weight gradients are made after it. (On the CPU, where the counter sees
+    # every storage, tests/test_peak_breakdown.py checks the exact figure.)
+    assert record.intermediate_gradients >= inter
     if record.peak_phase == "backward":
         assert record.peak_breakdown["activation_gradients"] == record.intermediate_gradients
     assert sum(record.peak_breakdown.values()) == record.iteration_peak_allocated
