@@ -151,8 +151,8 @@ class IterationRecord:
             largest forward of the iteration).
         intermediate_gradients: the ``activation_gradients`` part of what was alive at
             backward's peak (gradients with respect to activations and backward's
-            temporaries; see :attr:`peak_breakdown`), on reported iterations; ``None``
-            where it was not measured.
+            temporaries; see :attr:`peak_breakdown`), on reported iterations in per-layer
+            mode (``by_layer=True``); ``None`` where it was not measured.
         weights: bytes of the model's parameters (unique storages).
         weights_by_name: bytes per parameter name.
         gradients: bytes of the parameters' ``.grad`` when backward ended.
@@ -176,17 +176,17 @@ class IterationRecord:
         device_total: bytes of memory the device has in all (``None`` where torch cannot
             tell, and on the CPU).
         peak_breakdown: bytes alive at this iteration's peak by category (keys
-            :data:`PEAK_CATEGORIES`, summing to ``iteration_peak_allocated``); ``None``
-            where it was not measured.
+            :data:`PEAK_CATEGORIES`, summing to ``iteration_peak_allocated``), on
+            reported iterations in per-layer mode; ``None`` where it was not measured.
         peak_layers: per-layer mode: bytes of each module's saved activations still
             alive at the peak, by module name.
         peak_transient: bytes of the peak that were made and freed between two
-            boundaries the profiler read (CUDA and other allocators: module boundaries in
-            per-layer mode, phase boundaries otherwise), counted in ``peak_breakdown`` as
+            boundaries the profiler read (CUDA and other allocators: module and phase
+            boundaries), counted in ``peak_breakdown`` as
             ``activation_gradients`` in backward and ``other`` elsewhere; ``None`` where every
             byte was seen by identity (the CPU) or no breakdown was measured.
-        peak_transient_in: the module (``""``: the model's own code) or, without
-            per-layer mode, the phase that transient ran in.
+        peak_transient_in: the module (``""``: the model's own code) or the phase
+            that transient ran in.
         ddp_gradient_buckets: bytes of DDP's gradient buckets held apart from the
             gradients (0 with ``gradient_as_bucket_view=True``); ``None`` without DDP.
         fsdp_gathered_parameters: most bytes of FSDP2's gathered (unsharded)
