@@ -447,14 +447,12 @@ class MemoryProfiler:
     def _record_stats(self) -> IterationRecord:
         if self._closed:
             raise RuntimeError("record_stats() called after close()")
-        self.iteration = iteration = self.iteration + 1
+        self.iteration += 1
         self.step += 1
-        period = self.print_period
-        reported = iteration % period == 0
-        meter = self._meter
-        record = meter.finish(Position(self.epoch, iteration, self.step), reported)
+        reported = self.iteration % self.print_period == 0
+        record = self._meter.finish(Position(self.epoch, self.iteration, self.step), reported)
         self.last_record = record
-        meter.prepare((iteration + 1) % period == 0)  # the next one: see _next_reported
+        self._meter.prepare(self._next_reported())
         if self._ranks is not None:
             self._ranks.observe(record)
         if reported:

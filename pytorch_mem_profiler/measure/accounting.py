@@ -24,6 +24,7 @@ import torch
 __all__ = [
     "tensor_bytes",
     "storage_parts",
+    "parts_on",
     "allocation_bytes",
     "same_device",
     "unique_parameters",
@@ -64,6 +65,21 @@ def storage_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if layout in _COMPRESSED_COLUMNS:
         return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
     return (tensor,)
+
+
+def parts_on(tensors: Iterable[torch.Tensor], device: torch.device) -> Iterator[torch.Tensor]:
+    """The pieces of memory (:func:`storage_parts`) of ``tensors`` that live on ``device``.
+
+    Example::
+
+        >>> import torch
+        >>> [tuple(p.shape) for p in parts_on([torch.eye(3).to_sparse(), torch.ones(2)], torch.device("cpu"))]
+        [(2, 3), (3,), (2,)]
+    """
+    for tensor in tensors:
+        for part in storage_parts(tensor):
+            if same_device(part, device):
+                yield part
 
 
 def _sparse_bytes(tensor: torch.Tensor) -> int:

@@ -419,7 +419,6 @@ class Meter:
             rank=self.rank_info.rank if self.rank_info is not None else None,
         )
 
-
     def _light_record(self, position: Position, m: StepMeasurements, final: Any, elapsed: float) -> IterationRecord:
         """The record of an iteration that is not reported: what one read of the counters,
         the pass counts and the sizes known already give; what needs the phase

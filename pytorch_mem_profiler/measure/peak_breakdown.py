@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from ..stats import PEAK_CATEGORIES
-from .accounting import optimizer_state_tensors, same_device, storage_parts
+from .accounting import optimizer_state_tensors, parts_on
 from .devices import CpuCounter, MemoryCounter, Reading
 from .saved_tensors import ChainedSavedTensorsHooks, can_chain
 from .trees import tensors_in
@@ -100,10 +100,8 @@ class PeakBreakdown:
     # -- forward -------------------------------------------------------------
     def add_inputs(self, inputs: Any) -> None:
         """The model was entered with ``inputs``: their storages are the ``inputs``."""
-        for t in tensors_in(inputs):
-            for part in storage_parts(t):
-                if same_device(part, self.device):
-                    self._input(part)
+        for part in parts_on(tensors_in(inputs), self.device):
+            self._input(part)
 
     def watch_forward(self, inputs: Any) -> None:
         """The model was entered with ``inputs``: count them, and watch what autograd saves
@@ -119,10 +117,8 @@ class PeakBreakdown:
 
     def _observe_saved(self, kept: Any) -> None:
         module = self.module_name() if self.module_name is not None else None
-        for t in tensors_in(kept):
-            for part in storage_parts(t):
-                if same_device(part, self.device):
-                    self._saved(part, module)
+        for part in parts_on(tensors_in(kept), self.device):
+            self._saved(part, module)
 
     def close(self) -> None:
         """Drop everything held (the hooks are removed, the storages forgotten)."""
@@ -201,12 +197,10 @@ class CpuPeakBreakdown(PeakBreakdown):
 
     def _add_refs(self, into: set[Any], tensors: Iterable[Any]) -> None:
         ref_of = self.counter.storage_ref
-        for whole in tensors:
-            if isinstance(whole, torch.Tensor) and whole.is_cpu:
-                for part in storage_parts(whole):
-                    ref = ref_of(part)
-                    if ref is not None:
-                        into.add(ref)
+        for part in parts_on((t for t in tensors if isinstance(t, torch.Tensor)), self.device):
+            ref = ref_of(part)
+            if ref is not None:
+                into.add(ref)
 
     def _input(self, tensor: torch.Tensor) -> None:
         ref = self.counter.storage_ref(tensor)
@@ -412,10 +406,8 @@ class BoundaryPeakBreakdown(PeakBreakdown):
     ) -> None:
         self._reset()
         alive = self._alive
-        for t in itertools.chain(params, buffers):
-            for part in storage_parts(t):
-                if same_device(part, self.device):
-                    alive.add(part, "weights")
+        for part in parts_on(itertools.chain(params, buffers), self.device):
+            alive.add(part, "weights")
         self.gradients_ready(params)
         self._add_state(optimizers)
         hook = self._gradient_made
@@ -429,17 +421,14 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         self._started = True
 
     def _add_state(self, optimizers: Iterable[Any]) -> None:
-        for t in optimizer_state_tensors(optimizers):
-            for part in storage_parts(t):
-                if same_device(part, self.device):
-                    self._alive.add(part, "optimizer_state")
+        for part in parts_on(optimizer_state_tensors(optimizers), self.device):
+            self._alive.add(part, "optimizer_state")
 
     def _gradient_made(self, param: torch.Tensor) -> None:
         grad = param.grad
         if grad is not None:
-            for part in storage_parts(grad):
-                if same_device(part, self.device):
-                    self._alive.add(part, "gradients")
+            for part in parts_on((grad,), self.device):
+                self._alive.add(part, "gradients")
 
     def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
         for p in params:
@@ -506,10 +495,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             parts["activation_gradients"] += transient - made
         elif phase == "optimizer":
             state_now = sum(
-                part.untyped_storage().nbytes()
-                for t in optimizer_state_tensors(optimizers)
-                for part in storage_parts(t)
-                if same_device(part, self.device)
+                part.untyped_storage().nbytes() for part in parts_on(optimizer_state_tensors(optimizers), self.device)
             )
             made = min(transient, max(0, state_now - opened.parts["optimizer_state"]))
             parts["optimizer_state"] += made
