@@ -88,40 +88,52 @@ def test_closure_step_through_a_child_on_cuda():
                 assert record.layers.by_module[("net.1", "activations")] == 64 * 1024 * 4
 
 
-def test_save_on_cpu_with_by_layer_changes_neither_feature_maps_nor_peak():
+def save_on_cpu_run(build, make_batches, print_period: int, profiled: bool):
+    """Training steps whose forward runs under ``save_on_cpu()``, with the profiler (``by_layer=True``)
+    or without it: per step (what forward left on the GPU, the iteration peak, the record or ``None``),
+    and the final weights. The allocator is read around the same steps in both runs."""
     dev = device()
+    torch.manual_seed(0)
+    model = build().to(dev)
+    opt = torch.optim.Adam(model.parameters())
+    torch.manual_seed(1)
+    batches = make_batches(dev)
+    profiler = MemoryProfiler(model, print_period, stream=io.StringIO(), strict=True, by_layer=True) if profiled else None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    figures = []
+    for x in batches:
+        if profiler is None:
+            torch.cuda.reset_peak_memory_stats()  # where record_stats() starts an iteration
+        before = torch.cuda.memory_allocated()
+        with torch.autograd.graph.save_on_cpu():
+            out = model(x)
+        forward_delta = torch.cuda.memory_allocated() - before
+        out.square().mean().backward()
+        del out
+        opt.step()
+        opt.zero_grad()
+        if profiler is None:
+            torch.cuda.synchronize()
+            figures.append((forward_delta, torch.cuda.max_memory_allocated(), None))
+        else:
+            record = profiler.record_stats()
+            if record.reported:  # feature maps are measured on reported iterations (None on the others)
+                assert forward_delta == record.feature_maps
+            figures.append((forward_delta, record.iteration_peak_allocated, record))
+    if profiler is not None:
+        profiler.close()
+    return figures, [p.detach().cpu() for p in model.parameters()]
 
+
+def test_save_on_cpu_with_by_layer_changes_neither_feature_maps_nor_peak():
     def run(profiled: bool):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(6)]).to(dev)
-        opt = torch.optim.Adam(model.parameters())
-        torch.manual_seed(1)
-        batches = [torch.randn(512, 1024, device=dev) for _ in range(3)]
-        profiler = MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, by_layer=True) if profiled else None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        figures = []
-        for x in batches:
-            if profiler is None:
-                torch.cuda.reset_peak_memory_stats()  # where record_stats() starts an iteration
-            before = torch.cuda.memory_allocated()
-            with torch.autograd.graph.save_on_cpu():
-                out = model(x)
-            forward_delta = torch.cuda.memory_allocated() - before
-            out.square().mean().backward()
-            del out
-            opt.step()
-            opt.zero_grad()
-            if profiler is None:
-                figures.append((forward_delta, torch.cuda.max_memory_allocated(), None))
-            else:
-                record = profiler.record_stats()
-                if record.reported:  # feature maps are measured on reported iterations (None on the others)
-                    assert forward_delta == record.feature_maps
-                figures.append((forward_delta, record.iteration_peak_allocated, record))
-        if profiler is not None:
-            profiler.close()
-        return figures, [p.detach().cpu() for p in model.parameters()]
+        return save_on_cpu_run(
+            lambda: nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(6)]),
+            lambda dev: [torch.randn(512, 1024, device=dev) for _ in range(3)],
+            1,
+            profiled,
+        )
 
     plain, plain_weights = run(False)
     profiled, weights = run(True)
@@ -211,47 +223,21 @@ def test_save_on_cpu_with_by_layer_on_a_cnn_reported_or_not():
     on reported and non-reported iterations alike, what forward leaves on the GPU and the iteration
     peak equal those of the run without the profiler, measured by the allocator around the same
     steps (and the reported feature maps equal it), and the weights are the same."""
-    dev = device()
     deterministic, benchmark = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
     # the same convolution algorithms (and workspaces) in both runs
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
     def run(profiled: bool):
-        torch.manual_seed(0)
-        model = nn.Sequential(
-            nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-            nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-            nn.AvgPool2d(64), nn.Flatten(), nn.Linear(64, 10),
-        ).to(dev)  # fmt: skip  (AvgPool2d: AdaptiveAvgPool2d's CUDA backward is not deterministic)
-        opt = torch.optim.Adam(model.parameters())
-        torch.manual_seed(1)
-        batches = [torch.randn(64, 3, 64, 64, device=dev) for _ in range(5)]
-        profiler = MemoryProfiler(model, 2, stream=io.StringIO(), strict=True, by_layer=True) if profiled else None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        figures = []
-        for x in batches:
-            if profiler is None:
-                torch.cuda.reset_peak_memory_stats()  # where record_stats() starts an iteration
-            before = torch.cuda.memory_allocated()
-            with torch.autograd.graph.save_on_cpu():
-                out = model(x)
-            forward_delta = torch.cuda.memory_allocated() - before
-            out.square().mean().backward()
-            del out
-            opt.step()
-            opt.zero_grad()
-            if profiler is None:
-                torch.cuda.synchronize()
-                figures.append((forward_delta, torch.cuda.max_memory_allocated(), None))
-            else:
-                record = profiler.record_stats()
-                if record.reported:  # feature maps are measured on reported iterations (None on the others)
-                    assert forward_delta == record.feature_maps
-                figures.append((forward_delta, record.iteration_peak_allocated, record))
-        if profiler is not None:
-            profiler.close()
-        return figures, [p.detach().cpu() for p in model.parameters()]
+        return save_on_cpu_run(
+            lambda: nn.Sequential(
+                nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+                nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+                nn.AvgPool2d(64), nn.Flatten(), nn.Linear(64, 10),
+            ),  # fmt: skip  (AvgPool2d: AdaptiveAvgPool2d's CUDA backward is not deterministic)
+            lambda dev: [torch.randn(64, 3, 64, 64, device=dev) for _ in range(5)],
+            2,
+            profiled,
+        )
 
     try:
         plain, plain_weights = run(False)
