@@ -2,6 +2,7 @@
 
     python benchmarks/hot_path.py --workload tiny_mlp --steps 300
     python benchmarks/hot_path.py --host-cost        # host us per iteration, reported or not (CPU, seconds)
+    python benchmarks/hot_path.py --reads            # us per device read, peak reset and driver read
 
 Times the workload without the profiler, with it, and with parts of it
 replaced by no-ops (the device reads; the backward hooks), alternating in one
@@ -112,6 +113,44 @@ def print_host_cost() -> None:
         print(f"  {label:28s} {host_cost(period, by_layer):8.1f} us")
 
 
+def print_read_costs(device: torch.device, calls: int = 20000) -> None:
+    """Microseconds per call of each way to read the allocator's counters, and of the peak reset."""
+    if device.type != "cuda":
+        print("--reads needs a CUDA device")
+        return
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    keep = torch.empty(1 << 20, device=device)  # the allocator is initialised and holds a block
+    candidates = {
+        "torch._C._cuda_memoryStats": lambda: torch._C._cuda_memoryStats(idx),
+        "torch._C._accelerator_getDeviceStats": getattr(torch._C, "_accelerator_getDeviceStats", None),
+        "torch._C._cuda_resetPeakMemoryStats": lambda: torch._C._cuda_resetPeakMemoryStats(idx),
+        "torch.cuda.memory_allocated": lambda: torch.cuda.memory_allocated(idx),
+        "torch.cuda.mem_get_info (driver)": lambda: torch.cuda.mem_get_info(idx),
+    }
+    if candidates["torch._C._accelerator_getDeviceStats"] is not None:
+        candidates["torch._C._accelerator_getDeviceStats"] = lambda: torch._C._accelerator_getDeviceStats(idx)
+    from pytorch_mem_profiler.measure.devices import make_counter
+    from pytorch_mem_profiler.measure.outside import DeviceMemoryReader
+
+    counter = make_counter(device)
+    candidates["profiler: counter.mark() (read + reset)"] = counter.mark
+    reader = DeviceMemoryReader(device)
+    candidates["profiler: outside-PyTorch read (NVML)"] = reader.read
+    print(f"us per call on {torch.cuda.get_device_name(idx)} (median of 5 x {calls} calls):")
+    for name, fn in candidates.items():
+        if fn is None:
+            print(f"  {name:44s}      n/a")
+            continue
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - start) / calls * 1e6)
+        print(f"  {name:44s} {median(times):8.2f}")
+    del keep
+
+
 def run(work, steps: int, profiler: MemoryProfiler | None, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -184,7 +223,11 @@ def main() -> None:
     parser.add_argument("--print-period", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--host-cost", action="store_true", help="only the host cost per iteration, on the CPU")
+    parser.add_argument("--reads", action="store_true", help="only the cost of each device read (CUDA)")
     args = parser.parse_args()
+    if args.reads:
+        print_read_costs(torch.device(args.device))
+        return
     if args.host_cost:
         torch.set_num_threads(1)
         print_host_cost()
@@ -231,6 +274,7 @@ def main() -> None:
     prof.close()
     stats = pstats.Stats(profile, stream=out)
     stats.sort_stats("tottime").print_stats("pytorch_mem_profiler|autograd|optim|_C", 25)
+    stats.sort_stats("cumulative").print_stats("pytorch_mem_profiler", 30)
     print(out.getvalue())
 
 
