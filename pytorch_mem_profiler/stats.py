@@ -164,6 +164,8 @@ class IterationRecord:
         forward_passes: forwards of the model (with grad enabled) in this iteration.
         backward_passes: backwards through the model in this iteration.
         optimizer_steps: optimizer steps over the model's parameters in this iteration.
+            The three counts are ``None`` on an iteration that is not reported
+            when nothing watched it (the hooks are off between reported iterations).
         iteration_time_s: host wall time since the previous ``record_stats()``.
         phases: :class:`PhaseStats` by phase name (see :data:`PHASES`).
         peak_location: the module running when this iteration's peak was reached
@@ -217,9 +219,9 @@ class IterationRecord:
     gradients_by_name: Mapping[str, int] = field(default_factory=_empty)
     optimizer_state: int | None = 0
     buffers: int = 0
-    forward_passes: int = 0
-    backward_passes: int = 0
-    optimizer_steps: int = 0
+    forward_passes: int | None = 0
+    backward_passes: int | None = 0
+    optimizer_steps: int | None = 0
     iteration_time_s: float | None = None
     phases: Mapping[str, PhaseStats] = field(default_factory=_empty)
     peak_location: str | None = None

@@ -149,3 +149,31 @@ def test_both_ways_of_reading_the_allocator_agree():
     public.mark()
     del keep
     assert public.read().peak_allocated == torch.cuda.max_memory_allocated(DEV)
+
+
+def test_a_lone_counters_mark_reads_then_starts_a_new_interval():
+    """CudaCounter.mark's short path (the device's only counter): the reading is the allocator's
+    own, taken before the reset; with a second counter the peaks are folded as before."""
+    import gc
+
+    from pytorch_mem_profiler.measure.devices import CudaCounter
+
+    gc.collect()
+    counter = CudaCounter(DEV)
+    counter.mark()
+    base = torch.cuda.memory_allocated(DEV)
+    big = torch.empty(4_000_000, device=DEV)
+    del big
+    expected_peak = torch.cuda.max_memory_allocated(DEV)
+    reading = counter.mark()
+    assert reading.allocated == torch.cuda.memory_allocated(DEV) == base
+    assert reading.peak_allocated == expected_peak >= base + 16_000_000
+    assert reading.reserved == torch.cuda.memory_reserved(DEV)
+    assert torch.cuda.max_memory_allocated(DEV) == base  # a new interval
+    other = CudaCounter(DEV)
+    big = torch.empty(2_000_000, device=DEV)
+    del big
+    assert counter.mark().peak_allocated >= base + 8_000_000
+    assert other.read().peak_allocated >= base + 8_000_000  # folded into the other counter
+    other.stop()
+    counter.stop()

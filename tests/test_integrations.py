@@ -137,7 +137,10 @@ def test_lightning_records_match_the_hand_written_loop(tmp_path):
     assert len(records) == 8
     assert [(r.epoch, r.iteration) for r in records] == [(e, i) for e in (1, 2) for i in (1, 2, 3, 4)]
     for r in records:
-        assert (r.forward_passes, r.backward_passes, r.optimizer_steps) == (1, 1, 1)
+        # Watched: the first iteration (where the forward enters the module is learned) and
+        # the reported ones; between them the hooks are off and the counts unknown.
+        watched = r.reported or (r.epoch, r.iteration) == (1, 1)
+        assert (r.forward_passes, r.backward_passes, r.optimizer_steps) == ((1, 1, 1) if watched else (None,) * 3)
     # Weights, gradients and optimizer state: the tensors' own bytes.
     params = list(module.parameters())
     last = records[-1]

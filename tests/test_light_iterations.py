@@ -1,4 +1,5 @@
-"""Iterations that are not reported cost one read of the counters; reported ones keep every figure.
+"""Iterations that are not reported cost one read of the counters, with no hook on; reported ones
+keep every figure.
 
 A stand-in counter (an exact CPU counter that counts its reads and peak resets)
 and a stand-in autograd engine (torch's, counting ``queue_callback``) show what
@@ -149,14 +150,18 @@ def test_a_non_reported_record_carries_what_one_read_gives_exactly(counting):
     assert (light.reported, full.reported) == (False, True)
     for name in (
         "allocated", "iteration_peak_allocated", "peak_allocated", "peak_cached", "current_cached",
-        "weights", "buffers", "optimizer_state", "forward_passes", "backward_passes", "optimizer_steps",
+        "weights", "buffers", "optimizer_state",
     ):  # fmt: skip
         assert getattr(light, name) == getattr(full, name), name
     assert light.iteration_peak_allocated > light.allocated > 0
     state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()}
     assert light.optimizer_state == sum(state.values())
     assert light.weights == sum(p.untyped_storage().nbytes() for p in model.parameters())
-    assert (light.forward_passes, light.backward_passes, light.optimizer_steps) == (1, 1, 1)
+    # Nothing watched it (the hooks were off): its passes are unknown, not 0.
+    assert (light.forward_passes, light.backward_passes, light.optimizer_steps) == (None, None, None)
+    assert (full.forward_passes, full.backward_passes, full.optimizer_steps) == (1, 1, 1)
+    # The first iteration, which learns where the forward enters the model, is watched and counted.
+    assert (seen[0][0].forward_passes, seen[0][0].backward_passes, seen[0][0].optimizer_steps) == (1, 1, 1)
     assert light.feature_maps is None and light.gradients is None and light.intermediate_gradients is None
     assert light.peak_phase is None and dict(light.phases) == {} and light.layers is None
     assert full.gradients == light.weights and full.feature_maps > 0 and full.peak_phase in ("backward", "optimizer")
@@ -188,7 +193,10 @@ def test_accumulation_and_recomputation_are_counted_alike_reported_or_not(counti
             opt.zero_grad(set_to_none=True)
             records.append(profiler.record_stats())
     assert [r.reported for r in records] == [False, True, False, True]
-    assert {(r.forward_passes, r.backward_passes, r.optimizer_steps) for r in records} == {(2, 2, 1)}
+    counts = [(r.forward_passes, r.backward_passes, r.optimizer_steps) for r in records]
+    # Watched: the first iteration (learning the entries) and the reported ones; the hooks
+    # are off on the third, whose counts are unknown.
+    assert counts == [(2, 2, 1), (2, 2, 1), (None, None, None), (2, 2, 1)]
     assert [r.iteration_peak_allocated for r in records[2:]] == [records[1].iteration_peak_allocated] * 2
 
 
@@ -309,3 +317,127 @@ def test_optimizer_state_follows_a_new_optimizer_and_one_that_is_freed(counting)
         F.mse_loss(model(x), y).backward()
         first.step()
         assert profiler.record_stats().optimizer_state == state_bytes(first)
+
+
+def _ours(hooks: dict, profiler) -> list:
+    """The hooks in ``hooks`` (a module's or torch's global dict) that belong to ``profiler``."""
+    watchers = (profiler._meter._hooks, profiler._meter._hooks._entries)
+    return [h for h in hooks.values() if getattr(h, "__self__", None) in watchers]
+
+
+def test_the_hooks_are_off_between_reported_iterations_and_back_for_them(counting):
+    """Between reported iterations the model's modules and the optimizer steps run none of the
+    profiler's hooks (only a step post-hook that notices a new optimizer); a user's own hook
+    stays; for a reported iteration every hook is back; close() leaves none."""
+    from torch.optim import optimizer as optim_module
+
+    model = _model()
+    user_calls = []
+    model.register_forward_pre_hook(lambda m, a: user_calls.append(1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    seen = []
+    with MemoryProfiler(model, PERIOD, stream=io.StringIO(), strict=True) as profiler:
+        for i in range(3 * PERIOD):
+            on_model = len(_ours(model._forward_pre_hooks, profiler)) + len(_ours(model._forward_hooks, profiler))
+            pre = _ours(optim_module._global_optimizer_pre_hooks, profiler)
+            post = [h.__name__ for h in _ours(optim_module._global_optimizer_post_hooks, profiler)]
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            record = profiler.record_stats()
+            seen.append((i, record.reported, on_model, len(pre), post))
+    for i, reported, on_model, pre, post in seen:
+        if i == 0 or reported:  # the first iteration learns the entry modules
+            assert (on_model, pre, post) == (2, 1, ["_optimizer_post"]), i
+        else:
+            assert (on_model, pre, post) == (0, 0, ["_optimizer_seen"]), i
+    assert len(user_calls) == 3 * PERIOD
+    assert not _ours(model._forward_pre_hooks, profiler) and not _ours(model._forward_hooks, profiler)
+    assert not _ours(optim_module._global_optimizer_pre_hooks, profiler)
+    assert not _ours(optim_module._global_optimizer_post_hooks, profiler)
+
+
+def test_the_hooks_stay_on_while_a_forward_awaits_its_backward(counting):
+    """record_stats() between a forward and its backward: the hooks stay on, so the backward is
+    still found and counted in the next iteration."""
+    model = _model()
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with MemoryProfiler(model, PERIOD, stream=io.StringIO(), strict=True) as profiler:
+        for _ in range(PERIOD - 1):
+            F.mse_loss(model(x), y).backward()
+            profiler.record_stats()
+        loss = F.mse_loss(model(x), y)  # a reported iteration: watched
+        first = profiler.record_stats()
+        assert first.reported and not profiler._meter._hooks.asleep
+        loss.backward()
+        second = profiler.record_stats()
+        assert profiler._meter._hooks.asleep  # nothing open any more
+    assert (first.forward_passes, first.backward_passes) == (1, 0)
+    assert (second.forward_passes, second.backward_passes) == (0, 1)
+
+
+def test_a_compiled_model_keeps_its_hooks(counting):
+    """Compiled code is guarded on the hooks it ran with: they are never taken off and put back."""
+    model = torch.compile(_model(), backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with MemoryProfiler(model, PERIOD, stream=io.StringIO(), strict=True) as profiler:
+        seen = _train(model, opt, profiler, PERIOD, x, y)
+        assert not profiler._meter._hooks.asleep
+    assert [(r.forward_passes, r.backward_passes, r.optimizer_steps) for r, *_ in seen] == [(1, 1, 1)] * PERIOD
+
+
+def test_a_fault_while_taking_the_hooks_off_leaves_them_on(counting, monkeypatch):
+    """The sleeping is the smallest part: a fault there switches it off alone, and every
+    iteration is then watched as before."""
+    from pytorch_mem_profiler.measure.hooks import TrainingStepHooks
+
+    def broken(self):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(TrainingStepHooks, "sleep", broken)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with MemoryProfiler(model, PERIOD, stream=io.StringIO()) as profiler:
+        seen = _train(model, opt, profiler, 2 * PERIOD, x, y)
+        assert profiler._guard.disabled == {"hooks off between reports"}
+    assert [(r.forward_passes, r.optimizer_steps) for r, *_ in seen] == [(1, 1)] * (2 * PERIOD)
+    assert [r.reported for r, *_ in seen].count(True) == 2
+
+
+def test_forward_is_split_by_module_only_while_the_peak_is_there(counting):
+    """Per-layer mode reads the counters at each tracked module's end in forward on the first
+    reported iteration, then only while forward holds the iteration's peak: one read per module
+    saved, and where the peak was is found all the same."""
+
+    class Widen(nn.Module):
+        """A forward-time transient much larger than anything backward or the step holds."""
+
+        def forward(self, x):
+            with torch.no_grad():  # nothing of it is kept for backward, which stays small
+                scale = (x.unsqueeze(-1) * torch.ones(4096)).sum(-1).mean()
+            return x * scale
+
+    def run(model, steps, opt=None):
+        x, y = torch.randn(8, 16), torch.randn(8, 4)
+        with MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, by_layer=True) as profiler:
+            seen = _train(model, opt or torch.optim.SGD(model.parameters(), lr=0.01), profiler, steps, x, y)
+        return [(record, reads) for record, reads, *_ in seen]
+
+    # The peak is in backward or the step: forward is split once, then not.
+    model = _model()
+    seen = run(model, 4)
+    assert seen[0][0].peak_phase in ("backward", "optimizer")
+    tracked_in_forward = 5  # Linear, ReLU, Linear, ReLU, Linear
+    assert seen[0][1] - seen[1][1] == tracked_in_forward
+    assert len({reads for _, reads in seen[1:]}) == 1
+    assert len({(r.iteration_peak_allocated, r.peak_phase, r.peak_location) for r, _ in seen}) == 1
+
+    # The peak is in forward, inside the module "1": split every time, the module named each time.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Widen(), nn.Linear(16, 4))
+    seen = run(model, 3)
+    assert [(r.peak_phase, r.peak_location) for r, _ in seen] == [("forward", "1")] * 3
+    assert len({reads for _, reads in seen}) == 1

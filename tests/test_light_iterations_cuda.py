@@ -73,5 +73,6 @@ def test_a_non_reported_record_holds_the_allocators_figures():
     assert not record.reported
     assert record.iteration_peak_allocated == peak
     assert record.allocated == allocated and record.current_cached == reserved
-    assert (record.forward_passes, record.backward_passes, record.optimizer_steps) == (1, 1, 1)
-    assert record.gradients is None and record.feature_maps is None and dict(record.phases) == {}
+    # The hooks were off (nothing watched the step): its counts are unknown, not 0.
+    assert (record.forward_passes, record.backward_passes, record.optimizer_steps) == (None, None, None)
+    assert len(profiler.records) == 0 and record.gradients is None and record.feature_maps is None and dict(record.phases) == {}

@@ -114,6 +114,8 @@ class EntryWatch:
         self._entries: dict[int, torch.nn.Module] = {}
         self._handles: dict[int, tuple[Any, Any]] = {}
         self._accepted = False
+        #: whether the hooks are taken off for a while (:meth:`pause`)
+        self.paused = False
 
     # -- installation ----------------------------------------------------------
     def install(self) -> None:
@@ -126,6 +128,7 @@ class EntryWatch:
         if self.depth:
             return  # never while a module of the model runs: its exit would be lost
         self.learning = True
+        self.paused = False
         for module in _hookable_modules(self.model):
             self._hook(module)
 
@@ -139,14 +142,40 @@ class EntryWatch:
             for handle in self._handles.pop(key):
                 handle.remove()
 
+    def pause(self) -> bool:
+        """Take every hook off until :meth:`resume`, keeping the entries learned; whether it did.
+
+        Refused while learning (the entries are not known yet) or while a module of
+        the model runs (its exit would be lost). A module with no hooks takes
+        torch's fast call path: the model then costs what it costs unprofiled.
+        """
+        if self.learning or self.depth or self.paused:
+            return False
+        self._unhook_all()
+        self.paused = True
+        return True
+
+    def resume(self) -> None:
+        """Hook the root and the entry modules again after :meth:`pause`."""
+        if not self.paused:
+            return
+        self.paused = False
+        self._hook(self.model)
+        for module in list(self._entries.values()):
+            self._hook(module)
+
     def remove(self) -> None:
         """Remove every hook."""
+        self._unhook_all()
+        self.depth = 0
+        self.learning = False
+        self.paused = False
+
+    def _unhook_all(self) -> None:
         for handles in self._handles.values():
             for handle in handles:
                 handle.remove()
         self._handles.clear()
-        self.depth = 0
-        self.learning = False
 
     def release(self) -> None:
         """Remove every hook and drop the callbacks (which refer back to their owner)."""

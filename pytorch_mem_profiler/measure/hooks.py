@@ -25,14 +25,22 @@ automatic hooks that fire inside such a phase do not open a second one.
 
 On iterations that will be reported (:attr:`TrainingStepHooks.reported`) the
 device counter is read at every boundary and a new peak interval started, so
-the peak of each phase is exact. On the others the hooks only count passes and
-steps and follow the phase (a forward during backward is a recomputation, a
-step inside backward is part of it): no counter read, no gradient sizes, no
-callback queued on autograd's engine; backward's end is noticed at the next
-forward, step or ``record_stats()``. The one read of such an iteration is
-:meth:`TrainingStepHooks.finish_iteration`'s, whose peak is the iteration's.
-Everything the hooks measure lands in a :class:`StepMeasurements`, which the
-profiler turns into a record.
+the peak of each phase is exact. The others are not watched at all: once the
+entry modules are known, :meth:`TrainingStepHooks.sleep` takes every hook off
+(the model's modules take torch's fast call path, the optimizer steps run no
+hook), and :meth:`TrainingStepHooks.wake` puts them back before the next
+reported iteration. The one read of such an iteration is
+:meth:`TrainingStepHooks.finish_iteration`'s, whose peak is the iteration's;
+its passes and steps are not counted (``None`` in its record, not a false 0).
+Where the hooks cannot sleep (still learning the entry modules, a model run
+through ``torch.compile``, whose compiled code would be guarded on the hooks,
+or a phase still open at ``record_stats()``) they stay on and only count
+passes and steps and follow the phase (a forward during backward is a
+recomputation, a step inside backward is part of it): no counter read, no
+gradient sizes, no callback queued on autograd's engine; backward's end is
+noticed at the next forward, step or ``record_stats()``. Everything the hooks
+measure lands in a :class:`StepMeasurements`, which the profiler turns into a
+record.
 
 Example::
 
@@ -65,7 +73,7 @@ from .accounting import GradientSizes, allocation_bytes, optimizer_holds_any, sa
 from .devices import MemoryCounter, Reading
 from ..faults import FaultGuard
 from .entries import EntryWatch
-from .layers import LayerAttribution, LayerBreakdown
+from .layers import LayerAttribution, LayerBreakdown, is_compiled
 from .peak_breakdown import PeakBreakdown
 from .trees import output_grad_nodes
 
@@ -101,6 +109,8 @@ class StepMeasurements:
     #: what the largest forward saved, by module (per-layer mode), and its allocator delta
     layers: LayerBreakdown | None = None
     layers_kept: int = 0
+    #: whether passes and steps were counted (False: the hooks slept through the iteration)
+    counted: bool = True
 
 
 def _queues_own_callbacks(model: torch.nn.Module) -> bool:
@@ -204,6 +214,11 @@ class TrainingStepHooks:
         self.attribution: LayerAttribution | None = None
         #: whether per-layer attribution runs in this iteration (a reported one)
         self.detailed = False
+        # Per-layer mode reads the counters at every tracked module's end in forward only
+        # while forward is where the iterations peak (the first reported one always): one
+        # read per module saved otherwise. Backward's module boundaries are always read
+        # (the activation gradients at backward's peak are measured from them).
+        self._split_forward = True
         #: whether the running iteration will be reported: only then are the
         #: counters read at the phase boundaries and the gradients measured
         self.reported = True
@@ -217,11 +232,25 @@ class TrainingStepHooks:
         self.current = StepMeasurements()
         self.max_reserved: int | None = None
         self.max_allocated: int | None = None
+        self._asleep = False
+        # backward's end callbacks (deferred once under DDP/FSDP, direct), made once
+        self._end_callbacks: tuple[Callable[[], Any], Callable[[], Any]] | None = None
+        # the last forward pass's pending backward, until the next forward
+        self._awaiting: _BackwardPass | None = None
+        # Hooks on or in a compiled module are guarded on by its compiled code: never toggled.
+        self._compiled = is_compiled(model)
 
     # -- installation ------------------------------------------------------
     def install(self) -> None:
         """Register every hook; :meth:`remove` takes them all away."""
         self._entries.install()
+        self._install_step_hooks()
+        # The counters' starting point: peaks are measured from here on.
+        first = self.counter.mark()
+        self.max_reserved = first.reserved
+        self.max_allocated = first.allocated
+
+    def _install_step_hooks(self) -> None:
         # The bound methods: each holds its guard's try inline (no wrapper frame per step).
         pre, post = self._optimizer_pre, self._optimizer_post
         if self._explicit_optimizers is None:
@@ -231,10 +260,46 @@ class TrainingStepHooks:
             for opt in self._explicit_optimizers:
                 self._handles.append(opt.register_step_pre_hook(pre))
                 self._handles.append(opt.register_step_post_hook(post))
-        # The counters' starting point: peaks are measured from here on.
-        first = self.counter.mark()
-        self.max_reserved = first.reserved
-        self.max_allocated = first.allocated
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the hooks are off for iterations that are not reported (:meth:`sleep`)."""
+        return self._asleep
+
+    def sleep(self) -> bool:
+        """Take every hook off until :meth:`wake`; whether it did.
+
+        Called between iterations when the next one will not be reported. Refused
+        while the entry modules are still being learned, for a model run through
+        ``torch.compile`` (its compiled code is guarded on the hooks: taking them
+        off and on would recompile it), and while anything is open (a forward
+        awaiting its backward, a backward, a step, a phase marked by hand).
+        """
+        if self._asleep or self._pass is not None or self._step_depth or self._explicit:
+            return False
+        if self._awaiting is not None and not self._awaiting.started:
+            return False  # the last forward's backward is still to come: it must be found
+        if self._backward_unsettled or self._phase == "backward" or self._compiled:
+            return False
+        if not self._entries.pause():
+            return False
+        self._remove_handles()
+        if self._explicit_optimizers is None:
+            # Still told of an optimizer newly seen stepping the model: its state counts
+            # from the iteration it appears on (one dictionary lookup per step).
+            self._handles.append(register_optimizer_step_post_hook(self._optimizer_seen))
+        self._asleep = True
+        self._phase = "other"
+        return True
+
+    def wake(self) -> None:
+        """Put the hooks back after :meth:`sleep` (before an iteration that will be reported)."""
+        if not self._asleep:
+            return
+        self._asleep = False
+        self._remove_handles()
+        self._entries.resume()
+        self._install_step_hooks()
 
     def release(self) -> None:
         """Remove the hooks and drop the callbacks, which refer back to their owner:
@@ -242,12 +307,14 @@ class TrainingStepHooks:
         self.guard.clean_up("close", self.remove, self._entries.release)
         self._on_optimizer_step = None
         self._on_forward_first_call = None
+        self._end_callbacks = None
         self.attribution = None
         self.current = StepMeasurements()
 
     def remove(self) -> None:
         """Remove every hook this object installed (each in its own try: see ``FaultGuard.clean_up``)."""
-        self._pass = None
+        self._pass = self._awaiting = None
+        self._asleep = False
         steps = [self._entries.remove, self._remove_handles]
         if self.attribution is not None:
             steps.append(self.attribution.close)
@@ -351,7 +418,7 @@ class TrainingStepHooks:
     def forward_location(self, ended_in: str, now_in: str) -> None:
         """A tracked module's forward ended: what ran since the last mark is put down to
         ``ended_in``; the code runs in ``now_in`` from here."""
-        if self._phase == "forward":
+        if self._phase == "forward" and self._split_forward:
             self._location = ended_in
             self._mark("forward", now_in)
 
@@ -396,7 +463,7 @@ class TrainingStepHooks:
 
     def _begin_forward(self, args: Any, entry: torch.nn.Module | None, explicit: bool = False) -> None:
         pass_ = self._pass
-        location = "" if self.detailed else None
+        location = "" if self.detailed and self._split_forward else None
         if pass_ is not None and not explicit and not pass_.explicit and not pass_.pending.started:
             # Entered again before any backward (self.decoder after self.encoder): the same pass.
             self._switch("forward", location)
@@ -463,6 +530,7 @@ class TrainingStepHooks:
         pass_, self._pass = self._pass, None
         if pass_ is None:
             return
+        self._awaiting = pass_.pending
         self._leave(pass_)  # still inside it when a phase marked by hand ends it
         breakdown: LayerBreakdown | None = None
         if pass_.attributed and self.attribution is not None and self.attribution.watching_saved_tensors:
@@ -482,7 +550,7 @@ class TrainingStepHooks:
                 return  # marked by the framework, or a second forward's outputs in the same backward
             pass_ = self._pass
             if pass_ is not None and not pass_.attributed and pass_.start is None and self._phase != "forward":
-                self._pass = None  # what _close_forward does to a pass of a light iteration, left already
+                self._pass, self._awaiting = None, pass_.pending  # as _close_forward does, the pass left already
             else:
                 self._close_forward()
             if not self.reported:
@@ -506,14 +574,22 @@ class TrainingStepHooks:
             # done. Under DDP/FSDP it queues itself once more so that it runs
             # after the callbacks they queue later, in which they finish reducing.
             engine = torch.autograd.Variable._execution_engine
-            end = self._backward_finishing if self.defer_backward_end else self._backward_finished
-            engine.queue_callback(self.guard.wrap("backward hooks", end))
+            callbacks = self._end_callbacks
+            if callbacks is None:  # made once, at the first reported backward (dropped by release())
+                wrap = self.guard.wrap
+                callbacks = self._end_callbacks = (
+                    wrap("backward hooks", self._backward_finishing),
+                    wrap("backward hooks", self._backward_finished),
+                )
+            engine.queue_callback(callbacks[0] if self.defer_backward_end else callbacks[1])
         except Exception as exc:  # noqa: BLE001 - raised inside autograd: contain it here
             self.guard.fault("backward hooks", exc)
 
     def _backward_finishing(self) -> None:
         engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(self.guard.wrap("backward hooks", self._backward_finished))
+        callbacks = self._end_callbacks
+        end = callbacks[1] if callbacks is not None else self.guard.wrap("backward hooks", self._backward_finished)
+        engine.queue_callback(end)
 
     def _backward_finished(self) -> None:
         # Inside an optimizer step (a closure), what follows backward is the update.
@@ -560,6 +636,18 @@ class TrainingStepHooks:
                 self._step_ended()
             # Told once per optimizer (what it is for: an optimizer newly seen stepping the model).
             if self._on_optimizer_step is not None and optimizer not in self._announced:
+                self._announced[optimizer] = True
+                self._on_optimizer_step(optimizer)
+        except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
+            self.guard.fault("optimizer hooks", exc)
+        return None
+
+    def _optimizer_seen(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The step post-hook while asleep: only tells of an optimizer newly seen stepping the model."""
+        try:
+            if optimizer in self._announced or self._on_optimizer_step is None:
+                return None
+            if "optimizer hooks" not in self.guard.disabled and self._steps_model(optimizer):
                 self._announced[optimizer] = True
                 self._on_optimizer_step(optimizer)
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
@@ -655,7 +743,13 @@ class TrainingStepHooks:
         m = self.current
         # The iteration's one read when it is not reported: its peak is the iteration's.
         m.final = self._mark(self._phase)
-        if entries.learning and m.forward_passes:
+        if self.detailed and m.peak_phase is not None:
+            # A peak in a forward not split by module has no location (None, not a guess):
+            # the next reported iteration splits it.
+            self._split_forward = m.peak_phase == "forward"
+        if self._asleep:
+            m.counted = False  # nothing watched the iteration: its passes are unknown
+        elif entries.learning and m.forward_passes:
             entries.finish_learning()  # the entry modules are known: drop the other hooks
         elif not entries.learning and m.optimizer_steps and not m.forward_passes:
             entries.relearn()  # stepped without a forward found: entered another way

@@ -53,6 +53,9 @@ __all__ = ["Meter", "Position"]
 
 _log = logging.getLogger("pytorch_mem_profiler")
 
+#: The part of the meter that takes the hooks off between reported iterations.
+_LIGHT = "hooks off between reports"
+
 
 class Position(NamedTuple):
     """Where an iteration sits in the run: epoch and iteration from 1, step counted over epochs."""
@@ -227,6 +230,7 @@ class Meter:
             hooks.reported = detailed
             hooks.detailed = hooks.attribution is not None and detailed
             hooks.breakdown = None
+            self._watch(hooks, detailed)
             tracker = self._peak
             # Per-layer mode only: the breakdown watches every saved tensor and weight gradient
             # from Python, which a GPU-bound step at print_period=1 would pay for (GPT-2: 1.25x).
@@ -333,6 +337,24 @@ class Meter:
         return total if alive else None
 
     # -- the record --------------------------------------------------------------
+    def _watch(self, hooks: TrainingStepHooks, detailed: bool) -> None:
+        """Hooks on for an iteration that will be reported, off for the others.
+
+        Inline rather than through ``guard.call``: it runs on the light path. A
+        fault leaves the hooks on (every iteration then watched, as before) and
+        switches off only the sleeping.
+        """
+        if _LIGHT in self.guard.disabled:
+            return
+        try:
+            if detailed:
+                hooks.wake()
+            else:
+                hooks.sleep()
+        except Exception as exc:  # noqa: BLE001 - the hooks stay on, the rest goes on
+            self.guard.fault(_LIGHT, exc)
+            self.guard.call("phase hooks", hooks.wake)
+
     def finish(self, position: Position, reported: bool) -> IterationRecord:
         """Close the running iteration and hand back its record (all figures in bytes).
 
@@ -399,9 +421,9 @@ class Meter:
             gradients_by_name=self._gradients_by_name,
             optimizer_state=self._optimizer_state(),
             buffers=self._buffers_total,
-            forward_passes=m.forward_passes,
-            backward_passes=m.backward_passes,
-            optimizer_steps=m.optimizer_steps,
+            forward_passes=m.forward_passes if m.counted else None,
+            backward_passes=m.backward_passes if m.counted else None,
+            optimizer_steps=m.optimizer_steps if m.counted else None,
             iteration_time_s=elapsed,
             phases=phases,
             peak_location=m.peak_location,
@@ -459,9 +481,12 @@ class Meter:
             fields["peak_allocated"] = hooks.max_allocated
             fields["peak_cached"] = hooks.max_reserved
         fields["optimizer_state"] = self._optimizer_state()
-        fields["forward_passes"] = m.forward_passes
-        fields["backward_passes"] = m.backward_passes
-        fields["optimizer_steps"] = m.optimizer_steps
+        if m.counted:
+            fields["forward_passes"] = m.forward_passes
+            fields["backward_passes"] = m.backward_passes
+            fields["optimizer_steps"] = m.optimizer_steps
+        else:  # the hooks slept through it: unknown, not 0
+            fields["forward_passes"] = fields["backward_passes"] = fields["optimizer_steps"] = None
         fields["iteration_time_s"] = elapsed
         if self._fsdp is not None:
             fields["fsdp_gathered_parameters"] = self._fsdp.finish_iteration()

@@ -219,7 +219,7 @@ def advise(record: IterationRecord) -> list[Advice]:
     if record.peak_phase == "optimizer" and breakdown.get("other", 0) >= FOREACH_SHARE * peak:
         found.append(_foreach_free(record, breakdown))
     # several forwards in one iteration: gradient accumulation, whose gradients must stay
-    if record.peak_phase == "forward" and breakdown.get("gradients", 0) > 0 and record.forward_passes <= 1:
+    if record.peak_phase == "forward" and breakdown.get("gradients", 0) > 0 and (record.forward_passes or 0) <= 1:
         found.append(Advice("set_to_none", breakdown["gradients"], basis={"gradients": breakdown["gradients"]}))
     useful = [a for a in found if a.saves >= MIN_SAVING_SHARE * peak]
     return sorted(useful, key=lambda a: -a.saves)[:MAX_ADVICE]
