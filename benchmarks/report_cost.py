@@ -2,13 +2,18 @@
 
     python benchmarks/report_cost.py                 # the default (full) report
     python benchmarks/report_cost.py --by-layer --rounds 9
+    python benchmarks/report_cost.py --device-figures   # as on a GPU: headroom, device use
 
 Builds a real profiler on a small CPU model (8 x Linear(16) + ReLU: 16
 parameters, Adam, batch 4) with ``print_period=1``, runs some steps to collect
 its reported records, then times, per call over those records in turn (so the
 iteration number and the time change from one call to the next, as in a run):
-``ReportSink.on_record`` (format and write to ``os.devnull``), ``format_record``
-for each layout, and the pieces of the full report. Each figure is the median of
+``ReportSink.on_record`` (format and write to ``os.devnull``), the same with one
+figure changing at every call (so the text made from the figures is made again),
+:class:`~pytorch_mem_profiler.outputs.report.ReportFormatter` and ``format_record``
+(which keeps nothing) for each layout, and pieces of the full report.
+``--device-figures`` gives the records a GPU's capacity and device use, as a CUDA
+run's have, so that the headroom and device sections are printed. Each figure is the median of
 ``--rounds`` rounds of ``time.thread_time`` (the calling thread's CPU time, which
 other processes do not inflate).
 """
@@ -16,6 +21,7 @@ other processes do not inflate).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -31,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
 from pytorch_mem_profiler.outputs import report  # noqa: E402
 from pytorch_mem_profiler.outputs.progress import write_text  # noqa: E402
+from pytorch_mem_profiler.outputs.report import ReportFormatter  # noqa: E402
 from pytorch_mem_profiler.outputs.sinks import ReportSink  # noqa: E402
 from pytorch_mem_profiler.stats import IterationRecord  # noqa: E402
 
@@ -75,29 +82,40 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--by-layer", action="store_true", help="per-layer records (longer reports)")
     parser.add_argument("--units", default="MB")
+    parser.add_argument("--device-figures", action="store_true", help="records with a GPU's capacity and device use")
     args = parser.parse_args()
     torch.set_num_threads(1)
     records = collect_records(args.steps, by_layer=args.by_layer)
+    if args.device_figures:
+        records = [
+            dataclasses.replace(r, device="cuda:0", device_total=143_771_000_000, device_used=2_000_000_000,
+                                process_used=1_500_000_000, outside_pytorch=600_000_000, current_cached=1_400_000_000)
+            for r in records
+        ]
+    # a figure that changes at every record: the kept text is made again each time
+    changing = [dataclasses.replace(r, allocated=r.allocated + i) for i, r in enumerate(records)]
     unit = args.units
     with open(os.devnull, "w") as devnull:
         sink = ReportSink(lambda: devnull, units=unit)
         text = report.format_report(records[-1], unit)
-        rows = {
-            "ReportSink.on_record (full)": lambda r: sink.on_record(r),
-            "  format_report": lambda r: report.format_report(r, unit),
-            "  write_text": lambda r: write_text(devnull, text + "\n"),
-            "  _headroom_text": lambda r: report._headroom_text(r, unit) if r.device_total else None,
-            "  _advice_lines": lambda r: report._advice_lines(r, unit, "  "),
-            "format_record compact": lambda r: report.format_record(r, unit, "compact"),
-            "format_record line": lambda r: report.format_record(r, unit, "line"),
+        formatters = {mode: ReportFormatter() for mode in report.REPORT_MODES}
+        rows: dict[str, tuple[Callable[[IterationRecord], object], list[IterationRecord]]] = {
+            "ReportSink.on_record (full)": (sink.on_record, records),
+            "  write_text": (lambda r: write_text(devnull, text + "\n"), records),
+            "  a figure changing each call": (sink.on_record, changing),
         }
+        for mode in report.REPORT_MODES:
+            rows[f"ReportFormatter {mode}"] = (lambda r, m=mode: formatters[m](r, unit, m), records)
+        for mode in report.REPORT_MODES:
+            rows[f"format_record {mode} (keeps nothing)"] = (lambda r, m=mode: report.format_record(r, unit, m), records)
+        rows["  _advice_lines"] = (lambda r: report._advice_lines(r, unit, "  "), records)
         print(
             f"{len(records)} records of 8 x Linear(16) + Adam on the CPU"
-            f"{', by_layer' if args.by_layer else ''}, {unit}, {len(text.splitlines())} report lines;"
-            f" us per call (median of {args.rounds} rounds, thread CPU time)"
+            f"{', by_layer' if args.by_layer else ''}{', device figures' if args.device_figures else ''}, {unit},"
+            f" {len(text.splitlines())} report lines; us per call (median of {args.rounds} rounds, thread CPU time)"
         )
-        for name, fn in rows.items():
-            print(f"  {name:32s} {per_call_us(fn, records, args.rounds):8.2f}")
+        for name, (fn, recs) in rows.items():
+            print(f"  {name:36s} {per_call_us(fn, recs, args.rounds):8.2f}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import logging
 import operator
 from dataclasses import fields, replace
 from functools import lru_cache
+from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from ..grouping import LayerGroup, group_repeated
@@ -69,6 +70,13 @@ def dotted_line(label: str, value: str, width: int = REPORT_WIDTH) -> str:
 def _line(label: str, nbytes: int | None, unit: str, width: int) -> str:
     # Per-layer lines repeat from one report to the next: format each once.
     return dotted_line(label, format_amount(nbytes, unit), width)
+
+
+@lru_cache(maxsize=64)
+def _rows(items: tuple[tuple[str, int], ...], suffix: str, unit: str, width: int) -> tuple[str, ...]:
+    # A row per parameter (hundreds in a large model), the same from one report to the next:
+    # made once for all of them, found again by one hash of their names and sizes.
+    return tuple(dotted_line(f"  {name}{suffix}", format_amount(n, unit), width) for name, n in items)
 
 
 @lru_cache(maxsize=64)
@@ -232,9 +240,9 @@ def _report_body(record: IterationRecord, unit: str, top: int = 10) -> tuple[int
         "",
         line("Total layer weight usage", record.weights),
     ]
-    out += [line(f"  {name}", n) for name, n in record.weights_by_name.items()]
+    out += _rows(tuple(record.weights_by_name.items()), "", unit, width)
     out.append(line("Total layer weight gradient usage", record.gradients))
-    out += [line(f"  {name} grad", n) for name, n in record.gradients_by_name.items()]
+    out += _rows(tuple(record.gradients_by_name.items()), " grad", unit, width)
     out.append(line("Intermediate gradients", record.intermediate_gradients))
     out += [
         "",
@@ -440,14 +448,23 @@ _NOT_IN_BODY = frozenset({"epoch", "iteration", "iteration_time_s", "step", "ran
 _figures = operator.attrgetter(*(f.name for f in fields(IterationRecord) if f.name not in _NOT_IN_BODY))
 
 
+_IMMUTABLE = (int, float, str, bool)
+_MAPPINGS = (MappingProxyType, dict)
+
+
 def _copied(value: object) -> object:
     """``value``, its mappings copied: a record holds read-only views of mappings that whoever
     made it could still change, and a kept view would compare equal to itself after a change."""
-    if isinstance(value, Mapping):
-        return dict(value)
+    if value is None or type(value) in _IMMUTABLE:  # most figures; cheaper than asking the Mapping ABC
+        return value
     if isinstance(value, LayerFeatureMaps):
-        return replace(value, by_module=dict(value.by_module), calls=dict(value.calls))
-    return value
+        return replace(value, by_module=_dict(value.by_module), calls=_dict(value.calls))
+    return _dict(value) if type(value) in _MAPPINGS or isinstance(value, Mapping) else value
+
+
+def _dict(mapping: Mapping[Any, Any]) -> dict[Any, Any]:
+    # a view's copy() copies the dict under it at C speed; dict(view) goes item by item
+    return mapping.copy() if type(mapping) in _MAPPINGS else dict(mapping)  # type: ignore[attr-defined]
 
 
 class ReportFormatter:
