@@ -25,14 +25,15 @@ Example::
 
 from __future__ import annotations
 
-from functools import lru_cache
-
-from typing import Callable
-
 import logging
+import operator
+from dataclasses import fields, replace
+from functools import lru_cache
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 from ..grouping import LayerGroup, group_repeated
-from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORY_LABELS, PHASE_LABELS, IterationRecord
+from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORY_LABELS, PHASE_LABELS, IterationRecord, LayerFeatureMaps
 from ..units import UNITS, format_amount
 from .advice import advise, format_advice
 from .headroom import capacity_unit, of_capacity
@@ -42,6 +43,7 @@ __all__ = [
     "format_compact",
     "format_line",
     "format_record",
+    "ReportFormatter",
     "REPORT_MODES",
     "dotted_line",
     "REPORT_WIDTH",
@@ -68,6 +70,13 @@ def dotted_line(label: str, value: str, width: int = REPORT_WIDTH) -> str:
 def _line(label: str, nbytes: int | None, unit: str, width: int) -> str:
     # Per-layer lines repeat from one report to the next: format each once.
     return dotted_line(label, format_amount(nbytes, unit), width)
+
+
+@lru_cache(maxsize=64)
+def _rows(items: tuple[tuple[str, int], ...], suffix: str, unit: str, width: int) -> tuple[str, ...]:
+    # A row per parameter (hundreds in a large model), the same from one report to the next:
+    # made once for all of them, found again by one hash of their names and sizes.
+    return tuple(dotted_line(f"  {name}{suffix}", format_amount(n, unit), width) for name, n in items)
 
 
 @lru_cache(maxsize=64)
@@ -215,23 +224,25 @@ def format_report(record: IterationRecord, unit: str = "MB", top: int = 10) -> s
     ``top``: how many lines (repeated blocks folded into one) the "Feature maps
     by layer" section lists before summing the rest on one line.
     """
+    return _report_frame(record, _report_body(record, unit, top))
+
+
+def _report_body(record: IterationRecord, unit: str, top: int = 10) -> tuple[int, str, str, str]:
+    """The full report's text that depends on the figures only: (its width, the stars,
+    the lines from "Peak cached" on, the closing line). :func:`_report_frame` adds the rest."""
     fmt = lambda n: format_amount(n, unit)  # noqa: E731
     width = _width(tuple(record.weights_by_name), tuple(record.gradients_by_name))
-    stars = "*" * width
     line = lambda label, n: _line(label, n, unit, width)  # noqa: E731
     out = [
-        stars,
-        f"Memory Usage for Iteration {record.iteration} of Epoch {record.epoch}",
-        stars,
         line("Peak cached", record.peak_cached),
         line("Current cached", record.current_cached),
         line("Total feature map usage", record.feature_maps),
         "",
         line("Total layer weight usage", record.weights),
     ]
-    out += [line(f"  {name}", n) for name, n in record.weights_by_name.items()]
+    out += _rows(tuple(record.weights_by_name.items()), "", unit, width)
     out.append(line("Total layer weight gradient usage", record.gradients))
-    out += [line(f"  {name} grad", n) for name, n in record.gradients_by_name.items()]
+    out += _rows(tuple(record.gradients_by_name.items()), " grad", unit, width)
     out.append(line("Intermediate gradients", record.intermediate_gradients))
     out += [
         "",
@@ -265,10 +276,17 @@ def format_report(record: IterationRecord, unit: str = "MB", top: int = 10) -> s
         out += _outside_section(record, line)
     if record.layers is not None:
         out += _layers_section(record, fmt, width, top, unit)
+    return width, "*" * width, "\n".join(out), f"({_unit_note(unit)}; device {record.device})"
+
+
+def _report_frame(record: IterationRecord, body: tuple[int, str, str, str]) -> str:
+    """The full report from its :func:`_report_body` and the record's position and time."""
+    width, stars, middle, closing = body
+    time = ""
     if record.iteration_time_s is not None:
-        out.append(dotted_line("Iteration time", f"{record.iteration_time_s * 1e3:.1f} ms", width))
-    out.append(f"({_unit_note(unit)}; device {record.device})")
-    return "\n".join(out)
+        time = "\n" + dotted_line("Iteration time", f"{record.iteration_time_s * 1e3:.1f} ms", width)
+    title = f"Memory Usage for Iteration {record.iteration} of Epoch {record.epoch}"
+    return f"{stars}\n{title}\n{stars}\n{middle}{time}\n{closing}"
 
 
 def _headroom_text(record: IterationRecord, unit: str) -> str:
@@ -336,8 +354,13 @@ def format_compact(record: IterationRecord, unit: str = "MB", top: int = COMPACT
           now: allocated 1200 MB, reserved 2800 MB
           weights 500 MB, weight gradients 500 MB, optimizer state 0 MB, feature maps 0 MB
     """
+    return _compact_frame(record, _compact_body(record, unit, top))
+
+
+def _compact_body(record: IterationRecord, unit: str, top: int = COMPACT_TOP) -> tuple[str, str]:
+    """The compact report's text that depends on the figures only: (the first line's
+    ending, the other lines)."""
     out = [
-        f"Memory at iteration {record.iteration} of epoch {record.epoch} ({record.device}; {_unit_note(unit)})",
         "  " + _peak_text(record, unit),
         "  now: " + _now_text(record, unit),
         "  " + ", ".join(_categories(record, unit)),
@@ -356,7 +379,12 @@ def format_compact(record: IterationRecord, unit: str = "MB", top: int = COMPACT
     if record.layers is not None:
         out.append("  top layers (feature maps saved for backward):")
         out += _group_lines(record, unit, None, top, "    ")[0]
-    return "\n".join(out)
+    return f" ({record.device}; {_unit_note(unit)})", "\n".join(out)
+
+
+def _compact_frame(record: IterationRecord, body: tuple[str, str]) -> str:
+    ending, rest = body
+    return f"Memory at iteration {record.iteration} of epoch {record.epoch}{ending}\n{rest}"
 
 
 def format_line(record: IterationRecord, unit: str = "MB") -> str:
@@ -370,8 +398,12 @@ def format_line(record: IterationRecord, unit: str = "MB") -> str:
         >>> format_line(rec)
         'memory epoch 2 iteration 30 | peak 2571 MB of 144 GB (1.8%) | allocated 1200 MB | weights 0 MB, weight gradients 0 MB, optimizer state 0 MB, feature maps 0 MB'
     """
+    return _line_frame(record, _line_body(record, unit))
+
+
+def _line_body(record: IterationRecord, unit: str, top: int = 0) -> str:
+    """The one line's middle, which depends on the figures only (``top`` is unused: no layers)."""
     parts = [
-        f"memory epoch {record.epoch} iteration {record.iteration}",
         _peak_text(record, unit),
         _now_text(record, unit),
         ", ".join(_categories(record, unit)),
@@ -381,9 +413,14 @@ def format_line(record: IterationRecord, unit: str = "MB") -> str:
         total, at_peak = found
         name, n = at_peak[0]
         parts.append(f"largest at the peak: {PEAK_CATEGORY_LABELS.get(name, name)} {_share(n, total).strip()}")
-    if record.iteration_time_s is not None:
-        parts.append(f"{record.iteration_time_s * 1e3:.1f} ms")
     return " | ".join(parts)
+
+
+def _line_frame(record: IterationRecord, body: str) -> str:
+    text = f"memory epoch {record.epoch} iteration {record.iteration} | {body}"
+    if record.iteration_time_s is not None:
+        text += f" | {record.iteration_time_s * 1e3:.1f} ms"
+    return text
 
 
 def format_record(record: IterationRecord, unit: str = "MB", mode: str = "full") -> str:
@@ -393,3 +430,71 @@ def format_record(record: IterationRecord, unit: str = "MB", mode: str = "full")
     if mode == "line":
         return format_line(record, unit)
     return format_report(record, unit)
+
+
+#: Each layout as (the text made from the figures, the frame that adds the position and time).
+_LAYOUTS: dict[str, tuple[Callable[[IterationRecord, str], Any], Callable[[IterationRecord, Any], str]]] = {
+    "full": (_report_body, _report_frame),
+    "compact": (_compact_body, _compact_frame),
+    "line": (_line_body, _line_frame),
+}
+
+#: Fields no layout's body reads: the frame's position and time, counters that change at
+#: every record (``step``), and ``phases`` (its comparison would cost more than the rest).
+#: tests/test_report_cache.py changes every field, these included, to show none is missed.
+_NOT_IN_BODY = frozenset({"epoch", "iteration", "iteration_time_s", "step", "rank", "reported", "phases"})
+
+#: A record's figures that the layouts' bodies are made from, as one tuple.
+_figures = operator.attrgetter(*(f.name for f in fields(IterationRecord) if f.name not in _NOT_IN_BODY))
+
+
+_IMMUTABLE = (int, float, str, bool)
+_MAPPINGS = (MappingProxyType, dict)
+
+
+def _copied(value: object) -> object:
+    """``value``, its mappings copied: a record holds read-only views of mappings that whoever
+    made it could still change, and a kept view would compare equal to itself after a change."""
+    if value is None or type(value) in _IMMUTABLE:  # most figures; cheaper than asking the Mapping ABC
+        return value
+    if isinstance(value, LayerFeatureMaps):
+        return replace(value, by_module=_dict(value.by_module), calls=_dict(value.calls))
+    return _dict(value) if type(value) in _MAPPINGS or isinstance(value, Mapping) else value
+
+
+def _dict(mapping: Mapping[Any, Any]) -> dict[Any, Any]:
+    # a view's copy() copies the dict under it at C speed; dict(view) goes item by item
+    return mapping.copy() if type(mapping) in _MAPPINGS else dict(mapping)  # type: ignore[attr-defined]
+
+
+class ReportFormatter:
+    """:func:`format_record` for one run's records in turn, remaking only what changed.
+
+    From one reported iteration to the next usually only the position and the
+    time change. The text made from the figures (every amount, the rows of the
+    parameters and gradients, the advice, the layers) is kept with a copy of the
+    figures, the unit and the layout it was made from, and made again when any
+    of them differs; the position and the time are added at each call. The text
+    is :func:`format_record`'s, byte for byte.
+
+    Example::
+
+        >>> from pytorch_mem_profiler.stats import IterationRecord
+        >>> formatter = ReportFormatter()
+        >>> recs = [IterationRecord(epoch=1, iteration=i, step=i, device="cpu", allocated=10**6) for i in (1, 2)]
+        >>> all(formatter(r, "MB", "full") == format_record(r, "MB", "full") for r in recs)
+        True
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._body: Any = None
+
+    def __call__(self, record: IterationRecord, unit: str = "MB", mode: str = "full") -> str:
+        """``format_record(record, unit, mode)``."""
+        make, frame = _LAYOUTS.get(mode, _LAYOUTS["full"])
+        key = (unit, mode, _figures(record))
+        if key != self._key:
+            self._body = make(record, unit)
+            self._key = (unit, mode, tuple(map(_copied, key[2])))
+        return frame(record, self._body)

@@ -31,7 +31,7 @@ from .headroom import HeadroomCheck, HeadroomWarning
 from .leaks import LeakDetector
 from .notices import OutputWarning, warn_user
 from .progress import write_text
-from .report import format_record
+from .report import ReportFormatter
 from .tensorboard import log_record
 
 __all__ = ["Sink", "ReportSink", "CsvSink", "LayerCsvSink", "TensorBoardSink", "LeakSink", "HeadroomSink"]
@@ -97,13 +97,15 @@ class ReportSink(Sink):
         self.last_report: str | None = None
         #: why the report stopped, once its stream failed
         self.stopped: str | None = None
+        # keeps the text made from the figures while they stay the same (most iterations)
+        self._format = ReportFormatter()
 
     def write(self, text: str) -> None:
         """Write ``text`` if this process prints, every line with the prefix, in one write."""
         if not self.prints or self.stopped is not None:
             return
         if self.prefix:
-            text = "\n".join(self.prefix + line for line in text.split("\n"))
+            text = self.prefix + text.replace("\n", "\n" + self.prefix)  # every line's, in one pass
         if self.log is not None:
             self.log.info(text)
             return
@@ -115,7 +117,7 @@ class ReportSink(Sink):
             warn_user(f"the report's stream cannot be written ({reason}); reports stop, the other outputs go on", OutputWarning)
 
     def on_record(self, record: IterationRecord) -> None:
-        self.last_report = format_record(record, self.units, self.mode)
+        self.last_report = self._format(record, self.units, self.mode)
         self.write(self.last_report)
 
     def on_epoch_end(self, epoch: int) -> None:
