@@ -20,9 +20,13 @@ holds what all CPU counters share:
   finds it back on top, or the next start or stop of a counter.
 
 The per-operator cost is kept small: whether an operator's returns can be new
-storages (not views, not in-place results) is decided once per operator; a
-counted storage's bytes go to its counters as appends to a list (atomic under
-the GIL, so no lock on the hot path) that a counter sums up when it is read.
+storages (not views, not in-place results) is decided once per operator, so a
+view or an in-place result costs one dictionary look-up; one new result, and a
+tuple of new results, are looked at inline, without walking the return in
+general; a counted storage's bytes go to its counters as appends to a list
+(atomic under the GIL, so no lock on the hot path) that a counter sums up when
+it is read. The per-storage log (:attr:`Tally.keyed`) is kept only while the
+peak's make-up is watched.
 
 Example::
 
