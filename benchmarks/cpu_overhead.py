@@ -18,6 +18,8 @@ median ratio over the rounds and its spread (lowest to highest). Rows:
 
 - this profiler, ``print_period`` 1 and 10, by default and with ``by_layer=True``
   (the report is formatted to ``os.devnull`` every ``print_period`` steps);
+- the exact CPU counter alone (``CpuCounter``, read once a step, no hooks): what
+  the counting itself costs, apart from the rest of the profiler;
 - a bare dispatch mode that only calls each operator: the floor of any counter
   that sees operators from Python.
 
@@ -52,6 +54,7 @@ from benchutil import environment_line, markdown_table, output_dir, write_csv  #
 from workloads import CPU_WORKLOADS, Workload, build  # noqa: E402
 
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
+from pytorch_mem_profiler.measure.devices import CpuCounter  # noqa: E402
 
 #: The goals for this profiler's step-time ratio on the CPU, by workload and print_period.
 GOALS = {
@@ -105,6 +108,17 @@ def _bare_mode(work: Workload) -> Iterator[PerStep]:
         yield None
 
 
+@contextlib.contextmanager
+def _counter_alone(work: Workload) -> Iterator[PerStep]:
+    counter = CpuCounter()
+    counter.start()
+    try:
+        counter.adopt(list(work.model.parameters()))
+        yield counter.mark  # one read a step, as a non-reported iteration of the profiler does
+    finally:
+        counter.stop()
+
+
 class OperatorCount(TorchDispatchMode):
     """Counts the operators a step dispatches."""
 
@@ -131,6 +145,7 @@ VARIANTS = {
         profiler_variant(10),
         profiler_variant(1, by_layer=True),
         profiler_variant(10, by_layer=True),
+        Variant("counter alone (no hooks)", _counter_alone),
         Variant("bare dispatch mode (the floor)", _bare_mode),
     )
 }

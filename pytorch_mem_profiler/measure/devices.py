@@ -305,7 +305,9 @@ class CpuCounter(MemoryCounter):
     (:mod:`~pytorch_mem_profiler.measure.storage_counting`): several profilers
     start and stop in any order and, once the last has stopped, no mode is left
     on torch's stack. It costs one Python call per operator while a counter
-    runs (about 3 us on a 2-core CPU); see the README's devices section.
+    runs: what any dispatch mode costs (2-9 us on a 2-core CPU), plus about
+    0.1 us for a view or in-place result and 1 us for a new storage; see
+    docs/benchmarks.md, "Training on the CPU".
     """
 
     shares_peaks = False  # each CPU counter counts by itself

@@ -20,9 +20,13 @@ holds what all CPU counters share:
   finds it back on top, or the next start or stop of a counter.
 
 The per-operator cost is kept small: whether an operator's returns can be new
-storages (not views, not in-place results) is decided once per operator; a
-counted storage's bytes go to its counters as appends to a list (atomic under
-the GIL, so no lock on the hot path) that a counter sums up when it is read.
+storages (not views, not in-place results) is decided once per operator, so a
+view or an in-place result costs one dictionary look-up; one new result, and a
+tuple of new results, are looked at inline, without walking the return in
+general; a counted storage's bytes go to its counters as appends to a list
+(atomic under the GIL, so no lock on the hot path) that a counter sums up when
+it is read. The per-storage log (:attr:`Tally.keyed`) is kept only while the
+peak's make-up is watched.
 
 Example::
 
@@ -134,6 +138,8 @@ _PLANS: dict[int, tuple[int, ...] | None] = {}
 _PLANNED: list[Any] = []
 _UNPLANNED = object()
 _ONE_NEW = (_NEW,)
+#: Plans of several returns, each :data:`_NEW` (a tuple return of as many items).
+_ALL_NEW: set[tuple[int, ...]] = set()
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
 
@@ -165,6 +171,8 @@ def _plan(func: Any) -> tuple[int, ...] | None:
     plan = tuple(kinds) if any(kinds) else None
     if plan == _ONE_NEW:
         plan = _ONE_NEW  # one object, so that the handler's fast path is an identity test
+    elif plan is not None and all(kind == _NEW for kind in plan):
+        _ALL_NEW.add(plan)  # several returns, each may be new: the handler's tuple fast path
     _PLANNED.append(func)
     _PLANS[id(func)] = plan
     return plan
@@ -210,6 +218,8 @@ class _CountingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # The operator runs exactly once, outside any try (its errors are the user's);
         # every line of bookkeeping is inside one, so a fault there never stops it.
+        # This runs for every operator of the step: each line is measured against
+        # a mode that only calls the operator (benchmarks/cpu_overhead.py).
         try:
             tallies = self.tallies
         except Exception as exc:  # noqa: BLE001 - never break the user's operator
@@ -221,20 +231,36 @@ class _CountingMode(TorchDispatchMode):
         try:
             plan = _PLANS.get(id(func), _UNPLANNED)
             if plan is None:
+                # Views, in-place results, numbers: most operators of an optimizer step.
                 return out
-            if plan is _ONE_NEW and type(out) is _Tensor and out.layout is _STRIDED:
-                # The common case, inlined: one plain tensor that may own a new storage.
-                if out.is_cpu:
-                    storage = out.untyped_storage()
-                    key = id(storage)
-                    if key not in self.live:
-                        self.registry.add(storage, key, tallies)
+            if plan is _ONE_NEW:
+                # One result that may own a new storage (mm, relu, div, ...), inlined.
+                if type(out) is _Tensor and out.layout is _STRIDED:
+                    if out.is_cpu:
+                        storage = out.untyped_storage()
+                        key = id(storage)
+                        if key not in self.live:
+                            self.registry.add(storage, key, tallies)
+                    return out
             elif plan is _UNPLANNED:
                 plan = _plan(func)
-                if plan is not None:
-                    self.registry.see(out, plan, tallies, args)
-            else:
-                self.registry.see(out, plan, tallies, args)
+                if plan is None:
+                    return out
+            elif type(out) is tuple and plan in _ALL_NEW:
+                # Several new results (max.dim, convolution_backward, max_pool2d_with_indices):
+                # each plain CPU tensor among them is looked at, without the general walk.
+                live, registry = self.live, self.registry
+                for item in out:
+                    if type(item) is _Tensor and item.layout is _STRIDED:
+                        if item.is_cpu:
+                            storage = item.untyped_storage()
+                            key = id(storage)
+                            if key not in live:
+                                registry.add(storage, key, tallies)
+                    elif item is not None:
+                        registry.see(item, _ONE_NEW, tallies, args)
+                return out
+            self.registry.see(out, plan, tallies, args)
         except Exception as exc:  # noqa: BLE001 - never break the user's operator
             self.registry.fail(exc)
         return out
@@ -373,12 +399,15 @@ class StorageRegistry:
         """Count a storage not counted yet into ``tallies``."""
         nbytes = storage.nbytes()
         ref = _StorageRef(storage, self._died)
-        ref.key, ref.nbytes, ref.owners = key, nbytes, tallies
+        ref.key = key
+        ref.nbytes = nbytes
+        ref.owners = tallies
         self.live[key] = ref
         for tally in tallies:
             tally.changes.append(nbytes)
-            if tally.keyed is not None:
-                tally.keyed.append((ref, nbytes))
+            keyed = tally.keyed  # kept only while the peak's make-up is wanted
+            if keyed is not None:
+                keyed.append((ref, nbytes))
 
     def adopt(self, tensors: Iterable[Any], tally: Tally) -> None:
         """Count storages made before ``tally`` started (a model's weights) into it, each once."""
@@ -423,12 +452,15 @@ class StorageRegistry:
 
     def _storage_died(self, ref: _StorageRef) -> None:
         try:  # a weak-reference callback: a fault would only be printed, and the figures wrong
-            if self.live.get(ref.key) is ref:
-                del self.live[ref.key]
+            live, key = self.live, ref.key
+            if live.get(key) is ref:
+                del live[key]
+            change = -ref.nbytes
             for tally in ref.owners:
-                tally.changes.append(-ref.nbytes)
-                if tally.keyed is not None:
-                    tally.keyed.append((ref, -ref.nbytes))
+                tally.changes.append(change)
+                keyed = tally.keyed
+                if keyed is not None:
+                    keyed.append((ref, change))
         except Exception as exc:  # noqa: BLE001 - counting stops, training goes on
             self.fail(exc)
 
