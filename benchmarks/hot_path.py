@@ -244,24 +244,37 @@ def main() -> None:
         "full": {},
         "null counter": {"counter": True},
         "no backward hooks": {"backward": True},
+        "no outputs": {"outputs": True},
         "null counter, no backward hooks": {"counter": True, "backward": True},
+        "null counter, no backward hooks, no outputs": {"counter": True, "backward": True, "outputs": True},
     }
-    times: dict[str, list[float]] = {"baseline": [], **{name: [] for name in variants}}
+    # Each variant's block between two blocks without the profiler: what it adds is taken
+    # against their mean, so a drift of the machine's speed cancels.
+    base_times: list[float] = []
+    added: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
-        times["baseline"].append(run(work, args.steps, None, device))
         for name, parts in variants.items():
+            before = run(work, args.steps, None, device)
             meter_module.make_counter = (lambda d: NullCounter(d)) if parts.get("counter") else real_make_counter
             TrainingStepHooks._backward_started = (lambda self, g: None) if parts.get("backward") else real_backward_started
             prof = MemoryProfiler(work.model, args.print_period, stream=sink)
-            times[name].append(run(work, args.steps, prof, device))
+            if parts.get("outputs"):
+                prof._sinks = []
+            with_ = run(work, args.steps, prof, device)
             prof.close()
-    meter_module.make_counter = real_make_counter
-    TrainingStepHooks._backward_started = real_backward_started
+            meter_module.make_counter = real_make_counter
+            TrainingStepHooks._backward_started = real_backward_started
+            after = run(work, args.steps, None, device)
+            base_times += [before, after]
+            added[name].append(with_ - (before + after) / 2)
 
-    base = median(times["baseline"])
-    print(f"{args.workload} on {device}, print_period={args.print_period}: median us/step over {args.rounds} rounds")
-    for name, values in times.items():
-        print(f"  {name:34s} {median(values):9.1f} us   (+{median(values) - base:7.1f})")
+    base = median(base_times)
+    print(
+        f"{args.workload} on {device}, print_period={args.print_period}: step {base:.1f} us without; "
+        f"us added per step, median (lowest-highest) over {args.rounds} rounds"
+    )
+    for name, values in added.items():
+        print(f"  {name:46s} +{median(values):8.1f}   ({min(values):.1f} to {max(values):.1f})")
 
     print_time_inside_hooks(work, args, device, sink)
 
