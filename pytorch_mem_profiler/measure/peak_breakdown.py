@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from ..stats import PEAK_CATEGORIES
-from .accounting import optimizer_state_tensors, parts_on
+from .accounting import PLAIN_TENSORS, optimizer_state_tensors, parts_on
 from .devices import CpuCounter, MemoryCounter, Reading
 from .saved_tensors import ChainedSavedTensorsHooks, can_chain
 from .trees import tensors_in
@@ -92,6 +92,8 @@ class PeakBreakdown:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        # The device compared without a helper call per tensor (see ``accounting.same_device``).
+        self._device_type, self._device_index = device.type, device.index
         #: the module running now (set by the hooks in per-layer mode), for ``peak_layers``
         self.module_name: Callable[[], str] | None = None
         self._saved_hooks = ChainedSavedTensorsHooks(self._observe_saved)
@@ -117,8 +119,19 @@ class PeakBreakdown:
 
     def _observe_saved(self, kept: Any) -> None:
         module = self.module_name() if self.module_name is not None else None
+        if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
+            # The common case (no user's hook): the tensor is its one piece of memory.
+            if self._on_device(kept):
+                self._saved(kept, module)
+            return
         for part in parts_on(tensors_in(kept), self.device):
             self._saved(part, module)
+
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        """``accounting.same_device(tensor, self.device)``, without its call: it runs per saved tensor."""
+        dev = tensor.device
+        index = self._device_index
+        return dev.type == self._device_type and (index is None or dev.index is None or dev.index == index)
 
     def close(self) -> None:
         """Drop everything held (the hooks are removed, the storages forgotten)."""
@@ -331,6 +344,8 @@ class _Alive:
     def __init__(self) -> None:
         self.items: dict[int, _StorageLife] = {}
         self.totals = _empty()
+        #: the sum of ``totals`` (kept, so that each boundary need not add them up)
+        self.tracked = 0
         self.by_module: dict[str, int] = {}
         self._died = self._on_death
 
@@ -339,27 +354,37 @@ class _Alive:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
             return False
+        return self.add_storage(storage, category, module)
+
+    def add_storage(self, storage: Any, category: str, module: str | None = None) -> bool:
+        """Track ``storage`` (an ``UntypedStorage``) in ``category``; False when it is tracked already."""
         key = id(storage)
-        if key in self.items:
+        items = self.items
+        if key in items:
             return False  # the first category given wins
         life = _StorageLife(storage, self._died)
-        life.key, life.nbytes, life.category, life.module = key, storage.nbytes(), category, module
-        self.items[key] = life
-        self.totals[category] += life.nbytes
+        nbytes = storage.nbytes()
+        life.key, life.nbytes, life.category, life.module = key, nbytes, category, module
+        items[key] = life
+        self.totals[category] += nbytes
+        self.tracked += nbytes
         if module is not None:
-            self.by_module[module] = self.by_module.get(module, 0) + life.nbytes
+            by_module = self.by_module
+            by_module[module] = by_module.get(module, 0) + nbytes
         return True
 
     def _on_death(self, life: _StorageLife) -> None:
         if self.items.get(life.key) is life:
             del self.items[life.key]
             self.totals[life.category] -= life.nbytes
+            self.tracked -= life.nbytes
             if life.module is not None:
                 self.by_module[life.module] -= life.nbytes
 
     def clear(self) -> None:
         self.items.clear()  # the weak references go with them: no callback runs
         self.totals = _empty()
+        self.tracked = 0
         self.by_module = {}
 
 
@@ -405,9 +430,8 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         allocated: int | None = None,
     ) -> None:
         self._reset()
-        alive = self._alive
-        for part in parts_on(itertools.chain(params, buffers), self.device):
-            alive.add(part, "weights")
+        self._track(params, "weights")
+        self._track(buffers, "weights")
         self.gradients_ready(params)
         self._add_state(optimizers)
         hook = self._gradient_made
@@ -420,20 +444,38 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         self._open = self._boundary(allocated, in_backward=False)
         self._started = True
 
+    def _track(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """``alive.add(part, category)`` for each piece of ``tensors`` on the device, in order
+        (:func:`~.accounting.parts_on`): a plain strided tensor, the common case, without a helper
+        call (this runs for every weight, state tensor and gradient of a reported iteration)."""
+        alive = self._alive
+        add_storage = alive.add_storage
+        device_type, index = self._device_type, self._device_index
+        strided = torch.strided
+        for t in tensors:
+            if type(t) in PLAIN_TENSORS and t.layout is strided:
+                dev = t.device
+                if dev.type != device_type or not (index is None or dev.index is None or dev.index == index):
+                    continue
+                try:
+                    storage = t.untyped_storage()
+                except (RuntimeError, NotImplementedError, TypeError):
+                    continue
+                add_storage(storage, category)
+            else:
+                for part in parts_on((t,), self.device):
+                    alive.add(part, category)
+
     def _add_state(self, optimizers: Iterable[Any]) -> None:
-        for part in parts_on(optimizer_state_tensors(optimizers), self.device):
-            self._alive.add(part, "optimizer_state")
+        self._track(optimizer_state_tensors(optimizers), "optimizer_state")
 
     def _gradient_made(self, param: torch.Tensor) -> None:
         grad = param.grad
         if grad is not None:
-            for part in parts_on((grad,), self.device):
-                self._alive.add(part, "gradients")
+            self._track((grad,), "gradients")
 
     def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
-        for p in params:
-            if p.grad is not None:
-                self._gradient_made(p)
+        self._track([grad for p in params if (grad := p.grad) is not None], "gradients")
 
     def _input(self, tensor: torch.Tensor) -> None:
         self._alive.add(tensor, "inputs")
@@ -442,14 +484,15 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         self._alive.add(tensor, "activations", module)
 
     def _boundary(self, allocated: int, in_backward: bool) -> _Boundary:
-        parts = dict(self._alive.totals)
-        unclaimed = allocated - sum(parts.values())
+        alive = self._alive
+        parts = dict(alive.totals)
+        unclaimed = allocated - alive.tracked
         if in_backward:
             grads = max(0, unclaimed - self._unclaimed_before_backward)
             parts["activation_gradients"] += grads
             unclaimed -= grads
         parts["other"] += unclaimed
-        layers = dict(self._alive.by_module) if self.module_name is not None else None
+        layers = dict(alive.by_module) if self.module_name is not None else None
         return _Boundary(allocated, parts, layers)
 
     def marked(self, reading: Reading, ended: str, following: str, location: str | None) -> None:
@@ -465,7 +508,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
                 self._backward_best = interval
         if following == "backward" and ended != "backward":
             # Backward begins: what no category claims now is not backward's.
-            self._unclaimed_before_backward = reading.allocated - sum(self._alive.totals.values())
+            self._unclaimed_before_backward = reading.allocated - self._alive.tracked
         self._open = self._boundary(reading.allocated, in_backward=following == "backward" and ended == "backward")
 
     def backward_started(self, output_gradients: int) -> None:
