@@ -347,6 +347,10 @@ class _Alive:
         #: the sum of ``totals`` (kept, so that each boundary need not add them up)
         self.tracked = 0
         self.by_module: dict[str, int] = {}
+        #: the weights' and optimizer state's lives, kept from one reported iteration to the next
+        #: (:class:`_StaticStorages`); one of them dying makes them stale
+        self.static: dict[int, _StorageLife] = {}
+        self.static_valid = False
         self._died = self._on_death
 
     def add(self, tensor: torch.Tensor, category: str, module: str | None = None) -> bool:
@@ -374,6 +378,8 @@ class _Alive:
         return True
 
     def _on_death(self, life: _StorageLife) -> None:
+        if self.static.get(life.key) is life:
+            self.static_valid = False
         if self.items.get(life.key) is life:
             del self.items[life.key]
             self.totals[life.category] -= life.nbytes
@@ -386,6 +392,42 @@ class _Alive:
         self.totals = _empty()
         self.tracked = 0
         self.by_module = {}
+
+
+class _StaticStorages:
+    """The storages of the weights and the optimizer state, found by walking them once and
+    remembered while they stay the same: a reported iteration then puts their tracked lives back
+    instead of making them again (this is most of :meth:`BoundaryPeakBreakdown.begin`).
+
+    They stay the same while the walk (parameters, buffers, then each optimizer state tensor)
+    meets the same storages, of the same sizes, in the same order, and none of them died: a
+    parameter replaced or moved (``model.to()``), optimizer state made at the first step or
+    replaced, a storage resized in place, each changes the walk. Identities compare safely: a
+    storage remembered is alive (its death marks the cache stale), so its ``id`` is not reused.
+    Only plain strided tensors are remembered (anything else is walked every time).
+    """
+
+    __slots__ = ("ids", "sizes", "weights", "state", "state_keys")
+
+    def __init__(self) -> None:
+        self.ids: list[int] | None = None
+        self.sizes: list[int] = []
+        self.weights = 0
+        self.state = 0
+        self.state_keys: set[int] = set()
+
+    @staticmethod
+    def walk(tensors: list[Any]) -> tuple[list[int], list[int]] | None:
+        """(storage ids, storage sizes) of ``tensors``; ``None`` where one is not a plain strided tensor."""
+        strided = torch.strided
+        for t in tensors:
+            if type(t) not in PLAIN_TENSORS or t.layout is not strided:
+                return None
+        try:
+            storages = [t.untyped_storage() for t in tensors]
+            return list(map(id, storages)), [st.nbytes() for st in storages]
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
 
 
 class _Boundary(NamedTuple):
@@ -407,14 +449,20 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         super().__init__(counter.device)
         self.counter = counter
         self._alive = _Alive()
+        self._static = _StaticStorages()
+        # The post-accumulate-grad hooks stay from one reported iteration to the next (on the
+        # parameters these weak references name); a backward that finds none begun drops them.
         self._handles: list[Any] = []
+        self._hooked: list[weakref.ref] = []
         self._reset()
+
+    def _drop_hooks(self) -> None:
+        handles, self._handles, self._hooked = self._handles, [], []
+        for handle in handles:
+            handle.remove()
 
     def _reset(self) -> None:
         self._alive.clear()
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
         self._open: _Boundary | None = None
         # (peak, the interval's opening, its phase, where it ran, weight gradients at its end)
         self._best: tuple[int, _Boundary, str, str | None, int] | None = None
@@ -430,14 +478,14 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         allocated: int | None = None,
     ) -> None:
         self._reset()
-        self._track(params, "weights")
-        self._track(buffers, "weights")
-        self.gradients_ready(params)
-        self._add_state(optimizers)
-        hook = self._gradient_made
-        for p in params:
-            if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
-                self._handles.append(p.register_post_accumulate_grad_hook(hook))
+        buffers = list(buffers)
+        optimizers = list(optimizers)
+        if not self._static_again(params, buffers, optimizers):
+            self._track(params, "weights")
+            self._track(buffers, "weights")
+            self.gradients_ready(params)
+            self._add_state(optimizers)
+        self._hook_gradients(params)
         # ``allocated``: what the iteration before read last (the same moment): no second read.
         if allocated is None:
             allocated = self.counter.read().allocated
@@ -466,13 +514,70 @@ class BoundaryPeakBreakdown(PeakBreakdown):
                 for part in parts_on((t,), self.device):
                     alive.add(part, category)
 
+    def _static_again(self, params: Sequence[torch.Tensor], buffers: list[torch.Tensor], optimizers: list[Any]) -> bool:
+        """Track the weights, the gradients there are and the optimizer state, in that order (the
+        first category met wins), from :class:`_StaticStorages` where they did not change, else
+        walking them and remembering them; False (nothing tracked) where they cannot be remembered."""
+        alive, static = self._alive, self._static
+        walked = static.walk([*params, *buffers, *optimizer_state_tensors(optimizers)])
+        if walked is None:
+            static.ids = None
+            return False
+        grads = [grad for p in params if (grad := p.grad) is not None]
+        if (
+            alive.static_valid
+            and walked[0] == static.ids
+            and walked[1] == static.sizes
+            # a gradient over optimizer state would be a gradient (met before the state): walk again
+            and not (grads and static.state_keys and any(id(g.untyped_storage()) in static.state_keys for g in grads))
+        ):
+            alive.items.update(alive.static)
+            totals = alive.totals
+            totals["weights"] += static.weights
+            totals["optimizer_state"] += static.state
+            alive.tracked += static.weights + static.state
+            if grads:
+                self._track(grads, "gradients")
+            return True
+        # Walk as always, then remember what the weights and the state were.
+        self._track(params, "weights")
+        self._track(buffers, "weights")
+        self._track(grads, "gradients")
+        self._add_state(optimizers)
+        kept = {key: life for key, life in alive.items.items() if life.category in ("weights", "optimizer_state")}
+        alive.static, alive.static_valid = kept, True
+        static.ids, static.sizes = walked
+        static.weights = alive.totals["weights"]
+        static.state = alive.totals["optimizer_state"]
+        static.state_keys = {key for key, life in kept.items() if life.category == "optimizer_state"}
+        return True
+
+    def _hook_gradients(self, params: Sequence[torch.Tensor]) -> None:
+        """A post-accumulate-grad hook on each parameter that takes one: those of the iteration
+        before where the parameters are the same."""
+        hooked = [p for p in params if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook")]
+        before = self._hooked
+        if len(before) == len(hooked) and all(ref() is p for ref, p in zip(before, hooked)):
+            return
+        self._drop_hooks()
+        hook = self._gradient_made
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in hooked]
+        self._hooked = [weakref.ref(p) for p in hooked]
+
     def _add_state(self, optimizers: Iterable[Any]) -> None:
         self._track(optimizer_state_tensors(optimizers), "optimizer_state")
 
     def _gradient_made(self, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is not None:
-            self._track((grad,), "gradients")
+        try:  # autograd calls this: a fault switches the breakdown off, never the backward
+            if not self._started:
+                self._drop_hooks()  # a backward outside a reported iteration: the hooks go
+                return
+            grad = param.grad
+            if grad is not None:
+                self._track((grad,), "gradients")
+        except Exception as exc:  # noqa: BLE001 - contained
+            if self.on_fault is not None:
+                self.on_fault(exc)
 
     def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
         self._track([grad for p in params if (grad := p.grad) is not None], "gradients")
@@ -578,7 +683,9 @@ class BoundaryPeakBreakdown(PeakBreakdown):
 
     def close(self) -> None:
         super().close()
+        self._drop_hooks()
         self._reset()
+        self._alive.static, self._alive.static_valid = {}, False
 
 
 def make_peak_breakdown(counter: MemoryCounter) -> PeakBreakdown | None:
