@@ -28,6 +28,11 @@ Two ways, by what the device lets one see:
   backward, ``other`` elsewhere, with its module and bytes reported apart.
   In backward, the allocated bytes no category claims beyond what was
   unclaimed when backward began count as ``activation_gradients``.
+  From one reported iteration to the next it keeps what has not changed:
+  the weights' and optimizer state's tracked storages (walked again, and
+  dropped, when one of them is replaced, resized or dies) and its
+  post-accumulate-grad hooks (dropped by the first backward outside a
+  reported iteration, and by :meth:`~PeakBreakdown.close`).
 
 Example::
 
@@ -573,7 +578,11 @@ class BoundaryPeakBreakdown(PeakBreakdown):
                 self._drop_hooks()  # a backward outside a reported iteration: the hooks go
                 return
             grad = param.grad
-            if grad is not None:
+            if grad is None:
+                return
+            if type(grad) in PLAIN_TENSORS and grad.layout is torch.strided and self._on_device(grad):
+                self._alive.add(grad, "gradients")  # what ``_track`` does for it, one call shorter
+            else:
                 self._track((grad,), "gradients")
         except Exception as exc:  # noqa: BLE001 - contained
             if self.on_fault is not None:
