@@ -125,8 +125,10 @@ class PeakBreakdown:
     def _observe_saved(self, kept: Any) -> None:
         module = self.module_name() if self.module_name is not None else None
         if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
-            # The common case (no user's hook): the tensor is its one piece of memory.
-            if self._on_device(kept):
+            # The common case (no user's hook): the tensor is its one piece of memory; on the
+            # device (``_on_device``, inline: this runs for every saved tensor)?
+            dev, index = kept.device, self._device_index
+            if dev.type == self._device_type and (index is None or dev.index is None or dev.index == index):
                 self._saved(kept, module)
             return
         for part in parts_on(tensors_in(kept), self.device):
@@ -614,16 +616,20 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             return
         opened, peak = self._open, reading.peak_allocated
         if opened is not None and peak is not None:
-            where = location if location is not None else ended
-            interval = (peak, opened, ended, where, self._alive.totals["gradients"])
-            if self._best is None or peak > self._best[0]:
-                self._best = interval
-            if ended == "backward" and (self._backward_best is None or peak > self._backward_best[0]):
-                self._backward_best = interval
+            best, backward_best = self._best, self._backward_best
+            new_best = best is None or peak > best[0]
+            new_backward_best = ended == "backward" and (backward_best is None or peak > backward_best[0])
+            if new_best or new_backward_best:  # most boundaries set neither: no tuple made for them
+                where = location if location is not None else ended
+                interval = (peak, opened, ended, where, self._alive.totals["gradients"])
+                if new_best:
+                    self._best = interval
+                if new_backward_best:
+                    self._backward_best = interval
         if following == "backward" and ended != "backward":
             # Backward begins: what no category claims now is not backward's.
             self._unclaimed_before_backward = reading.allocated - self._alive.tracked
-        self._open = self._boundary(reading.allocated, in_backward=following == "backward" and ended == "backward")
+        self._open = self._boundary(reading.allocated, following == "backward" and ended == "backward")
 
     def backward_started(self, output_gradients: int) -> None:
         # The outputs' gradients existed when backward reached the model: they are backward's.
