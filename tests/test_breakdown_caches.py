@@ -262,3 +262,19 @@ def test_a_users_pair_below_two_watchers_still_runs_once_per_tensor():
     assert second[0] is first[0]  # the one above sees what the user's hook made
     y.sum().backward()
     assert torch.allclose(x.grad, x.detach().exp(), atol=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_sparse_gradients_kept_at_the_start():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 2))
+    opt = torch.optim.Adagrad(model.parameters(), lr=1e-2)  # its state stays dense
+    h = Harness(model, opt, torch.tensor([[1, 2], [3, 3]]))
+    try:
+        for _ in range(3):  # the embedding's gradient is sparse COO, kept by zero_grad(set_to_none=False)
+            kept, fresh = h.iteration(set_to_none=False)
+            assert kept == fresh
+        assert model[0].weight.grad.layout is torch.sparse_coo
+        assert h.kept._static.ids is not None and h.kept._static.state_keys  # remembered, and checked
+    finally:
+        h.close()

@@ -536,7 +536,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             and walked[0] == static.ids
             and walked[1] == static.sizes
             # a gradient over optimizer state would be a gradient (met before the state): walk again
-            and not (grads and static.state_keys and any(id(g.untyped_storage()) in static.state_keys for g in grads))
+            and not (grads and static.state_keys and not static.state_keys.isdisjoint(self._storage_ids(grads)))
         ):
             alive.items.update(alive.static)
             totals = alive.totals
@@ -558,6 +558,16 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         static.state = alive.totals["optimizer_state"]
         static.state_keys = {key for key, life in kept.items() if life.category == "optimizer_state"}
         return True
+
+    def _storage_ids(self, tensors: Iterable[torch.Tensor]) -> set[int]:
+        """The keys (``id`` of the storage) :meth:`_track` would give the pieces of ``tensors``."""
+        ids = set()
+        for part in parts_on(tensors, self.device):
+            try:
+                ids.add(id(part.untyped_storage()))
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass
+        return ids
 
     def _hook_gradients(self, params: Sequence[torch.Tensor]) -> None:
         """A post-accumulate-grad hook on each parameter that takes one: those of the iteration
