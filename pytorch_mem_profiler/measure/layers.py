@@ -198,11 +198,11 @@ class LayerAttribution:
                 # Entered from its own pre-hook, before the module hooks below exist.
                 self._stack.append((id(entry), name))
                 self._current.calls[name] = self._current.calls.get(name, 0) + 1
-        # Wrapped per forward, dropped at close(): they refer back to this object.
-        wrap = self.guard.wrap
+        # Dropped at close(): they refer back to this object. Each holds its fault guard's
+        # ``try`` itself (no wrapper frame: they run twice per module call).
         self._handles = [
-            register_module_forward_pre_hook(wrap(_PART, self._module_pre)),
-            register_module_forward_hook(wrap(_PART, self._module_post), always_call=True),
+            register_module_forward_pre_hook(self._module_pre),
+            register_module_forward_hook(self._module_post, always_call=True),
         ]
         self._saved = ChainedSavedTensorsHooks(self._observe_saved, lambda exc: self.guard.fault(_PART, exc))
         self._saved.push()
@@ -244,26 +244,37 @@ class LayerAttribution:
 
     # -- hooks -------------------------------------------------------------
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
-        key = id(module)
-        if key == self._root:
-            return
-        name = self._names.get(key)
-        if name is None:  # a module made on the fly: its tensors go to its caller
-            name = self._stack[-1][1]
-        else:
-            self._current.calls[name] = self._current.calls.get(name, 0) + 1
-        self._stack.append((key, name))
+        try:  # torch calls this: contained as ``guard.wrap`` would
+            if _PART in self.guard.disabled:
+                return
+            key = id(module)
+            if key == self._root:
+                return
+            name = self._names.get(key)
+            if name is None:  # a module made on the fly: its tensors go to its caller
+                name = self._stack[-1][1]
+            else:
+                self._current.calls[name] = self._current.calls.get(name, 0) + 1
+            self._stack.append((key, name))
+        except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
+            self.guard.fault(_PART, exc)
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        key = id(module)
-        if key == self._root or len(self._stack) <= 1 or self._stack[-1][0] != key:
-            return
-        _, name = self._stack.pop()
-        if key in self._tracked:
-            if self.on_exit is not None:
-                self.on_exit(name, self._stack[-1][1])
-            if self.on_backward_enter is not None:
-                self._watch_backward(name, output)
+        try:  # torch calls this: contained as ``guard.wrap`` would
+            if _PART in self.guard.disabled:
+                return
+            key = id(module)
+            stack = self._stack
+            if key == self._root or len(stack) <= 1 or stack[-1][0] != key:
+                return
+            _, name = stack.pop()
+            if key in self._tracked:
+                if self.on_exit is not None:
+                    self.on_exit(name, stack[-1][1])
+                if self.on_backward_enter is not None:
+                    self._watch_backward(name, output)
+        except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
+            self.guard.fault(_PART, exc)
 
     def _watch_backward(self, name: str, output: Any) -> None:
         prehook = _BackwardEntered(self.guard, self.on_backward_enter, name)  # type: ignore[arg-type]
