@@ -2,6 +2,8 @@
 
     python benchmarks/hot_path.py --workload tiny_mlp --steps 300
     python benchmarks/hot_path.py --host-cost        # host us per iteration, reported or not (CPU, seconds)
+    python benchmarks/hot_path.py --layer-cost       # host us per reported by_layer iteration, 8 layers + Adam
+    python benchmarks/hot_path.py --layer-cost --profile   # ... and where that time goes (cProfile)
     python benchmarks/hot_path.py --reads            # us per device read, peak reset and driver read
 
 Times the workload without the profiler, with it, and with parts of it
@@ -19,6 +21,7 @@ import pstats
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -58,15 +61,37 @@ class CountingCounter(NullCounter):
         self.resets += 1
 
 
-def host_cost(print_period: int, by_layer: bool, steps: int = 2000, rounds: int = 9) -> float:
+def _tiny_model() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01), torch.randn(4, 8)
+
+
+def _eight_layers() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    """8 x (Linear(16) + ReLU) with Adam, batch 4: the layer count of ``tiny_mlp`` (8 x Linear(1024)),
+    so the per-layer machinery does the same work per iteration while the arithmetic is nothing."""
+    layers: list[torch.nn.Module] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(16, 16), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3), torch.randn(4, 16)
+
+
+def host_cost(
+    print_period: int,
+    by_layer: bool,
+    steps: int = 2000,
+    rounds: int = 9,
+    build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]] = _tiny_model,
+    profile: cProfile.Profile | None = None,
+) -> float:
     """Host microseconds the profiler adds to an iteration of a tiny CPU model, its counter a
     :class:`NullCounter` (so only the Python of the hooks and the record is timed): the median
     over interleaved rounds of (with - without) per step, in the thread's CPU time. ``print_period`` larger than ``steps``
-    times non-reported iterations only; 1 reported ones only."""
+    times non-reported iterations only; 1 reported ones only. The :class:`NullCounter` keeps a
+    peak, so the peak breakdown is :class:`~pytorch_mem_profiler.measure.peak_breakdown.BoundaryPeakBreakdown`,
+    the one CUDA uses. ``profile``: enabled around the profiled blocks only."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(4, 8)
+    model, opt, x = build()
 
     def step() -> None:
         model(x).sum().backward()
@@ -92,7 +117,11 @@ def host_cost(print_period: int, by_layer: bool, steps: int = 2000, rounds: int 
         for _ in range(rounds):
             before = block(None)
             prof = MemoryProfiler(model, print_period, stream=sink, by_layer=by_layer, strict=True)
+            if profile is not None:
+                profile.enable()
             with_ = block(prof)
+            if profile is not None:
+                profile.disable()
             prof.close()
             after = block(None)
             diffs.append(with_ - (before + after) / 2)
@@ -111,6 +140,27 @@ def print_host_cost() -> None:
         ("reported, by_layer", 1, True),
     ):
         print(f"  {label:28s} {host_cost(period, by_layer):8.1f} us")
+
+
+def print_layer_cost(profile: bool, rounds: int = 9) -> None:
+    """Host us of a reported by_layer iteration of 8 x (Linear(16) + ReLU) + Adam (batch 4), against
+    reported without by_layer; with ``profile``, where the by_layer iteration's time goes."""
+    print("host us the profiler adds per reported iteration (NullCounter, 8 x Linear(16)+ReLU + Adam, batch 4):")
+    for label, by_layer in (("reported (print_period=1)", False), ("reported, by_layer", True)):
+        cost = host_cost(1, by_layer, steps=500, rounds=rounds, build=_eight_layers)
+        print(f"  {label:28s} {cost:8.1f} us")
+    if not profile:
+        return
+    steps = 500
+    prof = cProfile.Profile()
+    host_cost(1, True, steps=steps, rounds=3, build=_eight_layers, profile=prof)
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    # The profiled blocks: 3 rounds of ``steps`` iterations.
+    print(f"cProfile of {3 * steps} reported by_layer iterations (divide by {3 * steps} for per iteration):")
+    stats.sort_stats("tottime").print_stats("pytorch_mem_profiler|autograd|optim|_C|torch", 35)
+    stats.sort_stats("cumulative").print_stats("pytorch_mem_profiler", 40)
+    print(out.getvalue())
 
 
 def print_read_costs(device: torch.device, calls: int = 20000) -> None:
@@ -224,9 +274,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--host-cost", action="store_true", help="only the host cost per iteration, on the CPU")
     parser.add_argument("--reads", action="store_true", help="only the cost of each device read (CUDA)")
+    parser.add_argument("--layer-cost", action="store_true", help="host cost of a reported by_layer iteration (CPU)")
+    parser.add_argument("--profile", action="store_true", help="with --layer-cost: a cProfile of it")
     args = parser.parse_args()
     if args.reads:
         print_read_costs(torch.device(args.device))
+        return
+    if args.layer_cost:
+        torch.set_num_threads(1)
+        print_layer_cost(args.profile, rounds=args.rounds)
         return
     if args.host_cost:
         torch.set_num_threads(1)

@@ -22,6 +22,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 __all__ = [
+    "PLAIN_TENSORS",
     "tensor_bytes",
     "storage_parts",
     "parts_on",
@@ -39,6 +40,10 @@ __all__ = [
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: The types whose strided instances are their own one piece of memory (:func:`storage_parts`),
+#: for hot paths that skip the helpers for them (``type(t) in PLAIN_TENSORS``; subclasses such
+#: as DTensor take the helpers).
+PLAIN_TENSORS = _PLAIN_TENSORS
 
 _COMPRESSED_ROWS = (torch.sparse_csr, torch.sparse_bsr)
 _COMPRESSED_COLUMNS = (torch.sparse_csc, torch.sparse_bsc)

@@ -55,7 +55,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from ..faults import FaultGuard
 from ..stats import ACTIVATIONS, INPUT, WEIGHT_COPIES
-from .accounting import same_device, storage_parts
+from .accounting import PLAIN_TENSORS, same_device, storage_parts
 from .saved_tensors import ChainedSavedTensorsHooks, can_chain
 from .trees import output_grad_nodes, tensors_in
 
@@ -147,6 +147,7 @@ class LayerAttribution:
         #: contains the faults of the hooks it installs (part ``"per-layer attribution"``)
         self.guard = guard or FaultGuard()
         self.device = device
+        self._device_type, self._device_index = device.type, device.index
         self.on_exit = on_exit
         self.on_backward_enter = on_backward_enter
         self.max_locations = max_locations
@@ -197,11 +198,11 @@ class LayerAttribution:
                 # Entered from its own pre-hook, before the module hooks below exist.
                 self._stack.append((id(entry), name))
                 self._current.calls[name] = self._current.calls.get(name, 0) + 1
-        # Wrapped per forward, dropped at close(): they refer back to this object.
-        wrap = self.guard.wrap
+        # Dropped at close(): they refer back to this object. Each holds its fault guard's
+        # ``try`` itself (no wrapper frame: they run twice per module call).
         self._handles = [
-            register_module_forward_pre_hook(wrap(_PART, self._module_pre)),
-            register_module_forward_hook(wrap(_PART, self._module_post), always_call=True),
+            register_module_forward_pre_hook(self._module_pre),
+            register_module_forward_hook(self._module_post, always_call=True),
         ]
         self._saved = ChainedSavedTensorsHooks(self._observe_saved, lambda exc: self.guard.fault(_PART, exc))
         self._saved.push()
@@ -243,57 +244,80 @@ class LayerAttribution:
 
     # -- hooks -------------------------------------------------------------
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
-        key = id(module)
-        if key == self._root:
-            return
-        name = self._names.get(key)
-        if name is None:  # a module made on the fly: its tensors go to its caller
-            name = self._stack[-1][1]
-        else:
-            self._current.calls[name] = self._current.calls.get(name, 0) + 1
-        self._stack.append((key, name))
+        try:  # torch calls this: contained as ``guard.wrap`` would
+            if _PART in self.guard.disabled:
+                return
+            key = id(module)
+            if key == self._root:
+                return
+            name = self._names.get(key)
+            if name is None:  # a module made on the fly: its tensors go to its caller
+                name = self._stack[-1][1]
+            else:
+                self._current.calls[name] = self._current.calls.get(name, 0) + 1
+            self._stack.append((key, name))
+        except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
+            self.guard.fault(_PART, exc)
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        key = id(module)
-        if key == self._root or len(self._stack) <= 1 or self._stack[-1][0] != key:
-            return
-        _, name = self._stack.pop()
-        if key in self._tracked:
-            if self.on_exit is not None:
-                self.on_exit(name, self._stack[-1][1])
-            if self.on_backward_enter is not None:
-                self._watch_backward(name, output)
+        try:  # torch calls this: contained as ``guard.wrap`` would
+            if _PART in self.guard.disabled:
+                return
+            key = id(module)
+            stack = self._stack
+            if key == self._root or len(stack) <= 1 or stack[-1][0] != key:
+                return
+            _, name = stack.pop()
+            if key in self._tracked:
+                if self.on_exit is not None:
+                    self.on_exit(name, stack[-1][1])
+                if self.on_backward_enter is not None:
+                    self._watch_backward(name, output)
+        except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
+            self.guard.fault(_PART, exc)
 
     def _watch_backward(self, name: str, output: Any) -> None:
-        callback = self.on_backward_enter
-        fired = [False]
-
-        def prehook(grad_outputs: Any) -> None:
-            if not fired[0]:
-                fired[0] = True
-                callback(name)  # type: ignore[misc]
-
-        guarded = self.guard.wrap(_PART, prehook)  # autograd calls it: contained
+        prehook = _BackwardEntered(self.guard, self.on_backward_enter, name)  # type: ignore[arg-type]
+        if isinstance(output, torch.Tensor):  # the common case, without walking a structure
+            node = output.grad_fn
+            if node is not None:
+                node.register_prehook(prehook)
+            return
         for node in output_grad_nodes(output, limit=4):
-            node.register_prehook(guarded)
+            node.register_prehook(prehook)
 
     def _observe_saved(self, kept: Any) -> None:
         """One saved tensor, as kept for backward: the tensor itself, or what the user's
         pack hook made of it (only what stays on the profiled device counts)."""
+        if type(kept) is tuple and len(kept) == 2 and type(kept[1]) is int:
+            # What a watcher below (the peak breakdown's) keeps: (tensor, version); the int holds no tensor.
+            kept = kept[0]
+        if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
+            self._attribute(kept, kept)  # the common case: the tensor is its one piece of memory
+            return
         for t in tensors_in(kept):
             for part in storage_parts(t):
                 self._attribute(part, t)
 
     def _attribute(self, part: torch.Tensor, saved: torch.Tensor) -> None:
-        if not same_device(part, self.device):
+        # ``same_device(part, self.device)`` and ``_storage_key(part)``, inline for a plain tensor:
+        # this runs for every saved tensor.
+        dev = part.device
+        index = self._device_index
+        if dev.type != self._device_type or not (index is None or dev.index is None or dev.index == index):
             return
-        key = _storage_key(part)
+        if type(part) in PLAIN_TENSORS:
+            storage = part.untyped_storage()
+            key = (storage.data_ptr(), dev.index or 0)
+        else:
+            key = _storage_key(part)
+            storage = None
         if key[0] == 0 or key in self._seen:
             return
         self._seen.add(key)
         if key in self._state_ptrs:
             return
-        nbytes = part.untyped_storage().nbytes()
+        nbytes = (storage if storage is not None else part.untyped_storage()).nbytes()
         if key in self._inputs:
             module, category = INPUT, ACTIVATIONS
         else:
@@ -318,6 +342,25 @@ class LayerAttribution:
             if variable is not None and id(variable) in self._param_names:
                 return True
         return False
+
+
+class _BackwardEntered:
+    """A prehook on a tracked module's output nodes: tells ``callback`` once that backward reached
+    the module. Contained as ``guard.wrap`` would (autograd calls it), without a wrapper made per call."""
+
+    __slots__ = ("guard", "callback", "name", "fired")
+
+    def __init__(self, guard: FaultGuard, callback: Callable[[str], None], name: str) -> None:
+        self.guard, self.callback, self.name, self.fired = guard, callback, name, False
+
+    def __call__(self, grad_outputs: Any) -> None:
+        try:
+            if _PART in self.guard.disabled or self.fired:
+                return
+            self.fired = True
+            self.callback(self.name)
+        except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
+            self.guard.fault(_PART, exc)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

@@ -28,6 +28,11 @@ Two ways, by what the device lets one see:
   backward, ``other`` elsewhere, with its module and bytes reported apart.
   In backward, the allocated bytes no category claims beyond what was
   unclaimed when backward began count as ``activation_gradients``.
+  From one reported iteration to the next it keeps what has not changed:
+  the weights' and optimizer state's tracked storages (walked again, and
+  dropped, when one of them is replaced, resized or dies) and its
+  post-accumulate-grad hooks (dropped by the first backward outside a
+  reported iteration, and by :meth:`~PeakBreakdown.close`).
 
 Example::
 
@@ -55,7 +60,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from ..stats import PEAK_CATEGORIES
-from .accounting import optimizer_state_tensors, parts_on
+from .accounting import PLAIN_TENSORS, optimizer_state_tensors, parts_on
 from .devices import CpuCounter, MemoryCounter, Reading
 from .saved_tensors import ChainedSavedTensorsHooks, can_chain
 from .trees import tensors_in
@@ -92,6 +97,8 @@ class PeakBreakdown:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        # The device compared without a helper call per tensor (see ``accounting.same_device``).
+        self._device_type, self._device_index = device.type, device.index
         #: the module running now (set by the hooks in per-layer mode), for ``peak_layers``
         self.module_name: Callable[[], str] | None = None
         self._saved_hooks = ChainedSavedTensorsHooks(self._observe_saved)
@@ -117,8 +124,21 @@ class PeakBreakdown:
 
     def _observe_saved(self, kept: Any) -> None:
         module = self.module_name() if self.module_name is not None else None
+        if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
+            # The common case (no user's hook): the tensor is its one piece of memory; on the
+            # device (``_on_device``, inline: this runs for every saved tensor)?
+            dev, index = kept.device, self._device_index
+            if dev.type == self._device_type and (index is None or dev.index is None or dev.index == index):
+                self._saved(kept, module)
+            return
         for part in parts_on(tensors_in(kept), self.device):
             self._saved(part, module)
+
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        """``accounting.same_device(tensor, self.device)``, without its call: it runs per saved tensor."""
+        dev = tensor.device
+        index = self._device_index
+        return dev.type == self._device_type and (index is None or dev.index is None or dev.index == index)
 
     def close(self) -> None:
         """Drop everything held (the hooks are removed, the storages forgotten)."""
@@ -331,7 +351,13 @@ class _Alive:
     def __init__(self) -> None:
         self.items: dict[int, _StorageLife] = {}
         self.totals = _empty()
+        #: the sum of ``totals`` (kept, so that each boundary need not add them up)
+        self.tracked = 0
         self.by_module: dict[str, int] = {}
+        #: the weights' and optimizer state's lives, kept from one reported iteration to the next
+        #: (:class:`_StaticStorages`); one of them dying makes them stale
+        self.static: dict[int, _StorageLife] = {}
+        self.static_valid = False
         self._died = self._on_death
 
     def add(self, tensor: torch.Tensor, category: str, module: str | None = None) -> bool:
@@ -339,28 +365,76 @@ class _Alive:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
             return False
+        return self.add_storage(storage, category, module)
+
+    def add_storage(self, storage: Any, category: str, module: str | None = None) -> bool:
+        """Track ``storage`` (an ``UntypedStorage``) in ``category``; False when it is tracked already."""
         key = id(storage)
-        if key in self.items:
+        items = self.items
+        if key in items:
             return False  # the first category given wins
         life = _StorageLife(storage, self._died)
-        life.key, life.nbytes, life.category, life.module = key, storage.nbytes(), category, module
-        self.items[key] = life
-        self.totals[category] += life.nbytes
+        nbytes = storage.nbytes()
+        life.key, life.nbytes, life.category, life.module = key, nbytes, category, module
+        items[key] = life
+        self.totals[category] += nbytes
+        self.tracked += nbytes
         if module is not None:
-            self.by_module[module] = self.by_module.get(module, 0) + life.nbytes
+            by_module = self.by_module
+            by_module[module] = by_module.get(module, 0) + nbytes
         return True
 
     def _on_death(self, life: _StorageLife) -> None:
+        if self.static.get(life.key) is life:
+            self.static_valid = False
         if self.items.get(life.key) is life:
             del self.items[life.key]
             self.totals[life.category] -= life.nbytes
+            self.tracked -= life.nbytes
             if life.module is not None:
                 self.by_module[life.module] -= life.nbytes
 
     def clear(self) -> None:
         self.items.clear()  # the weak references go with them: no callback runs
         self.totals = _empty()
+        self.tracked = 0
         self.by_module = {}
+
+
+class _StaticStorages:
+    """The storages of the weights and the optimizer state, found by walking them once and
+    remembered while they stay the same: a reported iteration then puts their tracked lives back
+    instead of making them again (this is most of :meth:`BoundaryPeakBreakdown.begin`).
+
+    They stay the same while the walk (parameters, buffers, then each optimizer state tensor)
+    meets the same storages, of the same sizes, in the same order, and none of them died: a
+    parameter replaced or moved (``model.to()``), optimizer state made at the first step or
+    replaced, a storage resized in place, each changes the walk. Identities compare safely: a
+    storage remembered is alive (its death marks the cache stale), so its ``id`` is not reused.
+    Only plain strided tensors are remembered (anything else is walked every time).
+    """
+
+    __slots__ = ("ids", "sizes", "weights", "state", "state_keys")
+
+    def __init__(self) -> None:
+        self.ids: list[int] | None = None
+        self.sizes: list[int] = []
+        self.weights = 0
+        self.state = 0
+        self.state_keys: set[int] = set()
+
+    @staticmethod
+    def walk(tensors: list[Any]) -> tuple[list[int], list[int]] | None:
+        """(storage ids, storage sizes) of ``tensors``; ``None`` where one is not a plain strided tensor."""
+        strided = torch.strided
+        for t in tensors:
+            if type(t) not in PLAIN_TENSORS or t.layout is not strided:
+                return None
+        try:
+            storages = [t.untyped_storage() for t in tensors]
+            return list(map(id, storages)), [st.nbytes() for st in storages]
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
 
 
 class _Boundary(NamedTuple):
@@ -382,14 +456,20 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         super().__init__(counter.device)
         self.counter = counter
         self._alive = _Alive()
+        self._static = _StaticStorages()
+        # The post-accumulate-grad hooks stay from one reported iteration to the next (on the
+        # parameters these weak references name); a backward that finds none begun drops them.
         self._handles: list[Any] = []
+        self._hooked: list[weakref.ref] = []
         self._reset()
+
+    def _drop_hooks(self) -> None:
+        handles, self._handles, self._hooked = self._handles, [], []
+        for handle in handles:
+            handle.remove()
 
     def _reset(self) -> None:
         self._alive.clear()
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
         self._open: _Boundary | None = None
         # (peak, the interval's opening, its phase, where it ran, weight gradients at its end)
         self._best: tuple[int, _Boundary, str, str | None, int] | None = None
@@ -405,35 +485,123 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         allocated: int | None = None,
     ) -> None:
         self._reset()
-        alive = self._alive
-        for part in parts_on(itertools.chain(params, buffers), self.device):
-            alive.add(part, "weights")
-        self.gradients_ready(params)
-        self._add_state(optimizers)
-        hook = self._gradient_made
-        for p in params:
-            if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
-                self._handles.append(p.register_post_accumulate_grad_hook(hook))
+        buffers = list(buffers)
+        optimizers = list(optimizers)
+        if not self._static_again(params, buffers, optimizers):
+            self._track(params, "weights")
+            self._track(buffers, "weights")
+            self.gradients_ready(params)
+            self._add_state(optimizers)
+        self._hook_gradients(params)
         # ``allocated``: what the iteration before read last (the same moment): no second read.
         if allocated is None:
             allocated = self.counter.read().allocated
         self._open = self._boundary(allocated, in_backward=False)
         self._started = True
 
+    def _track(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """``alive.add(part, category)`` for each piece of ``tensors`` on the device, in order
+        (:func:`~.accounting.parts_on`): a plain strided tensor, the common case, without a helper
+        call (this runs for every weight, state tensor and gradient of a reported iteration)."""
+        alive = self._alive
+        add_storage = alive.add_storage
+        device_type, index = self._device_type, self._device_index
+        strided = torch.strided
+        for t in tensors:
+            if type(t) in PLAIN_TENSORS and t.layout is strided:
+                dev = t.device
+                if dev.type != device_type or not (index is None or dev.index is None or dev.index == index):
+                    continue
+                try:
+                    storage = t.untyped_storage()
+                except (RuntimeError, NotImplementedError, TypeError):
+                    continue
+                add_storage(storage, category)
+            else:
+                for part in parts_on((t,), self.device):
+                    alive.add(part, category)
+
+    def _static_again(self, params: Sequence[torch.Tensor], buffers: list[torch.Tensor], optimizers: list[Any]) -> bool:
+        """Track the weights, the gradients there are and the optimizer state, in that order (the
+        first category met wins), from :class:`_StaticStorages` where they did not change, else
+        walking them and remembering them; False (nothing tracked) where they cannot be remembered."""
+        alive, static = self._alive, self._static
+        walked = static.walk([*params, *buffers, *optimizer_state_tensors(optimizers)])
+        if walked is None:
+            static.ids = None
+            return False
+        grads = [grad for p in params if (grad := p.grad) is not None]
+        if (
+            alive.static_valid
+            and walked[0] == static.ids
+            and walked[1] == static.sizes
+            # a gradient over optimizer state would be a gradient (met before the state): walk again
+            and not (grads and static.state_keys and not static.state_keys.isdisjoint(self._storage_ids(grads)))
+        ):
+            alive.items.update(alive.static)
+            totals = alive.totals
+            totals["weights"] += static.weights
+            totals["optimizer_state"] += static.state
+            alive.tracked += static.weights + static.state
+            if grads:
+                self._track(grads, "gradients")
+            return True
+        # Walk as always, then remember what the weights and the state were.
+        self._track(params, "weights")
+        self._track(buffers, "weights")
+        self._track(grads, "gradients")
+        self._add_state(optimizers)
+        kept = {key: life for key, life in alive.items.items() if life.category in ("weights", "optimizer_state")}
+        alive.static, alive.static_valid = kept, True
+        static.ids, static.sizes = walked
+        static.weights = alive.totals["weights"]
+        static.state = alive.totals["optimizer_state"]
+        static.state_keys = {key for key, life in kept.items() if life.category == "optimizer_state"}
+        return True
+
+    def _storage_ids(self, tensors: Iterable[torch.Tensor]) -> set[int]:
+        """The keys (``id`` of the storage) :meth:`_track` would give the pieces of ``tensors``."""
+        ids = set()
+        for part in parts_on(tensors, self.device):
+            try:
+                ids.add(id(part.untyped_storage()))
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass
+        return ids
+
+    def _hook_gradients(self, params: Sequence[torch.Tensor]) -> None:
+        """A post-accumulate-grad hook on each parameter that takes one: those of the iteration
+        before where the parameters are the same."""
+        hooked = [p for p in params if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook")]
+        before = self._hooked
+        if len(before) == len(hooked) and all(ref() is p for ref, p in zip(before, hooked)):
+            return
+        self._drop_hooks()
+        hook = self._gradient_made
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in hooked]
+        self._hooked = [weakref.ref(p) for p in hooked]
+
     def _add_state(self, optimizers: Iterable[Any]) -> None:
-        for part in parts_on(optimizer_state_tensors(optimizers), self.device):
-            self._alive.add(part, "optimizer_state")
+        self._track(optimizer_state_tensors(optimizers), "optimizer_state")
 
     def _gradient_made(self, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is not None:
-            for part in parts_on((grad,), self.device):
-                self._alive.add(part, "gradients")
+        try:  # autograd calls this: a fault switches the breakdown off, never the backward
+            if not self._started:
+                self._drop_hooks()  # a backward outside a reported iteration: the hooks go
+                return
+            grad = param.grad
+            if grad is None:
+                return
+            if type(grad) in PLAIN_TENSORS and grad.layout is torch.strided and self._on_device(grad):
+                self._alive.add(grad, "gradients")  # what ``_track`` does for it, one call shorter
+            else:
+                self._track((grad,), "gradients")
+        except Exception as exc:  # noqa: BLE001 - contained
+            if self.on_fault is not None:
+                self.on_fault(exc)
 
     def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
-        for p in params:
-            if p.grad is not None:
-                self._gradient_made(p)
+        self._track([grad for p in params if (grad := p.grad) is not None], "gradients")
 
     def _input(self, tensor: torch.Tensor) -> None:
         self._alive.add(tensor, "inputs")
@@ -442,14 +610,15 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         self._alive.add(tensor, "activations", module)
 
     def _boundary(self, allocated: int, in_backward: bool) -> _Boundary:
-        parts = dict(self._alive.totals)
-        unclaimed = allocated - sum(parts.values())
+        alive = self._alive
+        parts = dict(alive.totals)
+        unclaimed = allocated - alive.tracked
         if in_backward:
             grads = max(0, unclaimed - self._unclaimed_before_backward)
             parts["activation_gradients"] += grads
             unclaimed -= grads
         parts["other"] += unclaimed
-        layers = dict(self._alive.by_module) if self.module_name is not None else None
+        layers = dict(alive.by_module) if self.module_name is not None else None
         return _Boundary(allocated, parts, layers)
 
     def marked(self, reading: Reading, ended: str, following: str, location: str | None) -> None:
@@ -457,16 +626,20 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             return
         opened, peak = self._open, reading.peak_allocated
         if opened is not None and peak is not None:
-            where = location if location is not None else ended
-            interval = (peak, opened, ended, where, self._alive.totals["gradients"])
-            if self._best is None or peak > self._best[0]:
-                self._best = interval
-            if ended == "backward" and (self._backward_best is None or peak > self._backward_best[0]):
-                self._backward_best = interval
+            best, backward_best = self._best, self._backward_best
+            new_best = best is None or peak > best[0]
+            new_backward_best = ended == "backward" and (backward_best is None or peak > backward_best[0])
+            if new_best or new_backward_best:  # most boundaries set neither: no tuple made for them
+                where = location if location is not None else ended
+                interval = (peak, opened, ended, where, self._alive.totals["gradients"])
+                if new_best:
+                    self._best = interval
+                if new_backward_best:
+                    self._backward_best = interval
         if following == "backward" and ended != "backward":
             # Backward begins: what no category claims now is not backward's.
-            self._unclaimed_before_backward = reading.allocated - sum(self._alive.totals.values())
-        self._open = self._boundary(reading.allocated, in_backward=following == "backward" and ended == "backward")
+            self._unclaimed_before_backward = reading.allocated - self._alive.tracked
+        self._open = self._boundary(reading.allocated, following == "backward" and ended == "backward")
 
     def backward_started(self, output_gradients: int) -> None:
         # The outputs' gradients existed when backward reached the model: they are backward's.
@@ -535,7 +708,9 @@ class BoundaryPeakBreakdown(PeakBreakdown):
 
     def close(self) -> None:
         super().close()
+        self._drop_hooks()
         self._reset()
+        self._alive.static, self._alive.static_valid = {}, False
 
 
 def make_peak_breakdown(counter: MemoryCounter) -> PeakBreakdown | None:

@@ -98,6 +98,19 @@ def _unchecked(exc: BaseException) -> None:
         )
 
 
+def _own_watcher(pair: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]) -> ChainedSavedTensorsHooks | None:
+    """The watcher whose own pair (no user's hooks below it) ``pair`` is, else ``None``."""
+    pack, unpack = pair
+    watcher = getattr(pack, "__self__", None)
+    if (
+        unpack is _unpack_checked
+        and isinstance(watcher, ChainedSavedTensorsHooks)
+        and getattr(pack, "__func__", None) is ChainedSavedTensorsHooks._watch
+    ):
+        return watcher
+    return None
+
+
 class ChainedSavedTensorsHooks:
     """A pack hook that watches what autograd keeps, chained to the pair that was on top.
 
@@ -122,6 +135,10 @@ class ChainedSavedTensorsHooks:
         below = top_saved_tensors_hooks()
         if below is None:
             pack, unpack = self._watch, _unpack_checked
+        elif (watcher := _own_watcher(below)) is not None:
+            # Another watcher's own pair, over the raw tensors (the peak breakdown's under the
+            # per-layer attribution's): one pack hook does both, without a call through the other.
+            pack, unpack = self._beside(watcher), _unpack_checked
         else:
             pack, unpack = self._chain(below[0]), below[1]
         context = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -145,6 +162,20 @@ class ChainedSavedTensorsHooks:
         except Exception as exc:  # noqa: BLE001 - watching must never break the forward
             self._fault(exc)
         return tensor, tensor._version
+
+    def _beside(self, below: ChainedSavedTensorsHooks) -> Callable[[torch.Tensor], tuple[torch.Tensor, int]]:
+        """What chaining to ``below``'s own pack (:meth:`_watch`) would do, in one frame: ``below``
+        observes the tensor, then this watcher does, and the tensor is kept as ``below`` keeps it."""
+
+        def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+            try:  # autograd calls this: whatever fails, the tensor is kept unchanged
+                below._observe(tensor)
+                self._observe(tensor)
+            except Exception as exc:  # noqa: BLE001 - watching must never break the forward
+                self._fault(exc)
+            return tensor, tensor._version
+
+        return pack
 
     def _chain(self, user_pack: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
         def pack(tensor: torch.Tensor) -> Any:

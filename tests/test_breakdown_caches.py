@@ -1,0 +1,280 @@
+"""What the boundary peak breakdown keeps from one reported iteration to the next is dropped
+whenever what it stands for changes.
+
+:class:`BoundaryPeakBreakdown` (CUDA's) remembers the storages of the weights and the optimizer
+state, and leaves its post-accumulate-grad hooks on the parameters between reported iterations.
+Here it runs on the CPU counter (the allocator's figures, read at the same boundaries as the
+hooks mark them) beside a tracker made afresh for each iteration, which remembers nothing: both
+watch the same iteration, and their results must be equal after every change a cache could miss
+(optimizer state made at the first step or replaced, a parameter replaced or moved, a storage
+resized in place, gradients kept at the iteration's start, a gradient over optimizer state). The
+fresh tracker's figures are checked against storages counted here, so equal is also right.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pytorch_mem_profiler.measure.devices import CpuCounter
+from pytorch_mem_profiler.measure.peak_breakdown import BoundaryPeakBreakdown
+from pytorch_mem_profiler.measure.saved_tensors import ChainedSavedTensorsHooks, can_chain
+
+
+def unique_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class Harness:
+    """Runs iterations of ``model`` with a long-lived tracker and a fresh one per iteration."""
+
+    def __init__(self, model: nn.Module, opt, x: torch.Tensor) -> None:
+        self.model, self.opt, self.x = model, opt, x
+        self.counter = CpuCounter()
+        self.counter.start()
+        self.counter.adopt([*model.parameters(), *model.buffers(), x])
+        self.kept = BoundaryPeakBreakdown(self.counter)
+
+    def params(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def iteration(self, *, set_to_none: bool = True, optimizers=None):
+        """One iteration; the (kept, fresh) results."""
+        fresh = BoundaryPeakBreakdown(self.counter)
+        trackers = (self.kept, fresh)
+        opts = [self.opt] if optimizers is None else optimizers
+        params, buffers = self.params(), list(self.model.buffers())
+        allocated = self.counter.mark().allocated  # the moment both begin at
+        for t in trackers:
+            t.begin(params, buffers, opts, allocated)
+        peak = 0
+
+        def mark(ended: str, following: str) -> None:
+            nonlocal peak
+            reading = self.counter.mark()
+            peak = max(peak, reading.peak_allocated)
+            for t in trackers:
+                t.marked(reading, ended, following, None)
+
+        mark("other", "forward")
+        for t in trackers:
+            t.watch_forward((self.x,))
+        loss = self.model(self.x).square().sum()
+        for t in reversed(trackers):
+            t.unwatch_forward()
+        mark("forward", "backward")
+        loss.backward()
+        del loss
+        for t in trackers:
+            t.gradients_ready(params)
+        mark("backward", "optimizer")
+        self.opt.step()
+        mark("optimizer", "other")
+        self.opt.zero_grad(set_to_none=set_to_none)
+        results = [t.result(peak, params, opts) for t in trackers]
+        fresh.close()
+        assert results[1] is not None
+        return results
+
+    def close(self) -> None:
+        self.kept.close()
+        self.counter.stop()
+
+
+def hooks_on(params) -> int:
+    return sum(len(p._post_accumulate_grad_hooks or {}) for p in params)
+
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model.register_buffer("scale", torch.ones(16))
+    return model
+
+
+def test_optimizer_state_made_at_the_first_step_and_replaced_later(mlp):
+    opt = torch.optim.Adam(mlp.parameters(), lr=1e-2)
+    h = Harness(mlp, opt, torch.randn(4, 8))
+    try:
+        kept, fresh = h.iteration()  # no state at the start: none at the peak of forward/backward
+        assert kept == fresh
+        kept, fresh = h.iteration()  # the state appeared after the first step: walked again
+        assert kept == fresh
+        state = [v for s in opt.state.values() for v in s.values()]
+        assert fresh.breakdown["optimizer_state"] >= unique_bytes(state)  # moments and steps (CPU)
+        assert fresh.breakdown["weights"] == unique_bytes([*mlp.parameters(), *mlp.buffers()])
+        lives = dict(h.kept._alive.static)
+        kept, fresh = h.iteration()  # nothing changed: the same tracked lives come back
+        assert kept == fresh and h.kept._alive.static == lives
+        # State replaced by new tensors, the old ones kept alive elsewhere (no death to notice).
+        old = []
+        for s in opt.state.values():
+            old.append(s["exp_avg"])
+            s["exp_avg"] = s["exp_avg"].clone()
+        h.counter.adopt([s["exp_avg"] for s in opt.state.values()])
+        kept, fresh = h.iteration()
+        assert kept == fresh and h.kept._alive.static != lives
+        new_keys = {id(s["exp_avg"].untyped_storage()) for s in opt.state.values()}
+        assert new_keys <= h.kept._static.state_keys
+        assert not {id(t.untyped_storage()) for t in old} & set(h.kept._alive.static)
+    finally:
+        h.close()
+
+
+def test_a_parameter_replaced_or_moved(mlp):
+    opt = torch.optim.SGD(mlp.parameters(), lr=1e-2)
+    h = Harness(mlp, opt, torch.randn(4, 8))
+    try:
+        assert h.iteration()[0] == h.iteration()[1]
+        h.iteration()
+        old = mlp[0].weight.data
+        with torch.no_grad():
+            mlp[0].weight.data = torch.randn(16, 8)  # the same Parameter, a new storage; the old one lives on
+        h.counter.adopt([mlp[0].weight])
+        kept, fresh = h.iteration()
+        assert kept == fresh
+        assert id(mlp[0].weight.untyped_storage()) in h.kept._alive.static
+        assert id(old.untyped_storage()) not in h.kept._alive.static
+        # Moved: every parameter and buffer gets a new storage (float64 here, the CPU's "device").
+        mlp.double()
+        h.x = h.x.double()
+        h.counter.adopt([*mlp.parameters(), *mlp.buffers(), h.x])
+        kept, fresh = h.iteration()
+        assert kept == fresh
+        assert fresh.breakdown["weights"] == unique_bytes([*mlp.parameters(), *mlp.buffers()])
+        assert kept.breakdown["weights"] == 2 * unique_bytes([p.float() for p in (*mlp.parameters(), *mlp.buffers())])
+    finally:
+        h.close()
+
+
+def test_a_storage_resized_in_place(mlp):
+    opt = torch.optim.SGD(mlp.parameters(), lr=1e-2)
+    h = Harness(mlp, opt, torch.randn(4, 8))
+    try:
+        h.iteration()
+        h.iteration()
+        storage = mlp.scale.untyped_storage()
+        storage.resize_(storage.nbytes() * 4)  # the buffer's tensor still fits; its storage is 4x
+        kept, fresh = h.iteration()
+        assert kept == fresh
+        # What the tracker holds for the weights now (the CPU counter did not see the resize, so the
+        # breakdown's figure is trimmed to the allocator's: read the tracked bytes instead).
+        assert h.kept._static.weights == unique_bytes([*mlp.parameters(), *mlp.buffers()])
+    finally:
+        h.close()
+
+
+def test_gradients_kept_at_the_start_and_a_gradient_over_optimizer_state(mlp):
+    opt = torch.optim.SGD(mlp.parameters(), lr=1e-2, momentum=0.9)
+    h = Harness(mlp, opt, torch.randn(4, 8))
+    try:
+        for _ in range(3):  # zero_grad keeps the gradients: they exist when the iteration begins
+            kept, fresh = h.iteration(set_to_none=False)
+            assert kept == fresh
+        # An optimizer whose state the next gradient will be: a gradient met first wins.
+        shared = torch.zeros_like(mlp[2].bias)
+        fake = type("Fake", (), {"state": {mlp[2].bias: {"buf": shared}}})()
+        h.iteration(optimizers=[opt, fake])
+        h.iteration(optimizers=[opt, fake])  # remembered: ``shared`` is optimizer state
+        assert id(shared.untyped_storage()) in h.kept._static.state_keys
+        mlp[2].bias.grad = shared
+        h.counter.adopt([shared])
+        kept, fresh = h.iteration(set_to_none=False, optimizers=[opt, fake])
+        assert kept == fresh
+        assert id(shared.untyped_storage()) not in h.kept._static.state_keys  # walked again: a gradient
+    finally:
+        h.close()
+
+
+def test_gradient_hooks_stay_between_reported_iterations_and_go(mlp):
+    opt = torch.optim.SGD(mlp.parameters(), lr=1e-2)
+    h = Harness(mlp, opt, torch.randn(4, 8))
+    params = h.params()
+    try:
+        h.iteration()
+        handles = list(h.kept._handles)
+        assert len(handles) == len(params) and hooks_on(params) == len(params)
+        h.iteration()
+        assert h.kept._handles == handles  # the same hooks: none made again
+        # A backward outside a reported iteration: the first hook that runs drops them all.
+        mlp(h.x).sum().backward()
+        assert hooks_on(params) == 0 and h.kept._handles == []
+        opt.zero_grad()
+        kept, fresh = h.iteration()
+        assert kept == fresh and hooks_on(params) == len(params)
+        # A parameter frozen: hooked again, on the others only.
+        mlp[0].bias.requires_grad_(False)
+        kept, fresh = h.iteration()
+        assert kept == fresh and hooks_on(params) == len(params) - 1
+    finally:
+        h.close()
+    assert hooks_on(params) == 0  # close() leaves nothing installed
+    assert h.kept._alive.static == {}
+
+
+@pytest.mark.skipif(not can_chain(), reason="torch < 2.8 cannot tell which saved-tensor hooks are active")
+def test_a_watcher_beside_another_sees_what_it_sees_and_keeps_the_version_check():
+    first, second = [], []
+    below, above = ChainedSavedTensorsHooks(first.append), ChainedSavedTensorsHooks(second.append)
+    x = torch.randn(5, requires_grad=True)
+    below.push()
+    above.push()
+    try:
+        y = x.exp()  # exp saves its result
+        z = y.sin()  # sin saves its input (y)
+    finally:
+        above.pop()
+        below.pop()
+    assert len(first) == len(second) == 2
+    assert all(a is b for a, b in zip(first, second))
+    assert first[0] is y and first[1] is y
+    y.add_(1)  # modified in place after it was saved: backward must still refuse
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
+@pytest.mark.skipif(not can_chain(), reason="torch < 2.8 cannot tell which saved-tensor hooks are active")
+def test_a_users_pair_below_two_watchers_still_runs_once_per_tensor():
+    calls, first, second = [], [], []
+
+    def pack(t):
+        calls.append(t)
+        return ("mine", t.half())
+
+    x = torch.randn(5, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p[1].float()):
+        below, above = ChainedSavedTensorsHooks(first.append), ChainedSavedTensorsHooks(second.append)
+        below.push()
+        above.push()
+        try:
+            y = x.exp()
+        finally:
+            above.pop()
+            below.pop()
+    assert len(calls) == 1
+    assert first[0][0] == "mine" and first[0][1].dtype == torch.float16
+    assert second[0] is first[0]  # the one above sees what the user's hook made
+    y.sum().backward()
+    assert torch.allclose(x.grad, x.detach().exp(), atol=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_sparse_gradients_kept_at_the_start():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 2))
+    opt = torch.optim.Adagrad(model.parameters(), lr=1e-2)  # its state stays dense
+    h = Harness(model, opt, torch.tensor([[1, 2], [3, 3]]))
+    try:
+        for _ in range(3):  # the embedding's gradient is sparse COO, kept by zero_grad(set_to_none=False)
+            kept, fresh = h.iteration(set_to_none=False)
+            assert kept == fresh
+        assert model[0].weight.grad.layout is torch.sparse_coo
+        assert h.kept._static.ids is not None and h.kept._static.state_keys  # remembered, and checked
+    finally:
+        h.close()
