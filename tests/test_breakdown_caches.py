@@ -240,6 +240,29 @@ def test_a_watcher_beside_another_sees_what_it_sees_and_keeps_the_version_check(
 
 
 @pytest.mark.skipif(not can_chain(), reason="torch < 2.8 cannot tell which saved-tensor hooks are active")
+def test_a_fault_in_the_watcher_below_is_its_own_and_the_one_above_still_sees():
+    seen, faults_below, faults_above = [], [], []
+
+    def broken(t):
+        raise RuntimeError("injected")
+
+    below = ChainedSavedTensorsHooks(broken, faults_below.append)
+    above = ChainedSavedTensorsHooks(seen.append, faults_above.append)
+    x = torch.randn(5, requires_grad=True)
+    below.push()
+    above.push()
+    try:
+        y = x.exp()
+    finally:
+        above.pop()
+        below.pop()
+    assert len(faults_below) == 1 and faults_above == []
+    assert seen == [y]
+    y.sum().backward()
+    assert torch.equal(x.grad, x.detach().exp())
+
+
+@pytest.mark.skipif(not can_chain(), reason="torch < 2.8 cannot tell which saved-tensor hooks are active")
 def test_a_users_pair_below_two_watchers_still_runs_once_per_tensor():
     calls, first, second = [], [], []
 

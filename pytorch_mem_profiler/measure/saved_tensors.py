@@ -168,8 +168,13 @@ class ChainedSavedTensorsHooks:
         observes the tensor, then this watcher does, and the tensor is kept as ``below`` keeps it."""
 
         def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-            try:  # autograd calls this: whatever fails, the tensor is kept unchanged
+            # Autograd calls this: whatever fails, the tensor is kept unchanged, and a fault
+            # switches off only the watcher it happened in.
+            try:
                 below._observe(tensor)
+            except Exception as exc:  # noqa: BLE001 - watching must never break the forward
+                below._fault(exc)
+            try:
                 self._observe(tensor)
             except Exception as exc:  # noqa: BLE001 - watching must never break the forward
                 self._fault(exc)
