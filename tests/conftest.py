@@ -32,3 +32,14 @@ def stream() -> io.StringIO:
 def csv_dir(tmp_path):
     """A fresh CSV folder per test, so tests never write into the repository."""
     return tmp_path / "memory_csv_data"
+
+
+@pytest.fixture
+def counter():
+    """A started exact CPU counter, stopped after the test."""
+    from pytorch_mem_profiler.measure.devices import CpuCounter
+
+    c = CpuCounter()
+    c.start()
+    yield c
+    c.stop()

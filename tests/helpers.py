@@ -11,6 +11,17 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def unique_storage_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of the tensors' unique storages, computed apart from any counter."""
+    unique = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(unique.values())
+
+
+def grown(counter, base: int) -> int:
+    """What a counter's allocated figure grew by since ``base``."""
+    return counter.read().allocated - base
+
+
 def mlp(d_in: int = 32, hidden: int = 64, d_out: int = 10) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_out))

@@ -14,25 +14,10 @@ import torch
 from pytorch_mem_profiler.measure import storage_counting
 from pytorch_mem_profiler.measure.devices import CpuCounter
 
+from .helpers import grown
+from .helpers import unique_storage_bytes as storage_bytes
+
 aten = torch.ops.aten
-
-
-def storage_bytes(*tensors: torch.Tensor) -> int:
-    """Bytes of the tensors' unique storages, computed apart from the counter."""
-    unique = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(unique.values())
-
-
-@pytest.fixture
-def counter():
-    c = CpuCounter()
-    c.start()
-    yield c
-    c.stop()
-
-
-def grown(counter: CpuCounter, base: int) -> int:
-    return counter.read().allocated - base
 
 
 def test_each_kind_of_operator_takes_the_path_its_plan_names():

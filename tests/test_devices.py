@@ -18,14 +18,6 @@ from pytorch_mem_profiler.measure.devices import (
 from .helpers import nbytes
 
 
-@pytest.fixture
-def counter():
-    c = CpuCounter()
-    c.start()
-    yield c
-    c.stop()
-
-
 def test_cpu_counter_counts_new_storages_exactly(counter):
     before = counter.read().allocated
     a = torch.empty(1000, dtype=torch.float32)
