@@ -19,7 +19,9 @@ a model of 51 trivial modules, 30 interleaved rounds, medians):
 So every module of the model is hooked only until the first training forward
 has shown which modules it enters through (*learning*, one iteration); from then
 on only the root and those entry modules keep hooks: the cost per iteration is
-about 5 us per entry call, whatever the model's size. Should an iteration
+about 5 us per entry call, whatever the model's size; between reported
+iterations :meth:`EntryWatch.pause` takes even those off (the model then runs
+exactly as unprofiled) and :meth:`EntryWatch.resume` puts them back. Should an iteration
 step an optimizer with no forward found (the framework started entering
 through another module), learning starts again for one forward.
 
