@@ -5,6 +5,7 @@
     python benchmarks/hot_path.py --layer-cost       # host us per reported by_layer iteration, 8 layers + Adam
     python benchmarks/hot_path.py --layer-cost --profile   # ... and where that time goes (cProfile)
     python benchmarks/hot_path.py --reads            # us per device read, peak reset and driver read
+    python benchmarks/hot_path.py --workload gpt2 --by-layer --profile-only   # cProfile of profiled steps
 
 Times the workload without the profiler, with it, and with parts of it
 replaced by no-ops (the device reads; the backward hooks), alternating in one
@@ -250,7 +251,7 @@ def print_time_inside_hooks(work, args, device: torch.device, sink) -> None:
     MemoryProfiler._record_stats = timed("record_stats", original_record)
     try:
         base = median([run(work, args.steps, None, device) for _ in range(3)])
-        prof = MemoryProfiler(work.model, args.print_period, stream=sink)
+        prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer)
         spent.clear()
         with_prof = run(work, args.steps, prof, device)
         prof.close()
@@ -273,6 +274,8 @@ def main() -> None:
     parser.add_argument("--print-period", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--host-cost", action="store_true", help="only the host cost per iteration, on the CPU")
+    parser.add_argument("--by-layer", action="store_true", help="the profiler with by_layer=True")
+    parser.add_argument("--profile-only", action="store_true", help="only the cProfile of the profiled steps")
     parser.add_argument("--reads", action="store_true", help="only the cost of each device read (CUDA)")
     parser.add_argument("--layer-cost", action="store_true", help="host cost of a reported by_layer iteration (CPU)")
     parser.add_argument("--profile", action="store_true", help="with --layer-cost: a cProfile of it")
@@ -295,6 +298,9 @@ def main() -> None:
     sink = open(os.devnull, "w")
     real_make_counter = meter_module.make_counter
     real_backward_started = TrainingStepHooks._backward_started
+    if args.profile_only:
+        print_profile(work, args, device, sink)
+        return
 
     variants = {
         "full": {},
@@ -313,7 +319,7 @@ def main() -> None:
             before = run(work, args.steps, None, device)
             meter_module.make_counter = (lambda d: NullCounter(d)) if parts.get("counter") else real_make_counter
             TrainingStepHooks._backward_started = (lambda self, g: None) if parts.get("backward") else real_backward_started
-            prof = MemoryProfiler(work.model, args.print_period, stream=sink)
+            prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer)
             if parts.get("outputs"):
                 prof._sinks = []
             with_ = run(work, args.steps, prof, device)
@@ -333,8 +339,12 @@ def main() -> None:
         print(f"  {name:46s} +{median(values):8.1f}   ({min(values):.1f} to {max(values):.1f})")
 
     print_time_inside_hooks(work, args, device, sink)
+    print_profile(work, args, device, sink)
 
-    prof = MemoryProfiler(work.model, args.print_period, stream=sink)
+
+def print_profile(work, args, device: torch.device, sink) -> None:
+    """cProfile of ``args.steps`` profiled steps: the costliest functions, then this package's."""
+    prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer)
     out = io.StringIO()
     profile = cProfile.Profile()
     profile.enable()
