@@ -301,3 +301,23 @@ def test_sparse_gradients_kept_at_the_start():
         assert h.kept._static.ids is not None and h.kept._static.state_keys  # remembered, and checked
     finally:
         h.close()
+
+
+def test_the_meters_buffer_list_follows_buffers_reassigned_after_it_was_made():
+    """The meter lists the model's modules once and reads their buffers each time: the same
+    tensors as ``model.buffers()``, a buffer reassigned since included, the old one gone."""
+    from pytorch_mem_profiler.measure.meter import Meter
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Sequential(nn.BatchNorm1d(4)))
+    meter = Meter(model)
+
+    def ids(tensors):
+        return sorted(id(t) for t in tensors)
+
+    assert ids(meter._buffers()) == ids(model.buffers())
+    old = model[1].running_mean
+    model[1].running_mean = torch.zeros(4)  # reassigned: the module's buffer dict holds the new one
+    model[2][0].register_buffer("extra", torch.ones(2))
+    found = meter._buffers()
+    assert ids(found) == ids(model.buffers())
+    assert any(t is model[1].running_mean for t in found) and not any(t is old for t in found)

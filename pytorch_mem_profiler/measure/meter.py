@@ -158,6 +158,8 @@ class Meter:
                 self._fsdp.refresh()
         # the fields a non-reported record shares with every other until the model changes
         self._light_fields: dict[str, Any] | None = None
+        # the model's modules, each once (for its buffers: :meth:`_buffers`)
+        self._modules: list[torch.nn.Module] | None = None
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
@@ -246,7 +248,13 @@ class Meter:
                     hooks.breakdown = tracker
 
     def _buffers(self) -> list[torch.Tensor]:
-        return [b for b in self.model.buffers() if b is not None]
+        # The model's modules are listed at each refresh; their buffers are read now (a buffer
+        # reassigned since is found): ``model.buffers()`` walks the module tree with a generator
+        # per module, most of a reported per-layer iteration's bookkeeping on a 150-module model.
+        modules = self._modules
+        if modules is None:
+            modules = self._modules = list(self.model.modules())
+        return [b for m in modules for b in m._buffers.values() if b is not None]
 
     def _optimizer_list(self) -> list[torch.optim.Optimizer]:
         return [opt for opt in (entry[0]() for entry in self._known_optimizers) if opt is not None]
