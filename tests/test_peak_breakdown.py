@@ -143,26 +143,25 @@ def test_activation_gradients_at_backwards_peak_without_a_scratch():
 
 
 # -- per-layer completeness -------------------------------------------------------------------
-class Lstm(nn.Module):
-    def __init__(self) -> None:
+class Recurrent(nn.Module):
+    """A recurrent layer (``nn.LSTM`` or ``nn.GRU`` of 16 -> 32) and a linear head."""
+
+    def __init__(self, kind: type[nn.RNNBase], num_layers: int) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.rnn = nn.LSTM(16, 32, num_layers=2, batch_first=True)
+        self.rnn = kind(16, 32, num_layers=num_layers, batch_first=True)
         self.head = nn.Linear(32, 4)
 
     def forward(self, x):
         return self.head(self.rnn(x)[0])
 
 
-class Gru(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.rnn = nn.GRU(16, 32, batch_first=True)
-        self.head = nn.Linear(32, 4)
+def Lstm() -> Recurrent:
+    return Recurrent(nn.LSTM, num_layers=2)
 
-    def forward(self, x):
-        return self.head(self.rnn(x)[0])
+
+def Gru() -> Recurrent:
+    return Recurrent(nn.GRU, num_layers=1)
 
 
 class Attention(nn.Module):
