@@ -194,10 +194,7 @@ class CudaCounter(MemoryCounter):
 
     def _read_device(self) -> Reading:
         if self._nested is not None:
-            stats = self._nested(self._idx)
-            alloc = stats["allocated_bytes"]["all"]
-            res = stats["reserved_bytes"]["all"]
-            return Reading(alloc["current"], alloc["peak"], res["current"], res["peak"])
+            return _nested_reading(self._nested(self._idx))
         idx = self._idx
         return Reading(
             torch.cuda.memory_allocated(idx),
@@ -226,9 +223,14 @@ class CudaCounter(MemoryCounter):
             return super().mark()
         stats = nested(self._idx)
         reset(self._idx)
-        alloc = stats["allocated_bytes"]["all"]
-        res = stats["reserved_bytes"]["all"]
-        return Reading(alloc["current"], alloc["peak"], res["current"], res["peak"])
+        return _nested_reading(stats)
+
+
+def _nested_reading(stats: dict[str, Any]) -> Reading:
+    """The four counters of the allocator's nested statistics (``torch._C._cuda_memoryStats``)."""
+    alloc = stats["allocated_bytes"]["all"]
+    res = stats["reserved_bytes"]["all"]
+    return Reading(alloc["current"], alloc["peak"], res["current"], res["peak"])
 
 
 class MpsCounter(MemoryCounter):
