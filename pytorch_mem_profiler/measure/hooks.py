@@ -112,6 +112,13 @@ class StepMeasurements:
     #: whether passes and steps were counted (False: the hooks slept through the iteration)
     counted: bool = True
 
+    @property
+    def counts(self) -> tuple[int, int, int] | tuple[None, None, None]:
+        """(forward passes, backward passes, optimizer steps); ``None`` each where not counted."""
+        if not self.counted:
+            return None, None, None
+        return self.forward_passes, self.backward_passes, self.optimizer_steps
+
 
 def _queues_own_callbacks(model: torch.nn.Module) -> bool:
     """DDP and FSDP wrappers queue autograd-engine callbacks of their own during backward."""
@@ -574,20 +581,27 @@ class TrainingStepHooks:
             # done. Under DDP/FSDP it queues itself once more so that it runs
             # after the callbacks they queue later, in which they finish reducing.
             engine = torch.autograd.Variable._execution_engine
-            callbacks = self._end_callbacks
-            if callbacks is None:  # made once, at the first reported backward (dropped by release())
-                wrap = self.guard.wrap
-                callbacks = self._end_callbacks = (
-                    wrap("backward hooks", self._backward_finishing),
-                    wrap("backward hooks", self._backward_finished),
-                )
-            engine.queue_callback(callbacks[0] if self.defer_backward_end else callbacks[1])
+            deferred, direct = self._backward_end_callbacks()
+            engine.queue_callback(deferred if self.defer_backward_end else direct)
         except Exception as exc:  # noqa: BLE001 - raised inside autograd: contain it here
             self.guard.fault("backward hooks", exc)
+
+    def _backward_end_callbacks(self) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """Backward's end as autograd-engine callbacks, each contained: (queued once more under
+        DDP/FSDP, direct). Made once, at the first reported backward; dropped by :meth:`release`."""
+        callbacks = self._end_callbacks
+        if callbacks is None:
+            wrap = self.guard.wrap
+            callbacks = self._end_callbacks = (
+                wrap("backward hooks", self._backward_finishing),
+                wrap("backward hooks", self._backward_finished),
+            )
+        return callbacks
 
     def _backward_finishing(self) -> None:
         engine = torch.autograd.Variable._execution_engine
         callbacks = self._end_callbacks
+        # None once released during this backward: a wrapper of its own, not kept.
         end = callbacks[1] if callbacks is not None else self.guard.wrap("backward hooks", self._backward_finished)
         engine.queue_callback(end)
 
@@ -634,10 +648,7 @@ class TrainingStepHooks:
                 return None
             if "optimizer" not in self._explicit:
                 self._step_ended()
-            # Told once per optimizer (what it is for: an optimizer newly seen stepping the model).
-            if self._on_optimizer_step is not None and optimizer not in self._announced:
-                self._announced[optimizer] = True
-                self._on_optimizer_step(optimizer)
+            self._announce(optimizer)
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
             self.guard.fault("optimizer hooks", exc)
         return None
@@ -648,11 +659,17 @@ class TrainingStepHooks:
             if optimizer in self._announced or self._on_optimizer_step is None:
                 return None
             if "optimizer hooks" not in self.guard.disabled and self._steps_model(optimizer):
-                self._announced[optimizer] = True
-                self._on_optimizer_step(optimizer)
+                self._announce(optimizer)
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
             self.guard.fault("optimizer hooks", exc)
         return None
+
+    def _announce(self, optimizer: torch.optim.Optimizer) -> None:
+        """Tell ``on_optimizer_step`` of ``optimizer`` once (what it is for: an optimizer newly
+        seen stepping the model)."""
+        if self._on_optimizer_step is not None and optimizer not in self._announced:
+            self._announced[optimizer] = True
+            self._on_optimizer_step(optimizer)
 
     def _step_began(self) -> None:
         if self._backward_unsettled:

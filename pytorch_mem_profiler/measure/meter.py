@@ -406,6 +406,7 @@ class Meter:
             }
         )
         has_peak = self.counter.has_peak
+        counts = m.counts
         usage = self.guard.call("device memory", self._outside.read) if reported else None
         outside = None
         if usage is not None and final.reserved is not None:
@@ -429,9 +430,9 @@ class Meter:
             gradients_by_name=self._gradients_by_name,
             optimizer_state=self._optimizer_state(),
             buffers=self._buffers_total,
-            forward_passes=m.forward_passes if m.counted else None,
-            backward_passes=m.backward_passes if m.counted else None,
-            optimizer_steps=m.optimizer_steps if m.counted else None,
+            forward_passes=counts[0],
+            backward_passes=counts[1],
+            optimizer_steps=counts[2],
             iteration_time_s=elapsed,
             phases=phases,
             peak_location=m.peak_location,
@@ -489,12 +490,8 @@ class Meter:
             fields["peak_allocated"] = hooks.max_allocated
             fields["peak_cached"] = hooks.max_reserved
         fields["optimizer_state"] = self._optimizer_state()
-        if m.counted:
-            fields["forward_passes"] = m.forward_passes
-            fields["backward_passes"] = m.backward_passes
-            fields["optimizer_steps"] = m.optimizer_steps
-        else:  # the hooks slept through it: unknown, not 0
-            fields["forward_passes"] = fields["backward_passes"] = fields["optimizer_steps"] = None
+        # None each where the hooks slept through it: unknown, not 0
+        fields["forward_passes"], fields["backward_passes"], fields["optimizer_steps"] = m.counts
         fields["iteration_time_s"] = elapsed
         if self._fsdp is not None:
             fields["fsdp_gathered_parameters"] = self._fsdp.finish_iteration()
