@@ -425,11 +425,8 @@ def _line_frame(record: IterationRecord, body: str) -> str:
 
 def format_record(record: IterationRecord, unit: str = "MB", mode: str = "full") -> str:
     """The report of ``record`` in layout ``mode`` (one of :data:`REPORT_MODES`)."""
-    if mode == "compact":
-        return format_compact(record, unit)
-    if mode == "line":
-        return format_line(record, unit)
-    return format_report(record, unit)
+    make, frame = _LAYOUTS.get(mode, _LAYOUTS["full"])
+    return frame(record, make(record, unit))
 
 
 #: Each layout as (the text made from the figures, the frame that adds the position and time).
