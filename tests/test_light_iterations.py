@@ -441,3 +441,32 @@ def test_forward_is_split_by_module_only_while_the_peak_is_there(counting):
     seen = run(model, 3)
     assert [(r.peak_phase, r.peak_location) for r, _ in seen] == [("forward", "1")] * 3
     assert len({reads for _, reads in seen}) == 1
+
+
+def test_a_phase_marked_by_hand_while_asleep_stays_in_its_own_iteration(counting):
+    """A framework's ``phase()`` block on a non-reported iteration (hooks asleep) is closed with
+    that iteration: the reported iteration after it counts only its own passes and steps, and
+    the light iteration still reads the counters once."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with MemoryProfiler(model, PERIOD, stream=io.StringIO(), strict=True) as profiler:
+        counter = profiler._meter.counter
+        _train(model, opt, profiler, PERIOD, x, y)  # learning, then asleep after the report
+        for _ in range(PERIOD - 1):
+            assert profiler._meter._hooks.asleep
+            reads = counter.reads
+            with profiler.phase("forward"):
+                out = model(x)
+            with profiler.phase("backward"):
+                F.mse_loss(out, y).backward()
+            with profiler.phase("optimizer"):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            light = profiler.record_stats()
+            assert light.reported is False and counter.reads - reads == 1
+            assert light.iteration_peak_allocated >= light.allocated > 0
+        (full, *_), = _train(model, opt, profiler, 1, x, y)
+    assert full.reported
+    assert (full.forward_passes, full.backward_passes, full.optimizer_steps) == (1, 1, 1)
+    assert {name: stats.occurrences for name, stats in full.phases.items()} == {"forward": 1, "backward": 1, "optimizer": 1}

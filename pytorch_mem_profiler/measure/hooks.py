@@ -750,6 +750,29 @@ class TrainingStepHooks:
             self._step_ended()
 
     # -- iteration ---------------------------------------------------------
+    def finish_asleep(self) -> Reading | None:
+        """:meth:`finish_iteration` for an iteration the hooks slept through: its one read and
+        peak reset, and nothing else (nothing watched it, so nothing was measured); ``None``
+        where it does not apply (awake, or a phase marked by hand is open), and
+        :meth:`finish_iteration` must close the iteration instead.
+
+        The light path of every iteration that is not reported: no measurements
+        object made, no phase bookkeeping.
+        """
+        if not self._asleep or self._explicit or self._pass is not None or self._step_depth:
+            return None
+        current = self.current
+        if current.forward_passes or current.backward_passes or current.optimizer_steps:
+            return None  # a phase marked by hand ran while asleep: the full close counts it
+        reading = self.counter.mark()
+        peak = reading.peak_allocated
+        if peak is not None and (self.max_allocated is None or peak > self.max_allocated):
+            self.max_allocated = peak
+        peak = reading.peak_reserved
+        if peak is not None and (self.max_reserved is None or peak > self.max_reserved):
+            self.max_reserved = peak
+        return reading
+
     def finish_iteration(self) -> StepMeasurements:
         """Close the iteration: read the counters once more and hand back its measurements."""
         entries = self._entries

@@ -42,7 +42,7 @@ from .accounting import (
     weight_bytes,
 )
 from .data_parallel import FsdpGatherTracker, ddp_gradient_bucket_bytes
-from .devices import MemoryCounter, device_capacity, make_counter, rank_device, resolve_device
+from .devices import MemoryCounter, Reading, device_capacity, make_counter, rank_device, resolve_device
 from .hooks import PhaseBlock, StepMeasurements, TrainingStepHooks
 from .layers import LayerAttribution, LayerBreakdown, is_compiled
 from .saved_tensors import can_chain
@@ -55,6 +55,8 @@ _log = logging.getLogger("pytorch_mem_profiler")
 
 #: The part of the meter that takes the hooks off between reported iterations.
 _LIGHT = "hooks off between reports"
+#: the pass and step counts of an iteration the hooks slept through: unknown
+_UNCOUNTED: tuple[None, None, None] = (None, None, None)
 
 
 class Position(NamedTuple):
@@ -374,6 +376,13 @@ class Meter:
         hooks = self._hooks
         assert hooks is not None, "Meter.start() was not called"
         measured = hooks.reported
+        # Slept through (the common case at print_period > 1): one read, nothing else.
+        final = None if measured else hooks.finish_asleep()
+        if final is not None:
+            now = time.perf_counter()
+            elapsed, self._last_time = now - self._last_time, now
+            self._last_allocated = final.allocated
+            return self._light_record(position, final, final.peak_allocated, _UNCOUNTED, elapsed)
         m = hooks.finish_iteration()
         now = time.perf_counter()
         elapsed, self._last_time = now - self._last_time, now
@@ -381,7 +390,7 @@ class Meter:
         assert final is not None
         self._last_allocated = final.allocated
         if not measured:
-            return self._light_record(position, m, final, elapsed)
+            return self._light_record(position, final, m.iteration_peak, m.counts, elapsed)
         peak = self._peak_result(m.iteration_peak)
         sizes = m.gradient_sizes
         if sizes is None or len(sizes) != len(self._params):
@@ -450,7 +459,14 @@ class Meter:
             rank=self.rank_info.rank if self.rank_info is not None else None,
         )
 
-    def _light_record(self, position: Position, m: StepMeasurements, final: Any, elapsed: float) -> IterationRecord:
+    def _light_record(
+        self,
+        position: Position,
+        final: Reading,
+        iteration_peak: int | None,
+        counts: tuple[int, int, int] | tuple[None, None, None],
+        elapsed: float,
+    ) -> IterationRecord:
         """The record of an iteration that is not reported: what one read of the counters,
         the pass counts and the sizes known already give; what needs the phase
         boundaries (phases, feature maps, gradients, intermediate gradients, the
@@ -485,13 +501,13 @@ class Meter:
         fields["epoch"], fields["iteration"], fields["step"] = position
         fields["allocated"] = final.allocated
         fields["current_cached"] = final.reserved
-        fields["iteration_peak_allocated"] = m.iteration_peak
+        fields["iteration_peak_allocated"] = iteration_peak
         if self.counter.has_peak:
             fields["peak_allocated"] = hooks.max_allocated
             fields["peak_cached"] = hooks.max_reserved
         fields["optimizer_state"] = self._optimizer_state()
         # None each where the hooks slept through it: unknown, not 0
-        fields["forward_passes"], fields["backward_passes"], fields["optimizer_steps"] = m.counts
+        fields["forward_passes"], fields["backward_passes"], fields["optimizer_steps"] = counts
         fields["iteration_time_s"] = elapsed
         if self._fsdp is not None:
             fields["fsdp_gathered_parameters"] = self._fsdp.finish_iteration()
