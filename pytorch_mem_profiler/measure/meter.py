@@ -420,57 +420,45 @@ class Meter:
         outside = None
         if usage is not None and final.reserved is not None:
             outside = usage.device_used - final.reserved
-        return IterationRecord(
-            epoch=position.epoch,
-            iteration=position.iteration,
-            step=position.step,
-            device=str(self.device),
-            allocated=final.allocated,
-            peak_allocated=hooks.max_allocated if has_peak else None,
-            iteration_peak_allocated=m.iteration_peak,
-            peak_phase=m.peak_phase,
-            peak_cached=hooks.max_reserved if has_peak else None,
-            current_cached=final.reserved,
-            feature_maps=m.feature_maps,
-            intermediate_gradients=peak.backward_activation_gradients if peak is not None else None,
-            weights=self._weights_total,
-            weights_by_name=self._weights_by_name,
-            gradients=sum(sizes),
-            gradients_by_name=self._gradients_by_name,
-            optimizer_state=self._optimizer_state(),
-            buffers=self._buffers_total,
-            forward_passes=counts[0],
-            backward_passes=counts[1],
-            optimizer_steps=counts[2],
-            iteration_time_s=elapsed,
-            phases=phases,
-            peak_location=m.peak_location,
-            layers=_feature_maps_by_layer(m.layers, m.layers_kept) if reported else None,
-            peak_breakdown=MappingProxyType(peak.breakdown) if peak is not None else None,
-            peak_layers=MappingProxyType(peak.peak_layers) if peak is not None and peak.peak_layers is not None else None,
-            peak_transient=peak.transient if peak is not None and peak.transient_in is not None else None,
-            peak_transient_in=peak.transient_in if peak is not None else None,
-            device_used=usage.device_used if usage is not None else None,
-            process_used=usage.process_used if usage is not None else None,
-            outside_pytorch=outside,
-            device_total=self.capacity,
-            ddp_gradient_buckets=self._ddp_buckets,
-            fsdp_gathered_parameters=self._fsdp.finish_iteration() if self._fsdp else None,
-            rank=self.rank_info.rank if self.rank_info is not None else None,
-        )
+        # Every field set, on a copy of the fields shared with the light records: made the
+        # instance's dict at once rather than through the frozen dataclass's 37 setattr calls.
+        fields = self._shared_fields().copy()
+        fields["epoch"], fields["iteration"], fields["step"] = position
+        fields["allocated"] = final.allocated
+        fields["peak_allocated"] = hooks.max_allocated if has_peak else None
+        fields["iteration_peak_allocated"] = m.iteration_peak
+        fields["peak_phase"] = m.peak_phase
+        fields["peak_cached"] = hooks.max_reserved if has_peak else None
+        fields["current_cached"] = final.reserved
+        fields["feature_maps"] = m.feature_maps
+        fields["intermediate_gradients"] = peak.backward_activation_gradients if peak is not None else None
+        fields["gradients"] = sum(sizes)
+        fields["gradients_by_name"] = self._gradients_by_name
+        fields["optimizer_state"] = self._optimizer_state()
+        fields["forward_passes"], fields["backward_passes"], fields["optimizer_steps"] = m.counts
+        fields["iteration_time_s"] = elapsed
+        fields["phases"] = phases
+        fields["peak_location"] = m.peak_location
+        fields["layers"] = _feature_maps_by_layer(m.layers, m.layers_kept) if reported else None
+        if peak is not None:
+            fields["peak_breakdown"] = MappingProxyType(peak.breakdown)
+            if peak.peak_layers is not None:
+                fields["peak_layers"] = MappingProxyType(peak.peak_layers)
+            if peak.transient_in is not None:
+                fields["peak_transient"] = peak.transient
+            fields["peak_transient_in"] = peak.transient_in
+        if usage is not None:
+            fields["device_used"] = usage.device_used
+            fields["process_used"] = usage.process_used
+            fields["outside_pytorch"] = outside
+        if self._fsdp is not None:
+            fields["fsdp_gathered_parameters"] = self._fsdp.finish_iteration()
+        fields["reported"] = True
+        return _record(fields)
 
-    def _light_record(
-        self,
-        position: Position,
-        final: Reading,
-        iteration_peak: int | None,
-        counts: tuple[int, int, int] | tuple[None, None, None],
-        elapsed: float,
-    ) -> IterationRecord:
-        """The record of an iteration that is not reported: what one read of the counters,
-        the pass counts and the sizes known already give; what needs the phase
-        boundaries (phases, feature maps, gradients, intermediate gradients, the
-        peak's phase) is ``None``."""
+    def _shared_fields(self) -> dict[str, Any]:
+        """The fields every record shares until the model changes (:meth:`_refresh_model_state`),
+        with the defaults of the others: the base each record's fields are copied from."""
         shared = self._light_fields
         if shared is None:
             shared = self._light_fields = vars(
@@ -492,12 +480,26 @@ class Meter:
                     reported=False,
                 )
             ).copy()
+        return shared
+
+    def _light_record(
+        self,
+        position: Position,
+        final: Reading,
+        iteration_peak: int | None,
+        counts: tuple[int, int, int] | tuple[None, None, None],
+        elapsed: float,
+    ) -> IterationRecord:
+        """The record of an iteration that is not reported: what one read of the counters,
+        the pass counts and the sizes known already give; what needs the phase
+        boundaries (phases, feature maps, gradients, intermediate gradients, the
+        peak's phase) is ``None``."""
         hooks = self._hooks
         assert hooks is not None
         # A frozen dataclass's __init__ sets its 30-odd fields one object.__setattr__ at a
         # time (about 5 us); a copy of the shared fields, the rest set item by item (no
         # keyword dict built), made the instance's dict, takes about 1.
-        fields = shared.copy()
+        fields = self._shared_fields().copy()
         fields["epoch"], fields["iteration"], fields["step"] = position
         fields["allocated"] = final.allocated
         fields["current_cached"] = final.reserved
@@ -511,9 +513,7 @@ class Meter:
         fields["iteration_time_s"] = elapsed
         if self._fsdp is not None:
             fields["fsdp_gathered_parameters"] = self._fsdp.finish_iteration()
-        record = object.__new__(IterationRecord)
-        object.__setattr__(record, "__dict__", fields)
-        return record
+        return _record(fields)
 
     def _peak_result(self, iteration_peak: int | None) -> PeakResult | None:
         """What the iteration's peak held, where the breakdown watched it (reported iterations)."""
@@ -524,6 +524,13 @@ class Meter:
             return None
         params = [p for _, p in self._params]
         return self.guard.call("peak breakdown", tracker.result, iteration_peak, params, self._optimizer_list())
+
+
+def _record(fields: dict[str, Any]) -> IterationRecord:
+    """The record whose fields are ``fields`` (every field of :class:`IterationRecord`, each set)."""
+    record = object.__new__(IterationRecord)
+    object.__setattr__(record, "__dict__", fields)
+    return record
 
 
 def _feature_maps_by_layer(breakdown: LayerBreakdown | None, kept: int) -> LayerFeatureMaps | None:

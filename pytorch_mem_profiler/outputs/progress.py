@@ -30,8 +30,11 @@ def active_bar_class() -> Any:
     if std is None:
         return None
     bar_class = getattr(std, "tqdm", None)
+    instances = getattr(bar_class, "_instances", ())
+    if not instances:  # imported, no bar open (a WeakSet's length, without iterating it)
+        return None
     try:
-        bars = list(getattr(bar_class, "_instances", ()))
+        bars = list(instances)
     except RuntimeError:  # the set changed while being read (a bar closing in a thread)
         return bar_class
     return bar_class if any(not getattr(bar, "disable", False) for bar in bars) else None
