@@ -58,11 +58,11 @@ class DeviceMemoryReader:
         self._last_time = float("-inf")
 
     def read(self) -> DeviceUsage | None:
-        if self.device.type != "cuda" or not torch.cuda.is_available():
-            return None
         now = time.monotonic()
         if self._last is not None and now - self._last_time < self.min_interval_s:
-            return self._last
+            return self._last  # only a CUDA device has one: checked when it was read
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            return None
         usage = self._read_nvml() or self._read_torch()
         self._last, self._last_time = usage, now
         return usage
