@@ -5,6 +5,7 @@
     python benchmarks/hot_path.py --layer-cost       # host us per reported by_layer iteration, 8 layers + Adam
     python benchmarks/hot_path.py --layer-cost --profile   # ... and where that time goes (cProfile)
     python benchmarks/hot_path.py --reads            # us per device read, peak reset and driver read
+    python benchmarks/hot_path.py --read-floor       # what the reads alone add to the tiny MLP's step (CUDA)
     python benchmarks/hot_path.py --workload gpt2 --by-layer --profile-only   # cProfile of profiled steps
 
 Times the workload without the profiler, with it, and with parts of it
@@ -202,6 +203,71 @@ def print_read_costs(device: torch.device, calls: int = 20000) -> None:
     del keep
 
 
+def print_read_floor(device: torch.device, steps: int = 300, rounds: int = 9) -> None:
+    """What the allocator reads alone add to the tiny MLP's step, without the profiler: one read
+    and reset per step (a non-reported iteration), one at each of the seven phase boundaries (a
+    reported one) and 39 (a reported ``by_layer=True`` one: two more for each of its 16 modules).
+    Each variant's block runs between two blocks without reads; the ratio is against their mean."""
+    if device.type != "cuda":
+        print("--read-floor needs a CUDA device")
+        return
+    from pytorch_mem_profiler.measure.devices import make_counter
+
+    work = WORKLOADS["tiny_mlp"](device)
+    model, opt, (x,) = work.model, work.optimizer, work.inputs
+    mark = make_counter(device).mark
+
+    def block(reads: int) -> float:
+        at_boundaries = reads >= 7
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            if at_boundaries:
+                mark()  # forward starts
+            out = model(x)
+            if at_boundaries:
+                mark()  # forward ends
+            loss = out.pow(2).mean()
+            if at_boundaries:
+                mark()  # backward starts
+            loss.backward()
+            if at_boundaries:
+                mark()  # backward ends
+                mark()  # the step starts
+            opt.step()
+            if at_boundaries:
+                mark()  # the step ends
+            opt.zero_grad(set_to_none=True)
+            for _ in range(reads - 6 if at_boundaries else reads):
+                mark()  # record_stats(), and the per-module boundaries
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / steps * 1e6
+
+    for _ in range(50):
+        block(0)
+    variants = {1: "1 read (a non-reported iteration)", 7: "7 reads (a reported one)", 39: "39 reads (reported, by_layer)"}
+    ratios: dict[int, list[float]] = {n: [] for n in variants}
+    added: dict[int, list[float]] = {n: [] for n in variants}
+    bases = []
+    for _ in range(rounds):
+        for n in variants:
+            before, with_, after = block(0), block(n), block(0)
+            base = (before + after) / 2
+            bases.append(base)
+            ratios[n].append(with_ / base)
+            added[n].append(with_ - base)
+    print(
+        f"tiny_mlp on {torch.cuda.get_device_name(device)}: step {median(bases):.1f} us without; the reads alone, "
+        f"median (lowest-highest) over {rounds} interleaved rounds"
+    )
+    for n, label in variants.items():
+        r, a = ratios[n], added[n]
+        print(
+            f"  {label:34s} {median(r):.3f}x ({min(r):.3f}-{max(r):.3f})   +{median(a):7.1f} us/step, "
+            f"{median(a) / n:5.1f} us/read"
+        )
+
+
 def run(work, steps: int, profiler: MemoryProfiler | None, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -277,11 +343,15 @@ def main() -> None:
     parser.add_argument("--by-layer", action="store_true", help="the profiler with by_layer=True")
     parser.add_argument("--profile-only", action="store_true", help="only the cProfile of the profiled steps")
     parser.add_argument("--reads", action="store_true", help="only the cost of each device read (CUDA)")
+    parser.add_argument("--read-floor", action="store_true", help="what the allocator reads alone add to the step (CUDA)")
     parser.add_argument("--layer-cost", action="store_true", help="host cost of a reported by_layer iteration (CPU)")
     parser.add_argument("--profile", action="store_true", help="with --layer-cost: a cProfile of it")
     args = parser.parse_args()
     if args.reads:
         print_read_costs(torch.device(args.device))
+        return
+    if args.read_floor:
+        print_read_floor(torch.device(args.device), rounds=max(args.rounds, 9))
         return
     if args.layer_cost:
         torch.set_num_threads(1)
