@@ -293,7 +293,14 @@ class LayerAttribution:
             # What a watcher below (the peak breakdown's) keeps: (tensor, version); the int holds no tensor.
             kept = kept[0]
         if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
-            self._attribute(kept, kept)  # the common case: the tensor is its one piece of memory
+            # The common case: the tensor is its one piece of memory. A storage seen already (a
+            # view saved again, the next layer's input) is left here, before ``_attribute``'s call.
+            dev, index = kept.device, self._device_index
+            if dev.type != self._device_type or not (index is None or dev.index is None or dev.index == index):
+                return
+            if (kept.untyped_storage().data_ptr(), dev.index or 0) in self._seen:
+                return
+            self._attribute(kept, kept)
             return
         for t in tensors_in(kept):
             for part in storage_parts(t):
