@@ -53,6 +53,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import weakref
@@ -469,6 +470,10 @@ class _Boundary(NamedTuple):
     layers: dict[str, int] | None
 
 
+#: ``_Boundary(*fields)`` made in C, without the Python ``__new__`` a NamedTuple has (once per boundary)
+_new_boundary = functools.partial(tuple.__new__, _Boundary)
+
+
 class BoundaryPeakBreakdown(PeakBreakdown):
     """Breakdown from the allocator read at the hooks' boundaries (see the module's text).
 
@@ -713,7 +718,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             parts["activation_gradients"] += grads
             unclaimed -= grads
         parts["other"] += unclaimed
-        self._open = _Boundary(allocated, parts, dict(alive.by_module) if self.module_name is not None else None)
+        self._open = _new_boundary((allocated, parts, dict(alive.by_module) if self.module_name is not None else None))
 
     def backward_started(self, output_gradients: int) -> None:
         # The outputs' gradients existed when backward reached the model: they are backward's.
