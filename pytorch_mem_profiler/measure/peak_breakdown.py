@@ -355,15 +355,13 @@ _nbytes_of = torch.UntypedStorage.nbytes
 _layout_of = operator.attrgetter("layout")
 _device_of = operator.attrgetter("device")
 _STRIDED_ONLY = frozenset((torch.strided,))
+_PLAIN_SET = frozenset(PLAIN_TENSORS)
 
 
 def _all_plain_strided(tensors: list[Any]) -> bool:
     """Whether every one of ``tensors`` is a plain strided tensor (its one piece of memory): the
     loops run in C (``map``), as these lists hold every weight and state tensor of the model."""
     return set(map(type, tensors)) <= _PLAIN_SET and set(map(_layout_of, tensors)) <= _STRIDED_ONLY
-
-
-_PLAIN_SET = frozenset(PLAIN_TENSORS)
 
 
 class _Alive:
