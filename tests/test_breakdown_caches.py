@@ -321,3 +321,80 @@ def test_the_meters_buffer_list_follows_buffers_reassigned_after_it_was_made():
     found = meter._buffers()
     assert ids(found) == ids(model.buffers())
     assert any(t is model[1].running_mean for t in found) and not any(t is old for t in found)
+
+
+def test_a_gradient_reassigned_after_its_hook_ran_is_tracked_and_a_view_of_one_tracked_is_not_again(mlp):
+    """``gradients_ready`` tracks only the gradients the post-accumulate-grad hooks did not see:
+    a ``.grad`` replaced after backward made it counts, a ``.grad`` that views a tracked gradient's
+    storage does not count twice, and the one replaced stays counted while it lives."""
+    counter = CpuCounter()
+    counter.start()
+    tracker = BoundaryPeakBreakdown(counter)
+    params = list(mlp.parameters())
+    try:
+        tracker.begin(params, list(mlp.buffers()), [], 0)
+        mlp(torch.randn(4, 8)).sum().backward()
+        seen = [p.grad for p in params]
+        assert tracker._alive.totals["gradients"] == unique_bytes(seen)  # the hooks saw each one
+        replaced = mlp[0].weight.grad
+        mlp[0].weight.grad = torch.zeros_like(replaced)  # a new storage; the old one kept alive here
+        mlp[2].weight.grad = mlp[2].weight.grad.detach().view_as(mlp[2].weight)  # a view: a tracked storage
+        tracker.gradients_ready(params)
+        now = [p.grad for p in params]
+        assert tracker._alive.totals["gradients"] == unique_bytes([*now, replaced])
+        del replaced, seen  # the replaced gradient dies: its bytes leave the category
+        assert tracker._alive.totals["gradients"] == unique_bytes(now)
+    finally:
+        tracker.close()
+        counter.stop()
+
+
+def test_the_state_bytes_at_the_steps_end_are_read_afresh_each_time(mlp):
+    """The optimizer state's bytes at the step's end (what an optimizer-phase transient is put
+    down to) follow the state as it is now: state made, resized in place, and pieces off the
+    profiled device (left out) or without a plain storage (counted by their parts)."""
+    counter = CpuCounter()
+    tracker = BoundaryPeakBreakdown(counter)
+    opt = torch.optim.Adam(mlp.parameters(), lr=1e-2)
+
+    def expected() -> int:  # each state tensor's storage, as often as a tensor names it, on the CPU
+        return sum(
+            t.untyped_storage().nbytes()
+            for s in opt.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+        )
+
+    assert tracker._state_bytes([opt]) == 0
+    mlp(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert tracker._state_bytes([opt]) == expected() > 0
+    moment = opt.state[mlp[0].weight]["exp_avg"].untyped_storage()
+    moment.resize_(moment.nbytes() * 3)
+    assert tracker._state_bytes([opt]) == expected()
+    opt.state[mlp[0].bias]["elsewhere"] = torch.empty(1000, device="meta")  # not the profiled device
+    opt.state[mlp[2].bias]["alias"] = opt.state[mlp[2].bias]["exp_avg"][:2]  # its storage named twice
+    assert tracker._state_bytes([opt]) == expected()
+    dense = expected()
+    sparse = torch.eye(4).to_sparse()  # no storage of its own: its indices' and values' count
+    opt.state[mlp[2].weight]["sparse"] = sparse
+    parts = sparse._indices().untyped_storage().nbytes() + sparse._values().untyped_storage().nbytes()
+    assert tracker._state_bytes([opt]) == dense + parts
+
+
+def test_an_optimizer_phase_peak_puts_the_state_made_at_the_first_step_down_to_the_state():
+    """At Adam's first step the peak lies in the optimizer phase: its transient is the state made
+    (bytes counted here from the state's storages) and the rest is other."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    h = Harness(model, opt, torch.randn(2, 64))
+    try:
+        kept, fresh = h.iteration()
+        assert kept == fresh
+        assert kept.transient_in == "optimizer"
+        state = unique_bytes([t for s in opt.state.values() for t in s.values()])
+        assert kept.breakdown["optimizer_state"] == min(kept.transient, state)
+        assert kept.breakdown["optimizer_state"] > 0
+    finally:
+        h.close()

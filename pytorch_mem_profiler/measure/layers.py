@@ -272,7 +272,12 @@ class LayerAttribution:
                 if self.on_exit is not None:
                     self.on_exit(name, stack[-1][1])
                 if self.on_backward_enter is not None:
-                    self._watch_backward(name, output)
+                    if isinstance(output, torch.Tensor):  # ``_watch_backward``'s common case, inline
+                        node = output.grad_fn
+                        if node is not None:
+                            node.register_prehook(_BackwardEntered(self.guard, self.on_backward_enter, name))
+                    else:
+                        self._watch_backward(name, output)
         except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
             self.guard.fault(_PART, exc)
 
@@ -293,7 +298,18 @@ class LayerAttribution:
             # What a watcher below (the peak breakdown's) keeps: (tensor, version); the int holds no tensor.
             kept = kept[0]
         if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
-            self._attribute(kept, kept)  # the common case: the tensor is its one piece of memory
+            # The common case: the tensor is its one piece of memory. ``_attribute``, inline (this
+            # runs for every saved tensor): a storage seen already (a view saved again, the next
+            # layer's input) or a weight's (Linear saves ``weight.t()``) ends here.
+            dev, index = kept.device, self._device_index
+            if dev.type != self._device_type or not (index is None or dev.index is None or dev.index == index):
+                return
+            storage = kept.untyped_storage()
+            key = (storage.data_ptr(), dev.index or 0)
+            if key[0] == 0 or key in self._seen or key in self._state_ptrs:
+                return
+            self._seen.add(key)
+            self._count(key, storage.nbytes(), kept)
             return
         for t in tensors_in(kept):
             for part in storage_parts(t):
@@ -312,12 +328,14 @@ class LayerAttribution:
         else:
             key = _storage_key(part)
             storage = None
-        if key[0] == 0 or key in self._seen:
+        if key[0] == 0 or key in self._seen or key in self._state_ptrs:
             return
         self._seen.add(key)
-        if key in self._state_ptrs:
-            return
-        nbytes = (storage if storage is not None else part.untyped_storage()).nbytes()
+        self._count(key, (storage if storage is not None else part.untyped_storage()).nbytes(), saved)
+
+    def _count(self, key: tuple[int, int], nbytes: int, saved: torch.Tensor) -> None:
+        """A storage seen for the first time in this forward, not a weight's: its bytes go to the
+        model's input or to the module running now."""
         if key in self._inputs:
             module, category = INPUT, ACTIVATIONS
         else:
@@ -348,14 +366,15 @@ class _BackwardEntered:
     """A prehook on a tracked module's output nodes: tells ``callback`` once that backward reached
     the module. Contained as ``guard.wrap`` would (autograd calls it), without a wrapper made per call."""
 
-    __slots__ = ("guard", "callback", "name", "fired")
+    __slots__ = ("guard", "disabled", "callback", "name", "fired")
 
     def __init__(self, guard: FaultGuard, callback: Callable[[str], None], name: str) -> None:
         self.guard, self.callback, self.name, self.fired = guard, callback, name, False
+        self.disabled = guard.disabled  # the guard's own set, added to in place
 
     def __call__(self, grad_outputs: Any) -> None:
         try:
-            if _PART in self.guard.disabled or self.fired:
+            if _PART in self.disabled or self.fired:
                 return
             self.fired = True
             self.callback(self.name)

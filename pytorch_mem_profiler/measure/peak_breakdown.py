@@ -53,7 +53,9 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import weakref
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
@@ -345,6 +347,23 @@ class _StorageLife(weakref.ref):
     __slots__ = ("key", "nbytes", "category", "module")
 
 
+#: the categories whose lives :class:`_StaticStorages` keeps from one reported iteration to the next
+_REMEMBERED = frozenset(("weights", "optimizer_state"))
+
+_storage_of = torch.Tensor.untyped_storage
+_nbytes_of = torch.UntypedStorage.nbytes
+_layout_of = operator.attrgetter("layout")
+_device_of = operator.attrgetter("device")
+_STRIDED_ONLY = frozenset((torch.strided,))
+_PLAIN_SET = frozenset(PLAIN_TENSORS)
+
+
+def _all_plain_strided(tensors: list[Any]) -> bool:
+    """Whether every one of ``tensors`` is a plain strided tensor (its one piece of memory): the
+    loops run in C (``map``), as these lists hold every weight and state tensor of the model."""
+    return set(map(type, tensors)) <= _PLAIN_SET and set(map(_layout_of, tensors)) <= _STRIDED_ONLY
+
+
 class _Alive:
     """Storages tracked by identity while they live, with running totals per category and module."""
 
@@ -359,6 +378,7 @@ class _Alive:
         self.static: dict[int, _StorageLife] = {}
         self.static_valid = False
         self._died = self._on_death
+        self._died_unremembered = self._on_death_unremembered
 
     def add(self, tensor: torch.Tensor, category: str, module: str | None = None) -> bool:
         try:
@@ -373,7 +393,9 @@ class _Alive:
         items = self.items
         if key in items:
             return False  # the first category given wins
-        life = _StorageLife(storage, self._died)
+        # Only the weights' and the state's lives can be remembered (``static``): the others'
+        # deaths need not look there (most deaths are activations', during backward).
+        life = _StorageLife(storage, self._died if category in _REMEMBERED else self._died_unremembered)
         nbytes = storage.nbytes()
         life.key, life.nbytes, life.category, life.module = key, nbytes, category, module
         items[key] = life
@@ -387,6 +409,9 @@ class _Alive:
     def _on_death(self, life: _StorageLife) -> None:
         if self.static.get(life.key) is life:
             self.static_valid = False
+        self._on_death_unremembered(life)
+
+    def _on_death_unremembered(self, life: _StorageLife) -> None:
         if self.items.get(life.key) is life:
             del self.items[life.key]
             self.totals[life.category] -= life.nbytes
@@ -426,13 +451,11 @@ class _StaticStorages:
     @staticmethod
     def walk(tensors: list[Any]) -> tuple[list[int], list[int]] | None:
         """(storage ids, storage sizes) of ``tensors``; ``None`` where one is not a plain strided tensor."""
-        strided = torch.strided
-        for t in tensors:
-            if type(t) not in PLAIN_TENSORS or t.layout is not strided:
-                return None
+        if not _all_plain_strided(tensors):
+            return None
         try:
-            storages = [t.untyped_storage() for t in tensors]
-            return list(map(id, storages)), [st.nbytes() for st in storages]
+            storages = list(map(_storage_of, tensors))
+            return list(map(id, storages)), list(map(_nbytes_of, storages))
         except (RuntimeError, NotImplementedError, TypeError):
             return None
 
@@ -443,6 +466,10 @@ class _Boundary(NamedTuple):
     allocated: int
     parts: dict[str, int]
     layers: dict[str, int] | None
+
+
+#: ``_Boundary(*fields)`` made in C, without the Python ``__new__`` a NamedTuple has (once per boundary)
+_new_boundary = functools.partial(tuple.__new__, _Boundary)
 
 
 class BoundaryPeakBreakdown(PeakBreakdown):
@@ -543,8 +570,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             totals["weights"] += static.weights
             totals["optimizer_state"] += static.state
             alive.tracked += static.weights + static.state
-            if grads:
-                self._track(grads, "gradients")
+            self._track_new(grads, "gradients")
             return True
         # Walk as always, then remember what the weights and the state were.
         self._track(params, "weights")
@@ -574,7 +600,8 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         before where the parameters are the same."""
         hooked = [p for p in params if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook")]
         before = self._hooked
-        if len(before) == len(hooked) and all(ref() is p for ref, p in zip(before, hooked)):
+        # The same parameters, in order (compared in C: ``map``; ``is``, as ``==`` is elementwise).
+        if len(before) == len(hooked) and all(map(operator.is_, map(weakref.ref.__call__, before), hooked)):
             return
         self._drop_hooks()
         hook = self._gradient_made
@@ -592,8 +619,15 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             grad = param.grad
             if grad is None:
                 return
-            if type(grad) in PLAIN_TENSORS and grad.layout is torch.strided and self._on_device(grad):
-                self._alive.add(grad, "gradients")  # what ``_track`` does for it, one call shorter
+            if type(grad) in PLAIN_TENSORS and grad.layout is torch.strided:
+                # What ``_track`` does for it, inline (this runs for every parameter's gradient).
+                dev, index = grad.device, self._device_index
+                if dev.type == self._device_type and (index is None or dev.index is None or dev.index == index):
+                    try:
+                        storage = grad.untyped_storage()
+                    except (RuntimeError, NotImplementedError, TypeError):
+                        return
+                    self._alive.add_storage(storage, "gradients")
             else:
                 self._track((grad,), "gradients")
         except Exception as exc:  # noqa: BLE001 - contained
@@ -601,13 +635,47 @@ class BoundaryPeakBreakdown(PeakBreakdown):
                 self.on_fault(exc)
 
     def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
-        self._track([grad for p in params if (grad := p.grad) is not None], "gradients")
+        self._track_new([grad for p in params if (grad := p.grad) is not None], "gradients")
+
+    def _track_new(self, tensors: list[Any], category: str) -> None:
+        """:meth:`_track`, where most of ``tensors`` are tracked already (the gradients the hooks
+        saw made): their storages are looked up in C (``map``), and only the others are tracked."""
+        if not tensors:
+            return
+        if _all_plain_strided(tensors):
+            items = self._alive.items
+            try:
+                storages = list(map(_storage_of, tensors))
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass  # one that has none: ``_track`` leaves it out
+            else:
+                # A tracked storage is alive, so its ``id`` names no other: those are left as they are.
+                tensors = [t for t, tracked in zip(tensors, map(items.__contains__, map(id, storages))) if not tracked]
+        self._track(tensors, category)
 
     def _input(self, tensor: torch.Tensor) -> None:
         self._alive.add(tensor, "inputs")
 
     def _saved(self, tensor: torch.Tensor, module: str | None) -> None:
         self._alive.add(tensor, "activations", module)
+
+    def _observe_saved(self, kept: Any) -> None:
+        # What the shared one does, inline for a plain tensor (this runs for every saved tensor),
+        # and a storage tracked already (a view saved again, a weight) asks for no module name.
+        if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
+            dev, index = kept.device, self._device_index
+            if dev.type != self._device_type or not (index is None or dev.index is None or dev.index == index):
+                return
+            try:
+                storage = kept.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                return
+            alive = self._alive
+            if id(storage) in alive.items:
+                return  # the first category given wins
+            alive.add_storage(storage, "activations", self.module_name() if self.module_name is not None else None)
+            return
+        super()._observe_saved(kept)
 
     def _boundary(self, allocated: int, in_backward: bool) -> _Boundary:
         alive = self._alive
@@ -636,10 +704,19 @@ class BoundaryPeakBreakdown(PeakBreakdown):
                     self._best = interval
                 if new_backward_best:
                     self._backward_best = interval
+        alive, allocated = self._alive, reading.allocated
         if following == "backward" and ended != "backward":
             # Backward begins: what no category claims now is not backward's.
-            self._unclaimed_before_backward = reading.allocated - self._alive.tracked
-        self._open = self._boundary(reading.allocated, following == "backward" and ended == "backward")
+            self._unclaimed_before_backward = allocated - alive.tracked
+        # ``_boundary``, inline: this runs at every boundary (each tracked module's, twice).
+        parts = dict(alive.totals)
+        unclaimed = allocated - alive.tracked
+        if following == "backward" and ended == "backward":
+            grads = max(0, unclaimed - self._unclaimed_before_backward)
+            parts["activation_gradients"] += grads
+            unclaimed -= grads
+        parts["other"] += unclaimed
+        self._open = _new_boundary((allocated, parts, dict(alive.by_module) if self.module_name is not None else None))
 
     def backward_started(self, output_gradients: int) -> None:
         # The outputs' gradients existed when backward reached the model: they are backward's.
@@ -667,9 +744,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             parts["gradients"] += made
             parts["activation_gradients"] += transient - made
         elif phase == "optimizer":
-            state_now = sum(
-                part.untyped_storage().nbytes() for part in parts_on(optimizer_state_tensors(optimizers), self.device)
-            )
+            state_now = self._state_bytes(optimizers)
             made = min(transient, max(0, state_now - opened.parts["optimizer_state"]))
             parts["optimizer_state"] += made
             parts["other"] += transient - made
@@ -680,6 +755,21 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             parts[largest] += parts["other"]
             parts["other"] = 0
         return parts, transient
+
+    def _state_bytes(self, optimizers: list[Any]) -> int:
+        """The bytes of the optimizer state's pieces on the device now, a piece counted each time
+        a tensor names it; for plain strided tensors (the common case) the loops run in C."""
+        tensors = list(optimizer_state_tensors(optimizers))
+        if not _all_plain_strided(tensors):
+            return sum(part.untyped_storage().nbytes() for part in parts_on(tensors, self.device))
+        device_type, index = self._device_type, self._device_index
+        on = {
+            dev: dev.type == device_type and (index is None or dev.index is None or dev.index == index)
+            for dev in set(map(_device_of, tensors))
+        }
+        if not all(on.values()):  # some elsewhere (Adam's CPU step counters beside CUDA moments)
+            tensors = list(itertools.compress(tensors, map(on.__getitem__, map(_device_of, tensors))))
+        return sum(map(_nbytes_of, map(_storage_of, tensors)))
 
     def result(self, peak: int | None, params: Sequence[torch.Tensor], optimizers: Iterable[Any]) -> PeakResult | None:
         try:

@@ -157,8 +157,9 @@ class ChainedSavedTensorsHooks:
         return self._context is not None
 
     def _watch(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        # What ``_observe`` does, without its frame: this runs for every saved tensor.
         try:  # autograd calls this: whatever fails, the tensor is kept unchanged
-            self._observe(tensor)
+            self.observe(tensor)
         except Exception as exc:  # noqa: BLE001 - watching must never break the forward
             self._fault(exc)
         return tensor, tensor._version
@@ -169,13 +170,14 @@ class ChainedSavedTensorsHooks:
 
         def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
             # Autograd calls this: whatever fails, the tensor is kept unchanged, and a fault
-            # switches off only the watcher it happened in.
+            # switches off only the watcher it happened in. The observers are called directly
+            # (each watcher's ``_observe`` is this same ``try``): this runs for every saved tensor.
             try:
-                below._observe(tensor)
+                below.observe(tensor)
             except Exception as exc:  # noqa: BLE001 - watching must never break the forward
                 below._fault(exc)
             try:
-                self._observe(tensor)
+                self.observe(tensor)
             except Exception as exc:  # noqa: BLE001 - watching must never break the forward
                 self._fault(exc)
             return tensor, tensor._version
