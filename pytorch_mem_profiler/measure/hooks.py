@@ -400,8 +400,15 @@ class TrainingStepHooks:
                 self.max_reserved = reading.peak_reserved
         if ended != "other" and next_phase != ended:
             m.phase_end_allocated[ended] = reading.allocated
-        if self.breakdown is not None:
-            self._tell_breakdown("marked", reading, ended, next_phase, self._location)
+        tracker = self.breakdown
+        if tracker is not None:
+            # What _tell_breakdown does, inline (a boundary per tracked module, twice, per reported iteration).
+            try:
+                tracker.marked(reading, ended, next_phase, self._location)
+            except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
+                self.breakdown = None
+                tracker.close()
+                self.guard.fault("peak breakdown", exc)
         self._phase = next_phase
         self._location = location
         return reading

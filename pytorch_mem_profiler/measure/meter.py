@@ -202,8 +202,9 @@ class Meter:
                 hooks.attribution = LayerAttribution(
                     self.model,
                     self.device,
-                    on_exit=wrap("per-layer attribution", hooks.forward_location),
-                    on_backward_enter=wrap("per-layer attribution", hooks.backward_location),
+                    # No guard wrapper: the attribution calls these inside its own try, for the same part.
+                    on_exit=hooks.forward_location,
+                    on_backward_enter=hooks.backward_location,
                     guard=self.guard,
                 )
         self._hooks.install()
@@ -453,6 +454,7 @@ class Meter:
             fields["outside_pytorch"] = outside
         if self._fsdp is not None:
             fields["fsdp_gathered_parameters"] = self._fsdp.finish_iteration()
+        fields["device_total"] = self.capacity
         fields["reported"] = True
         return _record(fields)
 
