@@ -416,7 +416,6 @@ class Meter:
             }
         )
         has_peak = self.counter.has_peak
-        counts = m.counts
         usage = self.guard.call("device memory", self._outside.read) if reported else None
         outside = None
         if usage is not None and final.reserved is not None:
