@@ -402,13 +402,12 @@ class TrainingStepHooks:
             m.phase_end_allocated[ended] = reading.allocated
         tracker = self.breakdown
         if tracker is not None:
-            # What _tell_breakdown does, inline (a boundary per tracked module, twice, per reported iteration).
+            # What _tell_breakdown does, without its dispatch by name (a boundary per tracked
+            # module, twice, per reported iteration).
             try:
                 tracker.marked(reading, ended, next_phase, self._location)
             except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
-                self.breakdown = None
-                tracker.close()
-                self.guard.fault("peak breakdown", exc)
+                self._breakdown_failed(tracker, exc)
         self._phase = next_phase
         self._location = location
         return reading
@@ -421,9 +420,13 @@ class TrainingStepHooks:
         try:
             getattr(tracker, what)(*args)
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
-            self.breakdown = None
-            tracker.close()
-            self.guard.fault("peak breakdown", exc)
+            self._breakdown_failed(tracker, exc)
+
+    def _breakdown_failed(self, tracker: PeakBreakdown, exc: Exception) -> None:
+        """The breakdown raised: switch it off (the rest goes on)."""
+        self.breakdown = None
+        tracker.close()
+        self.guard.fault("peak breakdown", exc)
 
     def _count(self, phase: str) -> None:
         counts = self.current.phase_count

@@ -158,8 +158,8 @@ class Meter:
             self._ddp_buckets = ddp_gradient_bucket_bytes(self.model, self.device)
             if self._fsdp is not None:
                 self._fsdp.refresh()
-        # the fields a non-reported record shares with every other until the model changes
-        self._light_fields: dict[str, Any] | None = None
+        # the fields every record shares until the model changes (:meth:`_shared_fields`)
+        self._shared_record_fields: dict[str, Any] | None = None
         # the model's modules, each once (for its buffers: :meth:`_buffers`)
         self._modules: list[torch.nn.Module] | None = None
 
@@ -379,17 +379,16 @@ class Meter:
         measured = hooks.reported
         # Slept through (the common case at print_period > 1): one read, nothing else.
         final = None if measured else hooks.finish_asleep()
-        if final is not None:
-            now = time.perf_counter()
-            elapsed, self._last_time = now - self._last_time, now
-            self._last_allocated = final.allocated
-            return self._light_record(position, final, final.peak_allocated, _UNCOUNTED, elapsed)
-        m = hooks.finish_iteration()
+        m = None
+        if final is None:
+            m = hooks.finish_iteration()
+            final = m.final
+            assert final is not None
         now = time.perf_counter()
         elapsed, self._last_time = now - self._last_time, now
-        final = m.final
-        assert final is not None
         self._last_allocated = final.allocated
+        if m is None:
+            return self._light_record(position, final, final.peak_allocated, _UNCOUNTED, elapsed)
         if not measured:
             return self._light_record(position, final, m.iteration_peak, m.counts, elapsed)
         peak = self._peak_result(m.iteration_peak)
@@ -460,9 +459,9 @@ class Meter:
     def _shared_fields(self) -> dict[str, Any]:
         """The fields every record shares until the model changes (:meth:`_refresh_model_state`),
         with the defaults of the others: the base each record's fields are copied from."""
-        shared = self._light_fields
+        shared = self._shared_record_fields
         if shared is None:
-            shared = self._light_fields = vars(
+            shared = self._shared_record_fields = vars(
                 IterationRecord(
                     epoch=0,
                     iteration=0,

@@ -128,19 +128,13 @@ class PeakBreakdown:
         module = self.module_name() if self.module_name is not None else None
         if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
             # The common case (no user's hook): the tensor is its one piece of memory; on the
-            # device (``_on_device``, inline: this runs for every saved tensor)?
+            # device (``accounting.same_device``, inline: this runs for every saved tensor)?
             dev, index = kept.device, self._device_index
             if dev.type == self._device_type and (index is None or dev.index is None or dev.index == index):
                 self._saved(kept, module)
             return
         for part in parts_on(tensors_in(kept), self.device):
             self._saved(part, module)
-
-    def _on_device(self, tensor: torch.Tensor) -> bool:
-        """``accounting.same_device(tensor, self.device)``, without its call: it runs per saved tensor."""
-        dev = tensor.device
-        index = self._device_index
-        return dev.type == self._device_type and (index is None or dev.index is None or dev.index == index)
 
     def close(self) -> None:
         """Drop everything held (the hooks are removed, the storages forgotten)."""
