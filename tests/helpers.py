@@ -17,6 +17,38 @@ def unique_storage_bytes(*tensors: torch.Tensor) -> int:
     return sum(unique.values())
 
 
+class SavedBytes:
+    """The user's own pack hook: unique storages autograd saved inside :meth:`hooks`, the
+    parameters of ``model`` and the tensors ``skip`` left out (the independent count of what a
+    forward keeps for backward).
+
+    Example::
+
+        saved = SavedBytes(model, (x,))
+        with saved.hooks():
+            out = model(x)
+        saved.total
+    """
+
+    def __init__(self, model: nn.Module, skip: tuple[torch.Tensor, ...] = ()) -> None:
+        self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.skip |= {t.untyped_storage().data_ptr() for t in skip}
+        self.seen: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in self.skip:
+            self.seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
 def grown(counter, base: int) -> int:
     """What a counter's allocated figure grew by since ``base``."""
     return counter.read().allocated - base

@@ -21,13 +21,7 @@ from pytorch_mem_profiler.measure.devices import CpuCounter
 from pytorch_mem_profiler.measure.peak_breakdown import BoundaryPeakBreakdown
 from pytorch_mem_profiler.measure.saved_tensors import ChainedSavedTensorsHooks, can_chain
 
-
-def unique_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+from .helpers import unique_storage_bytes
 
 
 class Harness:
@@ -85,6 +79,12 @@ class Harness:
         self.kept.close()
         self.counter.stop()
 
+    def __enter__(self) -> Harness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def hooks_on(params) -> int:
     return sum(len(p._post_accumulate_grad_hooks or {}) for p in params)
@@ -100,15 +100,14 @@ def mlp():
 
 def test_optimizer_state_made_at_the_first_step_and_replaced_later(mlp):
     opt = torch.optim.Adam(mlp.parameters(), lr=1e-2)
-    h = Harness(mlp, opt, torch.randn(4, 8))
-    try:
+    with Harness(mlp, opt, torch.randn(4, 8)) as h:
         kept, fresh = h.iteration()  # no state at the start: none at the peak of forward/backward
         assert kept == fresh
         kept, fresh = h.iteration()  # the state appeared after the first step: walked again
         assert kept == fresh
         state = [v for s in opt.state.values() for v in s.values()]
-        assert fresh.breakdown["optimizer_state"] >= unique_bytes(state)  # moments and steps (CPU)
-        assert fresh.breakdown["weights"] == unique_bytes([*mlp.parameters(), *mlp.buffers()])
+        assert fresh.breakdown["optimizer_state"] >= unique_storage_bytes(*state)  # moments and steps (CPU)
+        assert fresh.breakdown["weights"] == unique_storage_bytes(*mlp.parameters(), *mlp.buffers())
         lives = dict(h.kept._alive.static)
         kept, fresh = h.iteration()  # nothing changed: the same tracked lives come back
         assert kept == fresh and h.kept._alive.static == lives
@@ -123,14 +122,11 @@ def test_optimizer_state_made_at_the_first_step_and_replaced_later(mlp):
         new_keys = {id(s["exp_avg"].untyped_storage()) for s in opt.state.values()}
         assert new_keys <= h.kept._static.state_keys
         assert not {id(t.untyped_storage()) for t in old} & set(h.kept._alive.static)
-    finally:
-        h.close()
 
 
 def test_a_parameter_replaced_or_moved(mlp):
     opt = torch.optim.SGD(mlp.parameters(), lr=1e-2)
-    h = Harness(mlp, opt, torch.randn(4, 8))
-    try:
+    with Harness(mlp, opt, torch.randn(4, 8)) as h:
         assert h.iteration()[0] == h.iteration()[1]
         h.iteration()
         old = mlp[0].weight.data
@@ -147,16 +143,13 @@ def test_a_parameter_replaced_or_moved(mlp):
         h.counter.adopt([*mlp.parameters(), *mlp.buffers(), h.x])
         kept, fresh = h.iteration()
         assert kept == fresh
-        assert fresh.breakdown["weights"] == unique_bytes([*mlp.parameters(), *mlp.buffers()])
-        assert kept.breakdown["weights"] == 2 * unique_bytes([p.float() for p in (*mlp.parameters(), *mlp.buffers())])
-    finally:
-        h.close()
+        assert fresh.breakdown["weights"] == unique_storage_bytes(*mlp.parameters(), *mlp.buffers())
+        assert kept.breakdown["weights"] == 2 * unique_storage_bytes(*(p.float() for p in (*mlp.parameters(), *mlp.buffers())))
 
 
 def test_a_storage_resized_in_place(mlp):
     opt = torch.optim.SGD(mlp.parameters(), lr=1e-2)
-    h = Harness(mlp, opt, torch.randn(4, 8))
-    try:
+    with Harness(mlp, opt, torch.randn(4, 8)) as h:
         h.iteration()
         h.iteration()
         storage = mlp.scale.untyped_storage()
@@ -165,15 +158,12 @@ def test_a_storage_resized_in_place(mlp):
         assert kept == fresh
         # What the tracker holds for the weights now (the CPU counter did not see the resize, so the
         # breakdown's figure is trimmed to the allocator's: read the tracked bytes instead).
-        assert h.kept._static.weights == unique_bytes([*mlp.parameters(), *mlp.buffers()])
-    finally:
-        h.close()
+        assert h.kept._static.weights == unique_storage_bytes(*mlp.parameters(), *mlp.buffers())
 
 
 def test_gradients_kept_at_the_start_and_a_gradient_over_optimizer_state(mlp):
     opt = torch.optim.SGD(mlp.parameters(), lr=1e-2, momentum=0.9)
-    h = Harness(mlp, opt, torch.randn(4, 8))
-    try:
+    with Harness(mlp, opt, torch.randn(4, 8)) as h:
         for _ in range(3):  # zero_grad keeps the gradients: they exist when the iteration begins
             kept, fresh = h.iteration(set_to_none=False)
             assert kept == fresh
@@ -188,15 +178,12 @@ def test_gradients_kept_at_the_start_and_a_gradient_over_optimizer_state(mlp):
         kept, fresh = h.iteration(set_to_none=False, optimizers=[opt, fake])
         assert kept == fresh
         assert id(shared.untyped_storage()) not in h.kept._static.state_keys  # walked again: a gradient
-    finally:
-        h.close()
 
 
 def test_gradient_hooks_stay_between_reported_iterations_and_go(mlp):
     opt = torch.optim.SGD(mlp.parameters(), lr=1e-2)
-    h = Harness(mlp, opt, torch.randn(4, 8))
-    params = h.params()
-    try:
+    with Harness(mlp, opt, torch.randn(4, 8)) as h:
+        params = h.params()
         h.iteration()
         handles = list(h.kept._handles)
         assert len(handles) == len(params) and hooks_on(params) == len(params)
@@ -212,8 +199,6 @@ def test_gradient_hooks_stay_between_reported_iterations_and_go(mlp):
         mlp[0].bias.requires_grad_(False)
         kept, fresh = h.iteration()
         assert kept == fresh and hooks_on(params) == len(params) - 1
-    finally:
-        h.close()
     assert hooks_on(params) == 0  # close() leaves nothing installed
     assert h.kept._alive.static == {}
 
@@ -292,15 +277,12 @@ def test_sparse_gradients_kept_at_the_start():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 2))
     opt = torch.optim.Adagrad(model.parameters(), lr=1e-2)  # its state stays dense
-    h = Harness(model, opt, torch.tensor([[1, 2], [3, 3]]))
-    try:
+    with Harness(model, opt, torch.tensor([[1, 2], [3, 3]])) as h:
         for _ in range(3):  # the embedding's gradient is sparse COO, kept by zero_grad(set_to_none=False)
             kept, fresh = h.iteration(set_to_none=False)
             assert kept == fresh
         assert model[0].weight.grad.layout is torch.sparse_coo
         assert h.kept._static.ids is not None and h.kept._static.state_keys  # remembered, and checked
-    finally:
-        h.close()
 
 
 def test_the_meters_buffer_list_follows_buffers_reassigned_after_it_was_made():
@@ -335,15 +317,15 @@ def test_a_gradient_reassigned_after_its_hook_ran_is_tracked_and_a_view_of_one_t
         tracker.begin(params, list(mlp.buffers()), [], 0)
         mlp(torch.randn(4, 8)).sum().backward()
         seen = [p.grad for p in params]
-        assert tracker._alive.totals["gradients"] == unique_bytes(seen)  # the hooks saw each one
+        assert tracker._alive.totals["gradients"] == unique_storage_bytes(*seen)  # the hooks saw each one
         replaced = mlp[0].weight.grad
         mlp[0].weight.grad = torch.zeros_like(replaced)  # a new storage; the old one kept alive here
         mlp[2].weight.grad = mlp[2].weight.grad.detach().view_as(mlp[2].weight)  # a view: a tracked storage
         tracker.gradients_ready(params)
         now = [p.grad for p in params]
-        assert tracker._alive.totals["gradients"] == unique_bytes([*now, replaced])
+        assert tracker._alive.totals["gradients"] == unique_storage_bytes(*now, replaced)
         del replaced, seen  # the replaced gradient dies: its bytes leave the category
-        assert tracker._alive.totals["gradients"] == unique_bytes(now)
+        assert tracker._alive.totals["gradients"] == unique_storage_bytes(*now)
     finally:
         tracker.close()
         counter.stop()
@@ -388,13 +370,10 @@ def test_an_optimizer_phase_peak_puts_the_state_made_at_the_first_step_down_to_t
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    h = Harness(model, opt, torch.randn(2, 64))
-    try:
+    with Harness(model, opt, torch.randn(2, 64)) as h:
         kept, fresh = h.iteration()
         assert kept == fresh
         assert kept.transient_in == "optimizer"
-        state = unique_bytes([t for s in opt.state.values() for t in s.values()])
+        state = unique_storage_bytes(*(t for s in opt.state.values() for t in s.values()))
         assert kept.breakdown["optimizer_state"] == min(kept.transient, state)
         assert kept.breakdown["optimizer_state"] > 0
-    finally:
-        h.close()

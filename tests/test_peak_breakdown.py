@@ -14,18 +14,9 @@ from torch import nn
 from pytorch_mem_profiler import memory_profiler
 from pytorch_mem_profiler.stats import PEAK_CATEGORIES
 
-from .helpers import BackwardScratch
+from .helpers import BackwardScratch, SavedBytes, unique_storage_bytes
 
 SCRATCH = BackwardScratch.SCRATCH_ELEMS * 4
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the unique storages of ``tensors``."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -35,20 +26,11 @@ def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 def saved_bytes(model: nn.Module, *args: torch.Tensor) -> int:
     """Unique storages a forward of ``model`` saves for backward (our own pack hook), the
     parameters and ``args`` left out."""
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    skip |= {a.untyped_storage().data_ptr() for a in args}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    saved = SavedBytes(model, args)
+    with saved.hooks():
         out = model(*args)
     del out
-    return sum(seen.values())
+    return saved.total
 
 
 class Scratched(nn.Module):
@@ -100,9 +82,9 @@ def test_the_peak_by_category_computed_by_hand(body, shape):
     # made: the scratch and the result of `grad * scratch[0]` (the gradient handed in is a
     # broadcast view of the seed: sum's backward expands it, no bytes of its own).
     expected = {
-        "weights": storage_bytes(model.parameters()),
+        "weights": unique_storage_bytes(*model.parameters()),
         "gradients": 0,  # zero_grad(set_to_none=True) last step, none made yet
-        "optimizer_state": storage_bytes(state_tensors(opt)),
+        "optimizer_state": unique_storage_bytes(*state_tensors(opt)),
         "activations": saved_bytes(model.body, x),
         "activation_gradients": SCRATCH + out_bytes,
         "inputs": x.untyped_storage().nbytes(),
@@ -138,7 +120,7 @@ def test_activation_gradients_at_backwards_peak_without_a_scratch():
     # at least one hidden gradient (256 x 128 float32) is alive at backward's peak
     assert record.intermediate_gradients >= 256 * 128 * 4
     assert sum(record.peak_breakdown.values()) == record.iteration_peak_allocated
-    assert record.peak_breakdown["weights"] == storage_bytes(model.parameters())
+    assert record.peak_breakdown["weights"] == unique_storage_bytes(*model.parameters())
     assert record.peak_breakdown["inputs"] == x.untyped_storage().nbytes()
 
 
@@ -181,29 +163,21 @@ class Attention(nn.Module):
 def test_per_layer_total_is_every_saved_storage(build):
     model = build()
     # What the user's own pack hook sees (unique storages, parameters left out; the input in).
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
+    saved = SavedBytes(model)
     with memory_profiler(model, 1, stream=io.StringIO(), strict=True, by_layer=True) as profiler:
         x = torch.randn(8, 12, 16)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved.hooks():
             out = model(x)
         out.pow(2).mean().backward()
         record = profiler.record_stats()
     layers = record.layers
-    assert layers is not None and sum(seen.values()) > 0
+    assert layers is not None and saved.total > 0
     attributed = sum(layers.by_module.values())
-    assert attributed == sum(seen.values()), (dict(layers.by_module), sum(seen.values()))
+    assert attributed == saved.total, (dict(layers.by_module), saved.total)
     assert layers.total + layers.inputs == attributed
     # the batch, where autograd saved it (attention's input projection does; the RNNs save
     # none of it as is on the CPU), is under "(input)"
-    assert layers.inputs == seen.get(x.untyped_storage().data_ptr(), 0)
+    assert layers.inputs == saved.seen.get(x.untyped_storage().data_ptr(), 0)
     if build is Attention:
         assert layers.inputs == x.untyped_storage().nbytes()
     # the recurrent or attention module itself saved most of it

@@ -13,31 +13,11 @@ from torch import nn
 
 from pytorch_mem_profiler import MemoryProfiler
 
+from .helpers import SavedBytes
+
 pytestmark = pytest.mark.cuda
 
 DEV = torch.device("cuda", 0)
-
-
-class SavedBytes:
-    """The user's own pack hook: unique storages autograd saved, parameters and ``skip`` left out."""
-
-    def __init__(self, model: nn.Module, skip: tuple[torch.Tensor, ...] = ()) -> None:
-        self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.skip |= {t.untyped_storage().data_ptr() for t in skip}
-        self.seen: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in self.skip:
-            self.seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-    @property
-    def total(self) -> int:
-        return sum(self.seen.values())
 
 
 def allocator_peak_of(step: Callable[[], None]) -> int:
