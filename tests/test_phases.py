@@ -20,31 +20,10 @@ from pytorch_mem_profiler import MemoryProfiler
 from pytorch_mem_profiler.measure.devices import CpuCounter
 from pytorch_mem_profiler.measure.saved_tensors import can_chain
 
-from .helpers import BackwardScratch, nbytes
+from .helpers import BackwardScratch, SavedBytes, nbytes
 
 F32 = 4
 SCRATCH = 1_000_000  # float32 elements: 4 MB, far above anything else these models hold
-
-
-class SavedByAutograd:
-    """A pack hook beside the profiler: the storages autograd keeps, each once."""
-
-    def __init__(self, exclude=()) -> None:
-        self.storages: dict[int, int] = {}
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-
-    def pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.exclude:
-            self.storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
 
 
 class StepWrapper(nn.Module):
@@ -54,11 +33,11 @@ class StepWrapper(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.net = net if net is not None else nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-        self.seen: SavedByAutograd | None = None
+        self.seen: SavedBytes | None = None
         self.output_bytes = 0
 
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self.seen = SavedByAutograd(exclude=[x, *self.net.parameters()])
+        self.seen = SavedBytes(self.net, (x,))
         with self.seen.hooks():
             out = self.net(x)
         self.output_bytes = nbytes(out)
@@ -431,15 +410,15 @@ def lightning_run(optimizer: str, by_layer: bool):
             torch.manual_seed(0)
             self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
             self.steps_in_batch = 0
-            self.seen: list[SavedByAutograd] = []
+            self.seen: list[SavedBytes] = []
 
         def training_step(self, batch, batch_idx):
             x, y = batch
             self.steps_in_batch += 1
-            seen = SavedByAutograd(exclude=[x, *self.net.parameters()])
+            seen = SavedBytes(self.net, (x,))
             with seen.hooks():  # a user's pack hook, beside the profiler's
                 out = self.net(x)
-            seen.storages[-1] = nbytes(out)  # the output, alive when forward ends
+            seen.seen[-1] = nbytes(out)  # the output, alive when forward ends
             self.seen.append(seen)
             return F.mse_loss(out, y)
 
