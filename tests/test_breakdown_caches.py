@@ -377,3 +377,52 @@ def test_an_optimizer_phase_peak_puts_the_state_made_at_the_first_step_down_to_t
         state = unique_storage_bytes(*(t for s in opt.state.values() for t in s.values()))
         assert kept.breakdown["optimizer_state"] == min(kept.transient, state)
         assert kept.breakdown["optimizer_state"] > 0
+
+
+def test_a_breakdown_switched_off_by_a_fault_takes_its_gradient_hooks_away(mlp, monkeypatch, caplog):
+    """A fault in one of the breakdown's own hooks (here the one that sees a gradient made, once)
+    switches the breakdown off, and with it go its post-accumulate-grad hooks: they would otherwise run at
+    every backward for nothing. Training goes on, the records lose only the breakdown."""
+    import io
+
+    import pytorch_mem_profiler.measure.meter as meter_module
+    from pytorch_mem_profiler import MemoryProfiler
+
+    # CUDA's tracker, on the CPU counter (as the harness above runs it).
+    monkeypatch.setattr(meter_module, "make_peak_breakdown", BoundaryPeakBreakdown)
+    opt = torch.optim.SGD(mlp.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    params = list(mlp.parameters())
+    made = []
+
+    def iteration(profiler):
+        mlp(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return profiler.record_stats()
+
+    with MemoryProfiler(mlp, 1, stream=io.StringIO(), by_layer=True) as profiler:
+        tracker = profiler._meter._peak
+        assert isinstance(tracker, BoundaryPeakBreakdown)
+        assert iteration(profiler).peak_breakdown is not None
+        assert hooks_on(params) == len(params)
+        real_add = tracker._alive.add_storage
+
+        def add_storage(storage, category, module=None):
+            if category == "gradients":
+                made.append(storage)
+                if len(made) == 1:  # once: what the hooks hand it later still works
+                    raise RuntimeError("injected")
+            return real_add(storage, category, module)
+
+        monkeypatch.setattr(tracker._alive, "add_storage", add_storage)
+        faulted = iteration(profiler)  # the fault, inside autograd: contained
+        assert "peak breakdown" in profiler._guard.disabled
+        assert faulted.peak_breakdown is None
+        assert hooks_on(params) == 0 and profiler._meter._peak is None
+        calls = len(made)
+        for _ in range(2):
+            record = iteration(profiler)
+            assert record.peak_breakdown is None and record.layers is not None
+        assert len(made) == calls  # no gradient hook of the breakdown ran again
+    assert "peak breakdown failed" in caplog.text

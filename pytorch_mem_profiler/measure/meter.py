@@ -237,9 +237,14 @@ class Meter:
             hooks.breakdown = None
             self._watch(hooks, detailed)
             tracker = self._peak
+            if tracker is not None and "peak breakdown" in self.guard.disabled:
+                # Switched off by a fault (in one of its hooks, say): its gradient hooks go now,
+                # or they would go on running at every backward for nothing.
+                self._peak = None
+                self.guard.clean_up("peak breakdown", tracker.close)
             # Per-layer mode only: the breakdown watches every saved tensor and weight gradient
-            # from Python, which a GPU-bound step at print_period=1 would pay for (GPT-2: 1.25x).
-            if detailed and self.by_layer and tracker is not None and "peak breakdown" not in self.guard.disabled:
+            # from Python, which a host-bound step at print_period=1 would pay for (GPT-2: 1.25x).
+            elif detailed and self.by_layer and tracker is not None:
                 # Inline rather than through guard.call: this runs at the end of the
                 # iteration before a reported one, which stays on the light path.
                 try:
