@@ -7,6 +7,9 @@
     python benchmarks/hot_path.py --reads            # us per device read, peak reset and driver read
     python benchmarks/hot_path.py --read-floor       # what the reads alone add to the tiny MLP's step (CUDA)
     python benchmarks/hot_path.py --workload gpt2 --by-layer --profile-only   # cProfile of profiled steps
+    python benchmarks/hot_path.py --by-position --print-period 10   # what each iteration of a period adds
+    python benchmarks/hot_path.py --inside           # time inside each hook and its reads, in the real loop
+    python benchmarks/hot_path.py --workload gpt2 --timeline [--batch 1]   # host vs GPU time per step (CUDA)
 
 Times the workload without the profiler, with it, and with parts of it
 replaced by no-ops (the device reads; the backward hooks), alternating in one
@@ -268,6 +271,142 @@ def print_read_floor(device: torch.device, steps: int = 300, rounds: int = 9) ->
         )
 
 
+def print_by_position(work, args, device: torch.device, sink) -> None:
+    """Host time of each iteration of a print period, against the same loop without the profiler.
+
+    On a step the CPU bounds, the time from one ``record_stats()`` return to the next is the
+    step's time, so each position of the period (the reported iteration, the one after it, the
+    ones the hooks sleep through, the one before the next report) gets its own cost. Blocks with
+    and without the profiler alternate; each position's median is taken over every period of
+    every block, and what it adds is against the median iteration without the profiler.
+    """
+    period = args.print_period
+    steps = max(period, args.steps // period * period)
+
+    def block(profiler: MemoryProfiler | None) -> list[int]:
+        stamps = [0] * (steps + 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        stamps[0] = time.perf_counter_ns()
+        for i in range(1, steps + 1):
+            work.step()
+            if profiler is not None:
+                profiler.record_stats()
+            stamps[i] = time.perf_counter_ns()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return [b - a for a, b in zip(stamps, stamps[1:])]
+
+    without: list[int] = []
+    at: list[list[int]] = [[] for _ in range(period)]
+    whole: list[float] = []
+    for _ in range(max(args.rounds, 9)):
+        before = block(None)
+        prof = MemoryProfiler(work.model, period, stream=sink, by_layer=args.by_layer)
+        # The profiler's first period holds its learning iteration: leave it out.
+        times = block(prof)[period:]
+        prof.close()
+        after = block(None)
+        without += before + after
+        for i, t in enumerate(times):
+            # Iteration i + period + 1 of the profiler is reported when (i + 1) % period == 0.
+            at[(i + 1) % period].append(t)
+        whole.append(sum(times) / (sum(before + after) / 2) * (len(before) / len(times)))
+    base = median(without) / 1e3
+    print(
+        f"{args.workload} on {device}, print_period={period}{', by_layer' if args.by_layer else ''}: "
+        f"iteration {base:.1f} us without the profiler (median); with it, by position in the period "
+        f"(median us, and what it adds):"
+    )
+    total = 0.0
+    for pos in range(period):
+        med = median(at[pos]) / 1e3
+        total += med - base
+        label = "reported" if pos == 0 else f"reported + {pos}"
+        print(f"  {label:14s} {med:9.1f}  {med - base:+8.1f}")
+    print(
+        f"  sum of what the positions add: {total:+.1f} us per period, {total / period:+.1f} us per iteration "
+        f"({1 + total / period / base:.3f}x); whole blocks: {median(whole):.3f}x ({min(whole):.3f}-{max(whole):.3f})"
+    )
+
+
+def print_timeline(work, args, device: torch.device, sink, steps: int = 20) -> None:
+    """Per step: the wall time, the host's time (to ``record_stats()``'s return, no sync) and the
+    GPU's (CUDA events around the step), without the profiler and with it, per-layer mode with
+    its parts switched off one by one; then the synchronizing calls of two profiled steps.
+
+    Where the host's time is the GPU's, the host waits on a full launch queue or is itself
+    the bottleneck; run the same workload with a small ``--batch`` to see the host's own time:
+    the GPU then finishes early and the step is what the host needs. A profiler's cost that
+    shows on the GPU's time (its events) reached the GPU: host work it could not hide, or a sync.
+    """
+    if device.type != "cuda":
+        print("--timeline needs a CUDA device")
+        return
+    import statistics
+    import warnings
+
+    def measure(profiler: MemoryProfiler | None) -> tuple[float, float, float]:
+        host = []
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for begin, end in events:
+            began = time.perf_counter()
+            begin.record()
+            work.step()
+            if profiler is not None:
+                profiler.record_stats()
+            end.record()
+            host.append((time.perf_counter() - began) * 1e3)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps * 1e3
+        return wall, statistics.median(host), statistics.median(b.elapsed_time(e) for b, e in events)
+
+    # (by_layer, parts switched off); None: without the profiler
+    variants: dict[str, tuple[bool, set[str]] | None] = {
+        "without the profiler": None,
+        "print_period=1": (False, set()),
+        "by_layer": (True, set()),
+        "by_layer, no peak breakdown": (True, {"peak breakdown"}),
+        "by_layer, no per-layer attribution": (True, {"per-layer attribution"}),
+        "by_layer, neither": (True, {"peak breakdown", "per-layer attribution"}),
+    }
+    print(f"{args.workload} on {torch.cuda.get_device_name(device)}: ms per step, median of {steps} steps")
+    for round_ in range(args.rounds):
+        for label, variant in variants.items():
+            prof = None
+            if variant is not None:
+                prof = MemoryProfiler(work.model, 1, stream=sink, by_layer=variant[0])
+                prof._guard.disabled.update(variant[1])
+                for _ in range(3):
+                    work.step()
+                    prof.record_stats()
+            wall, host, gpu = measure(prof)
+            if prof is not None:
+                prof.close()
+            print(f"  round {round_}  {label:36s} wall {wall:7.2f}  host {host:7.2f}  GPU {gpu:7.2f}")
+    prof = MemoryProfiler(work.model, 1, stream=sink, by_layer=True)
+    for _ in range(3):
+        work.step()
+        prof.record_stats()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                work.step()
+                prof.record_stats()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        prof.close()
+    syncs = [w for w in caught if "Synchronization debug mode" not in str(w.message)]
+    print(f"synchronizing calls torch saw in two reported by_layer steps: {len(syncs)}")
+    for w in syncs[:10]:
+        print(f"  {w.filename}:{w.lineno}: {str(w.message)[:160]}")
+
+
 def run(work, steps: int, profiler: MemoryProfiler | None, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -292,15 +431,18 @@ _TIMED = (
 )
 
 
-def print_time_inside_hooks(work, args, device: torch.device, sink) -> None:
-    """Wall time spent inside each of the profiler's hooks per step (autograd's threads included).
+def print_time_inside_hooks(work, args, device: torch.device, sink, null_counter: bool = False) -> None:
+    """Wall time spent inside each of the profiler's hooks per step (autograd's threads included),
+    and inside the counter's reads (``mark``: a read and a peak reset), which the hooks include.
 
     What the step loses beyond their sum is the cost of reaching them: module
     call overhead, and the hand-over of Python's lock to autograd's device thread.
+    ``null_counter``: the counter reads nothing, so the hooks' time is their Python alone.
     """
     spent: dict[str, float] = {}
     originals = {name: getattr(TrainingStepHooks, name) for name in _TIMED}
     original_record = MemoryProfiler._record_stats
+    real_make_counter = meter_module.make_counter
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -312,12 +454,19 @@ def print_time_inside_hooks(work, args, device: torch.device, sink) -> None:
 
         return wrapper
 
+    def make_timed_counter(d):
+        counter = NullCounter(d) if null_counter else real_make_counter(d)
+        counter.mark = timed("  of which counter.mark", counter.mark)
+        return counter
+
     for name, fn in originals.items():
         setattr(TrainingStepHooks, name, timed(name, fn))
     MemoryProfiler._record_stats = timed("record_stats", original_record)
+    meter_module.make_counter = make_timed_counter
     try:
         base = median([run(work, args.steps, None, device) for _ in range(3)])
         prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer)
+        run(work, 20, prof, device)
         spent.clear()
         with_prof = run(work, args.steps, prof, device)
         prof.close()
@@ -325,11 +474,15 @@ def print_time_inside_hooks(work, args, device: torch.device, sink) -> None:
         for name, fn in originals.items():
             setattr(TrainingStepHooks, name, fn)
         MemoryProfiler._record_stats = original_record
+        meter_module.make_counter = real_make_counter
+    marks = spent.pop("  of which counter.mark", 0.0)
     inside = sum(spent.values()) / args.steps * 1e6
-    print(f"time inside the hooks, us per step (step {base:.1f} -> {with_prof:.1f} us):")
+    kind = "a counter reading nothing" if null_counter else "the device's counter"
+    print(f"time inside the hooks with {kind}, us per step (step {base:.1f} -> {with_prof:.1f} us):")
     for name, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:22s} {seconds / args.steps * 1e6:8.1f}")
-    print(f"  {'sum':22s} {inside:8.1f}   unaccounted: {with_prof - base - inside:8.1f}")
+        print(f"  {name:24s} {seconds / args.steps * 1e6:8.1f}")
+    print(f"  {'sum':24s} {inside:8.1f}   unaccounted: {with_prof - base - inside:8.1f}")
+    print(f"  {'of which counter.mark':24s} {marks / args.steps * 1e6:8.1f}")
 
 
 def main() -> None:
@@ -346,6 +499,10 @@ def main() -> None:
     parser.add_argument("--read-floor", action="store_true", help="what the allocator reads alone add to the step (CUDA)")
     parser.add_argument("--layer-cost", action="store_true", help="host cost of a reported by_layer iteration (CPU)")
     parser.add_argument("--profile", action="store_true", help="with --layer-cost: a cProfile of it")
+    parser.add_argument("--by-position", action="store_true", help="what each iteration of a print period adds")
+    parser.add_argument("--inside", action="store_true", help="only the time inside each hook, with and without reads")
+    parser.add_argument("--timeline", action="store_true", help="host and GPU time per step, by_layer's parts off (CUDA)")
+    parser.add_argument("--batch", type=int, default=None, help="the workload's batch size (default: its own)")
     args = parser.parse_args()
     if args.reads:
         print_read_costs(torch.device(args.device))
@@ -362,7 +519,7 @@ def main() -> None:
         print_host_cost()
         return
     device = torch.device(args.device)
-    work = WORKLOADS[args.workload](device)
+    work = WORKLOADS[args.workload](device, **({} if args.batch is None else {"batch": args.batch}))
     for _ in range(10):
         work.step()
     sink = open(os.devnull, "w")
@@ -370,6 +527,17 @@ def main() -> None:
     real_backward_started = TrainingStepHooks._backward_started
     if args.profile_only:
         print_profile(work, args, device, sink)
+        return
+    if args.by_position:
+        print_by_position(work, args, device, sink)
+        return
+    if args.timeline:
+        print_timeline(work, args, device, sink)
+        return
+    if args.inside:
+        for _ in range(args.rounds):
+            print_time_inside_hooks(work, args, device, sink)
+            print_time_inside_hooks(work, args, device, sink, null_counter=True)
         return
 
     variants = {
