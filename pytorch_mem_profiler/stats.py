@@ -169,8 +169,10 @@ class IterationRecord:
         iteration_time_s: host wall time since the previous ``record_stats()``.
         phases: :class:`PhaseStats` by phase name (see :data:`PHASES`).
         peak_location: the module running when this iteration's peak was reached
-            (per-layer mode only; ``""`` is the model's own code outside its tracked modules).
-        layers: feature maps by layer (per-layer mode, reported iterations only).
+            (per-layer mode only; ``""`` is the model's own code outside its tracked modules;
+            ``None`` where unknown, as after a fault switched the per-layer attribution off).
+        layers: feature maps by layer (per-layer mode, reported iterations only; ``None``
+            from the iteration in which a fault switched the per-layer attribution off).
         device_used: bytes in use on the whole device (NVML, or ``mem_get_info``).
         process_used: bytes this process uses on the device (NVML, where it can tell).
         outside_pytorch: device used minus the allocator's reserved bytes: the CUDA
@@ -181,14 +183,14 @@ class IterationRecord:
             :data:`PEAK_CATEGORIES`, summing to ``iteration_peak_allocated``), on
             reported iterations in per-layer mode; ``None`` where it was not measured.
         peak_layers: per-layer mode: bytes of each module's saved activations still
-            alive at the peak, by module name.
+            alive at the peak, by module name (``None`` where the module names are unknown).
         peak_transient: bytes of the peak that were made and freed between two
             boundaries the profiler read (CUDA and other allocators: module and phase
             boundaries), counted in ``peak_breakdown`` as
             ``activation_gradients`` in backward and ``other`` elsewhere; ``None`` where every
             byte was seen by identity (the CPU) or no breakdown was measured.
         peak_transient_in: the module (``""``: the model's own code) or the phase
-            that transient ran in.
+            that transient ran in (``None`` for a module whose name is unknown).
         ddp_gradient_buckets: bytes of DDP's gradient buckets held apart from the
             gradients (0 with ``gradient_as_bucket_view=True``); ``None`` without DDP.
         fsdp_gathered_parameters: most bytes of FSDP2's gathered (unsharded)

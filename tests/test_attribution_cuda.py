@@ -142,3 +142,71 @@ def test_outside_pytorch_matches_nvml():
     assert record.device_used == pytest.approx(used, rel=0.01)
     assert record.outside_pytorch > 100 * 2**20  # at least the CUDA context
     assert record.fragmentation == record.current_cached - record.allocated
+
+
+def test_parts_switched_off_by_faults_take_their_hooks_away_and_training_is_unchanged(caplog):
+    """On the GPU, where the peak breakdown follows gradients through post-accumulate-grad hooks
+    and backward runs on autograd's device thread: a fault in the per-layer attribution (iteration
+    1) and one in the breakdown's gradient hook (iteration 3) each switch their part off, its hooks
+    are gone by that iteration's end (no module hook, saved-tensor pair or gradient hook left), the
+    other figures go on, and the weights end equal to those of the same run without the profiler."""
+    import torch.nn.modules.module as module_hooks
+
+    from pytorch_mem_profiler.measure.peak_breakdown import BoundaryPeakBreakdown
+    from pytorch_mem_profiler.measure.saved_tensors import top_saved_tensors_hooks
+
+    def run(profiled: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 8)).to(DEV)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        x = torch.randn(64, 256, device=DEV)
+        params = list(model.parameters())
+        seen = []
+        profiler = MemoryProfiler(model, 1, by_layer=True, stream=io.StringIO()) if profiled else None
+        for i in range(5):
+            if profiled and i == 1:
+                def fails(ended_in, now_in):
+                    raise RuntimeError("injected into the attribution")
+
+                profiler._meter._hooks.attribution.on_exit = fails
+            if profiled and i == 3:
+                tracker = profiler._meter._peak
+                assert isinstance(tracker, BoundaryPeakBreakdown)
+                real_add, failed = tracker._alive.add_storage, []
+
+                def add_storage(storage, category, module=None):
+                    if category == "gradients" and not failed:
+                        failed.append(True)
+                        raise RuntimeError("injected into the breakdown")
+                    return real_add(storage, category, module)
+
+                tracker._alive.add_storage = add_storage
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if profiled:
+                record = profiler.record_stats()
+                left = (
+                    len(module_hooks._global_forward_pre_hooks) + len(module_hooks._global_forward_hooks),
+                    top_saved_tensors_hooks(),
+                    sum(len(p._post_accumulate_grad_hooks or {}) for p in params),
+                )
+                seen.append((record, left))
+        if profiled:
+            profiler.close()
+        return [p.detach().clone() for p in params], seen
+
+    reference, _ = run(False)
+    weights, seen = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(weights, reference))
+    assert "per-layer attribution failed" in caplog.text and "peak breakdown failed" in caplog.text
+    records = [record for record, _ in seen]
+    assert records[0].layers is not None and records[0].peak_breakdown is not None
+    for record, (module_hooks_left, saved_pair, gradient_hooks) in seen[1:]:
+        assert module_hooks_left == 0 and saved_pair is None, record.iteration
+        assert record.layers is None and record.peak_location is None and record.peak_layers is None
+    for record, _ in seen[1:3]:  # the breakdown still works without module names
+        assert sum(record.peak_breakdown.values()) == record.iteration_peak_allocated
+    for record, (_, _, gradient_hooks) in seen[3:]:
+        assert record.peak_breakdown is None and gradient_hooks == 0, record.iteration
+    assert seen[2][1][2] == len(list(reference))  # before the breakdown's fault its hooks were there

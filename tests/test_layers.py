@@ -310,3 +310,47 @@ def test_peak_location_in_forward_names_the_module():
     assert record.peak_phase == "forward"
     assert record.peak_location == "1"
     assert record.phases["forward"].peak_allocated >= 4_000_000
+
+
+@needs_saved_tensor_watch
+def test_a_fault_in_the_attribution_takes_its_hooks_away_at_the_forwards_end(caplog):
+    """A fault in a per-layer module hook mid-forward switches the attribution off: its hooks on
+    every module and its saved-tensor pair go by the end of that iteration (not at close()), so
+    neither the model's later forwards nor another model's run through them, and no record from
+    then on names a module it may have got wrong; the peak's make-up, which needs no names, stays."""
+    import torch.nn.modules.module as module_hooks
+
+    from pytorch_mem_profiler.measure.saved_tensors import top_saved_tensors_hooks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), ForwardScratch(), nn.Linear(32, 4))
+    other = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 32)
+    before = (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks))
+    seen = []
+    with MemoryProfiler(model, 1, by_layer=True, stream=io.StringIO()) as profiler:
+        for i in range(3):
+            if i == 1:
+                attribution = profiler._meter._hooks.attribution
+
+                def fails(ended_in, now_in):
+                    raise RuntimeError("injected")
+
+                attribution.on_exit = fails  # called where a tracked module's forward ends
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            record = profiler.record_stats()
+            installed = (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks))
+            seen.append((record, installed, top_saved_tensors_hooks()))
+            other(torch.randn(2, 4)).sum().backward()  # another model, between iterations
+    assert "per-layer attribution failed" in caplog.text
+    first, faulted, after = (r for r, _, _ in seen)
+    assert first.peak_location == "1" and first.layers is not None
+    for record, installed, top in seen:
+        assert installed == before and top is None, record.iteration
+    for record in (faulted, after):
+        assert record.layers is None and record.peak_location is None and record.peak_layers is None
+        assert record.peak_breakdown is not None
+        assert sum(record.peak_breakdown.values()) == record.iteration_peak_allocated

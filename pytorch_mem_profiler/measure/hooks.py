@@ -531,6 +531,8 @@ class TrainingStepHooks:
     def _leave(self, pass_: _ForwardPass) -> None:
         """The model was left: the pass may go on (another entry) or end (backward, a step)."""
         if pass_.attributed and self.attribution is not None:
+            # Skipped once a fault switched it off: the meter then closes it between iterations
+            # (a pop here can run inside backward, whose saved-tensor stack is not the thread's).
             self.guard.call("per-layer attribution", self.attribution.close)
         if self.breakdown is not None:  # pushed before the attribution's: popped after it
             self._tell_breakdown("unwatch_forward")
@@ -550,7 +552,13 @@ class TrainingStepHooks:
         self._awaiting = pass_.pending
         self._leave(pass_)  # still inside it when a phase marked by hand ends it
         breakdown: LayerBreakdown | None = None
-        if pass_.attributed and self.attribution is not None and self.attribution.watching_saved_tensors:
+        if (
+            pass_.attributed
+            and self.attribution is not None
+            and self.attribution.watching_saved_tensors
+            # switched off by a fault during this forward: what it put down so far may be partial
+            and "per-layer attribution" not in self.guard.disabled
+        ):
             breakdown = self.attribution.breakdown
         if pass_.end_allocated is None or pass_.start is None:
             return

@@ -55,6 +55,8 @@ _log = logging.getLogger("pytorch_mem_profiler")
 
 #: The part of the meter that takes the hooks off between reported iterations.
 _LIGHT = "hooks off between reports"
+#: the part a fault in the per-layer attribution switches off (its guard's name for it)
+_ATTRIBUTION = "per-layer attribution"
 #: the pass and step counts of an iteration the hooks slept through: unknown
 _UNCOUNTED: tuple[None, None, None] = (None, None, None)
 
@@ -232,6 +234,8 @@ class Meter:
         """
         hooks = self._hooks
         if hooks is not None:
+            if hooks.attribution is not None and _ATTRIBUTION in self.guard.disabled:
+                self._drop_attribution(hooks)
             hooks.reported = detailed
             hooks.detailed = hooks.attribution is not None and detailed
             hooks.breakdown = None
@@ -254,6 +258,16 @@ class Meter:
                     self.guard.fault("peak breakdown", exc)
                 else:
                     hooks.breakdown = tracker
+
+    def _drop_attribution(self, hooks: TrainingStepHooks) -> None:
+        """A fault switched the per-layer attribution off: what a forward left of it installed
+        (its hooks on every module, its saved-tensor pair) goes now, between iterations, and
+        nothing asks it for module names again (no locations: ``None``, unknown)."""
+        attribution, hooks.attribution = hooks.attribution, None
+        if self._peak is not None:
+            self._peak.module_name = None
+        if attribution is not None:
+            self.guard.clean_up(_ATTRIBUTION, attribution.close)
 
     def _buffers(self) -> list[torch.Tensor]:
         # The model's modules are listed at each refresh; their buffers are read now (a buffer
@@ -442,15 +456,19 @@ class Meter:
         fields["forward_passes"], fields["backward_passes"], fields["optimizer_steps"] = m.counts
         fields["iteration_time_s"] = elapsed
         fields["phases"] = phases
-        fields["peak_location"] = m.peak_location
+        # Module names come from the per-layer attribution: where a fault switched it off during
+        # this iteration, those it gave may be stale, and none is reported.
+        located = _ATTRIBUTION not in self.guard.disabled
+        fields["peak_location"] = m.peak_location if located else None
         fields["layers"] = _feature_maps_by_layer(m.layers, m.layers_kept) if reported else None
         if peak is not None:
             fields["peak_breakdown"] = MappingProxyType(peak.breakdown)
-            if peak.peak_layers is not None:
+            if peak.peak_layers is not None and located:
                 fields["peak_layers"] = MappingProxyType(peak.peak_layers)
             if peak.transient_in is not None:
                 fields["peak_transient"] = peak.transient
-            fields["peak_transient_in"] = peak.transient_in
+            transient_in = peak.transient_in
+            fields["peak_transient_in"] = transient_in if located or transient_in in PHASES else None
         if usage is not None:
             fields["device_used"] = usage.device_used
             fields["process_used"] = usage.process_used
