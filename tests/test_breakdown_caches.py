@@ -423,6 +423,7 @@ def test_a_breakdown_switched_off_by_a_fault_takes_its_gradient_hooks_away(mlp, 
         calls = len(made)
         for _ in range(2):
             record = iteration(profiler)
-            assert record.peak_breakdown is None and record.layers is not None
+            # the per-layer attribution goes on (torch < 2.8 measures no feature maps by layer)
+            assert record.peak_breakdown is None and (record.layers is not None or not can_chain())
         assert len(made) == calls  # no gradient hook of the breakdown ran again
     assert "peak breakdown failed" in caplog.text
