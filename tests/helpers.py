@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
+
+from pytorch_mem_profiler.measure.saved_tensors import can_chain
+
+#: Feature maps by layer watch saved tensors behind the user's hooks, which torch can tell from 2.8 on.
+needs_saved_tensor_watch = pytest.mark.skipif(
+    not can_chain(), reason="torch < 2.8 cannot tell which saved-tensor hooks are active: no per-layer feature maps"
+)
 
 
 def nbytes(t: torch.Tensor) -> int:

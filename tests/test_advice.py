@@ -27,6 +27,8 @@ from pytorch_mem_profiler.outputs.report import format_compact, format_line, for
 from pytorch_mem_profiler.stats import PEAK_CATEGORIES, IterationRecord, LayerFeatureMaps
 from pytorch_mem_profiler.units import format_amount
 
+from .helpers import needs_saved_tensor_watch
+
 PEAK = 2_000_000_000
 
 
@@ -124,6 +126,7 @@ def saved_by_block(model: Stack, x: torch.Tensor) -> dict[str, int]:
     return saved
 
 
+@needs_saved_tensor_watch
 def test_checkpointing_names_the_blocks_and_saves_their_activations_less_the_largest():
     torch.manual_seed(0)
     model = Stack()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -13,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import accuracy  # noqa: E402
 import overhead  # noqa: E402
 from workloads import QUICK, WorkloadUnavailable, build, median  # noqa: E402
+
+from pytorch_mem_profiler.measure.saved_tensors import can_chain  # noqa: E402
 
 CPU_QUICK = ["--device", "cpu", "--quick"]
 
@@ -48,7 +51,10 @@ def test_accuracy_weights_gradients_optimizer_state_are_exact_on_cpu(tmp_path):
     saved = by_figure["feature maps by layer"]
     batch, width = QUICK["tiny_mlp"]["batch"], QUICK["tiny_mlp"]["width"]
     assert saved.independent == 8 * batch * width * 4
-    assert saved.error == 0
+    if can_chain():
+        assert saved.error == 0
+    else:  # torch < 2.8 cannot watch saved tensors: the profiler measures no feature maps by layer
+        assert saved.profiler is None and saved.error is None
     assert by_figure["iteration peak"].status.startswith("n/a on CPU")
 
     rows = list(csv.DictReader(open(tmp_path / "accuracy.csv")))
@@ -68,18 +74,35 @@ def test_accuracy_skips_a_workload_it_cannot_build(monkeypatch, tmp_path):
     assert {c.figure for c in results if c.workload == "tiny_mlp" and c.status == "ok"} >= {"weights", "gradients"}
 
 
+def _has_mem_tracker() -> bool:
+    """Whether this torch has MemTracker (torch.distributed._tools.mem_tracker, torch 2.5 and later)."""
+    if not torch.distributed.is_available():
+        return False
+    try:
+        return importlib.util.find_spec("torch.distributed._tools.mem_tracker") is not None
+    except ModuleNotFoundError:  # a parent package is missing too
+        return False
+
+
 def test_overhead_runs_every_tool_or_says_why_not(tmp_path):
     args = [*CPU_QUICK, "--workloads", "tiny_mlp", "--rounds", "3", "--peer-rounds", "3", "--records", "40"]
     rows = overhead.main([*args, "--round-seconds", "0.02", "--warmup", "1", "--out", str(tmp_path)])
     by_tool = {r.tool: r for r in rows}
     assert set(by_tool) == set(overhead.make_tools(100_000))
-    for name in ("profiler, print_period=1", "profiler by_layer, print_period=10", "MemTracker"):
+    measured = ["profiler, print_period=1", "profiler by_layer, print_period=10"]
+    if _has_mem_tracker():
+        measured.append("MemTracker")
+    else:  # torch < 2.5 has no MemTracker: that tool alone says why
+        prefix = f"unavailable: torch {torch.__version__} has no torch.distributed._tools.mem_tracker ("
+        assert by_tool["MemTracker"].status.startswith(prefix), by_tool["MemTracker"].status
+    for name in measured:
         row = by_tool[name]
         assert row.status == "ok", row.status
         assert len(row.ratios) == 3
         assert row.ratio == median(row.ratios) > 0
         assert row.base_ms > 0 and row.tool_ms > 0
-    assert by_tool["MemTracker"].base_steps == by_tool["MemTracker"].tool_steps == 1
+    if _has_mem_tracker():
+        assert by_tool["MemTracker"].base_steps == by_tool["MemTracker"].tool_steps == 1
     assert by_tool["profiler, print_period=1"].goal == overhead.GOAL_TINY
     assert by_tool["profiler by_layer, print_period=1"].goal == overhead.GOAL_BY_LAYER
     for stacks in ("python", "all"):

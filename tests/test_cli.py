@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
+from .helpers import needs_saved_tensor_watch
 from .profiled_run import REPO, png_size, profile_tiny_model, run_cli
 from pytorch_mem_profiler import memory_profiler
 from pytorch_mem_profiler.analysis.runs import module_of
@@ -113,6 +114,7 @@ def test_summary_of_the_newest_run_in_dir(runs):
     assert lines[lines.index("Largest layers by weights:") + 2] == ""  # --top 1
 
 
+@needs_saved_tensor_watch
 def test_summary_shows_the_layers_file(tmp_path):
     path, _ = profile_tiny_model(tmp_path, by_layer=True, units="B")
     result = run_cli("summary", path, cwd=tmp_path)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from .helpers import needs_saved_tensor_watch
 from .profiled_run import run_cli
 from .test_html_report import parse
 from pytorch_mem_profiler import memory_profiler
@@ -84,6 +85,7 @@ def test_summary_folds_the_blocks(stack_run):
     assert lines[at + 4] == ""  # --top 3: three groups, the head (smaller than any) left out
 
 
+@needs_saved_tensor_watch
 def test_feature_maps_fold_too_and_the_csv_keeps_every_name(stack_run):
     raw = pd.read_csv(layers_path(stack_run["path"]))
     activations = raw[(raw["category"] == "activations") & raw["module"].notna()]

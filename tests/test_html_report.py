@@ -21,6 +21,7 @@ from pytorch_mem_profiler import memory_profiler
 from pytorch_mem_profiler.analysis.html_report import CONTENT_SECURITY_POLICY, render_html, write_html
 from pytorch_mem_profiler.analysis.peaks import format_share
 from pytorch_mem_profiler.analysis.runs import layers_path, load_run
+from pytorch_mem_profiler.measure.saved_tensors import can_chain
 from pytorch_mem_profiler.units import format_amount
 
 CHROMIUM = "/usr/bin/chromium"
@@ -177,6 +178,10 @@ def test_layers_file_gets_its_tables(tmp_path):
     raw = pd.read_csv(layers_path(path))
     raw["module"] = raw["module"].fillna("(model)")
     page = parse(render_html(load_run(path)))
+    if not can_chain():  # torch < 2.8 measures no feature maps by layer: no rows, so no tables
+        assert raw.empty
+        assert "layers-activations" not in page.tables and "layer-totals" not in page.tables
+        return
     activations = raw[(raw["category"] == "activations") & (raw["module"] != "(input)")]
     largest = activations.groupby(["step", "module"])["bytes"].sum().groupby("module").max()
     largest = largest.sort_values(ascending=False, kind="stable")

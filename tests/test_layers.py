@@ -18,16 +18,9 @@ from pytorch_mem_profiler.outputs.leaks import LeakWarning
 from pytorch_mem_profiler.outputs.sinks import LeakSink
 from pytorch_mem_profiler.stats import diff_records
 
-from pytorch_mem_profiler.measure.saved_tensors import can_chain
-
-from .helpers import BackwardScratch, mlp, nbytes
+from .helpers import BackwardScratch, mlp, nbytes, needs_saved_tensor_watch
 
 F32 = 4
-
-#: Feature maps by layer watch saved tensors behind the user's hooks, which torch can tell from 2.8 on.
-needs_saved_tensor_watch = pytest.mark.skipif(
-    not can_chain(), reason="torch < 2.8 cannot tell which saved-tensor hooks are active: no per-layer feature maps"
-)
 
 
 def profile_one_step(model, x, **kw):

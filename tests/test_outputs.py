@@ -26,6 +26,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 import pytorch_mem_profiler
 from pytorch_mem_profiler import MemoryProfiler, memory_profiler
+from pytorch_mem_profiler.measure.saved_tensors import can_chain
 from pytorch_mem_profiler.outputs import progress
 from pytorch_mem_profiler.outputs.export import (
     EXTRA_COLUMNS,
@@ -43,7 +44,7 @@ from pytorch_mem_profiler.outputs.sinks import CsvSink, LayerCsvSink
 from pytorch_mem_profiler.stats import PEAK_CATEGORIES, PEAK_CATEGORY_LABELS, IterationRecord
 from pytorch_mem_profiler.units import format_amount
 
-from .helpers import mlp, nbytes, train_step
+from .helpers import mlp, nbytes, needs_saved_tensor_watch, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -213,9 +214,12 @@ def test_compact_mode_line_by_line():
         f"{label} {mb(n)} ({100 * n / peak:.1f}%)"
         for label, n in ((PEAK_CATEGORY_LABELS[k], n) for k, n in at_peak_parts(expected))
     )
-    assert lines[5] == "  top layers (feature maps saved for backward):"
     saved = saved_by_module(model, torch.randn(16, 32))
     assert saved == {"1": 16 * 64 * 4}  # ReLU keeps its output; the Linears save the batch and that
+    if not can_chain():  # torch < 2.8 measures no feature maps by layer: no top layers
+        assert record.layers is None and len(lines) == 5, lines
+        return
+    assert lines[5] == "  top layers (feature maps saved for backward):"
     assert re.fullmatch(rf"    1\.+{16 * 64 * 4} B 100\.0%", lines[6]), lines[6]
     assert len(lines) == 7
 
@@ -556,6 +560,7 @@ class TwelveBlocks(nn.Module):
         return self.head(x)
 
 
+@needs_saved_tensor_watch
 def test_twelve_blocks_fold_into_one_line_per_repeated_module(csv_dir):
     model = TwelveBlocks()
     x = torch.randn(8, 32)
@@ -699,8 +704,9 @@ def test_a_deleted_csv_folder_is_made_again_with_every_row(csv_dir):
     total = 10 + 5 + 100
     frame = pd.read_csv(p.csv_path)  # made again, with the rows written before the folder went
     assert list(frame.iteration) == list(range(1, total + 1))
-    layers = pd.read_csv(p.layers_csv_path)
-    assert sorted(set(layers.iteration)) == list(range(1, total + 1))
+    layers = pd.read_csv(p.layers_csv_path)  # made again too
+    # torch < 2.8 measures no feature maps by layer: the per-layer file holds its header alone
+    assert sorted(set(layers.iteration)) == (list(range(1, total + 1)) if can_chain() else [])
     notes = [str(w.message) for w in caught if w.category is OutputWarning]
     assert len(notes) == 2  # one per file
     assert all("was deleted during the run; it was made again" in n for n in notes)
@@ -810,4 +816,5 @@ def test_a_row_is_on_disk_when_record_stats_returns(csv_dir):
             train_step(model, None, torch.randn(4, 32))
             p.record_stats()
             sizes.append((len(pd.read_csv(p.csv_path)), len(set(pd.read_csv(p.layers_csv_path).iteration))))
-    assert sizes == [(0, 0), (1, 1), (1, 1), (2, 2)]  # no flush, no epoch end: written as reported
+    # no flush, no epoch end: written as reported (torch < 2.8 writes no per-layer rows)
+    assert sizes == ([(0, 0), (1, 1), (1, 1), (2, 2)] if can_chain() else [(0, 0), (1, 0), (1, 0), (2, 0)])

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from pytorch_mem_profiler import memory_profiler
+from pytorch_mem_profiler.measure.saved_tensors import can_chain
 from pytorch_mem_profiler.stats import PEAK_CATEGORIES
 
-from .helpers import BackwardScratch, SavedBytes, unique_storage_bytes
+from .helpers import BackwardScratch, SavedBytes, needs_saved_tensor_watch, unique_storage_bytes
 
 SCRATCH = BackwardScratch.SCRATCH_ELEMS * 4
 
@@ -92,6 +93,9 @@ def test_the_peak_by_category_computed_by_hand(body, shape):
     }
     assert expected["optimizer_state"] == 2 * expected["weights"] + 4 * len(list(model.parameters()))
     assert expected["activations"] > 0
+    if not can_chain():  # torch < 2.8 watches no saved tensors: what they hold counts as other
+        expected["other"] += expected.pop("activations")
+        expected = {c: expected.get(c, 0) for c in PEAK_CATEGORIES}
     assert record.peak_phase == "backward"
     assert dict(record.peak_breakdown) == expected
     assert list(record.peak_breakdown) == list(PEAK_CATEGORIES)
@@ -159,6 +163,7 @@ class Attention(nn.Module):
         return self.head(self.attn(h, h, h, need_weights=False)[0])
 
 
+@needs_saved_tensor_watch
 @pytest.mark.parametrize("build", [Lstm, Gru, Attention], ids=["lstm2", "gru", "multihead_attention"])
 def test_per_layer_total_is_every_saved_storage(build):
     model = build()

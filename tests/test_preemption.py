@@ -20,6 +20,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from pytorch_mem_profiler.measure.saved_tensors import can_chain
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
@@ -104,10 +106,13 @@ def test_every_reported_row_survives_the_kill(tmp_path, signame, who):
         assert len(on_disk) - len(reported) in (0, 1)
         assert on_disk == [(1, i) for i in range(1, 41)] + [(2, i) for i in range(1, len(on_disk) - 39)]
     assert main.total_weight_usage.notna().all() and (main.total_weight_usage > 0).all()
-    # the per-layer file has the rows of the same reported iterations, whole
     layers = pd.read_csv(layers_path)
-    assert sorted(set(zip(layers.epoch, layers.iteration))) == on_disk
-    totals = layers[layers.module == "(total by layer)"]
-    assert len(totals) == len(on_disk)
+    if can_chain():
+        # the per-layer file has the rows of the same reported iterations, whole
+        assert sorted(set(zip(layers.epoch, layers.iteration))) == on_disk
+        totals = layers[layers.module == "(total by layer)"]
+        assert len(totals) == len(on_disk)
+    else:  # torch < 2.8 measures no feature maps by layer: the per-layer file holds its header alone
+        assert layers.empty and {"epoch", "iteration", "module", "bytes"} <= set(layers.columns)
     # both files end with a whole line
     assert main_path.read_bytes().endswith(b"\n") and layers_path.read_bytes().endswith(b"\n")

@@ -18,6 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from pytorch_mem_profiler.analysis.runs import load_run
+from pytorch_mem_profiler.measure.saved_tensors import can_chain
 
 from .torchrun_helper import ROOT, run_command
 
@@ -62,8 +63,9 @@ def test_a_failing_rank_leaves_every_reported_row_of_both_ranks(tmp_path):
         on_disk = list(zip(run.records.epoch.astype(int), run.records.iteration.astype(int)))
         assert on_disk == reported, (rank, on_disk, reported)
         assert (run.records.weights > 0).all()
-        # the per-layer file has the same iterations, each whole
         assert run.layers is not None
         layer_rows = sorted(set(zip(run.layers.epoch.astype(int), run.layers.iteration.astype(int))))
-        assert layer_rows == reported, (rank, layer_rows)
+        # the per-layer file has the same iterations, each whole; torch < 2.8 measures no
+        # feature maps by layer: there the file holds its header alone
+        assert layer_rows == (reported if can_chain() else []), (rank, layer_rows)
         assert Path(main_path).read_bytes().endswith(b"\n") and Path(layers_file).read_bytes().endswith(b"\n")

@@ -20,6 +20,7 @@ from pytorch_mem_profiler.analysis.runs import (
     module_of,
     newest_run,
 )
+from pytorch_mem_profiler.measure.saved_tensors import can_chain
 
 
 def param_bytes(model: torch.nn.Module) -> dict[str, int]:
@@ -166,7 +167,10 @@ def test_layers_file_is_read_when_present(tmp_path):
     assert list(run.layers["category"]) == list(raw["category"])
     # the model's own forward has the empty module name: it reads back as "(model)"
     assert list(run.layers["module"]) == list(raw["module"].fillna("(model)"))
-    assert "(model)" in set(run.layers["module"]) and "norm" in set(run.layers["module"])
+    if can_chain():
+        assert "(model)" in set(run.layers["module"]) and "norm" in set(run.layers["module"])
+    else:  # torch < 2.8 measures no feature maps by layer: the file holds its header alone
+        assert raw.empty and run.layers.empty
 
 
 def test_bad_layers_file_is_a_warning_not_an_error(tmp_path):
