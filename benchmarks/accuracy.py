@@ -53,6 +53,7 @@ from benchutil import environment_line, markdown_table, mb, output_dir, quiet_co
 from workloads import WORKLOADS, Workload, WorkloadUnavailable, build  # noqa: E402
 
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
+from pytorch_mem_profiler.measure.saved_tensors import can_chain  # noqa: E402
 
 #: The figures compared, in the table's order.
 FIGURES = (
@@ -265,7 +266,12 @@ def compare(work: Workload, device: torch.device, warmup: int) -> list[Compariso
         row("gradients", record.gradients, grads_at_step[-1] if grads_at_step else None, ".grad at optimizer.step(), unique storages"),
         row("optimizer state", record.optimizer_state, state, "optimizer.state tensors on the device, unique storages"),
         row("buffers", record.buffers, buffers, "numel*element_size of unique buffer storages"),
-        row("feature maps by layer", record.layers.total if record.layers is not None else None, saved.saved_bytes, saved_method),
+        row("feature maps by layer", record.layers.total if record.layers is not None else None, saved.saved_bytes, saved_method)
+        if can_chain()
+        else Comparison(
+            work.name, "feature maps by layer", None, saved.saved_bytes, saved_method,
+            f"n/a on torch {torch.__version__} (by layer needs torch 2.8 or later)",
+        ),
         row("feature maps (allocator delta)", record.feature_maps, saved.saved_bytes, saved_method),
     ]
     if cuda:

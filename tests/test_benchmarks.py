@@ -55,6 +55,7 @@ def test_accuracy_weights_gradients_optimizer_state_are_exact_on_cpu(tmp_path):
         assert saved.error == 0
     else:  # torch < 2.8 cannot watch saved tensors: the profiler measures no feature maps by layer
         assert saved.profiler is None and saved.error is None
+        assert saved.status.startswith(f"n/a on torch {torch.__version__}")
     assert by_figure["iteration peak"].status.startswith("n/a on CPU")
 
     rows = list(csv.DictReader(open(tmp_path / "accuracy.csv")))

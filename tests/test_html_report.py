@@ -181,6 +181,7 @@ def test_layers_file_gets_its_tables(tmp_path):
     if not can_chain():  # torch < 2.8 measures no feature maps by layer: no rows, so no tables
         assert raw.empty
         assert "layers-activations" not in page.tables and "layer-totals" not in page.tables
+        assert "per-layer file has no rows" in render_html(load_run(path))
         return
     activations = raw[(raw["category"] == "activations") & (raw["module"] != "(input)")]
     largest = activations.groupby(["step", "module"])["bytes"].sum().groupby("module").max()
@@ -531,3 +532,15 @@ def test_the_epoch_bars_in_a_browser(broken_down, tmp_path):
         for category, nbytes, width in row["parts"]:
             assert nbytes == round(csv_row[f"peak_{category}"] * 1000)
             assert width == pytest.approx(row["track"] * nbytes / largest, abs=1.0)
+
+
+def test_a_per_layer_file_without_rows_is_said_so(tmp_path):
+    """A per-layer file holding its header alone (torch < 2.8 measures no feature maps by layer)
+    gets a note saying why there are no layer tables, not the note for a run without the file."""
+    path, _ = profile_tiny_model(tmp_path, units="B", by_layer=True)
+    header = layers_path(path).read_text().splitlines()[0]
+    layers_path(path).write_text(header + "\n")
+    text = render_html(load_run(path))
+    page = parse(text)
+    assert "layers-activations" not in page.tables and "layer-totals" not in page.tables
+    assert "per-layer file has no rows" in text and "has no per-layer file" not in text

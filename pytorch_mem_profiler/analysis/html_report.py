@@ -237,7 +237,12 @@ def render_html(run: Run, unit: str | None = None) -> str:
                 f"layers-{_slug(category)}",
             )
         )
-    if run.layers is not None:
+    if run.layers is not None and not len(run.layers):
+        parts.append(
+            '<p class="note">This run\'s per-layer file has no rows: feature maps by layer are '
+            "measured with torch 2.8 or later, on reported iterations.</p>"
+        )
+    elif run.layers is not None:
         parts.append(_layer_totals_table(run, unit))
     else:
         parts.append(
