@@ -145,11 +145,11 @@ def test_outside_pytorch_matches_nvml():
 
 
 def test_parts_switched_off_by_faults_take_their_hooks_away_and_training_is_unchanged(caplog):
-    """On the GPU, where the peak breakdown follows gradients through post-accumulate-grad hooks
-    and backward runs on autograd's device thread: a fault in the per-layer attribution (iteration
-    1) and one in the breakdown's gradient hook (iteration 3) each switch their part off, its hooks
-    are gone by that iteration's end (no module hook, saved-tensor pair or gradient hook left), the
-    other figures go on, and the weights end equal to those of the same run without the profiler."""
+    """On the GPU, where backward and its boundaries run on autograd's device thread: a fault in
+    the per-layer attribution (iteration 1) and one where the peak breakdown tracks a gradient
+    backward made (iteration 3) each switch their part off, its hooks are gone by that iteration's
+    end (no module hook or saved-tensor pair left; no gradient hook ever), the other figures go
+    on, and the weights end equal to those of the same run without the profiler."""
     import torch.nn.modules.module as module_hooks
 
     from pytorch_mem_profiler.measure.peak_breakdown import BoundaryPeakBreakdown
@@ -207,6 +207,6 @@ def test_parts_switched_off_by_faults_take_their_hooks_away_and_training_is_unch
         assert record.layers is None and record.peak_location is None and record.peak_layers is None
     for record, _ in seen[1:3]:  # the breakdown still works without module names
         assert sum(record.peak_breakdown.values()) == record.iteration_peak_allocated
-    for record, (_, _, gradient_hooks) in seen[3:]:
-        assert record.peak_breakdown is None and gradient_hooks == 0, record.iteration
-    assert seen[2][1][2] == len(list(reference))  # before the breakdown's fault its hooks were there
+    for record, _ in seen[3:]:
+        assert record.peak_breakdown is None, record.iteration
+    assert all(gradient_hooks == 0 for _, (_, _, gradient_hooks) in seen)

@@ -180,27 +180,45 @@ def test_gradients_kept_at_the_start_and_a_gradient_over_optimizer_state(mlp):
         assert id(shared.untyped_storage()) not in h.kept._static.state_keys  # walked again: a gradient
 
 
-def test_gradient_hooks_stay_between_reported_iterations_and_go(mlp):
-    opt = torch.optim.SGD(mlp.parameters(), lr=1e-2)
-    with Harness(mlp, opt, torch.randn(4, 8)) as h:
-        params = h.params()
-        h.iteration()
-        handles = list(h.kept._handles)
-        assert len(handles) == len(params) and hooks_on(params) == len(params)
-        h.iteration()
-        assert h.kept._handles == handles  # the same hooks: none made again
-        # A backward outside a reported iteration: the first hook that runs drops them all.
-        mlp(h.x).sum().backward()
-        assert hooks_on(params) == 0 and h.kept._handles == []
-        opt.zero_grad()
-        kept, fresh = h.iteration()
-        assert kept == fresh and hooks_on(params) == len(params)
-        # A parameter frozen: hooked again, on the others only.
-        mlp[0].bias.requires_grad_(False)
-        kept, fresh = h.iteration()
-        assert kept == fresh and hooks_on(params) == len(params) - 1
-    assert hooks_on(params) == 0  # close() leaves nothing installed
-    assert h.kept._alive.static == {}
+def test_gradients_made_in_backward_are_found_at_its_boundaries_without_a_hook(mlp):
+    """Mid-backward, at a module boundary, the gradients already made (the second Linear's, whose
+    AccumulateGrad runs before backward reaches the first Linear) are tracked, and only they; at
+    backward's end every one is. No hook is put on the parameters for it, and gradients kept from
+    one iteration to the next (accumulated in place) are not looked for again."""
+    counter = CpuCounter()
+    counter.start()
+    tracker = BoundaryPeakBreakdown(counter)
+    params = list(mlp.parameters())
+    x = torch.randn(4, 8)
+    seen = []
+    try:
+        for _ in range(2):
+            tracker.begin(params, list(mlp.buffers()), [], counter.mark().allocated)
+            assert hooks_on(params) == 0
+            tracker.marked(counter.mark(), "other", "forward", None)
+            hidden = mlp[0](x)
+            out = mlp[2](mlp[1](hidden))
+            tracker.marked(counter.mark(), "forward", "backward", None)
+
+            def boundary(grad_outputs):
+                tracker.marked(counter.mark(), "backward", "backward", None)
+                made = [p.grad for p in params if p.grad is not None]
+                seen.append((len(made), tracker._alive.totals["gradients"], unique_storage_bytes(*made)))
+
+            hidden.grad_fn.register_prehook(boundary)
+            out.sum().backward()
+            tracker.marked(counter.mark(), "backward", "other", None)
+            assert tracker._alive.totals["gradients"] == unique_storage_bytes(*(p.grad for p in params))
+            assert hooks_on(params) == 0
+            tracker.result(None, params, [])  # ends the iteration (no peak asked: none given)
+            del hidden, out
+        (made, tracked, expected), (made_again, tracked_again, expected_again) = seen
+        assert made == 2 and tracked == expected > 0  # the second Linear's weight and bias only
+        assert made_again == len(params) and tracked_again == expected_again  # kept: all, in place
+        assert tracker._awaiting == []
+    finally:
+        tracker.close()
+        counter.stop()
 
 
 @pytest.mark.skipif(not can_chain(), reason="torch < 2.8 cannot tell which saved-tensor hooks are active")
@@ -305,9 +323,9 @@ def test_the_meters_buffer_list_follows_buffers_reassigned_after_it_was_made():
     assert any(t is model[1].running_mean for t in found) and not any(t is old for t in found)
 
 
-def test_a_gradient_reassigned_after_its_hook_ran_is_tracked_and_a_view_of_one_tracked_is_not_again(mlp):
-    """``gradients_ready`` tracks only the gradients the post-accumulate-grad hooks did not see:
-    a ``.grad`` replaced after backward made it counts, a ``.grad`` that views a tracked gradient's
+def test_a_gradient_reassigned_after_backward_found_it_is_tracked_and_a_view_of_one_tracked_is_not_again(mlp):
+    """``gradients_ready`` tracks only the gradients backward's boundaries did not find: a
+    ``.grad`` replaced after backward made it counts, a ``.grad`` that views a tracked gradient's
     storage does not count twice, and the one replaced stays counted while it lives."""
     counter = CpuCounter()
     counter.start()
@@ -316,8 +334,9 @@ def test_a_gradient_reassigned_after_its_hook_ran_is_tracked_and_a_view_of_one_t
     try:
         tracker.begin(params, list(mlp.buffers()), [], 0)
         mlp(torch.randn(4, 8)).sum().backward()
+        tracker.marked(counter.mark(), "backward", "other", None)  # backward's end: each one found
         seen = [p.grad for p in params]
-        assert tracker._alive.totals["gradients"] == unique_storage_bytes(*seen)  # the hooks saw each one
+        assert tracker._alive.totals["gradients"] == unique_storage_bytes(*seen)
         replaced = mlp[0].weight.grad
         mlp[0].weight.grad = torch.zeros_like(replaced)  # a new storage; the old one kept alive here
         mlp[2].weight.grad = mlp[2].weight.grad.detach().view_as(mlp[2].weight)  # a view: a tracked storage
@@ -379,10 +398,10 @@ def test_an_optimizer_phase_peak_puts_the_state_made_at_the_first_step_down_to_t
         assert kept.breakdown["optimizer_state"] > 0
 
 
-def test_a_breakdown_switched_off_by_a_fault_takes_its_gradient_hooks_away(mlp, monkeypatch, caplog):
-    """A fault in one of the breakdown's own hooks (here the one that sees a gradient made, once)
-    switches the breakdown off, and with it go its post-accumulate-grad hooks: they would otherwise run at
-    every backward for nothing. Training goes on, the records lose only the breakdown."""
+def test_a_breakdown_switched_off_by_a_fault_runs_no_more(mlp, monkeypatch, caplog):
+    """A fault in the breakdown (here where it tracks a gradient backward made, once) switches it
+    off, and the meter drops it: nothing of it runs at later backwards, and it never puts a hook
+    on the parameters. Training goes on; the records lose only the breakdown."""
     import io
 
     import pytorch_mem_profiler.measure.meter as meter_module
@@ -405,25 +424,25 @@ def test_a_breakdown_switched_off_by_a_fault_takes_its_gradient_hooks_away(mlp, 
         tracker = profiler._meter._peak
         assert isinstance(tracker, BoundaryPeakBreakdown)
         assert iteration(profiler).peak_breakdown is not None
-        assert hooks_on(params) == len(params)
+        assert hooks_on(params) == 0
         real_add = tracker._alive.add_storage
 
         def add_storage(storage, category, module=None):
             if category == "gradients":
                 made.append(storage)
-                if len(made) == 1:  # once: what the hooks hand it later still works
+                if len(made) == 1:  # once: what follows would work
                     raise RuntimeError("injected")
             return real_add(storage, category, module)
 
         monkeypatch.setattr(tracker._alive, "add_storage", add_storage)
         faulted = iteration(profiler)  # the fault, inside autograd: contained
         assert "peak breakdown" in profiler._guard.disabled
-        assert faulted.peak_breakdown is None
-        assert hooks_on(params) == 0 and profiler._meter._peak is None
+        assert faulted.peak_breakdown is None and profiler._meter._peak is None
         calls = len(made)
         for _ in range(2):
             record = iteration(profiler)
             # the per-layer attribution goes on (torch < 2.8 measures no feature maps by layer)
             assert record.peak_breakdown is None and (record.layers is not None or not can_chain())
-        assert len(made) == calls  # no gradient hook of the breakdown ran again
+            assert hooks_on(params) == 0
+        assert len(made) == calls  # nothing of the breakdown ran again
     assert "peak breakdown failed" in caplog.text

@@ -242,8 +242,8 @@ class Meter:
             self._watch(hooks, detailed)
             tracker = self._peak
             if tracker is not None and "peak breakdown" in self.guard.disabled:
-                # Switched off by a fault (in one of its hooks, say): its gradient hooks go now,
-                # or they would go on running at every backward for nothing.
+                # Switched off by a fault: what it holds (tracked storages, the static walk) goes
+                # now, not at close().
                 self._peak = None
                 self.guard.clean_up("peak breakdown", tracker.close)
             # Per-layer mode only: the breakdown watches every saved tensor and weight gradient

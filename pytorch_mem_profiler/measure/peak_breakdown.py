@@ -19,9 +19,13 @@ Two ways, by what the device lets one see:
   Exact to the byte.
 - :class:`BoundaryPeakBreakdown` (CUDA and other devices with a peak counter):
   the allocator gives no per-allocation view, so the categories are tracked by
-  identity (weak references to the storages, hooks that see gradients made)
-  and read at each boundary the hooks mark (phases; modules in per-layer mode)
-  together with the allocator. The iteration's peak lies in one interval
+  identity (weak references to the storages) and read at each boundary the
+  hooks mark (phases; modules in per-layer mode) together with the allocator.
+  The weight gradients backward made are looked for at each of its boundaries
+  (a parameter whose ``.grad`` appeared since), in C-level passes over the
+  parameters still without one, so no hook is put on the user's parameters
+  (none is left on them between reported iterations either), and the
+  categories read at a boundary are those a hook per gradient would give. The iteration's peak lies in one interval
   between two boundaries: what was alive at the interval's start is put in its
   categories, and the rest (peak minus allocated at that start) is a
   *transient* of the module the interval ran in: ``activation_gradients`` in
@@ -30,9 +34,8 @@ Two ways, by what the device lets one see:
   unclaimed when backward began count as ``activation_gradients``.
   From one reported iteration to the next it keeps what has not changed:
   the weights' and optimizer state's tracked storages (walked again, and
-  dropped, when one of them is replaced, resized or dies) and its
-  post-accumulate-grad hooks (dropped by the first backward outside a
-  reported iteration, and by :meth:`~PeakBreakdown.close`).
+  dropped, when one of them is replaced, resized or dies). It installs no hook
+  that outlives a forward.
 
 Example::
 
@@ -348,6 +351,8 @@ _storage_of = torch.Tensor.untyped_storage
 _nbytes_of = torch.UntypedStorage.nbytes
 _layout_of = operator.attrgetter("layout")
 _device_of = operator.attrgetter("device")
+_grad_of = operator.attrgetter("grad")
+_is_none = functools.partial(operator.is_, None)
 _STRIDED_ONLY = frozenset((torch.strided,))
 _PLAIN_SET = frozenset(PLAIN_TENSORS)
 
@@ -478,16 +483,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         self.counter = counter
         self._alive = _Alive()
         self._static = _StaticStorages()
-        # The post-accumulate-grad hooks stay from one reported iteration to the next (on the
-        # parameters these weak references name); a backward that finds none begun drops them.
-        self._handles: list[Any] = []
-        self._hooked: list[weakref.ref] = []
         self._reset()
-
-    def _drop_hooks(self) -> None:
-        handles, self._handles, self._hooked = self._handles, [], []
-        for handle in handles:
-            handle.remove()
 
     def _reset(self) -> None:
         self._alive.clear()
@@ -497,6 +493,8 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         self._backward_best: tuple[int, _Boundary, str, str | None, int] | None = None
         self._unclaimed_before_backward = 0
         self._started = False
+        # the parameters that may get a gradient and had none yet: looked at in backward
+        self._awaiting: list[torch.Tensor] = []
 
     def begin(
         self,
@@ -513,7 +511,8 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             self._track(buffers, "weights")
             self.gradients_ready(params)
             self._add_state(optimizers)
-        self._hook_gradients(params)
+        # Those with a gradient already (kept from before, accumulated in place) are tracked.
+        self._awaiting = [p for p in params if p.requires_grad and p.grad is None]
         # ``allocated``: what the iteration before read last (the same moment): no second read.
         if allocated is None:
             allocated = self.counter.read().allocated
@@ -589,44 +588,19 @@ class BoundaryPeakBreakdown(PeakBreakdown):
                 pass
         return ids
 
-    def _hook_gradients(self, params: Sequence[torch.Tensor]) -> None:
-        """A post-accumulate-grad hook on each parameter that takes one: those of the iteration
-        before where the parameters are the same."""
-        hooked = [p for p in params if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook")]
-        before = self._hooked
-        # The same parameters, in order (compared in C: ``map``; ``is``, as ``==`` is elementwise).
-        if len(before) == len(hooked) and all(map(operator.is_, map(weakref.ref.__call__, before), hooked)):
-            return
-        self._drop_hooks()
-        hook = self._gradient_made
-        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in hooked]
-        self._hooked = [weakref.ref(p) for p in hooked]
-
     def _add_state(self, optimizers: Iterable[Any]) -> None:
         self._track(optimizer_state_tensors(optimizers), "optimizer_state")
 
-    def _gradient_made(self, param: torch.Tensor) -> None:
-        try:  # autograd calls this: a fault switches the breakdown off, never the backward
-            if not self._started:
-                self._drop_hooks()  # a backward outside a reported iteration: the hooks go
-                return
-            grad = param.grad
-            if grad is None:
-                return
-            if type(grad) in PLAIN_TENSORS and grad.layout is torch.strided:
-                # What ``_track`` does for it, inline (this runs for every parameter's gradient).
-                dev, index = grad.device, self._device_index
-                if dev.type == self._device_type and (index is None or dev.index is None or dev.index == index):
-                    try:
-                        storage = grad.untyped_storage()
-                    except (RuntimeError, NotImplementedError, TypeError):
-                        return
-                    self._alive.add_storage(storage, "gradients")
-            else:
-                self._track((grad,), "gradients")
-        except Exception as exc:  # noqa: BLE001 - contained
-            if self.on_fault is not None:
-                self.on_fault(exc)
+    def _gradients_made(self) -> None:
+        """Track the gradients backward made since the last boundary: those of the parameters
+        still awaiting one (each looked at once it has one; the loops run in C)."""
+        awaiting = self._awaiting
+        grads = list(map(_grad_of, awaiting))
+        missing = list(map(_is_none, grads))
+        if all(missing):
+            return
+        self._awaiting = list(itertools.compress(awaiting, missing))
+        self._track_new(list(itertools.compress(grads, map(operator.not_, missing))), "gradients")
 
     def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
         self._track_new([grad for p in params if (grad := p.grad) is not None], "gradients")
@@ -686,6 +660,8 @@ class BoundaryPeakBreakdown(PeakBreakdown):
     def marked(self, reading: Reading, ended: str, following: str, location: str | None) -> None:
         if not self._started:
             return
+        if ended == "backward" and self._awaiting:
+            self._gradients_made()  # before the interval's end and the next one's start are read
         opened, peak = self._open, reading.peak_allocated
         if opened is not None and peak is not None:
             best, backward_best = self._best, self._backward_best
@@ -792,7 +768,6 @@ class BoundaryPeakBreakdown(PeakBreakdown):
 
     def close(self) -> None:
         super().close()
-        self._drop_hooks()
         self._reset()
         self._alive.static, self._alive.static_valid = {}, False
 
