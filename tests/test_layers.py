@@ -306,7 +306,7 @@ def test_peak_location_in_forward_names_the_module():
 
 
 @needs_saved_tensor_watch
-def test_a_fault_in_the_attribution_takes_its_hooks_away_at_the_forwards_end(caplog):
+def test_a_fault_in_the_attribution_takes_its_hooks_away_by_the_iterations_end(caplog):
     """A fault in a per-layer module hook mid-forward switches the attribution off: its hooks on
     every module and its saved-tensor pair go by the end of that iteration (not at close()), so
     neither the model's later forwards nor another model's run through them, and no record from
