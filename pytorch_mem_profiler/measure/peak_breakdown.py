@@ -23,13 +23,13 @@ Two ways, by what the device lets one see:
   hooks mark (phases; modules in per-layer mode) together with the allocator.
   The weight gradients backward made are looked for at each of its boundaries
   (a parameter whose ``.grad`` appeared since), in C-level passes over the
-  parameters still without one, so no hook is put on the user's parameters
-  (none is left on them between reported iterations either), and the
-  categories read at a boundary are those a hook per gradient would give. The iteration's peak lies in one interval
-  between two boundaries: what was alive at the interval's start is put in its
-  categories, and the rest (peak minus allocated at that start) is a
-  *transient* of the module the interval ran in: ``activation_gradients`` in
-  backward, ``other`` elsewhere, with its module and bytes reported apart.
+  parameters still without one: no hook is put on the user's parameters, and
+  a boundary reads the gradients a hook per gradient would have seen by then.
+  The iteration's peak lies in one interval between two boundaries: what was
+  alive at the interval's start is put in its categories, and the rest (peak
+  minus allocated at that start) is a *transient* of the module the interval
+  ran in: ``activation_gradients`` in backward, ``other`` elsewhere, with its
+  module and bytes reported apart.
   In backward, the allocated bytes no category claims beyond what was
   unclaimed when backward began count as ``activation_gradients``.
   From one reported iteration to the next it keeps what has not changed:
