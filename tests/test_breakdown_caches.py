@@ -13,6 +13,8 @@ fresh tracker's figures are checked against storages counted here, so equal is a
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -21,7 +23,7 @@ from pytorch_mem_profiler.measure.devices import CpuCounter
 from pytorch_mem_profiler.measure.peak_breakdown import BoundaryPeakBreakdown
 from pytorch_mem_profiler.measure.saved_tensors import ChainedSavedTensorsHooks, can_chain
 
-from .helpers import unique_storage_bytes
+from .helpers import needs_saved_tensor_watch, unique_storage_bytes
 
 
 class Harness:
@@ -84,6 +86,18 @@ class Harness:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def pushed(*watchers: ChainedSavedTensorsHooks):
+    """The watchers pushed in this order around the block, and popped in the reverse one."""
+    for watcher in watchers:
+        watcher.push()
+    try:
+        yield
+    finally:
+        for watcher in reversed(watchers):
+            watcher.pop()
 
 
 def hooks_on(params) -> int:
@@ -221,19 +235,14 @@ def test_gradients_made_in_backward_are_found_at_its_boundaries_without_a_hook(m
         counter.stop()
 
 
-@pytest.mark.skipif(not can_chain(), reason="torch < 2.8 cannot tell which saved-tensor hooks are active")
+@needs_saved_tensor_watch
 def test_a_watcher_beside_another_sees_what_it_sees_and_keeps_the_version_check():
     first, second = [], []
     below, above = ChainedSavedTensorsHooks(first.append), ChainedSavedTensorsHooks(second.append)
     x = torch.randn(5, requires_grad=True)
-    below.push()
-    above.push()
-    try:
+    with pushed(below, above):
         y = x.exp()  # exp saves its result
         z = y.sin()  # sin saves its input (y)
-    finally:
-        above.pop()
-        below.pop()
     assert len(first) == len(second) == 2
     assert all(a is b for a, b in zip(first, second))
     assert first[0] is y and first[1] is y
@@ -242,7 +251,7 @@ def test_a_watcher_beside_another_sees_what_it_sees_and_keeps_the_version_check(
         z.sum().backward()
 
 
-@pytest.mark.skipif(not can_chain(), reason="torch < 2.8 cannot tell which saved-tensor hooks are active")
+@needs_saved_tensor_watch
 def test_a_fault_in_the_watcher_below_is_its_own_and_the_one_above_still_sees():
     seen, faults_below, faults_above = [], [], []
 
@@ -252,20 +261,15 @@ def test_a_fault_in_the_watcher_below_is_its_own_and_the_one_above_still_sees():
     below = ChainedSavedTensorsHooks(broken, faults_below.append)
     above = ChainedSavedTensorsHooks(seen.append, faults_above.append)
     x = torch.randn(5, requires_grad=True)
-    below.push()
-    above.push()
-    try:
+    with pushed(below, above):
         y = x.exp()
-    finally:
-        above.pop()
-        below.pop()
     assert len(faults_below) == 1 and faults_above == []
     assert seen == [y]
     y.sum().backward()
     assert torch.equal(x.grad, x.detach().exp())
 
 
-@pytest.mark.skipif(not can_chain(), reason="torch < 2.8 cannot tell which saved-tensor hooks are active")
+@needs_saved_tensor_watch
 def test_a_users_pair_below_two_watchers_still_runs_once_per_tensor():
     calls, first, second = [], [], []
 
@@ -276,13 +280,8 @@ def test_a_users_pair_below_two_watchers_still_runs_once_per_tensor():
     x = torch.randn(5, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p[1].float()):
         below, above = ChainedSavedTensorsHooks(first.append), ChainedSavedTensorsHooks(second.append)
-        below.push()
-        above.push()
-        try:
+        with pushed(below, above):
             y = x.exp()
-        finally:
-            above.pop()
-            below.pop()
     assert len(calls) == 1
     assert first[0][0] == "mine" and first[0][1].dtype == torch.float16
     assert second[0] is first[0]  # the one above sees what the user's hook made

@@ -19,7 +19,7 @@ import pytorch_mem_profiler.measure.saved_tensors as saved_tensors
 from pytorch_mem_profiler import MemoryProfiler
 from pytorch_mem_profiler.measure.saved_tensors import ChainedSavedTensorsHooks, can_chain
 
-needs_chaining = pytest.mark.skipif(not can_chain(), reason="torch < 2.8 cannot tell which hooks are active")
+from .helpers import needs_saved_tensor_watch
 
 
 class HalfPrecisionActivations:
@@ -88,7 +88,7 @@ def test_a_hand_written_pair_runs_exactly_as_without_the_profiler(by_layer):
     assert all(r.forward_passes == r.backward_passes == 1 for r in records)
 
 
-@needs_chaining
+@needs_saved_tensor_watch
 def test_figures_are_what_stays_on_the_device_after_the_users_hooks():
     model = mlp()
     user = HalfPrecisionActivations()
@@ -190,7 +190,7 @@ def test_without_a_readable_stack_nothing_is_pushed(monkeypatch, caplog):
     assert any("saved-tensor hooks" in r.getMessage() for r in caplog.records)
 
 
-@needs_chaining
+@needs_saved_tensor_watch
 def test_a_fault_while_watching_never_reaches_the_users_forward():
     seen = []
 

@@ -73,7 +73,7 @@ from .accounting import GradientSizes, allocation_bytes, optimizer_holds_any, sa
 from .devices import MemoryCounter, Reading
 from ..faults import FaultGuard
 from .entries import EntryWatch
-from .layers import LayerAttribution, LayerBreakdown, is_compiled
+from .layers import ATTRIBUTION_PART, LayerAttribution, LayerBreakdown, is_compiled
 from .peak_breakdown import PeakBreakdown
 from .trees import output_grad_nodes
 
@@ -515,7 +515,7 @@ class TrainingStepHooks:
         pass_ = self._pass
         if not self.detailed or attribution is None or pass_ is None:
             return
-        if "per-layer attribution" in self.guard.disabled or (resume and not pass_.attributed):
+        if ATTRIBUTION_PART in self.guard.disabled or (resume and not pass_.attributed):
             return
         try:
             if resume:
@@ -526,14 +526,14 @@ class TrainingStepHooks:
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
             attribution.close()
             pass_.attributed = False
-            self.guard.fault("per-layer attribution", exc)
+            self.guard.fault(ATTRIBUTION_PART, exc)
 
     def _leave(self, pass_: _ForwardPass) -> None:
         """The model was left: the pass may go on (another entry) or end (backward, a step)."""
         if pass_.attributed and self.attribution is not None:
             # Skipped once a fault switched it off: the meter then closes it between iterations
             # (a pop here can run inside backward, whose saved-tensor stack is not the thread's).
-            self.guard.call("per-layer attribution", self.attribution.close)
+            self.guard.call(ATTRIBUTION_PART, self.attribution.close)
         if self.breakdown is not None:  # pushed before the attribution's: popped after it
             self._tell_breakdown("unwatch_forward")
         if self._phase == "forward":
@@ -557,7 +557,7 @@ class TrainingStepHooks:
             and self.attribution is not None
             and self.attribution.watching_saved_tensors
             # switched off by a fault during this forward: what it put down so far may be partial
-            and "per-layer attribution" not in self.guard.disabled
+            and ATTRIBUTION_PART not in self.guard.disabled
         ):
             breakdown = self.attribution.breakdown
         if pass_.end_allocated is None or pass_.start is None:

@@ -66,13 +66,14 @@ __all__ = [
     "ACTIVATIONS",
     "WEIGHT_COPIES",
     "MAX_LOCATIONS",
+    "ATTRIBUTION_PART",
     "is_compiled",
 ]
 
 _log = logging.getLogger("pytorch_mem_profiler")
 
-#: The part of the profiler a fault in these hooks switches off.
-_PART = "per-layer attribution"
+#: The part of the profiler a fault in these hooks switches off (the fault guard's name for it).
+ATTRIBUTION_PART = "per-layer attribution"
 
 #: At most this many modules mark peak locations (the deepest level that fits):
 #: each mark is one read of the allocator's counters.
@@ -204,7 +205,7 @@ class LayerAttribution:
             register_module_forward_pre_hook(self._module_pre),
             register_module_forward_hook(self._module_post, always_call=True),
         ]
-        self._saved = ChainedSavedTensorsHooks(self._observe_saved, lambda exc: self.guard.fault(_PART, exc))
+        self._saved = ChainedSavedTensorsHooks(self._observe_saved, lambda exc: self.guard.fault(ATTRIBUTION_PART, exc))
         self._saved.push()
 
     def add_inputs(self, inputs: Any) -> None:
@@ -245,7 +246,7 @@ class LayerAttribution:
     # -- hooks -------------------------------------------------------------
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         try:  # torch calls this: contained as ``guard.wrap`` would
-            if _PART in self.guard.disabled:
+            if ATTRIBUTION_PART in self.guard.disabled:
                 return
             key = id(module)
             if key == self._root:
@@ -257,11 +258,11 @@ class LayerAttribution:
                 self._current.calls[name] = self._current.calls.get(name, 0) + 1
             self._stack.append((key, name))
         except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
-            self.guard.fault(_PART, exc)
+            self.guard.fault(ATTRIBUTION_PART, exc)
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         try:  # torch calls this: contained as ``guard.wrap`` would
-            if _PART in self.guard.disabled:
+            if ATTRIBUTION_PART in self.guard.disabled:
                 return
             key = id(module)
             stack = self._stack
@@ -279,7 +280,7 @@ class LayerAttribution:
                     else:
                         self._watch_backward(name, output)
         except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
-            self.guard.fault(_PART, exc)
+            self.guard.fault(ATTRIBUTION_PART, exc)
 
     def _watch_backward(self, name: str, output: Any) -> None:
         prehook = _BackwardEntered(self.guard, self.on_backward_enter, name)  # type: ignore[arg-type]
@@ -374,12 +375,12 @@ class _BackwardEntered:
 
     def __call__(self, grad_outputs: Any) -> None:
         try:
-            if _PART in self.disabled or self.fired:
+            if ATTRIBUTION_PART in self.disabled or self.fired:
                 return
             self.fired = True
             self.callback(self.name)
         except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
-            self.guard.fault(_PART, exc)
+            self.guard.fault(ATTRIBUTION_PART, exc)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

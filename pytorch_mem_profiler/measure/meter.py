@@ -44,7 +44,7 @@ from .accounting import (
 from .data_parallel import FsdpGatherTracker, ddp_gradient_bucket_bytes
 from .devices import MemoryCounter, Reading, device_capacity, make_counter, rank_device, resolve_device
 from .hooks import PhaseBlock, StepMeasurements, TrainingStepHooks
-from .layers import LayerAttribution, LayerBreakdown, is_compiled
+from .layers import ATTRIBUTION_PART, LayerAttribution, LayerBreakdown, is_compiled
 from .saved_tensors import can_chain
 from .outside import DeviceMemoryReader
 from .peak_breakdown import PeakBreakdown, PeakResult, make_peak_breakdown
@@ -55,8 +55,6 @@ _log = logging.getLogger("pytorch_mem_profiler")
 
 #: The part of the meter that takes the hooks off between reported iterations.
 _LIGHT = "hooks off between reports"
-#: the part a fault in the per-layer attribution switches off (its guard's name for it)
-_ATTRIBUTION = "per-layer attribution"
 #: the pass and step counts of an iteration the hooks slept through: unknown
 _UNCOUNTED: tuple[None, None, None] = (None, None, None)
 
@@ -234,7 +232,7 @@ class Meter:
         """
         hooks = self._hooks
         if hooks is not None:
-            if hooks.attribution is not None and _ATTRIBUTION in self.guard.disabled:
+            if hooks.attribution is not None and ATTRIBUTION_PART in self.guard.disabled:
                 self._drop_attribution(hooks)
             hooks.reported = detailed
             hooks.detailed = hooks.attribution is not None and detailed
@@ -246,8 +244,9 @@ class Meter:
                 # now, not at close().
                 self._peak = None
                 self.guard.clean_up("peak breakdown", tracker.close)
-            # Per-layer mode only: the breakdown watches every saved tensor and weight gradient
-            # from Python, which a host-bound step at print_period=1 would pay for (GPT-2: 1.25x).
+            # Per-layer mode only: the breakdown watches every saved tensor from Python and looks
+            # for gradients at backward's boundaries, which a host-bound step at print_period=1
+            # would pay for (GPT-2: 1.25x).
             elif detailed and self.by_layer and tracker is not None:
                 # Inline rather than through guard.call: this runs at the end of the
                 # iteration before a reported one, which stays on the light path.
@@ -264,10 +263,10 @@ class Meter:
         (its hooks on every module, its saved-tensor pair) goes now, between iterations, and
         nothing asks it for module names again (no locations: ``None``, unknown)."""
         attribution, hooks.attribution = hooks.attribution, None
+        assert attribution is not None  # called only while there is one
         if self._peak is not None:
             self._peak.module_name = None
-        if attribution is not None:
-            self.guard.clean_up(_ATTRIBUTION, attribution.close)
+        self.guard.clean_up(ATTRIBUTION_PART, attribution.close)
 
     def _buffers(self) -> list[torch.Tensor]:
         # The model's modules are listed at each refresh; their buffers are read now (a buffer
@@ -458,7 +457,7 @@ class Meter:
         fields["phases"] = phases
         # Module names come from the per-layer attribution: where a fault switched it off during
         # this iteration, those it gave may be stale, and none is reported.
-        located = _ATTRIBUTION not in self.guard.disabled
+        located = ATTRIBUTION_PART not in self.guard.disabled
         fields["peak_location"] = m.peak_location if located else None
         fields["layers"] = _feature_maps_by_layer(m.layers, m.layers_kept) if reported else None
         if peak is not None:
