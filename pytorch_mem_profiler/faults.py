@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import traceback
 from typing import Any, Callable, TypeVar
 
-__all__ = ["FaultGuard", "twice"]
+__all__ = ["FaultGuard", "twice", "traceback_text"]
 
 _log = logging.getLogger("pytorch_mem_profiler")
 
@@ -87,11 +88,11 @@ class FaultGuard:
         if part not in self.disabled:
             self.disabled.add(part)
             _log.warning(
-                "pytorch_mem_profiler: %s failed and is switched off; training continues (%s: %s)",
+                "pytorch_mem_profiler: %s failed and is switched off; training continues (%s: %s)\n%s",
                 part,
                 type(exc).__name__,
-                exc,
-                exc_info=exc,
+                str(exc),
+                traceback_text(exc),
             )
 
 
@@ -113,3 +114,25 @@ def twice(step: Callable[[], Any]) -> Any:
         return step()
     except Exception:  # noqa: BLE001 - tried once more below
         return step()
+
+
+def traceback_text(exc: BaseException) -> str:
+    """``exc``'s traceback as text, logged in place of ``exc_info``.
+
+    A log record's ``exc_info``, and ``exc`` among its arguments, hold the
+    traceback, whose frames hold the tensors of the iteration the fault
+    interrupted (a forward's output holds its whole autograd graph): a handler
+    that keeps records (``MemoryHandler``, a test's log capture, a buffering log
+    shipper) would keep them allocated. So a fault is logged as text only:
+    ``str(exc)`` and this.
+
+    Example::
+
+        >>> try:
+        ...     raise RuntimeError("boom")
+        ... except RuntimeError as exc:
+        ...     text = traceback_text(exc)
+        >>> text.startswith("Traceback") and text.endswith("RuntimeError: boom")
+        True
+    """
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()

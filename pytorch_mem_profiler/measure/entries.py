@@ -51,10 +51,10 @@ import torch
 
 from ..faults import FaultGuard
 
-__all__ = ["EntryWatch"]
+__all__ = ["EntryWatch", "FORWARD_PART"]
 
 #: The part of the profiler a fault in these hooks switches off.
-_PART = "forward hooks"
+FORWARD_PART = "forward hooks"
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
@@ -118,6 +118,8 @@ class EntryWatch:
         self._accepted = False
         #: whether the hooks are taken off for a while (:meth:`pause`)
         self.paused = False
+        #: whether the hooks are taken off for good (:meth:`switch_off`)
+        self.off = False
 
     # -- installation ----------------------------------------------------------
     def install(self) -> None:
@@ -127,7 +129,7 @@ class EntryWatch:
 
     def relearn(self) -> None:
         """Hook every module again until the next training forward shows its entries."""
-        if self.depth:
+        if self.depth or self.off:
             return  # never while a module of the model runs: its exit would be lost
         self.learning = True
         self.paused = False
@@ -173,6 +175,12 @@ class EntryWatch:
         self.learning = False
         self.paused = False
 
+    def switch_off(self) -> None:
+        """Remove every hook for good (a fault switched them off): :meth:`resume` and
+        :meth:`relearn` put none back, and :meth:`pause` has nothing left to take off."""
+        self.remove()
+        self.off = True
+
     def _unhook_all(self) -> None:
         for handles in self._handles.values():
             for handle in handles:
@@ -193,7 +201,7 @@ class EntryWatch:
 
     def _hook(self, module: torch.nn.Module) -> None:
         key = id(module)
-        if key in self._handles:
+        if key in self._handles or self.off:
             return
         if isinstance(module, torch.jit.ScriptModule):
             return  # TorchScript modules take no Python hooks; their callers are hooked
@@ -205,10 +213,10 @@ class EntryWatch:
         self._handles[key] = (pre, post)
 
     # -- the hooks (the hot path: one pair per entry call per iteration) --------
-    # Torch calls them: each is contained as ``FaultGuard.wrap(_PART, ...)`` would, inline.
+    # Torch calls them: each is contained as ``FaultGuard.wrap(FORWARD_PART, ...)`` would, inline.
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         try:
-            if _PART in self.guard.disabled:
+            if FORWARD_PART in self.guard.disabled:
                 return None
             self.depth += 1
             if self.depth == 1:
@@ -216,12 +224,12 @@ class EntryWatch:
                 if accepted and self.learning:
                     self._entries[id(module)] = module
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
-            self.guard.fault(_PART, exc)
+            self.guard.fault(FORWARD_PART, exc)
         return None
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         try:
-            if _PART in self.guard.disabled:
+            if FORWARD_PART in self.guard.disabled:
                 return None
             if self.depth > 0:
                 self.depth -= 1
@@ -229,5 +237,5 @@ class EntryWatch:
                 self._accepted = False
                 self.on_exit(module, args, output)
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
-            self.guard.fault(_PART, exc)
+            self.guard.fault(FORWARD_PART, exc)
         return None

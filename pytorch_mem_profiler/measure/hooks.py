@@ -72,12 +72,24 @@ from torch.optim.optimizer import (
 from .accounting import GradientSizes, allocation_bytes, optimizer_holds_any, same_device
 from .devices import MemoryCounter, Reading
 from ..faults import FaultGuard
-from .entries import EntryWatch
+from .entries import FORWARD_PART, EntryWatch
 from .layers import ATTRIBUTION_PART, LayerAttribution, LayerBreakdown, is_compiled
 from .peak_breakdown import PeakBreakdown
 from .trees import output_grad_nodes
 
-__all__ = ["StepMeasurements", "TrainingStepHooks", "PhaseBlock", "EXPLICIT_PHASES"]
+__all__ = [
+    "StepMeasurements",
+    "TrainingStepHooks",
+    "PhaseBlock",
+    "EXPLICIT_PHASES",
+    "BACKWARD_PART",
+    "OPTIMIZER_PART",
+]
+
+#: The parts of the profiler a fault in the backward and the optimizer-step hooks switches off
+#: (the forward hooks': ``entries.FORWARD_PART``).
+BACKWARD_PART = "backward hooks"
+OPTIMIZER_PART = "optimizer hooks"
 
 #: The id of the backward graph running on this thread, -1 outside backward
 #: (torch 2.1 and later; without it, a backward is taken as ended at the next event).
@@ -141,12 +153,12 @@ class _BackwardPass:
     def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
         try:  # autograd calls this: nothing may escape into backward
             hooks = self.hooks()
-            if hooks is None or self.started or "backward hooks" in self.guard.disabled:
+            if hooks is None or self.started or BACKWARD_PART in self.guard.disabled:
                 return None
             self.started = True
             hooks._backward_started(grad_outputs)
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
-            self.guard.fault("backward hooks", exc)
+            self.guard.fault(BACKWARD_PART, exc)
         return None
 
 
@@ -240,6 +252,9 @@ class TrainingStepHooks:
         self.max_reserved: int | None = None
         self.max_allocated: int | None = None
         self._asleep = False
+        # parts whose hooks are taken off for good, a fault having switched them off
+        self._backward_off = False
+        self._optimizer_off = False
         # backward's end callbacks (deferred once under DDP/FSDP, direct), made once
         self._end_callbacks: tuple[Callable[[], Any], Callable[[], Any]] | None = None
         # the last forward pass's pending backward, until the next forward
@@ -259,6 +274,8 @@ class TrainingStepHooks:
 
     def _install_step_hooks(self) -> None:
         # The bound methods: each holds its guard's try inline (no wrapper frame per step).
+        if self._optimizer_off:
+            return
         pre, post = self._optimizer_pre, self._optimizer_post
         if self._explicit_optimizers is None:
             self._handles.append(register_optimizer_step_pre_hook(pre))
@@ -284,14 +301,14 @@ class TrainingStepHooks:
         """
         if self._asleep or self._pass is not None or self._step_depth or self._explicit:
             return False
-        if self._awaiting is not None and not self._awaiting.started:
+        if self._awaiting is not None and not self._awaiting.started and not self._backward_off:
             return False  # the last forward's backward is still to come: it must be found
         if self._backward_unsettled or self._phase == "backward" or self._compiled:
             return False
         if not self._entries.pause():
             return False
         self._remove_handles()
-        if self._explicit_optimizers is None:
+        if self._explicit_optimizers is None and not self._optimizer_off:
             # Still told of an optimizer newly seen stepping the model: its state counts
             # from the iteration it appears on (one dictionary lookup per step).
             self._handles.append(register_optimizer_step_post_hook(self._optimizer_seen))
@@ -307,6 +324,40 @@ class TrainingStepHooks:
         self._remove_handles()
         self._entries.resume()
         self._install_step_hooks()
+
+    def drop_switched_off(self) -> None:
+        """Take off for good the hooks of the parts a fault switched off, with what they left open.
+
+        Called between iterations (never inside backward). A switched-off hook returns at
+        once, but what its fault interrupted stays open: a forward entered and never
+        left, a step begun and never ended, a backward whose start or end was never
+        seen. Any of them refuses :meth:`sleep`, so every later iteration would pay a
+        reported one's hooks, and with no forward found the model's every module would
+        be hooked again to learn its entries. So the part's hooks go (the others keep
+        theirs: a phase marked with :class:`PhaseBlock` is still measured) and what it
+        left open is closed.
+        """
+        disabled = self.guard.disabled
+        entries = self._entries
+        if FORWARD_PART in disabled and not entries.off:
+            entries.switch_off()
+            # its pass never closes now, and its backward is never looked for
+            self._pass = self._awaiting = None
+            if self._phase == "forward":
+                self._phase = "other"
+        if OPTIMIZER_PART in disabled and not self._optimizer_off:
+            self._optimizer_off = True
+            self._remove_handles()
+            self._step_depth = self._step_forwards = 0
+            self._step_in_backward = False
+            if self._phase == "optimizer":
+                self._phase = "other"
+        if BACKWARD_PART in disabled and not self._backward_off:
+            self._backward_off = True
+            self._awaiting = None
+            self._backward_unsettled = False
+            if self._phase == "backward":
+                self._phase = "other"
 
     def release(self) -> None:
         """Remove the hooks and drop the callbacks, which refer back to their owner:
@@ -468,7 +519,9 @@ class TrainingStepHooks:
         pass_ = self._pass
         if pass_ is None:
             return
-        if isinstance(output, torch.Tensor):  # the common case, without walking a structure
+        if self._backward_off:
+            pass  # switched off by a fault: no backward is looked for
+        elif isinstance(output, torch.Tensor):  # the common case, without walking a structure
             node = output.grad_fn
             if node is not None:
                 node.register_prehook(pass_.pending)
@@ -602,7 +655,7 @@ class TrainingStepHooks:
             deferred, direct = self._backward_end_callbacks()
             engine.queue_callback(deferred if self.defer_backward_end else direct)
         except Exception as exc:  # noqa: BLE001 - raised inside autograd: contain it here
-            self.guard.fault("backward hooks", exc)
+            self.guard.fault(BACKWARD_PART, exc)
 
     def _backward_end_callbacks(self) -> tuple[Callable[[], Any], Callable[[], Any]]:
         """Backward's end as autograd-engine callbacks, each contained: (queued once more under
@@ -611,8 +664,8 @@ class TrainingStepHooks:
         if callbacks is None:
             wrap = self.guard.wrap
             callbacks = self._end_callbacks = (
-                wrap("backward hooks", self._backward_finishing),
-                wrap("backward hooks", self._backward_finished),
+                wrap(BACKWARD_PART, self._backward_finishing),
+                wrap(BACKWARD_PART, self._backward_finished),
             )
         return callbacks
 
@@ -620,7 +673,7 @@ class TrainingStepHooks:
         engine = torch.autograd.Variable._execution_engine
         callbacks = self._end_callbacks
         # None once released during this backward: a wrapper of its own, not kept.
-        end = callbacks[1] if callbacks is not None else self.guard.wrap("backward hooks", self._backward_finished)
+        end = callbacks[1] if callbacks is not None else self.guard.wrap(BACKWARD_PART, self._backward_finished)
         engine.queue_callback(end)
 
     def _backward_finished(self) -> None:
@@ -644,23 +697,23 @@ class TrainingStepHooks:
             self._holds[optimizer] = holds
         return holds
 
-    # Torch calls the two step hooks: each is contained as ``FaultGuard.wrap("optimizer hooks", ...)``
+    # Torch calls the two step hooks: each is contained as ``FaultGuard.wrap(OPTIMIZER_PART, ...)``
     # would, inline (one Python frame fewer per step).
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
-            if "optimizer hooks" in self.guard.disabled:
+            if OPTIMIZER_PART in self.guard.disabled:
                 return None
             if (self._explicit_optimizers is not None or self._steps_model(optimizer)) and (
                 "optimizer" not in self._explicit
             ):
                 self._step_began()
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
-            self.guard.fault("optimizer hooks", exc)
+            self.guard.fault(OPTIMIZER_PART, exc)
         return None
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
-            if "optimizer hooks" in self.guard.disabled:
+            if OPTIMIZER_PART in self.guard.disabled:
                 return None
             if self._explicit_optimizers is None and not self._steps_model(optimizer):
                 return None
@@ -668,7 +721,7 @@ class TrainingStepHooks:
                 self._step_ended()
             self._announce(optimizer)
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
-            self.guard.fault("optimizer hooks", exc)
+            self.guard.fault(OPTIMIZER_PART, exc)
         return None
 
     def _optimizer_seen(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -676,10 +729,10 @@ class TrainingStepHooks:
         try:
             if optimizer in self._announced or self._on_optimizer_step is None:
                 return None
-            if "optimizer hooks" not in self.guard.disabled and self._steps_model(optimizer):
+            if OPTIMIZER_PART not in self.guard.disabled and self._steps_model(optimizer):
                 self._announce(optimizer)
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
-            self.guard.fault("optimizer hooks", exc)
+            self.guard.fault(OPTIMIZER_PART, exc)
         return None
 
     def _announce(self, optimizer: torch.optim.Optimizer) -> None:

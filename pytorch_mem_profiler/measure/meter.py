@@ -232,8 +232,13 @@ class Meter:
         """
         hooks = self._hooks
         if hooks is not None:
-            if hooks.attribution is not None and ATTRIBUTION_PART in self.guard.disabled:
-                self._drop_attribution(hooks)
+            if self.guard.disabled:
+                # Parts a fault switched off stop running, not only reporting: their hooks go
+                # here, between iterations (inside backward a pop of autograd's saved-tensor
+                # stack would act on the engine's copy of it and be lost).
+                self.guard.call("phase hooks", hooks.drop_switched_off)
+                if hooks.attribution is not None and ATTRIBUTION_PART in self.guard.disabled:
+                    self._drop_attribution(hooks)
             hooks.reported = detailed
             hooks.detailed = hooks.attribution is not None and detailed
             hooks.breakdown = None

@@ -54,6 +54,7 @@ from typing import Any, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from ..faults import traceback_text
 from .accounting import storage_parts
 
 __all__ = ["Tally", "StorageRegistry", "shared_registry", "return_kinds", "NEW", "RESIZED", "SKIP"]
@@ -502,10 +503,10 @@ class StorageRegistry:
                 mode.tallies = ()
         _log.warning(
             "pytorch_mem_profiler: the CPU storage counter failed and is switched off; "
-            "training continues (%s: %s)",
+            "training continues (%s: %s)\n%s",
             type(exc).__name__,
-            exc,
-            exc_info=exc,
+            str(exc),
+            traceback_text(exc),
         )
 
     # -- leaving torch's mode stack ------------------------------------------------

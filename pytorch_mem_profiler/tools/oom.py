@@ -56,6 +56,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..faults import traceback_text
 from ..measure.allocator import allocator_stats, allocator_summary, attach_oom_observer, cuda_available
 from ..options import check_int
 from ..paths import distributed_rank, free_path, host_time_stem, prepare_output_dir
@@ -118,7 +119,7 @@ def _on_out_of_memory(device: int, requested: int, limit: int, free: int) -> Non
         try:
             handle._on_oom(device, requested, limit, free)
         except Exception as exc:  # noqa: BLE001 - the OOM error must propagate unchanged
-            _log.error("pytorch_mem_profiler: the OOM post-mortem failed: %s", exc, exc_info=exc)
+            _log.error("pytorch_mem_profiler: the OOM post-mortem failed: %s\n%s", str(exc), traceback_text(exc))
 
 
 class OomPostmortem:

@@ -1,0 +1,183 @@
+"""A fault in the forward, backward or optimizer-step hooks switches that part off and takes its hooks away.
+
+A switched-off hook returns at once, but the fault interrupted it: a forward
+entered and never left, a step begun and never ended, a backward whose end was
+never seen. Left open, any of them kept the hooks awake on every later
+iteration (and, with no forward found, hooked every module of the model again):
+each non-reported iteration then paid a reported one's hooks. Checked here
+against the same run without the fault: the hooks sleep through the same
+iterations, the part's hooks are gone from the faulted iteration's end, every
+figure that does not need the part is the same, and so are the weights.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import weakref
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.optim.optimizer as optimizer_hooks
+from torch import nn
+
+from pytorch_mem_profiler import MemoryProfiler
+from pytorch_mem_profiler.measure.entries import FORWARD_PART
+from pytorch_mem_profiler.measure.hooks import BACKWARD_PART, OPTIMIZER_PART, TrainingStepHooks
+
+from .helpers import SavedBytes, nbytes
+
+PRINT_PERIOD, ITERATIONS, FAULTED = 3, 10, 6  # iteration 6 is reported: every hook is on
+
+
+def _raise(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("injected")
+
+
+def _in_forward(hooks: TrainingStepHooks) -> None:
+    hooks._entries.on_enter = _raise  # raised entering the model: the forward is never left
+
+
+def _in_backward(hooks: TrainingStepHooks) -> None:
+    hooks._backward_end_callbacks = _raise  # raised after backward began: its end is never seen
+
+
+def _in_step(hooks: TrainingStepHooks) -> None:
+    hooks._step_ended = _raise  # raised in the step's post-hook: the step never ends
+
+
+FAULTS: dict[str, tuple[str, Callable[[TrainingStepHooks], None]]] = {
+    "forward": (FORWARD_PART, _in_forward),
+    "backward": (BACKWARD_PART, _in_backward),
+    "optimizer": (OPTIMIZER_PART, _in_step),
+}
+
+
+def profiler_hooks_left(model: nn.Module) -> tuple[int, int]:
+    """(module hooks on the model, optimizer-step hooks in the process)."""
+    on_modules = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    on_steps = len(optimizer_hooks._global_optimizer_pre_hooks) + len(optimizer_hooks._global_optimizer_post_hooks)
+    return on_modules, on_steps
+
+
+def run_with_fault(device: str, fault: str | None) -> tuple[list[torch.Tensor], list[tuple[Any, bool, tuple[int, int]]]]:
+    """Train under the profiler, ``fault`` (a key of ``FAULTS``) injected before iteration ``FAULTED``.
+
+    Returns the final weights and, per iteration, (its record, whether the hooks
+    sleep after it, the profiler's hooks left installed after it).
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 8)).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = torch.Generator().manual_seed(1)
+    before = profiler_hooks_left(model)
+    seen = []
+    with MemoryProfiler(model, PRINT_PERIOD, stream=io.StringIO()) as profiler:
+        hooks = profiler._meter._hooks
+        for i in range(1, ITERATIONS + 1):
+            if i == FAULTED and fault is not None:
+                FAULTS[fault][1](hooks)
+            x = torch.randn(16, 64, generator=data).to(device)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            record = profiler.record_stats()
+            on_modules, on_steps = profiler_hooks_left(model)
+            seen.append((record, hooks.asleep, (on_modules - before[0], on_steps - before[1])))
+    assert profiler_hooks_left(model) == before
+    # on the host: the first run's weights must not count in the second run's device figures
+    return [p.detach().to("cpu", copy=True) for p in model.parameters()], seen
+
+
+def check_switched_off(device: str, fault: str, caplog: pytest.LogCaptureFixture) -> None:
+    part = FAULTS[fault][0]
+    weights, clean = run_with_fault(device, None)
+    faulted_weights, faulted = run_with_fault(device, fault)
+    assert f"{part} failed and is switched off" in caplog.text
+    for a, b in zip(weights, faulted_weights):
+        assert torch.equal(a, b)
+    # The hooks sleep through the same iterations as without the fault (before the fix: never
+    # again after it).
+    assert [asleep for _, asleep, _ in faulted] == [asleep for _, asleep, _ in clean]
+    assert [asleep for _, asleep, _ in clean] == [(i + 1) % PRINT_PERIOD != 0 for i in range(1, ITERATIONS + 1)]
+    for (ours, _, left), (theirs, _, clean_left) in zip(faulted[FAULTED - 1 :], clean[FAULTED - 1 :]):
+        # The part's hooks are gone from the faulted iteration's end on, awake or asleep.
+        if part == FORWARD_PART:
+            assert left == (0, clean_left[1]), ours.iteration
+        elif part == OPTIMIZER_PART:
+            assert left == (clean_left[0], 0), ours.iteration
+        else:
+            assert left == clean_left, ours.iteration
+        # What the allocator and the model's tensors give needs none of the three parts.
+        for name in ("allocated", "iteration_peak_allocated", "weights", "optimizer_state", "reported"):
+            assert getattr(ours, name) == getattr(theirs, name), (name, ours.iteration)
+        if ours.reported and part == OPTIMIZER_PART:
+            # Measured at backward's end, which the forward and backward hooks find.
+            assert ours.gradients == theirs.gradients == sum(p.numel() * p.element_size() for p in weights)
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_fault_in_a_phase_hook_takes_its_hooks_away_and_the_others_still_sleep(fault, caplog):
+    check_switched_off("cpu", fault, caplog)
+
+
+def test_a_forward_marked_by_hand_is_still_measured_once_the_forward_hooks_are_off(caplog):
+    """The forward hooks switched off, a framework's ``phase("forward")`` blocks still measure
+    forward: its phase, its pass count and the feature maps it leaves (what a pack hook saw
+    autograd save, and the output)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = []
+    with MemoryProfiler(model, 1, stream=io.StringIO()) as profiler:
+        for i in range(3):
+            if i == 1:
+                _in_forward(profiler._meter._hooks)
+            x = torch.randn(16, 64)
+            saved = SavedBytes(model, (x,))
+            with profiler.phase("forward"), saved.hooks():
+                out = model(x)
+            out.square().mean().backward()
+            kept = saved.total + nbytes(out)
+            del out  # not alive when the next forward starts
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            records.append(profiler.record_stats())
+            assert records[-1].feature_maps == kept == (16 * 128 + 16 * 8) * 4
+    assert f"{FORWARD_PART} failed and is switched off" in caplog.text
+    assert profiler_hooks_left(model)[0] == 0
+    for record in records:
+        assert record.forward_passes == 1 and record.phases["forward"].occurrences == 1
+
+
+def test_a_faults_log_record_keeps_none_of_the_iterations_tensors():
+    """A fault is logged as text (its message and traceback), never as the exception, whose
+    frames hold the tensors the hook was given: a handler that keeps its records (here a list;
+    a ``MemoryHandler``, a test's log capture) must not keep the forward's output alive, which
+    would hold its whole autograd graph."""
+    kept: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            kept.append(record)
+
+    logger = logging.getLogger("pytorch_mem_profiler")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+        with MemoryProfiler(model, 1, stream=io.StringIO()) as profiler:
+            profiler._meter._hooks._entries.on_exit = _raise  # given the model's output
+            out = model(torch.randn(16, 64))
+            alive = weakref.ref(out)
+            out.sum().backward()
+            profiler.record_stats()
+            del out
+    finally:
+        logger.removeHandler(handler)
+    assert alive() is None
+    (record,) = [r for r in kept if "switched off" in r.getMessage()]
+    assert record.exc_info is None and all(isinstance(a, str) for a in record.args)
+    text = record.getMessage()
+    assert f"{FORWARD_PART} failed" in text and "Traceback" in text and text.endswith("RuntimeError: injected")
