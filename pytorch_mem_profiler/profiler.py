@@ -216,6 +216,8 @@ class MemoryProfiler:
         self.cross_rank_summary: CrossRankSummary | None = None
         self._ranks = CrossRankExchange(self.rank_info) if self.rank_info is not None else None
         self._closed = False
+        # False once record_stats() is switched off by a fault: nothing is measured from then on
+        self._measuring = True
         self.oom_postmortem = None
         if options.oom_dir is not None:
             from .tools.oom import OomPostmortem  # its folder is made (and checked) now
@@ -303,6 +305,7 @@ class MemoryProfiler:
             return self._record_stats()
         except Exception as exc:  # noqa: BLE001 - never raise into the training loop
             self._guard.fault("record_stats", exc)
+            self._stop_measuring()
             return None
 
     def epoch_end(self) -> None:
@@ -338,7 +341,8 @@ class MemoryProfiler:
         update is what runs after the last backward). The automatic hooks that
         fire inside a block do not count the phase a second time, so marking
         phases that the hooks also find changes no figure. A block inside a
-        block of the same phase is ignored. After :meth:`close` it does nothing.
+        block of the same phase is ignored. After :meth:`close` it does nothing (nor after a fault
+        switched :meth:`record_stats` off).
 
         Example::
 
@@ -357,13 +361,13 @@ class MemoryProfiler:
             (1, 1, 1)
             >>> profiler.close()
         """
-        return self._meter.phase_block(name) if not self._closed else _closed_phase(name)
+        return self._meter.phase_block(name) if self._measuring else _closed_phase(name)
 
     @property
     def current_phase(self) -> str | None:
         """The phase running now: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"``
-        (``None`` once closed)."""
-        return None if self._closed else self._meter.phase
+        (``None`` once closed, or once a fault switched :meth:`record_stats` off)."""
+        return self._meter.phase if self._measuring else None
 
     def close(self) -> None:
         """Remove every hook, write pending rows and stop counting. Safe to call twice."""
@@ -381,7 +385,7 @@ class MemoryProfiler:
             return
         # Each removal in its own try, run even when an earlier one failed
         # (and once more if it raised): nothing is left installed.
-        steps = [self._meter.close]
+        steps = [self._stop_measuring]
         if self.oom_postmortem is not None:
             steps.insert(0, self.oom_postmortem.remove)
         if self._ranks is not None:
@@ -390,6 +394,15 @@ class MemoryProfiler:
         steps.append(lambda: atexit.unregister(self._atexit))
         self._guard.clean_up("close", *steps)
         self._closed = True
+
+    def _stop_measuring(self) -> None:
+        """Remove the meter's hooks and stop its counter, once: at :meth:`close`, or as soon as a
+        fault switches :meth:`record_stats` off (nothing would be recorded, so nothing is measured:
+        the per-layer hooks and the CPU counter's dispatch mode would tax every later iteration).
+        The outputs stay until :meth:`close`; :meth:`epoch_end` still writes their rows."""
+        if self._measuring:
+            self._measuring = False
+            self._guard.clean_up("close", self._meter.close)
 
     def flush(self) -> None:
         """Write the rows recorded so far to the CSV files."""
@@ -466,10 +479,12 @@ class MemoryProfiler:
     def _epoch_end(self) -> None:
         for sink in self._sinks:
             self._guard.call(f"output: {sink.name}", sink.on_epoch_end, self.epoch)
-        self._meter.refresh()
+        if self._measuring:
+            self._meter.refresh()
         self.epoch += 1
         self.iteration = 0
-        self._meter.prepare(self._next_reported())
+        if self._measuring:
+            self._meter.prepare(self._next_reported())
 
     def _cross_rank_summary(self, epoch: int) -> None:
         assert self._ranks is not None

@@ -1,4 +1,5 @@
-"""A fault in the forward, backward or optimizer-step hooks switches that part off and takes its hooks away.
+"""A fault in the forward, backward or optimizer-step hooks switches that part off and takes its hooks away;
+one in ``record_stats()`` stops all measuring; a fault's log record keeps no tensor alive.
 
 A switched-off hook returns at once, but the fault interrupted it: a forward
 entered and never left, a step begun and never ended, a backward whose end was
@@ -181,3 +182,58 @@ def test_a_faults_log_record_keeps_none_of_the_iterations_tensors():
     assert record.exc_info is None and all(isinstance(a, str) for a in record.args)
     text = record.getMessage()
     assert f"{FORWARD_PART} failed" in text and "Traceback" in text and text.endswith("RuntimeError: injected")
+
+
+def test_record_stats_switched_off_by_a_fault_stops_all_measuring(tmp_path, caplog):
+    """``record_stats()`` is the profiler's door: once a fault switches it off nothing is recorded,
+    so nothing is measured either. From the end of the call that failed, nothing of the profiler is
+    installed (module, optimizer and saved-tensor hooks, the CPU counter's dispatch mode; before,
+    per-layer mode's hooks ran on every later forward), ``epoch_end()`` and ``phase()`` install
+    nothing again, the rows reported before are on disk, and the weights are those of the run
+    without the profiler."""
+    import pandas
+
+    from .test_fault_injection import global_state
+
+    def run(profiled: bool) -> tuple[list[torch.Tensor], list[Any], Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        before = global_state()
+        states = []
+        profiler = None
+        if profiled:
+            profiler = MemoryProfiler(model, 2, True, csv_dir=tmp_path, by_layer=True, stream=io.StringIO())
+        for i in range(1, 8):
+            if profiler is not None and i == 4:  # reported: every hook is on, per-layer ones too
+                profiler._meter.finish = _raise
+            x = torch.randn(16, 64)
+            if profiler is not None and i == 6:
+                with profiler.phase("forward"):
+                    out = model(x)
+            else:
+                out = model(x)
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if profiler is not None:
+                record = profiler.record_stats()
+                assert (record is None) == (i >= 4)
+                if i == 5:
+                    profiler.epoch_end()
+                hooked = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+                states.append((i, hooked, global_state() == before, profiler.current_phase))
+        if profiler is not None:
+            profiler.close()
+            assert global_state() == before
+        return [p.detach().clone() for p in model.parameters()], states, profiler and profiler.csv_path
+
+    weights, _, _ = run(False)
+    profiled_weights, states, csv_path = run(True)
+    assert "record_stats failed and is switched off" in caplog.text
+    for a, b in zip(weights, profiled_weights):
+        assert torch.equal(a, b)
+    for i, hooked, clean, phase in states:
+        if i >= 4:
+            assert (hooked, clean, phase) == (0, True, None), i
+    assert list(pandas.read_csv(csv_path)["iteration"]) == [2]
