@@ -295,7 +295,8 @@ class MemoryProfiler:
 
         Returns the iteration's record (all figures in bytes), the same one the
         report and the CSV row are made from; ``None`` only if the profiler
-        failed and switched itself off.
+        failed and switched itself off (a fault in this method, or in the CPU
+        counter every figure on the CPU comes from): nothing is measured then.
         """
         # A door the user calls: every line inside the try (so are epoch_end's and close's);
         # contained as FaultGuard.call("record_stats", ...) would, inline (it runs every iteration).
@@ -397,8 +398,9 @@ class MemoryProfiler:
 
     def _stop_measuring(self) -> None:
         """Remove the meter's hooks and stop its counter, once: at :meth:`close`, or as soon as a
-        fault switches :meth:`record_stats` off (nothing would be recorded, so nothing is measured:
-        the per-layer hooks and the CPU counter's dispatch mode would tax every later iteration).
+        fault switches :meth:`record_stats` off or stops the counter (nothing would be recorded, so
+        nothing is measured: the per-layer hooks and the CPU counter's dispatch mode would tax
+        every later iteration).
         The outputs stay until :meth:`close`; :meth:`epoch_end` still writes their rows."""
         if self._measuring:
             self._measuring = False
@@ -457,9 +459,16 @@ class MemoryProfiler:
     def _next_reported(self) -> bool:
         return (self.iteration + 1) % self.print_period == 0
 
-    def _record_stats(self) -> IterationRecord:
+    def _record_stats(self) -> IterationRecord | None:
         if self._closed:
             raise RuntimeError("record_stats() called after close()")
+        if not self._measuring:
+            return None
+        if self._meter.counter.failed:
+            # The counter every figure comes from stopped counting (its fault is logged): the
+            # figures would be frozen, so none is given, and nothing is measured any more.
+            self._stop_measuring()
+            return None
         self.iteration += 1
         self.step += 1
         reported = self.iteration % self.print_period == 0

@@ -237,3 +237,52 @@ def test_record_stats_switched_off_by_a_fault_stops_all_measuring(tmp_path, capl
         if i >= 4:
             assert (hooked, clean, phase) == (0, True, None), i
     assert list(pandas.read_csv(csv_path)["iteration"]) == [2]
+
+
+def test_a_fault_in_the_cpu_counter_stops_all_measuring(tmp_path, caplog):
+    """On the CPU every figure comes from the storage counter: once a fault stops it, its figures
+    would stay frozen (allocated as it was, the peak equal to it), so ``record_stats()`` gives
+    ``None`` from that iteration on and the profiler measures nothing more: its dispatch mode
+    leaves torch's stack by the next forward and no hook is left. The rows reported before are on
+    disk, and the weights are those of the run without the profiler."""
+    import pandas
+
+    from pytorch_mem_profiler.measure.storage_counting import shared_registry
+
+    from .test_fault_injection import global_state
+
+    def run(profiled: bool) -> tuple[list[torch.Tensor], list[Any], Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        before = global_state()
+        seen = []
+        profiler = MemoryProfiler(model, 2, True, csv_dir=tmp_path, stream=io.StringIO()) if profiled else None
+        registry = shared_registry()
+        for i in range(1, 8):
+            x = torch.randn(16, 64)
+            if profiler is not None and i == 4:
+                registry.add = _raise  # where the counting mode counts a new storage
+            out = model(x)
+            if profiler is not None and i == 4:
+                del registry.add
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if profiler is not None:
+                record = profiler.record_stats()
+                model(x)  # the next forward: the dispatch mode leaves the stack by its end
+                seen.append((i, record, global_state() == before))
+        if profiler is not None:
+            profiler.close()
+            assert global_state() == before
+        return [p.detach().clone() for p in model.parameters()], seen, profiler and profiler.csv_path
+
+    weights, _, _ = run(False)
+    profiled_weights, seen, csv_path = run(True)
+    assert "CPU storage counter failed and is switched off" in caplog.text
+    for a, b in zip(weights, profiled_weights):
+        assert torch.equal(a, b)
+    for i, record, clean in seen:
+        assert (record is None, clean) == (i >= 4, i >= 4), i
+    assert list(pandas.read_csv(csv_path)["iteration"]) == [2]

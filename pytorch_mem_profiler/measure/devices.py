@@ -99,6 +99,12 @@ class MemoryCounter:
             self._peer_set = _peers(device)
             self._peer_set.add(self)
 
+    @property
+    def failed(self) -> bool:
+        """Whether a fault of its own stopped the counter: its figures no longer follow the
+        device (the device's own counters never stop)."""
+        return False
+
     def start(self) -> None:
         """Begin counting (a no-op where the device counts by itself)."""
 
@@ -332,6 +338,10 @@ class CpuCounter(MemoryCounter):
             return
         self._registry.stop(self._tally)
         self._running = False  # only now: a stop that raised is done again by a second call
+
+    @property
+    def failed(self) -> bool:
+        return self._registry.failed
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
         self._registry.adopt(tensors, self._tally)

@@ -330,6 +330,11 @@ class StorageRegistry:
             if self._waiting and not self._hooks:
                 self._wait_for_a_chance()
 
+    @property
+    def failed(self) -> bool:
+        """Whether a fault stopped the counting (:meth:`fail`) since the first counter started."""
+        return self._failed
+
     def installed(self) -> bool:
         """Whether a counting mode of this registry is on the current thread's mode stack."""
         ident = threading.get_ident()
