@@ -95,6 +95,30 @@ def test_counter_is_removed_after_the_block(stream):
     assert nbytes(after) == 4000
 
 
+def test_a_block_whose_counter_failed_says_n_a_not_frozen_figures(stream, caplog):
+    """A fault that stops the CPU counter inside the block (here: where it counts a new storage)
+    leaves its figures frozen: the block gives n/a, and the next block counts again."""
+    from pytorch_mem_profiler.measure.storage_counting import shared_registry
+
+    registry = shared_registry()
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    with memory_usage("failed", device="cpu", stream=stream) as usage:
+        registry.add = fails
+        try:
+            kept = torch.ones(1000)
+        finally:
+            del registry.add
+    assert "CPU storage counter failed" in caplog.text
+    assert usage.added is None and usage.peak_above_start is None
+    assert stream.getvalue() == "CPU memory usage [failed]: n/a\n"
+    with memory_usage(device="cpu", stream=io.StringIO()) as again:
+        kept = torch.ones(1000)
+    assert again.added == nbytes(kept) == 4000
+
+
 def test_reusable_but_not_reentrant(stream):
     usage = memory_usage("twice", "cpu", stream=stream)
     with usage:

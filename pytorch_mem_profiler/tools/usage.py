@@ -135,10 +135,12 @@ class MemoryUsage:
         self.raised = exc_type is not None
         try:
             end: Reading = self._counter.read()
-            self.allocated_after = end.allocated
-            self.peak_allocated = end.peak_allocated
+            if not self._counter.failed:  # a counter stopped by a fault gives frozen figures: n/a
+                self.allocated_after = end.allocated
+                self.peak_allocated = end.peak_allocated
         except Exception as err:  # noqa: BLE001 - measuring must never end the user's run
-            _log.warning("pytorch_mem_profiler: memory_usage could not read %s: %s", self.device, err)
+            # str(err): a kept log record must not keep the block's tensors (see faults.traceback_text)
+            _log.warning("pytorch_mem_profiler: memory_usage could not read %s: %s", self.device, str(err))
         finally:
             self._counter.stop()
         self.text = self._format(exc_type)
