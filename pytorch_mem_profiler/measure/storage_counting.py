@@ -540,7 +540,7 @@ class StorageRegistry:
                 if not self._waiting:
                     self._remove_hooks()
         except Exception as exc:  # noqa: BLE001 - never break the user's forward
-            _log.debug("pytorch_mem_profiler: leaving the mode stack failed: %s", exc)
+            _log.debug("pytorch_mem_profiler: leaving the mode stack failed: %s", str(exc))
         return None
 
     def _wait_for_a_chance(self) -> None:

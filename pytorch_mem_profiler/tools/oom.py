@@ -186,7 +186,7 @@ class OomPostmortem:
             attached = _attach_observer()
         except RuntimeError as err:  # an allocator backend without observers
             attached = False
-            _log.warning("pytorch_mem_profiler: cannot watch for CUDA OOMs: %s", err)
+            _log.warning("pytorch_mem_profiler: cannot watch for CUDA OOMs: %s", str(err))
         if not attached:
             warnings.warn(
                 f"torch {torch.__version__} offers no out-of-memory observer: "
@@ -223,7 +223,7 @@ class OomPostmortem:
         try:
             return profiler.postmortem()
         except Exception as exc:  # noqa: BLE001 - the allocator's part of the post-mortem still counts
-            _log.error("pytorch_mem_profiler: the profiler's part of the OOM post-mortem failed: %s", exc)
+            _log.error("pytorch_mem_profiler: the profiler's part of the OOM post-mortem failed: %s", str(exc))
             return None
 
     def _on_oom(self, device: int, requested: int, limit: int, free: int) -> Path | None:
