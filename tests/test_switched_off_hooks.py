@@ -184,6 +184,73 @@ def test_a_faults_log_record_keeps_none_of_the_iterations_tensors():
     assert f"{FORWARD_PART} failed" in text and "Traceback" in text and text.endswith("RuntimeError: injected")
 
 
+def train_until_measuring_stops(
+    tmp_path: Any, inject: Callable[[MemoryProfiler], Callable[[], None] | None] | None, **options: Any
+) -> tuple[list[torch.Tensor], list[tuple[int, Any, int, bool, str | None]], Any]:
+    """Seven iterations of an MLP with Adam; with ``inject``, under a profiler (``print_period=2``,
+    CSV files in ``tmp_path``, ``options``) on which ``inject`` is called before iteration 4's
+    forward (what it returns, if anything, is called after that forward). Iteration 6's forward is
+    marked with ``phase("forward")``, ``epoch_end()`` follows iteration 5, and one more forward
+    follows each ``record_stats()``.
+
+    Returns the final weights, per iteration (its number, its record, the module hooks on the
+    model, whether torch's process-wide state is as before the profiler, the current phase), and
+    the CSV file's path.
+    """
+    from .test_fault_injection import global_state
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    before = global_state()
+    seen = []
+    profiler = None
+    if inject is not None:
+        profiler = MemoryProfiler(model, 2, True, csv_dir=tmp_path, stream=io.StringIO(), **options)
+    for i in range(1, 8):
+        x = torch.randn(16, 64)
+        undo = inject(profiler) if profiler is not None and inject is not None and i == 4 else None
+        if profiler is not None and i == 6:
+            with profiler.phase("forward"):
+                out = model(x)
+        else:
+            out = model(x)
+        if undo is not None:
+            undo()
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if profiler is not None:
+            record = profiler.record_stats()
+            if i == 5:
+                profiler.epoch_end()
+            model(x)  # a forward without backward: a mode waiting to leave torch's stack leaves here
+            hooked = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+            seen.append((i, record, hooked, global_state() == before, profiler.current_phase))
+    if profiler is not None:
+        profiler.close()
+        assert global_state() == before
+    return [p.detach().clone() for p in model.parameters()], seen, profiler and profiler.csv_path
+
+
+def check_measuring_stopped(tmp_path: Any, inject: Callable[[MemoryProfiler], Any], **options: Any) -> None:
+    """From iteration 4 on (the fault's): no record, nothing of the profiler installed (module
+    hooks, or anything torch holds process-wide), no phase; the row of iteration 2 on disk; the
+    weights those of the run without the profiler."""
+    import pandas
+
+    weights, _, _ = train_until_measuring_stops(tmp_path, None)
+    profiled_weights, seen, csv_path = train_until_measuring_stops(tmp_path, inject, **options)
+    for a, b in zip(weights, profiled_weights):
+        assert torch.equal(a, b)
+    for i, record, hooked, clean, phase in seen:
+        if i >= 4:
+            assert (record, hooked, clean, phase) == (None, 0, True, None), i
+        else:  # measuring: the CPU counter's dispatch mode is on torch's stack
+            assert record is not None and not clean, i
+    assert list(pandas.read_csv(csv_path)["iteration"]) == [2]
+
+
 def test_record_stats_switched_off_by_a_fault_stops_all_measuring(tmp_path, caplog):
     """``record_stats()`` is the profiler's door: once a fault switches it off nothing is recorded,
     so nothing is measured either. From the end of the call that failed, nothing of the profiler is
@@ -191,52 +258,12 @@ def test_record_stats_switched_off_by_a_fault_stops_all_measuring(tmp_path, capl
     per-layer mode's hooks ran on every later forward), ``epoch_end()`` and ``phase()`` install
     nothing again, the rows reported before are on disk, and the weights are those of the run
     without the profiler."""
-    import pandas
 
-    from .test_fault_injection import global_state
+    def fail_the_record(profiler: MemoryProfiler) -> None:
+        profiler._meter.finish = _raise  # iteration 4 is reported: every hook is on, per-layer ones too
 
-    def run(profiled: bool) -> tuple[list[torch.Tensor], list[Any], Any]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        before = global_state()
-        states = []
-        profiler = None
-        if profiled:
-            profiler = MemoryProfiler(model, 2, True, csv_dir=tmp_path, by_layer=True, stream=io.StringIO())
-        for i in range(1, 8):
-            if profiler is not None and i == 4:  # reported: every hook is on, per-layer ones too
-                profiler._meter.finish = _raise
-            x = torch.randn(16, 64)
-            if profiler is not None and i == 6:
-                with profiler.phase("forward"):
-                    out = model(x)
-            else:
-                out = model(x)
-            out.square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if profiler is not None:
-                record = profiler.record_stats()
-                assert (record is None) == (i >= 4)
-                if i == 5:
-                    profiler.epoch_end()
-                hooked = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
-                states.append((i, hooked, global_state() == before, profiler.current_phase))
-        if profiler is not None:
-            profiler.close()
-            assert global_state() == before
-        return [p.detach().clone() for p in model.parameters()], states, profiler and profiler.csv_path
-
-    weights, _, _ = run(False)
-    profiled_weights, states, csv_path = run(True)
+    check_measuring_stopped(tmp_path, fail_the_record, by_layer=True)
     assert "record_stats failed and is switched off" in caplog.text
-    for a, b in zip(weights, profiled_weights):
-        assert torch.equal(a, b)
-    for i, hooked, clean, phase in states:
-        if i >= 4:
-            assert (hooked, clean, phase) == (0, True, None), i
-    assert list(pandas.read_csv(csv_path)["iteration"]) == [2]
 
 
 def test_a_fault_in_the_cpu_counter_stops_all_measuring(tmp_path, caplog):
@@ -245,44 +272,16 @@ def test_a_fault_in_the_cpu_counter_stops_all_measuring(tmp_path, caplog):
     ``None`` from that iteration on and the profiler measures nothing more: its dispatch mode
     leaves torch's stack by the next forward and no hook is left. The rows reported before are on
     disk, and the weights are those of the run without the profiler."""
-    import pandas
-
     from pytorch_mem_profiler.measure.storage_counting import shared_registry
 
-    from .test_fault_injection import global_state
-
-    def run(profiled: bool) -> tuple[list[torch.Tensor], list[Any], Any]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        before = global_state()
-        seen = []
-        profiler = MemoryProfiler(model, 2, True, csv_dir=tmp_path, stream=io.StringIO()) if profiled else None
+    def fail_the_counting(profiler: MemoryProfiler) -> Callable[[], None]:
         registry = shared_registry()
-        for i in range(1, 8):
-            x = torch.randn(16, 64)
-            if profiler is not None and i == 4:
-                registry.add = _raise  # where the counting mode counts a new storage
-            out = model(x)
-            if profiler is not None and i == 4:
-                del registry.add
-            out.square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if profiler is not None:
-                record = profiler.record_stats()
-                model(x)  # the next forward: the dispatch mode leaves the stack by its end
-                seen.append((i, record, global_state() == before))
-        if profiler is not None:
-            profiler.close()
-            assert global_state() == before
-        return [p.detach().clone() for p in model.parameters()], seen, profiler and profiler.csv_path
+        registry.add = _raise  # where the counting mode counts a new storage, during the forward
 
-    weights, _, _ = run(False)
-    profiled_weights, seen, csv_path = run(True)
+        def undo() -> None:
+            del registry.add
+
+        return undo
+
+    check_measuring_stopped(tmp_path, fail_the_counting)
     assert "CPU storage counter failed and is switched off" in caplog.text
-    for a, b in zip(weights, profiled_weights):
-        assert torch.equal(a, b)
-    for i, record, clean in seen:
-        assert (record is None, clean) == (i >= 4, i >= 4), i
-    assert list(pandas.read_csv(csv_path)["iteration"]) == [2]
