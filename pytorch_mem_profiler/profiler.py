@@ -400,8 +400,8 @@ class MemoryProfiler:
         """Remove the meter's hooks and stop its counter, once: at :meth:`close`, or as soon as a
         fault switches :meth:`record_stats` off or stops the counter (nothing would be recorded, so
         nothing is measured: the per-layer hooks and the CPU counter's dispatch mode would tax
-        every later iteration).
-        The outputs stay until :meth:`close`; :meth:`epoch_end` still writes their rows."""
+        every later iteration). The outputs stay until :meth:`close`; :meth:`epoch_end` still
+        writes their rows."""
         if self._measuring:
             self._measuring = False
             self._guard.clean_up("close", self._meter.close)
