@@ -194,7 +194,8 @@ class IterationRecord:
         ddp_gradient_buckets: bytes of DDP's gradient buckets held apart from the
             gradients (0 with ``gradient_as_bucket_view=True``); ``None`` without DDP.
         fsdp_gathered_parameters: most bytes of FSDP2's gathered (unsharded)
-            parameters alive at once in this iteration; ``None`` without FSDP2.
+            parameters alive at once in this iteration; ``None`` without FSDP2 and
+            on iterations that are not reported.
         rank: the global rank under ``torch.distributed``; ``None`` in a single process.
         reported: whether the iteration was one to report (every ``print_period``-th).
             The others are measured by one read of the allocator at ``record_stats()``:

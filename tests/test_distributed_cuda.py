@@ -102,7 +102,8 @@ def test_fsdp2_weights_are_the_local_shards(ranks):
             assert rec["weights"] == result["weights_expected"]
             assert rec["gradients"] == (grads if rec["reported"] else None)
             assert grads == result["weights_expected"]
-            assert rec["fsdp_gathered_parameters"] == result["gathered_expected"]
+            # sampled on reported iterations only
+            assert rec["fsdp_gathered_parameters"] == (result["gathered_expected"] if rec["reported"] else None)
         assert result["records"][-1]["optimizer_state"] == result["optimizer_expected"]
     assert ranks[0]["fsdp"]["text"].count("Memory across 2 ranks, Epoch") == EPOCHS
 

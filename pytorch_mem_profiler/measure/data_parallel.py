@@ -172,6 +172,9 @@ class FsdpGatherTracker:
         self._handles: list = []
         self._units: list[_Unit] = []
         self.iteration_max: int | None = None
+        #: whether the units' forwards are sampled (reported iterations only: each sample
+        #: looks at every unit, at every unit's forward)
+        self.active = True
         self.refresh(units)
 
     @classmethod
@@ -239,6 +242,6 @@ class _SampleHook:
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         tracker = self.tracker()
-        if tracker is not None and torch.is_grad_enabled():
+        if tracker is not None and tracker.active and torch.is_grad_enabled():
             tracker._guarded_sample()
         return None

@@ -241,6 +241,8 @@ class Meter:
                     self._drop_attribution(hooks)
             hooks.reported = detailed
             hooks.detailed = hooks.attribution is not None and detailed
+            if self._fsdp is not None:
+                self._fsdp.active = detailed
             hooks.breakdown = None
             self._watch(hooks, detailed)
             tracker = self._peak
