@@ -233,12 +233,7 @@ class Meter:
         hooks = self._hooks
         if hooks is not None:
             if self.guard.disabled:
-                # Parts a fault switched off stop running, not only reporting: their hooks go
-                # here, between iterations (inside backward a pop of autograd's saved-tensor
-                # stack would act on the engine's copy of it and be lost).
-                self.guard.call("phase hooks", hooks.drop_switched_off)
-                if hooks.attribution is not None and ATTRIBUTION_PART in self.guard.disabled:
-                    self._drop_attribution(hooks)
+                self._drop_switched_off(hooks)
             hooks.reported = detailed
             hooks.detailed = hooks.attribution is not None and detailed
             if self._fsdp is not None:
@@ -246,15 +241,10 @@ class Meter:
             hooks.breakdown = None
             self._watch(hooks, detailed)
             tracker = self._peak
-            if tracker is not None and "peak breakdown" in self.guard.disabled:
-                # Switched off by a fault: what it holds (tracked storages, the static walk) goes
-                # now, not at close().
-                self._peak = None
-                self.guard.clean_up("peak breakdown", tracker.close)
             # Per-layer mode only: the breakdown watches every saved tensor from Python and looks
             # for gradients at backward's boundaries, which a host-bound step at print_period=1
             # would pay for (GPT-2: 1.25x).
-            elif detailed and self.by_layer and tracker is not None:
+            if detailed and self.by_layer and tracker is not None:
                 # Inline rather than through guard.call: this runs at the end of the
                 # iteration before a reported one, which stays on the light path.
                 try:
@@ -264,6 +254,20 @@ class Meter:
                     self.guard.fault("peak breakdown", exc)
                 else:
                     hooks.breakdown = tracker
+
+    def _drop_switched_off(self, hooks: TrainingStepHooks) -> None:
+        """Parts a fault switched off stop running, not only reporting: their hooks and what they
+        hold go here, between iterations, not at close() (inside backward a pop of autograd's
+        saved-tensor stack would act on the engine's copy of it and be lost)."""
+        disabled = self.guard.disabled
+        self.guard.call("phase hooks", hooks.drop_switched_off)
+        if hooks.attribution is not None and ATTRIBUTION_PART in disabled:
+            self._drop_attribution(hooks)
+        tracker = self._peak
+        if tracker is not None and "peak breakdown" in disabled:
+            # what it holds: tracked storages, the static walk
+            self._peak = None
+            self.guard.clean_up("peak breakdown", tracker.close)
 
     def _drop_attribution(self, hooks: TrainingStepHooks) -> None:
         """A fault switched the per-layer attribution off: what a forward left of it installed
