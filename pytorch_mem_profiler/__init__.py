@@ -30,6 +30,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import faults as _faults  # noqa: F401 - puts its log filter on the package's logger first
+
 __version__ = "0.2.0"
 
 #: Every public name, by the module that defines it, loaded on first use: so that

@@ -18,12 +18,55 @@ from __future__ import annotations
 
 import functools
 import logging
-import traceback
 from typing import Any, Callable, TypeVar
 
-__all__ = ["FaultGuard", "twice", "traceback_text"]
+__all__ = ["FaultGuard", "twice", "TracebacksAsText"]
 
 _log = logging.getLogger("pytorch_mem_profiler")
+
+
+class TracebacksAsText(logging.Filter):
+    """Makes a log record's exception text before any handler sees it.
+
+    A record's ``exc_info``, and an exception among its arguments, hold the
+    traceback, whose frames hold the tensors of the iteration the fault
+    interrupted (a forward's output holds its whole autograd graph): a handler
+    that keeps records (``MemoryHandler``, a test's log capture, a buffering log
+    shipper) would keep them allocated. This filter, on the package's logger,
+    formats the traceback into ``exc_text`` (which formatters print as they
+    would ``exc_info``) and the exception arguments into their text, and drops
+    the objects.
+
+    Example::
+
+        >>> record = logging.LogRecord("demo", logging.WARNING, __file__, 1, "failed: %s", None, None)
+        >>> try:
+        ...     raise RuntimeError("boom")
+        ... except RuntimeError as exc:
+        ...     record.args, record.exc_info = (exc,), (type(exc), exc, exc.__traceback__)
+        >>> TracebacksAsText().filter(record)
+        True
+        >>> record.exc_info, record.args, record.exc_text.splitlines()[-1]
+        (None, ('boom',), 'RuntimeError: boom')
+    """
+
+    _formatter = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            if not record.exc_text:
+                record.exc_text = self._formatter.formatException(record.exc_info)
+            record.exc_info = None
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, BaseException) for a in args):
+            record.args = tuple(str(a) if isinstance(a, BaseException) else a for a in args)
+        return True
+
+
+# Every module of the package logs through this one logger; the package's __init__ imports this
+# module, so the filter is on it before any of them can log.
+if not any(isinstance(f, TracebacksAsText) for f in _log.filters):
+    _log.addFilter(TracebacksAsText())
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -88,11 +131,11 @@ class FaultGuard:
         if part not in self.disabled:
             self.disabled.add(part)
             _log.warning(
-                "pytorch_mem_profiler: %s failed and is switched off; training continues (%s: %s)\n%s",
+                "pytorch_mem_profiler: %s failed and is switched off; training continues (%s: %s)",
                 part,
                 type(exc).__name__,
-                str(exc),
-                traceback_text(exc),
+                exc,
+                exc_info=exc,
             )
 
 
@@ -114,25 +157,3 @@ def twice(step: Callable[[], Any]) -> Any:
         return step()
     except Exception:  # noqa: BLE001 - tried once more below
         return step()
-
-
-def traceback_text(exc: BaseException) -> str:
-    """``exc``'s traceback as text, logged in place of ``exc_info``.
-
-    A log record's ``exc_info``, and ``exc`` among its arguments, hold the
-    traceback, whose frames hold the tensors of the iteration the fault
-    interrupted (a forward's output holds its whole autograd graph): a handler
-    that keeps records (``MemoryHandler``, a test's log capture, a buffering log
-    shipper) would keep them allocated. So a fault is logged as text only:
-    ``str(exc)`` and this.
-
-    Example::
-
-        >>> try:
-        ...     raise RuntimeError("boom")
-        ... except RuntimeError as exc:
-        ...     text = traceback_text(exc)
-        >>> text.startswith("Traceback") and text.endswith("RuntimeError: boom")
-        True
-    """
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()

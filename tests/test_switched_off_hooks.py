@@ -180,7 +180,7 @@ def test_a_faults_log_record_keeps_none_of_the_iterations_tensors():
     assert alive() is None
     (record,) = [r for r in kept if "switched off" in r.getMessage()]
     assert record.exc_info is None and all(isinstance(a, str) for a in record.args)
-    text = record.getMessage()
+    text = logging.Formatter().format(record)  # what a handler prints: the message, then the traceback
     assert f"{FORWARD_PART} failed" in text and "Traceback" in text and text.endswith("RuntimeError: injected")
 
 

@@ -104,7 +104,7 @@ class DeviceMemoryReader:
                     self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             self._nvml = pynvml
         except Exception as err:  # noqa: BLE001 - NVML missing or refusing: fall back to torch
-            _log.info("pytorch_mem_profiler: NVML not usable (%s); using torch.cuda.mem_get_info", str(err))
+            _log.info("pytorch_mem_profiler: NVML not usable (%s); using torch.cuda.mem_get_info", err)
             self._handle = None
 
     def _read_torch(self) -> DeviceUsage | None:

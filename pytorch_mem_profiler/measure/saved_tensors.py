@@ -39,8 +39,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..faults import traceback_text
-
 __all__ = ["ChainedSavedTensorsHooks", "can_chain", "top_saved_tensors_hooks"]
 
 _log = logging.getLogger("pytorch_mem_profiler")
@@ -93,11 +91,10 @@ def _unchecked(exc: BaseException) -> None:
     if not _UNCHECKED_LOGGED:
         _UNCHECKED_LOGGED.append(True)
         _log.warning(
-            "pytorch_mem_profiler: checking a saved tensor's version failed; it is handed back unchecked "
-            "(%s: %s)\n%s",
+            "pytorch_mem_profiler: checking a saved tensor's version failed; it is handed back unchecked (%s: %s)",
             type(exc).__name__,
-            str(exc),
-            traceback_text(exc),
+            exc,
+            exc_info=exc,
         )
 
 

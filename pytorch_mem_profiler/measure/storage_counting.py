@@ -54,7 +54,6 @@ from typing import Any, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from ..faults import traceback_text
 from .accounting import storage_parts
 
 __all__ = ["Tally", "StorageRegistry", "shared_registry", "return_kinds", "NEW", "RESIZED", "SKIP"]
@@ -508,10 +507,10 @@ class StorageRegistry:
                 mode.tallies = ()
         _log.warning(
             "pytorch_mem_profiler: the CPU storage counter failed and is switched off; "
-            "training continues (%s: %s)\n%s",
+            "training continues (%s: %s)",
             type(exc).__name__,
-            str(exc),
-            traceback_text(exc),
+            exc,
+            exc_info=exc,
         )
 
     # -- leaving torch's mode stack ------------------------------------------------
@@ -540,7 +539,7 @@ class StorageRegistry:
                 if not self._waiting:
                     self._remove_hooks()
         except Exception as exc:  # noqa: BLE001 - never break the user's forward
-            _log.debug("pytorch_mem_profiler: leaving the mode stack failed: %s", str(exc))
+            _log.debug("pytorch_mem_profiler: leaving the mode stack failed: %s", exc)
         return None
 
     def _wait_for_a_chance(self) -> None:

@@ -56,7 +56,6 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..faults import traceback_text
 from ..measure.allocator import allocator_stats, allocator_summary, attach_oom_observer, cuda_available
 from ..options import check_int
 from ..paths import distributed_rank, free_path, host_time_stem, prepare_output_dir
@@ -119,7 +118,7 @@ def _on_out_of_memory(device: int, requested: int, limit: int, free: int) -> Non
         try:
             handle._on_oom(device, requested, limit, free)
         except Exception as exc:  # noqa: BLE001 - the OOM error must propagate unchanged
-            _log.error("pytorch_mem_profiler: the OOM post-mortem failed: %s\n%s", str(exc), traceback_text(exc))
+            _log.error("pytorch_mem_profiler: the OOM post-mortem failed: %s", exc, exc_info=exc)
 
 
 class OomPostmortem:
@@ -186,7 +185,7 @@ class OomPostmortem:
             attached = _attach_observer()
         except RuntimeError as err:  # an allocator backend without observers
             attached = False
-            _log.warning("pytorch_mem_profiler: cannot watch for CUDA OOMs: %s", str(err))
+            _log.warning("pytorch_mem_profiler: cannot watch for CUDA OOMs: %s", err)
         if not attached:
             warnings.warn(
                 f"torch {torch.__version__} offers no out-of-memory observer: "
@@ -223,7 +222,7 @@ class OomPostmortem:
         try:
             return profiler.postmortem()
         except Exception as exc:  # noqa: BLE001 - the allocator's part of the post-mortem still counts
-            _log.error("pytorch_mem_profiler: the profiler's part of the OOM post-mortem failed: %s", str(exc))
+            _log.error("pytorch_mem_profiler: the profiler's part of the OOM post-mortem failed: %s", exc)
             return None
 
     def _on_oom(self, device: int, requested: int, limit: int, free: int) -> Path | None:

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ..faults import FaultGuard, traceback_text
+from ..faults import FaultGuard
 from ..options import check_int
 from ..measure.allocator import history as allocator_history
 from ..paths import check_path_type, free_path, host_time_stem, prepare_output_dir
@@ -538,6 +538,6 @@ def export_memory_snapshot(prefix: str | os.PathLike | None = None) -> Path | No
         _log.info("pytorch_mem_profiler: saving the memory snapshot to %s", path)
         _write_atomically(path, pickle_snapshot(_history.snapshot()))
     except Exception as exc:  # noqa: BLE001 - a failed dump must not end the training run
-        _log.error("pytorch_mem_profiler: failed to export the memory snapshot: %s\n%s", str(exc), traceback_text(exc))
+        _log.error("pytorch_mem_profiler: failed to export the memory snapshot: %s", exc, exc_info=exc)
         return None
     return path

@@ -139,8 +139,7 @@ class MemoryUsage:
                 self.allocated_after = end.allocated
                 self.peak_allocated = end.peak_allocated
         except Exception as err:  # noqa: BLE001 - measuring must never end the user's run
-            # str(err): a kept log record must not keep the block's tensors (see faults.traceback_text)
-            _log.warning("pytorch_mem_profiler: memory_usage could not read %s: %s", self.device, str(err))
+            _log.warning("pytorch_mem_profiler: memory_usage could not read %s: %s", self.device, err)
         finally:
             self._counter.stop()
         self.text = self._format(exc_type)
