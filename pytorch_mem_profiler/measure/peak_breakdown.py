@@ -606,8 +606,9 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         self._track_new([grad for p in params if (grad := p.grad) is not None], "gradients")
 
     def _track_new(self, tensors: list[Any], category: str) -> None:
-        """:meth:`_track`, where most of ``tensors`` are tracked already (the gradients the hooks
-        saw made): their storages are looked up in C (``map``), and only the others are tracked."""
+        """:meth:`_track`, where most of ``tensors`` are tracked already (the gradients found at
+        earlier boundaries): their storages are looked up in C (``map``), and only the others are
+        tracked."""
         if not tensors:
             return
         if _all_plain_strided(tensors):
@@ -655,7 +656,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             unclaimed -= grads
         parts["other"] += unclaimed
         layers = dict(alive.by_module) if self.module_name is not None else None
-        return _Boundary(allocated, parts, layers)
+        return _new_boundary((allocated, parts, layers))
 
     def marked(self, reading: Reading, ended: str, following: str, location: str | None) -> None:
         if not self._started:
@@ -674,19 +675,10 @@ class BoundaryPeakBreakdown(PeakBreakdown):
                     self._best = interval
                 if new_backward_best:
                     self._backward_best = interval
-        alive, allocated = self._alive, reading.allocated
         if following == "backward" and ended != "backward":
             # Backward begins: what no category claims now is not backward's.
-            self._unclaimed_before_backward = allocated - alive.tracked
-        # ``_boundary``, inline: this runs at every boundary (each tracked module's, twice).
-        parts = dict(alive.totals)
-        unclaimed = allocated - alive.tracked
-        if following == "backward" and ended == "backward":
-            grads = max(0, unclaimed - self._unclaimed_before_backward)
-            parts["activation_gradients"] += grads
-            unclaimed -= grads
-        parts["other"] += unclaimed
-        self._open = _new_boundary((allocated, parts, dict(alive.by_module) if self.module_name is not None else None))
+            self._unclaimed_before_backward = reading.allocated - self._alive.tracked
+        self._open = self._boundary(reading.allocated, following == "backward" and ended == "backward")
 
     def backward_started(self, output_gradients: int) -> None:
         # The outputs' gradients existed when backward reached the model: they are backward's.
