@@ -26,7 +26,7 @@ import pstats
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -39,6 +39,7 @@ import pytorch_mem_profiler.measure.meter as meter_module  # noqa: E402
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
 from pytorch_mem_profiler.measure.devices import MemoryCounter, Reading  # noqa: E402
 from pytorch_mem_profiler.measure.hooks import TrainingStepHooks  # noqa: E402
+from pytorch_mem_profiler.measure.layers import ATTRIBUTION_PART  # noqa: E402
 
 
 class NullCounter(MemoryCounter):
@@ -369,27 +370,28 @@ def print_timeline(work, args, device: torch.device, sink, steps: int = 20) -> N
         "print_period=1": (False, set()),
         "by_layer": (True, set()),
         "by_layer, no peak breakdown": (True, {"peak breakdown"}),
-        "by_layer, no per-layer attribution": (True, {"per-layer attribution"}),
-        "by_layer, neither": (True, {"peak breakdown", "per-layer attribution"}),
+        "by_layer, no per-layer attribution": (True, {ATTRIBUTION_PART}),
+        "by_layer, neither": (True, {"peak breakdown", ATTRIBUTION_PART}),
     }
+
+    def warmed(by_layer: bool, off: Iterable[str] = ()) -> MemoryProfiler:
+        """A profiler with ``off`` switched off, past its learning iteration."""
+        prof = MemoryProfiler(work.model, 1, stream=sink, by_layer=by_layer)
+        prof._guard.disabled.update(off)
+        for _ in range(3):
+            work.step()
+            prof.record_stats()
+        return prof
+
     print(f"{args.workload} on {torch.cuda.get_device_name(device)}: ms per step, median of {steps} steps")
     for round_ in range(args.rounds):
         for label, variant in variants.items():
-            prof = None
-            if variant is not None:
-                prof = MemoryProfiler(work.model, 1, stream=sink, by_layer=variant[0])
-                prof._guard.disabled.update(variant[1])
-                for _ in range(3):
-                    work.step()
-                    prof.record_stats()
+            prof = warmed(*variant) if variant is not None else None
             wall, host, gpu = measure(prof)
             if prof is not None:
                 prof.close()
             print(f"  round {round_}  {label:36s} wall {wall:7.2f}  host {host:7.2f}  GPU {gpu:7.2f}")
-    prof = MemoryProfiler(work.model, 1, stream=sink, by_layer=True)
-    for _ in range(3):
-        work.step()
-        prof.record_stats()
+    prof = warmed(True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
