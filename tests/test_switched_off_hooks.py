@@ -225,7 +225,7 @@ def train_until_measuring_stops(
             if i == 5:
                 profiler.epoch_end()
             model(x)  # a forward without backward: a mode waiting to leave torch's stack leaves here
-            hooked = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+            hooked = profiler_hooks_left(model)[0]
             seen.append((i, record, hooked, global_state() == before, profiler.current_phase))
     if profiler is not None:
         profiler.close()
