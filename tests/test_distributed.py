@@ -344,3 +344,55 @@ def test_cross_rank_table_figures():
 def test_fsdp_tracker_needs_fsdp_units():
     assert FsdpGatherTracker.attach(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
 
+
+
+def _sample_hooks(model: torch.nn.Module) -> int:
+    """How many of the tracker's pre-hooks the model's modules carry."""
+    return sum(
+        type(hook).__name__ == "_SampleHook"
+        for module in model.modules()
+        for hook in module._forward_pre_hooks.values()
+    )
+
+
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6), reason="FSDP2 on the CPU needs torch >= 2.6"
+)
+def test_fsdp_tracking_switched_off_by_a_fault_takes_its_hooks_off(one_rank_group, stream, monkeypatch):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    units = 3
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fail = {"on": False}
+    sample = FsdpGatherTracker._sample
+
+    def faulty_sample(self):
+        if fail["on"]:
+            raise RuntimeError("injected fault in the gathered-parameter sampling")
+        return sample(self)
+
+    monkeypatch.setattr(FsdpGatherTracker, "_sample", faulty_sample)
+    records = []
+    with MemoryProfiler(model, 1, stream=stream) as profiler:
+        for i in range(4):
+            fail["on"] = i == 1
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            records.append(profiler.record_stats())
+            if i == 0:
+                assert _sample_hooks(model) == units
+        hooks_after_fault = _sample_hooks(model)
+    # one rank: a unit's gathered parameters are whole; the root holds none, and a unit reshards after its forward
+    largest = max(sum(p.numel() * p.element_size() for p in model[i].parameters()) for i in (0, 2))
+    assert records[0].fsdp_gathered_parameters == largest
+    assert [r.fsdp_gathered_parameters for r in records[1:]] == [None, None, None]
+    assert hooks_after_fault == 0  # taken off at the next iteration, not left to return at once
+    assert all(r.weights == records[0].weights for r in records)  # training measured on

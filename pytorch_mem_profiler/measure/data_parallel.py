@@ -144,6 +144,10 @@ class _Unit:
         return total
 
 
+#: the part a fault in the gathered-parameter sampling switches off (``FaultGuard``)
+FSDP_PART = "fsdp tracking"
+
+
 class FsdpGatherTracker:
     """Measures FSDP2's gathered (unsharded) parameters: the largest amount alive at once.
 
@@ -168,7 +172,7 @@ class FsdpGatherTracker:
     def __init__(self, model: torch.nn.Module, units: list[torch.nn.Module], wrap: Any = None) -> None:
         self.model = model
         wrap = wrap or (lambda name, fn: fn)
-        self._guarded_sample: Callable[[], None] = wrap("fsdp tracking", self._sample)
+        self._guarded_sample: Callable[[], None] = wrap(FSDP_PART, self._sample)
         self._handles: list = []
         self._units: list[_Unit] = []
         self.iteration_max: int | None = None

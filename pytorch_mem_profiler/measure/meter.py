@@ -41,7 +41,7 @@ from .accounting import (
     unique_parameters,
     weight_bytes,
 )
-from .data_parallel import FsdpGatherTracker, ddp_gradient_bucket_bytes
+from .data_parallel import FSDP_PART, FsdpGatherTracker, ddp_gradient_bucket_bytes
 from .devices import MemoryCounter, Reading, device_capacity, make_counter, rank_device, resolve_device
 from .hooks import PhaseBlock, StepMeasurements, TrainingStepHooks
 from .layers import ATTRIBUTION_PART, LayerAttribution, LayerBreakdown, is_compiled
@@ -268,6 +268,11 @@ class Meter:
             # what it holds: tracked storages, the static walk
             self._peak = None
             self.guard.clean_up("peak breakdown", tracker.close)
+        fsdp = self._fsdp
+        if fsdp is not None and FSDP_PART in disabled:
+            # its pre-hook on every unit would go on being called (and return at once)
+            self._fsdp = None
+            self.guard.clean_up(FSDP_PART, fsdp.remove)
 
     def _drop_attribution(self, hooks: TrainingStepHooks) -> None:
         """A fault switched the per-layer attribution off: what a forward left of it installed
