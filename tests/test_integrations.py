@@ -359,3 +359,14 @@ def test_a_missing_framework_says_what_to_install(module, monkeypatch):
     monkeypatch.delitem(sys.modules, f"pytorch_mem_profiler.integrations.{module}", raising=False)
     with pytest.raises(ImportError, match="pip install"):
         importlib.import_module(f"pytorch_mem_profiler.integrations.{module}")
+
+
+def test_a_transformers_that_refuses_this_torch_says_what_to_install(monkeypatch):
+    import importlib
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(transformers.utils, "is_torch_available", lambda: False)
+    monkeypatch.delitem(sys.modules, "pytorch_mem_profiler.integrations.transformers", raising=False)
+    with pytest.raises(ImportError, match=rf"transformers {transformers.__version__} refuses torch .*pip install 'transformers<5'"):
+        importlib.import_module("pytorch_mem_profiler.integrations.transformers")

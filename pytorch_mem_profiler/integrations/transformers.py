@@ -21,10 +21,23 @@ from typing import Any
 
 try:
     from transformers import TrainerCallback
+    from transformers.utils import is_torch_available
 except ImportError as err:
     raise ImportError(
         "the Hugging Face integration needs transformers: pip install 'pytorch_mem_profiler[transformers]'"
     ) from err
+
+if not is_torch_available():
+    # transformers imports without the torch it refuses (its Trainer and models are then stand-ins
+    # that fail at first use): say so here, where the fix can be named.
+    import torch as _torch
+    import transformers as _transformers
+
+    raise ImportError(
+        f"transformers {_transformers.__version__} refuses torch {_torch.__version__} (it needs a newer "
+        "torch): upgrade torch, or install a transformers that supports it "
+        "(for torch older than 2.6: pip install 'transformers<5')"
+    )
 
 from ..profiler import MemoryProfiler
 from ._common import check_profiler_arguments, logger_metrics
