@@ -346,6 +346,7 @@ def test_fsdp_tracker_needs_fsdp_units():
 
 
 
+
 def _sample_hooks(model: torch.nn.Module) -> int:
     """How many of the tracker's pre-hooks the model's modules carry."""
     return sum(
@@ -355,20 +356,19 @@ def _sample_hooks(model: torch.nn.Module) -> int:
     )
 
 
-@pytest.mark.skipif(
-    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6), reason="FSDP2 on the CPU needs torch >= 2.6"
-)
-def test_fsdp_tracking_switched_off_by_a_fault_takes_its_hooks_off(one_rank_group, stream, monkeypatch):
+def fsdp_sampling_with_a_fault(device: torch.device, monkeypatch, stream) -> None:
+    """FSDP2 on one rank (a process group of one is up): the gathered parameters on reported
+    iterations, ``None`` on the others; a fault in the sampling takes its hooks off the units as
+    that iteration ends, and training is measured on."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    mesh = init_device_mesh("cpu", (1,))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(device)
+    mesh = init_device_mesh(device.type, (1,))
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[2], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    units = 3
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     fail = {"on": False}
     sample = FsdpGatherTracker._sample
@@ -379,20 +379,27 @@ def test_fsdp_tracking_switched_off_by_a_fault_takes_its_hooks_off(one_rank_grou
         return sample(self)
 
     monkeypatch.setattr(FsdpGatherTracker, "_sample", faulty_sample)
-    records = []
-    with MemoryProfiler(model, 1, stream=stream) as profiler:
-        for i in range(4):
-            fail["on"] = i == 1
-            model(torch.randn(4, 8)).sum().backward()
+    records, hooks_seen = [], []
+    with MemoryProfiler(model, 2, stream=stream) as profiler:
+        for i in range(6):
+            fail["on"] = i == 3  # a reported iteration (the 4th)
+            model(torch.randn(4, 8, device=device)).sum().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             records.append(profiler.record_stats())
-            if i == 0:
-                assert _sample_hooks(model) == units
-        hooks_after_fault = _sample_hooks(model)
-    # one rank: a unit's gathered parameters are whole; the root holds none, and a unit reshards after its forward
+            hooks_seen.append(_sample_hooks(model))
+    assert [r.reported for r in records] == [False, True] * 3
+    # One rank: a unit's gathered parameters are whole; the root holds none, and a unit
+    # reshards after its forward, so the most alive at once is the largest unit.
     largest = max(sum(p.numel() * p.element_size() for p in model[i].parameters()) for i in (0, 2))
-    assert records[0].fsdp_gathered_parameters == largest
-    assert [r.fsdp_gathered_parameters for r in records[1:]] == [None, None, None]
-    assert hooks_after_fault == 0  # taken off at the next iteration, not left to return at once
+    assert [r.fsdp_gathered_parameters for r in records] == [None, largest] + [None] * 4
+    assert hooks_seen[:3] == [3] * 3  # the three units'
+    assert hooks_seen[3:] == [0] * 3  # off by the faulted iteration's record_stats(), not left to return at once
     assert all(r.weights == records[0].weights for r in records)  # training measured on
+
+
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6), reason="FSDP2 on the CPU needs torch >= 2.6"
+)
+def test_fsdp_tracking_switched_off_by_a_fault_takes_its_hooks_off(one_rank_group, stream, monkeypatch):
+    fsdp_sampling_with_a_fault(torch.device("cpu"), monkeypatch, stream)
