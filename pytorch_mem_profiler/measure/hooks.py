@@ -519,15 +519,14 @@ class TrainingStepHooks:
         pass_ = self._pass
         if pass_ is None:
             return
-        if self._backward_off:
-            pass  # switched off by a fault: no backward is looked for
-        elif isinstance(output, torch.Tensor):  # the common case, without walking a structure
-            node = output.grad_fn
-            if node is not None:
-                node.register_prehook(pass_.pending)
-        else:
-            for node in output_grad_nodes(output):
-                node.register_prehook(pass_.pending)
+        if not self._backward_off:  # off (a fault): no backward is looked for
+            if isinstance(output, torch.Tensor):  # the common case, without walking a structure
+                node = output.grad_fn
+                if node is not None:
+                    node.register_prehook(pass_.pending)
+            else:
+                for node in output_grad_nodes(output):
+                    node.register_prehook(pass_.pending)
         if "forward" not in self._explicit:
             self._leave(pass_)
 
