@@ -40,6 +40,7 @@ from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
 from pytorch_mem_profiler.measure.devices import MemoryCounter, Reading  # noqa: E402
 from pytorch_mem_profiler.measure.hooks import TrainingStepHooks  # noqa: E402
 from pytorch_mem_profiler.measure.layers import ATTRIBUTION_PART  # noqa: E402
+from pytorch_mem_profiler.measure.peak_breakdown import BREAKDOWN_PART  # noqa: E402
 
 
 class NullCounter(MemoryCounter):
@@ -369,9 +370,9 @@ def print_timeline(work, args, device: torch.device, sink, steps: int = 20) -> N
         "without the profiler": None,
         "print_period=1": (False, set()),
         "by_layer": (True, set()),
-        "by_layer, no peak breakdown": (True, {"peak breakdown"}),
+        "by_layer, no peak breakdown": (True, {BREAKDOWN_PART}),
         "by_layer, no per-layer attribution": (True, {ATTRIBUTION_PART}),
-        "by_layer, neither": (True, {"peak breakdown", ATTRIBUTION_PART}),
+        "by_layer, neither": (True, {BREAKDOWN_PART, ATTRIBUTION_PART}),
     }
 
     def warmed(by_layer: bool, off: Iterable[str] = ()) -> MemoryProfiler:

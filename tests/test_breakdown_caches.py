@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pytorch_mem_profiler.measure.devices import CpuCounter
-from pytorch_mem_profiler.measure.peak_breakdown import BoundaryPeakBreakdown
+from pytorch_mem_profiler.measure.peak_breakdown import BREAKDOWN_PART, BoundaryPeakBreakdown
 from pytorch_mem_profiler.measure.saved_tensors import ChainedSavedTensorsHooks, can_chain
 
 from .helpers import needs_saved_tensor_watch, unique_storage_bytes
@@ -435,7 +435,7 @@ def test_a_breakdown_switched_off_by_a_fault_runs_no_more(mlp, monkeypatch, capl
 
         monkeypatch.setattr(tracker._alive, "add_storage", add_storage)
         faulted = iteration(profiler)  # the fault, inside autograd: contained
-        assert "peak breakdown" in profiler._guard.disabled
+        assert BREAKDOWN_PART in profiler._guard.disabled
         assert faulted.peak_breakdown is None and profiler._meter._peak is None
         calls = len(made)
         for _ in range(2):

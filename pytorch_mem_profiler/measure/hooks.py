@@ -74,7 +74,7 @@ from .devices import MemoryCounter, Reading
 from ..faults import FaultGuard
 from .entries import FORWARD_PART, EntryWatch
 from .layers import ATTRIBUTION_PART, LayerAttribution, LayerBreakdown, is_compiled
-from .peak_breakdown import PeakBreakdown
+from .peak_breakdown import BREAKDOWN_PART, PeakBreakdown
 from .trees import output_grad_nodes
 
 __all__ = [
@@ -477,7 +477,7 @@ class TrainingStepHooks:
         """The breakdown raised: switch it off (the rest goes on)."""
         self.breakdown = None
         tracker.close()
-        self.guard.fault("peak breakdown", exc)
+        self.guard.fault(BREAKDOWN_PART, exc)
 
     def _count(self, phase: str) -> None:
         counts = self.current.phase_count

@@ -145,7 +145,7 @@ class LayerAttribution:
         guard: FaultGuard | None = None,
     ) -> None:
         self.model = model
-        #: contains the faults of the hooks it installs (part ``"per-layer attribution"``)
+        #: contains the faults of the hooks it installs (part :data:`ATTRIBUTION_PART`)
         self.guard = guard or FaultGuard()
         self.device = device
         self._device_type, self._device_index = device.type, device.index

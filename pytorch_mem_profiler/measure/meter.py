@@ -47,7 +47,7 @@ from .hooks import PhaseBlock, StepMeasurements, TrainingStepHooks
 from .layers import ATTRIBUTION_PART, LayerAttribution, LayerBreakdown, is_compiled
 from .saved_tensors import can_chain
 from .outside import DeviceMemoryReader
-from .peak_breakdown import PeakBreakdown, PeakResult, make_peak_breakdown
+from .peak_breakdown import BREAKDOWN_PART, PeakBreakdown, PeakResult, make_peak_breakdown
 
 __all__ = ["Meter", "Position"]
 
@@ -217,7 +217,7 @@ class Meter:
         tracker = make_peak_breakdown(self.counter)
         if tracker is not None:
             guard = self.guard
-            tracker.on_fault = lambda exc: guard.fault("peak breakdown", exc)
+            tracker.on_fault = lambda exc: guard.fault(BREAKDOWN_PART, exc)
         hooks = self._hooks
         if tracker is not None and hooks is not None and hooks.attribution is not None:
             tracker.module_name = hooks.attribution.current_module
@@ -251,7 +251,7 @@ class Meter:
                     params = [p for _, p in self._params]
                     tracker.begin(params, self._buffers(), self._optimizer_list(), self._last_allocated)
                 except Exception as exc:  # noqa: BLE001 - the breakdown switches off, the rest goes on
-                    self.guard.fault("peak breakdown", exc)
+                    self.guard.fault(BREAKDOWN_PART, exc)
                 else:
                     hooks.breakdown = tracker
 
@@ -264,10 +264,10 @@ class Meter:
         if hooks.attribution is not None and ATTRIBUTION_PART in disabled:
             self._drop_attribution(hooks)
         tracker = self._peak
-        if tracker is not None and "peak breakdown" in disabled:
+        if tracker is not None and BREAKDOWN_PART in disabled:
             # what it holds: tracked storages, the static walk
             self._peak = None
-            self.guard.clean_up("peak breakdown", tracker.close)
+            self.guard.clean_up(BREAKDOWN_PART, tracker.close)
         fsdp = self._fsdp
         if fsdp is not None and FSDP_PART in disabled:
             # its pre-hook on every unit would go on being called (and return at once)
@@ -561,7 +561,7 @@ class Meter:
         if tracker is None:
             return None
         params = [p for _, p in self._params]
-        return self.guard.call("peak breakdown", tracker.result, iteration_peak, params, self._optimizer_list())
+        return self.guard.call(BREAKDOWN_PART, tracker.result, iteration_peak, params, self._optimizer_list())
 
 
 def _record(fields: dict[str, Any]) -> IterationRecord:

@@ -70,7 +70,17 @@ from .devices import CpuCounter, MemoryCounter, Reading
 from .saved_tensors import ChainedSavedTensorsHooks, can_chain
 from .trees import tensors_in
 
-__all__ = ["PeakResult", "PeakBreakdown", "CpuPeakBreakdown", "BoundaryPeakBreakdown", "make_peak_breakdown"]
+__all__ = [
+    "PeakResult",
+    "PeakBreakdown",
+    "CpuPeakBreakdown",
+    "BoundaryPeakBreakdown",
+    "make_peak_breakdown",
+    "BREAKDOWN_PART",
+]
+
+#: The part of the profiler a fault in the breakdown switches off (the fault guard's name for it).
+BREAKDOWN_PART = "peak breakdown"
 
 
 class PeakResult(NamedTuple):
