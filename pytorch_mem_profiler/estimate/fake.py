@@ -76,8 +76,9 @@ def _on(tensor: torch.Tensor, device: torch.device) -> bool:
 def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, owned: bool = False) -> nn.Module:
     """``model`` with fake parameters and buffers on ``device`` (call inside ``mode``).
 
-    ``owned``: the model was built for the estimate, and one whose tensors are
-    already fake and on ``device`` is returned as it is. Any other is copied with
+    ``owned``: the model was built for the estimate (see :mod:`.build`): one whose
+    tensors are already fake and on ``device`` is returned as it is, and tensors it
+    keeps as plain attributes (not registered) are made fake on ``device`` too. Any other is copied with
     ``copy.deepcopy``, each parameter and buffer replaced by a fake one on
     ``device`` (one per storage, so tied weights stay tied); ``requires_grad`` is
     kept. The user's model is never changed.
@@ -88,7 +89,9 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
     memo: dict[int, Any] = {}
     by_storage: dict[Any, torch.Tensor] = {}
     for module in model.modules():
-        for store in (module._parameters, module._buffers):
+        # a model built for the estimate: tensors kept as plain attributes follow it to the device too
+        plain = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)} if owned else {}
+        for store in (module._parameters, module._buffers, plain):
             for t in store.values():
                 if t is None or id(t) in memo:
                     continue

@@ -48,6 +48,7 @@ from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFea
 from .allocator import block_size, simulate_reserved
 from .counter import Life, StorageLifeCounter
 from .emulation import cuda_rules
+from .build import build_model
 from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
 from .scratch import KernelScratch
 
@@ -316,11 +317,28 @@ def _category(life: Life) -> str:
     return "activation_gradients" if life.phase == "backward" else "other"
 
 
-def _build(plan: StepPlan, mode: Any, run_device: torch.device) -> nn.Module:
+def _construct(plan: StepPlan) -> tuple[nn.Module | None, BaseException | None]:
+    """A model given as a function, built outside the fake mode with its small tensors real and
+    its large ones on ``meta`` (see :mod:`.build`); ``(None, error)`` if that fails."""
+    if isinstance(plan.model, nn.Module) or not callable(plan.model):
+        return None, None
+    try:
+        made = build_model(plan.model)
+    except Exception as err:  # noqa: BLE001 - built again inside the fake mode, which may manage
+        return None, err
+    if not isinstance(made, nn.Module):
+        raise TypeError(f"model() must return a torch.nn.Module; it returned {type(made).__name__}")
+    return made, None
+
+
+def _build(plan: StepPlan, mode: Any, run_device: torch.device, made: nn.Module | None = None) -> nn.Module:
     model = plan.model
-    if isinstance(model, nn.Module):
+    if made is not None:
+        built = fake_model(made, run_device, mode, owned=True)
+    elif isinstance(model, nn.Module):
         built = fake_model(model, run_device, mode)
     elif callable(model):
+        # the constructor failed outside the fake mode: inside it every tensor is fake from the start
         with torch.device(run_device):
             made = model()
         if not isinstance(made, nn.Module):
@@ -348,8 +366,14 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     mode = fake_mode()
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
+    made, build_error = _construct(plan)
     with mode, _unsupported_as_errors(), rules:
-        model = _build(plan, mode, run_device)
+        try:
+            model = _build(plan, mode, run_device, made)
+        except Exception as err:
+            if build_error is not None:
+                raise err from build_error
+            raise
         params = list(model.parameters())
         # a model with nothing to train has no optimizer step
         optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None

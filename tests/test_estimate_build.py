@@ -1,0 +1,139 @@
+"""A model given as a function: its constructor computes on small real tensors, its weights never take memory."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from pytorch_mem_profiler import estimate_memory
+from pytorch_mem_profiler.estimate.build import SMALL_TENSOR_BYTES, build_model
+
+from .helpers import nbytes
+
+
+def _optional(name: str):
+    """The module, or a skip naming why it cannot import (torchvision on a CPU wheel of torch, say)."""
+    try:
+        return __import__(name)
+    except Exception as err:  # noqa: BLE001 - any import failure means: not here
+        pytest.skip(f"{name} cannot be imported here: {type(err).__name__}: {err}")
+
+
+class DropPathNet(nn.Module):
+    """timm's pattern: stochastic-depth rates read from a small tensor in ``__init__``, then a branch on them."""
+
+    def __init__(self, depth: int = 4, width: int = 64, rate: float = 0.2) -> None:
+        super().__init__()
+        self.rates = [x.item() for x in torch.linspace(0, rate, depth)]
+        self.blocks = nn.Sequential(*[nn.Linear(width, width) if r < rate else nn.Identity() for r in self.rates])
+        mask = torch.zeros(8, 8)
+        mask[torch.arange(8) > 3] = 1.0
+        self.register_buffer("mask", mask)
+        self.ones = int(mask.sum().item())  # a Python value from a buffer's values
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x) * self.mask.sum()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_constructor_reading_small_tensors_builds_and_equals_the_model_handed_over_built():
+    built = DropPathNet()
+    assert built.ones == 32 and len(built.blocks) == 4
+    by_function = estimate_memory(DropPathNet, torch.zeros(16, 64), device="cpu", fit=False)
+    handed = estimate_memory(built, torch.zeros(16, 64), device="cpu", fit=False)
+    linear = 3 * (64 * 64 + 64) * 4  # the last rate equals the limit: an Identity
+    assert by_function.weights == handed.weights == linear
+    assert by_function.buffers == nbytes(built.mask)
+    assert by_function.peak == handed.peak
+
+
+def test_large_tensors_go_to_meta_small_ones_stay_real_and_the_random_state_is_kept():
+    state = torch.random.get_rng_state()
+    model = build_model(lambda: nn.Sequential(nn.Linear(4096, 4096), nn.LayerNorm(4096)))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert model[0].weight.device.type == "meta"  # 64 MiB
+    assert model[0].bias.device.type == model[1].weight.device.type == "cpu"  # 16 KiB each
+    assert nbytes(model[0].bias) <= SMALL_TENSOR_BYTES < nbytes(model[0].weight)
+    assert model[1].weight.sum().item() == 4096  # initialised for real: ones
+
+
+def test_a_small_tensors_result_above_the_size_goes_to_meta_and_moves_keep_tensors_where_they_are():
+    def build() -> nn.Module:
+        small = torch.ones(1024)
+        module = nn.Module()
+        module.register_buffer("outer", small[:, None] * small[None, :])  # 4 MiB computed from 4 KiB
+        module.register_buffer("moved", torch.arange(10).to("cuda", torch.float64))  # no GPU needed
+        return module
+
+    module = build_model(build)
+    assert module.outer.device.type == "meta" and module.outer.shape == (1024, 1024)
+    assert module.moved.device.type == "cpu" and module.moved.dtype == torch.float64 and module.moved[-1].item() == 9
+
+
+def test_a_model_of_billions_of_parameters_by_function_takes_little_host_memory():
+    width, depth = 16384, 16  # 16 x 16384^2 float32 weights: 17 GB
+    estimate_memory(lambda: nn.Linear(8, 8), torch.zeros(2, 8), device="cpu", fit=False)  # imports done
+    gc.collect()
+    before = _rss()
+    estimate = estimate_memory(
+        lambda: nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]),
+        torch.zeros(2, width),
+        device="cuda",
+        fit=False,
+        optimizer=torch.optim.SGD,
+    )
+    grown = _rss() - before
+    assert estimate.weights == depth * (width * width * 4 + 65536)  # weights and 64 KiB biases in 512-byte blocks
+    assert grown < 300e6, f"resident memory grew by {grown / 1e6:.0f} MB"
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("vit_small_patch16_224", {"drop_path_rate": 0.1}),
+        ("swin_tiny_patch4_window7_224", {"drop_path_rate": 0.2}),
+    ],
+)
+def test_timm_models_with_stochastic_depth_build_by_function_as_they_are_handed_over_built(name, kwargs):
+    timm = _optional("timm")
+    handed = timm.create_model(name, pretrained=False, **kwargs)
+    by_function = estimate_memory(lambda: timm.create_model(name, pretrained=False, **kwargs), torch.zeros(2, 3, 224, 224), device="cpu", fit=False)
+    from_built = estimate_memory(handed, torch.zeros(2, 3, 224, 224), device="cpu", fit=False)
+    assert by_function.weights == sum(nbytes(p) for p in handed.parameters())
+    assert by_function.peak == from_built.peak
+
+
+def test_transformers_and_torchvision_models_build_by_function_with_their_weights_on_meta():
+    transformers = _optional("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, vocab_size=32000
+    )
+    model = build_model(lambda: transformers.LlamaForCausalLM(config))
+    params = list(model.parameters())
+    assert sum(p.numel() for p in params) == 6_738_415_616  # Llama-2 7B
+    real = sum(nbytes(p) for p in params if p.device.type != "meta")
+    assert real < 2e6  # the norms' weights, 16 KiB each
+    tiny = transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=64, d_ff=128, d_kv=16, num_heads=4, vocab_size=256,
+        decoder_start_token_id=0, pad_token_id=0,
+    )
+    t5 = transformers.T5ForConditionalGeneration(tiny)
+    est = estimate_memory(
+        lambda: transformers.T5ForConditionalGeneration(tiny),
+        {"input_ids": torch.zeros(2, 16, dtype=torch.long), "labels": torch.zeros(2, 16, dtype=torch.long)},
+        device="cpu",
+        fit=False,
+        loss_fn=lambda out: out.loss,
+    )
+    assert est.weights == sum(nbytes(p) for p in t5.parameters())
+    torchvision = _optional("torchvision")
+    resnet = build_model(torchvision.models.resnet18)
+    assert {p.device.type for p in resnet.parameters()} == {"meta", "cpu"}
