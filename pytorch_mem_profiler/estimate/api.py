@@ -222,6 +222,7 @@ def estimate_memory(
         fit=batch_fit,
         emulated=run_device.type != target.type,
         reserved_at=reserved_at,
+        error_bounds=step.error_bounds,
     )
     if compare:
         base = dict(

@@ -147,6 +147,9 @@ class MemoryEstimate:
         fit: the peak per phase as a line in the batch size (``None``: not fitted).
         emulated: the step ran on fake CPU tensors standing in for a device this machine lacks.
         alternatives: estimates of the same step with other settings (``compare=``), by name.
+        error_bounds: operations whose memory follows a rule not yet measured on the device (cuDNN's
+            recurrent layers' buffers, see :mod:`~pytorch_mem_profiler.estimate.rnn`): the bytes the
+            peak may be off by because of each, by operation; empty where every figure is known.
         reserved_at: the replay at another batch size: ``(batch_size, limit) -> reserved``
             bytes, ``None`` if the allocator would run out under ``limit`` (``None``: off
             CUDA, or no batch dimension); :meth:`max_batch_size` calls it.
@@ -172,12 +175,18 @@ class MemoryEstimate:
     fit: BatchFit | None = None
     emulated: bool = False
     alternatives: Mapping[str, MemoryEstimate] = field(default_factory=dict)
+    error_bounds: Mapping[str, int] = field(default_factory=dict)
     reserved_at: Callable[[int, int | None], int | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak_allocated(self) -> int:
         """The peak as ``torch.cuda.max_memory_allocated()`` would report it: tensors and workspaces."""
         return self.peak + self.workspace
+
+    @property
+    def error_bound(self) -> int:
+        """Bytes the peak may be off by (0: no operation follows an unmeasured rule), see :attr:`error_bounds`."""
+        return sum(self.error_bounds.values())
 
     @property
     def activations(self) -> int:
@@ -264,7 +273,11 @@ class MemoryEstimate:
             _line("Input batch", fmt(self.inputs)),
             _line("Feature maps (saved for backward)", fmt(self.activations)),
             "",
-            _line("Peak allocated", fmt(self.peak_allocated)),
+            _line("Peak allocated", fmt(self.peak_allocated) + (f" ± {fmt(self.error_bound)}" if self.error_bound else "")),
+            *(
+                _line(f"  ± {operation} (rule not measured)", fmt(n))
+                for operation, n in self.error_bounds.items()
+            ),
             f"Peak during: {PHASE_LABELS.get(self.peak_phase, self.peak_phase)}; alive then:",
         ]
         for category in PEAK_CATEGORIES:

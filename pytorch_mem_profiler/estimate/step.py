@@ -24,9 +24,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping
 
@@ -50,6 +51,7 @@ from .counter import Life, StorageLifeCounter
 from .emulation import cuda_rules
 from .build import build_model
 from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
+from .rnn import CudnnRNNRules
 from .scratch import KernelScratch
 
 __all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks"]
@@ -110,6 +112,8 @@ class StepMemory:
     events: tuple[tuple[int, int], ...] = ()
     #: bytes of kernel scratch in ``peak`` (in ``breakdown["other"]``): an operator's own buffers (CUDA only)
     kernel_scratch: int = 0
+    #: operations whose memory follows an unmeasured rule: the bytes the peak may be off by, per operation
+    error_bounds: Mapping[str, int] = field(default_factory=dict)
 
 
 # -- errors ----------------------------------------------------------------------
@@ -366,8 +370,10 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     mode = fake_mode()
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
+    # cuDNN's recurrent layers, with its reserve, workspace and weight buffer, on fake tensors
+    rnn = CudnnRNNRules(run_device.type) if target.type == "cuda" else None
     made, build_error = _construct(plan)
-    with mode, _unsupported_as_errors(), rules:
+    with mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext():
         try:
             model = _build(plan, mode, run_device, made)
         except Exception as err:
@@ -394,6 +400,8 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
             attribution = None
             gradients = optimizer_state = 0
             for _ in range(2):
+                if rnn is not None:
+                    rnn.bounds.clear()  # the bounds of one step: the last
                 counter.enter_phase("forward")
                 attribution = _SavedByModule(model, counter)
                 with attribution, _autocast(run_device, plan.autocast):
@@ -414,7 +422,10 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
             layers = attribution.result()
         finally:
             counter.stop()
-    return _summarize(counter, batch_size, layers, params, buffers, optimizer_state, gradients, target)
+    step = _summarize(counter, batch_size, layers, params, buffers, optimizer_state, gradients, target)
+    if rnn is not None and rnn.bounds:
+        step = dataclasses.replace(step, error_bounds=MappingProxyType(dict(rnn.bounds)))
+    return step
 
 
 def kernel_scratch(target: torch.device) -> KernelScratch | None:

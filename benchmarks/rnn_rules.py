@@ -1,0 +1,236 @@
+"""cuDNN's recurrent layers on a GPU: their own buffers, measured, beside the estimate's rule.
+
+    python benchmarks/rnn_rules.py --out results/      # on a GPU: about a minute on an H100
+    python benchmarks/rnn_rules.py --quick --device cpu  # the estimate's side only, seconds: a smoke test
+
+For a grid of ``nn.LSTM``/``nn.GRU`` configurations (layers, hidden and input size,
+sequence length, batch, bidirectional, ``batch_first``, fp32 and bf16 autocast), on
+the GPU:
+
+- **the layer alone**: one forward and backward of the real layer after a warm-up,
+  from an empty cache: what the forward leaves allocated (output, final states,
+  reserve space, weight buffer), the forward's and the backward's peaks above what
+  was allocated before them (their workspaces on top), and, through a
+  ``saved_tensors_hooks`` pack hook, every tensor the forward saved for backward
+  (the ``uint8`` one is cuDNN's reserve space, a half-precision flat one under
+  autocast its weight buffer);
+- **the rule**: :func:`pytorch_mem_profiler.estimate.rnn.cudnn_rnn_buffers` for the
+  same call;
+- **the training step**: ``torch.cuda.max_memory_allocated()`` over two steps
+  (forward, loss, backward, SGD) above what was allocated before the model, and
+  ``estimate_memory(...).peak_allocated`` for the same step (fake CUDA tensors), with
+  the difference.
+
+Writes ``rnn_rules.json`` (one object per configuration, bytes) and ``rnn_rules.md``
+(a table) into ``--out`` (default: ``$OUT``). Send both back: the reserve and
+workspace columns are what the rule is fitted to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchutil import environment_line, markdown_table, output_dir  # noqa: E402
+
+from pytorch_mem_profiler import estimate_memory  # noqa: E402
+from pytorch_mem_profiler.estimate.rnn import cudnn_rnn_buffers  # noqa: E402
+
+BASE = {"mode": "lstm", "layers": 2, "hidden": 512, "input": 256, "seq": 128, "batch": 32, "bidirectional": False, "batch_first": False, "autocast": None}
+VARIED = {
+    "mode": ["lstm", "gru"],
+    "layers": [1, 3],
+    "hidden": [128, 1024],
+    "input": [64, 1024],
+    "seq": [16, 512],
+    "batch": [4, 128],
+    "bidirectional": [True],
+    "batch_first": [True],
+    "autocast": ["bf16"],
+}
+QUICK_BASE = {**BASE, "hidden": 32, "input": 16, "seq": 8, "batch": 4}
+
+
+def configurations(quick: bool) -> list[dict[str, Any]]:
+    """The base, each factor varied alone, and mode x autocast x bidirectional together."""
+    base = QUICK_BASE if quick else BASE
+    out = [dict(base)]
+    for key, values in VARIED.items():
+        out += [{**base, key: v} for v in values]
+    for mode, autocast, bidirectional in itertools.product(("lstm", "gru"), (None, "bf16"), (False, True)):
+        out.append({**base, "mode": mode, "autocast": autocast, "bidirectional": bidirectional, "layers": 1})
+    unique = {json.dumps(c, sort_keys=True): c for c in out}
+    return list(unique.values())[: 6 if quick else None]
+
+
+def build(config: dict[str, Any]) -> nn.Module:
+    kind = nn.LSTM if config["mode"] == "lstm" else nn.GRU
+    return kind(config["input"], config["hidden"], config["layers"], bidirectional=config["bidirectional"], batch_first=config["batch_first"])
+
+
+def example(config: dict[str, Any], device: torch.device) -> torch.Tensor:
+    shape = (config["batch"], config["seq"], config["input"]) if config["batch_first"] else (config["seq"], config["batch"], config["input"])
+    return torch.randn(shape, device=device)
+
+
+def _autocast(config: dict[str, Any], device: torch.device):  # type: ignore[no-untyped-def]
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=config["autocast"] == "bf16")
+
+
+def _fresh() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def measure_layer(config: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The real layer's forward and backward on the GPU (see the module)."""
+    model = build(config).to(device)
+    x = example(config, device).requires_grad_()
+    for _ in range(2):  # warm-up: cuDNN's handles, dropout state, cuBLAS workspaces
+        with _autocast(config, device):
+            out = model(x)[0]
+        out.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    del out
+    _fresh()
+    saved: list[dict[str, Any]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append({"shape": list(t.shape), "dtype": str(t.dtype), "bytes": t.untyped_storage().nbytes()})
+        return t
+
+    before = torch.cuda.memory_allocated()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(config, device):
+        out, states = model(x)
+    torch.cuda.synchronize()
+    after_forward = torch.cuda.memory_allocated()
+    forward_peak = torch.cuda.max_memory_allocated()
+    node = type(out.grad_fn).__name__ if out.grad_fn is not None else None
+    loss = out.float().sum()
+    del states
+    torch.cuda.reset_peak_memory_stats()
+    at_backward = torch.cuda.memory_allocated()
+    loss.backward()
+    torch.cuda.synchronize()
+    backward_peak = torch.cuda.max_memory_allocated()
+    reserve = [s for s in saved if s["dtype"] == "torch.uint8"]
+    flat_half = [s for s in saved if s["dtype"] in ("torch.float16", "torch.bfloat16") and len(s["shape"]) == 1]
+    result = {
+        "grad_fn": node,
+        "output_dtype": str(out.dtype),
+        "forward_leaves": after_forward - before,
+        "forward_workspace": forward_peak - after_forward,
+        "backward_above_start": backward_peak - at_backward,
+        "reserve": sum(s["bytes"] for s in reserve),
+        "weight_buf": sum(s["bytes"] for s in flat_half),
+        "saved": saved,
+    }
+    del model, x, out, loss
+    return result
+
+
+def rule(config: dict[str, Any]) -> dict[str, int]:
+    element = 2 if config["autocast"] else 4
+    buffers = cudnn_rnn_buffers(
+        config["mode"], seq_len=config["seq"], batch=config["batch"], hidden=config["hidden"], proj=config["hidden"],
+        layers=config["layers"], directions=2 if config["bidirectional"] else 1, element_size=element,
+    )  # fmt: skip
+    return {"reserve": buffers.reserve, "workspace": buffers.workspace}
+
+
+def step_peak(config: dict[str, Any], device: torch.device) -> int:
+    """``max_memory_allocated()`` over two SGD training steps, above what was allocated before the model."""
+    _fresh()
+    base = torch.cuda.memory_allocated()
+    model = build(config).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = example(config, device)
+    for _ in range(2):
+        with _autocast(config, device):
+            out = model(x)[0]
+        out.float().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del out
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del model, opt, x
+    return peak
+
+
+def estimated(config: dict[str, Any], device: torch.device) -> tuple[int, int]:
+    est = estimate_memory(
+        lambda: build(config),
+        lambda b: example(config, torch.device("cpu")),
+        batch_size=config["batch"],
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=lambda out: out[0].float().sum(),
+        autocast=torch.bfloat16 if config["autocast"] else None,
+        device=device if device.type == "cuda" else "cuda",
+        workspace=0,
+        fit=False,
+    )
+    return est.peak_allocated, est.error_bound
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="folder for rnn_rules.json and rnn_rules.md (default: $OUT)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="small sizes, six configurations")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    started = time.perf_counter()
+    rows = []
+    for config in configurations(args.quick):
+        entry: dict[str, Any] = {"config": config, "rule": rule(config)}
+        estimate, bound = estimated(config, device)
+        entry["estimate"] = estimate
+        entry["error_bound"] = bound
+        if on_gpu:
+            # cuBLAS's workspaces are made in the warm-up and stay: the step's peak is above them
+            entry["layer"] = measure_layer(config, device)
+            entry["measured"] = step_peak(config, device)
+            entry["difference"] = (estimate - entry["measured"]) / entry["measured"]
+        rows.append(entry)
+    headers = ["config", "reserve measured", "rule", "fwd workspace", "rule", "weight buf", "step measured", "estimated", "diff"]
+    table = []
+    for e in rows:
+        c = e["config"]
+        name = f"{c['mode']} L{c['layers']} H{c['hidden']} I{c['input']} T{c['seq']} B{c['batch']}" + (
+            " bi" if c["bidirectional"] else ""
+        ) + (" bf" if c["batch_first"] else "") + (" bf16" if c["autocast"] else "")
+        layer = e.get("layer", {})
+        table.append([
+            name, layer.get("reserve", "-"), e["rule"]["reserve"], layer.get("forward_workspace", "-"), e["rule"]["workspace"],
+            layer.get("weight_buf", "-"), e.get("measured", "-"), e["estimate"],
+            f"{100 * e['difference']:+.2f}%" if "difference" in e else "-",
+        ])  # fmt: skip
+    text = f"{environment_line(device)}; {time.perf_counter() - started:.0f} s\n\n{markdown_table(headers, table)}\n"
+    print(text)
+    out = output_dir(args.out)
+    if out is not None:
+        (out / "rnn_rules.json").write_text(json.dumps(rows, indent=1))
+        (out / "rnn_rules.md").write_text(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
