@@ -515,3 +515,24 @@ def test_without_a_gpu_fake_cpu_tensors_take_cudas_precisions_and_attention():
     # memory-efficient attention keeps no L x L matrix; the CPU's math path keeps several
     assert on_cpu.activations > 2 * 4 * 256 * 256 * 4 > on_cuda.activations
     assert (F.layer_norm, F.softmax, F.scaled_dot_product_attention) == originals
+
+
+def wide_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+
+
+def test_off_cuda_the_largest_batch_is_verified_where_the_line_through_two_batches_is_wrong():
+    # At batch 8 and 16 Adam's step holds the peak and backward's grows by 9 KB a sample; at thousands
+    # of samples another moment of backward holds it, growing faster: the line's answer does not fit.
+    estimate = estimate_memory(wide_mlp, torch.zeros(8, 256), device=CPU)
+    limit = 177_000_000
+    search = estimate.batch_search(limit, margin=0)
+    make = lambda b: lambda: torch.zeros(b, 256)  # noqa: E731
+    assert measured_peak(wide_mlp, make(search.line), torch.optim.Adam) > limit  # the line alone is wrong
+    assert measured_peak(wide_mlp, make(search.largest), torch.optim.Adam) <= limit
+    assert measured_peak(wide_mlp, make(math.ceil(search.largest * 1.1)), torch.optim.Adam) > limit
+    assert estimate.max_batch_size(limit) == int(search.largest * 0.9)
+    assert search.peak_phase == "backward" and estimate.fit.peak_phases[8] == "optimizer"
+    assert search.peak_moves.startswith("optimizer at batch 8, 16, 24") and "backward" in search.peak_moves
+    assert any(not ok for _, ok in search.tried)

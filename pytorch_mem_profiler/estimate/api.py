@@ -198,9 +198,11 @@ def estimate_memory(
     reserved = None
     if step.reserved is not None:
         reserved = simulate_reserved([*workspace_events, *step.events])
-    reserved_at = None
+    reserved_at = peak_at = None
     if reserved is not None and fit and batch is not None:
         reserved_at = functools.partial(_reserved_at, plan, tuple(workspace_events))
+    if fit and batch is not None:
+        peak_at = functools.partial(_peak_at, plan)
     est = MemoryEstimate(
         device=str(target),
         batch_size=batch,
@@ -222,6 +224,7 @@ def estimate_memory(
         fit=batch_fit,
         emulated=run_device.type != target.type,
         reserved_at=reserved_at,
+        peak_at=peak_at,
         error_bounds=step.error_bounds,
     )
     if compare:
@@ -256,6 +259,12 @@ def _reserved_at(plan: StepPlan, workspace_events: tuple[tuple[int, int], ...], 
     return simulate_reserved([*workspace_events, *run_step(plan, batch).events], limit=limit)
 
 
+def _peak_at(plan: StepPlan, batch: int) -> tuple[int, str]:
+    """The step's peak (tensors) and the phase holding it at ``batch``: one fake step."""
+    step = run_step(plan, batch)
+    return step.peak, step.peak_phase
+
+
 def _fit(plan: StepPlan, first: StepMemory, batch: int) -> BatchFit:
     """Each phase's peak as a line through ``batch`` and ``2 * batch``, checked at ``3 * batch``."""
     second = run_step(plan, 2 * batch)
@@ -267,7 +276,8 @@ def _fit(plan: StepPlan, first: StepMemory, batch: int) -> BatchFit:
             continue
         slope = (high - low) / batch
         phases[phase] = (low - slope * batch, slope)
-    fit = BatchFit(phases, (batch, 2 * batch), 3 * batch, None)
+    moments = {batch: first.peak_phase, 2 * batch: second.peak_phase, 3 * batch: third.peak_phase}
+    fit = BatchFit(phases, (batch, 2 * batch), 3 * batch, None, moments)
     predicted = fit.peak_at(3 * batch)
     error = abs(predicted - third.peak) / third.peak if third.peak else 0.0
     return dataclasses.replace(fit, error=error)

@@ -186,11 +186,14 @@ def run(args: argparse.Namespace, fail: Callable[[str], int]) -> int:
             print(f"\nOn a device of {memory}: the step {verdict}.")
         else:
             try:
-                largest = estimate.max_batch_size(args.memory, margin=args.margin)
+                search = estimate.batch_search(args.memory, margin=args.margin)
             except ValueError as err:
                 return fail(str(err))
             print(
-                f"\nLargest batch on a device of {memory}: {largest} "
-                f"(margin {100 * args.margin:g}%; {format_amount(estimate.outside, unit, digits=3)} allowed outside PyTorch)"
+                f"\nLargest batch on a device of {memory}: {search.batch_size} "
+                f"(margin {100 * args.margin:g}%; {format_amount(estimate.outside, unit, digits=3)} allowed outside PyTorch; "
+                f"verified with {len(search.tried)} fake steps, the line alone said {search.line})"
             )
+            if search.peak_moves:
+                print(f"The peak moves with the batch: {search.peak_moves}")
     return 0

@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 from ..stats import INPUT, PEAK_CATEGORIES, PEAK_CATEGORY_LABELS, PHASE_LABELS, LayerFeatureMaps
 from ..units import UNITS, format_amount
 
-__all__ = ["BatchFit", "MemoryEstimate", "LINEARITY_TOLERANCE", "largest_fitting"]
+__all__ = ["BatchFit", "BatchSearch", "MemoryEstimate", "LINEARITY_TOLERANCE", "largest_fitting", "largest_verified"]
 
 #: The largest relative error of the linear fit at the third batch size that
 #: :meth:`MemoryEstimate.max_batch_size` accepts without a warning.
@@ -45,12 +45,36 @@ class BatchFit:
         batch_sizes: the two batch sizes fitted.
         checked_at: the third batch size the fit was checked at (``None``: not checked).
         error: the fit's relative error at ``checked_at`` (0.01 is 1%).
+        peak_phases: the phase holding the step's peak at each batch size estimated
+            (the two fitted and the check); more than one phase means the peak moves
+            to another moment as the batch grows (see :attr:`peak_moves`).
     """
 
     phases: Mapping[str, tuple[float, float]]
     batch_sizes: tuple[int, int]
     checked_at: int | None
     error: float | None
+    peak_phases: Mapping[int, str] = field(default_factory=dict)
+
+    @property
+    def peak_moves(self) -> str | None:
+        """Where the peak moves between the batch sizes estimated (``None``: it stays in one phase).
+
+        Example::
+
+            >>> BatchFit({}, (1, 2), 3, 0.0, {1: "optimizer", 2: "optimizer", 3: "backward"}).peak_moves
+            'optimizer at batch 1, 2; backward at batch 3'
+        """
+        if len(set(self.peak_phases.values())) < 2:
+            return None
+        runs: list[tuple[str, list[int]]] = []
+        for batch in sorted(self.peak_phases):
+            phase = self.peak_phases[batch]
+            if runs and runs[-1][0] == phase:
+                runs[-1][1].append(batch)
+            else:
+                runs.append((phase, [batch]))
+        return "; ".join(f"{phase} at batch {', '.join(map(str, batches))}" for phase, batches in runs)
 
     def peak_at(self, batch_size: int) -> int:
         """The step's peak predicted at ``batch_size``: the largest phase line there."""
@@ -112,6 +136,79 @@ def largest_fitting(fits: Callable[[int], bool], guess: int, upper: int, *, tole
     return lo
 
 
+def largest_verified(fits: Callable[[int], bool], guess: int, *, tolerance: float = 0.01, most: int = 1 << 40) -> int:
+    """The largest batch size for which ``fits(batch)`` (0: none), searched from ``guess``.
+
+    The guess (a line's answer) is checked: from one that fits the search steps up,
+    from one that does not it steps down, each step twice the last, until the
+    answer is bracketed; then a bisection until the bracket is within ``tolerance``
+    of the batch (or 1). ``fits`` is taken to be true up to some batch and false after.
+
+    Example::
+
+        >>> largest_verified(lambda b: 100 + 7 * b <= 1000, 50), largest_verified(lambda b: 100 + 7 * b <= 1000, 500)
+        (128, 128)
+    """
+    cache: dict[int, bool] = {}
+
+    def ok(batch: int) -> bool:
+        if batch not in cache:
+            cache[batch] = fits(batch)
+        return cache[batch]
+
+    guess = max(1, min(int(guess), most))
+    step = max(1, guess // 20)
+    if ok(guess):
+        lo, hi = guess, None
+        while hi is None:
+            if lo >= most:
+                return most
+            nxt = min(lo + step, most)
+            if ok(nxt):
+                lo, step = nxt, 2 * step
+            else:
+                hi = nxt
+    else:
+        lo, hi = None, guess
+        while lo is None:
+            nxt = hi - step
+            if nxt < 1:
+                lo = 0
+            elif ok(nxt):
+                lo = nxt
+            else:
+                hi, step = nxt, 2 * step
+    while hi - lo > max(1, int(lo * tolerance)):
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(frozen=True)
+class BatchSearch:
+    """How :meth:`MemoryEstimate.batch_search` found the largest batch; bytes.
+
+    Attributes:
+        batch_size: the answer, ``largest * (1 - margin)`` rounded down.
+        largest: the largest batch that was verified to fit (fake steps at that batch).
+        line: the batch the fit's lines alone predicted (before any margin).
+        tried: each batch size run as a fake step, and whether it fit.
+        peak_phase: the phase holding the peak at ``largest`` (``None``: not known).
+        peak_moves: where the peak moves between the batch sizes estimated, as
+            :attr:`BatchFit.peak_moves` says, with ``largest`` included.
+    """
+
+    batch_size: int
+    largest: int
+    line: int
+    tried: tuple[tuple[int, bool], ...]
+    peak_phase: str | None
+    peak_moves: str | None
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """What one training step would take on a device, estimated without running it; bytes.
@@ -150,6 +247,8 @@ class MemoryEstimate:
         error_bounds: operations whose memory follows a rule not yet measured on the device (cuDNN's
             recurrent layers' buffers, see :mod:`~pytorch_mem_profiler.estimate.rnn`): the bytes the
             peak may be off by because of each, by operation; empty where every figure is known.
+        peak_at: the step at another batch size, ``batch_size -> (peak, peak phase)`` (fake steps;
+            ``None``: no batch dimension); :meth:`max_batch_size` verifies its answer with it off CUDA.
         reserved_at: the replay at another batch size: ``(batch_size, limit) -> reserved``
             bytes, ``None`` if the allocator would run out under ``limit`` (``None``: off
             CUDA, or no batch dimension); :meth:`max_batch_size` calls it.
@@ -176,6 +275,7 @@ class MemoryEstimate:
     emulated: bool = False
     alternatives: Mapping[str, MemoryEstimate] = field(default_factory=dict)
     error_bounds: Mapping[str, int] = field(default_factory=dict)
+    peak_at: Callable[[int], tuple[int, str]] | None = field(default=None, repr=False, compare=False)
     reserved_at: Callable[[int, int | None], int | None] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -211,19 +311,32 @@ class MemoryEstimate:
     def max_batch_size(self, device_memory: int, margin: float = 0.1, *, outside: int | None = None) -> int:
         """The largest batch size that fits in ``device_memory`` bytes, less ``margin`` of it.
 
-        Off CUDA: the largest batch whose predicted peak (the fit over batch sizes)
-        plus the allowance outside PyTorch fits. On CUDA the limit is on what the
-        caching allocator reserves, which is more than it allocates (blocks rounded
-        into 2 MiB and 20 MiB segments, freed blocks that a larger request cannot
-        use): the peak's line gives an upper bound, and the allocator replay at
-        batch sizes below it (:attr:`reserved_at`, a bisection to within 1%) finds
-        the largest batch that the allocator runs without running out, its segments
-        plus the allowance within ``device_memory`` (it gives back its wholly free
-        segments before it gives up, as the real one does). The result
-        is that batch times ``1 - margin``, rounded down (Lightning's
-        ``BatchSizeFinder(margin=...)`` rule). ``outside``: another allowance than
-        :attr:`outside` (0 when the limit is the allocator's own, as under
-        ``torch.cuda.set_per_process_memory_fraction``).
+        :meth:`batch_search`'s answer (``.batch_size``); see there.
+
+        Raises:
+            ValueError: a bad argument, or no fit (an estimate made without a batch dimension).
+        """
+        return self.batch_search(device_memory, margin, outside=outside).batch_size
+
+    def batch_search(self, device_memory: int, margin: float = 0.1, *, outside: int | None = None) -> BatchSearch:
+        """The largest batch size that fits in ``device_memory`` bytes, less ``margin`` of it, and how it was found.
+
+        The fit's lines (each phase's peak over two batch sizes) give a first
+        answer, which is then verified with fake steps (:func:`largest_verified`:
+        stepping up or down from it, then a bisection to within 1%), because a
+        step's peak is the highest of several moments, each growing with the batch
+        at its own rate, and at a large batch another moment may hold it than at
+        the batches fitted. Off CUDA a batch fits when the step's peak plus the
+        allowance outside PyTorch is within ``device_memory``. On CUDA the limit is
+        on what the caching allocator reserves, which is more than it allocates
+        (blocks rounded into 2 MiB and 20 MiB segments, freed blocks that a larger
+        request cannot use): a batch fits when the allocator replay
+        (:attr:`reserved_at`) runs it without running out, its segments plus the
+        allowance within ``device_memory`` (it gives back its wholly free segments
+        before it gives up, as the real one does). The answer is the batch found
+        times ``1 - margin``, rounded down (Lightning's ``BatchSizeFinder(margin=...)``
+        rule). ``outside``: another allowance than :attr:`outside` (0 when the limit
+        is the allocator's own, as under ``torch.cuda.set_per_process_memory_fraction``).
 
         Raises:
             ValueError: a bad argument, or no fit (an estimate made without a batch dimension).
@@ -241,20 +354,53 @@ class MemoryEstimate:
         if fit.error is not None and fit.error > LINEARITY_TOLERANCE:
             warnings.warn(
                 f"the step's memory is not linear in the batch size: the fit over batch sizes "
-                f"{fit.batch_sizes} is off by {100 * fit.error:.1f}% at {fit.checked_at}",
-                stacklevel=2,
+                f"{fit.batch_sizes} is off by {100 * fit.error:.1f}% at {fit.checked_at}; the answer is "
+                f"verified with fake steps",
+                stacklevel=3,
             )
         extra = self.outside if outside is None else outside
         budget = device_memory - extra
-        largest = fit.largest_batch(budget - self.workspace)
-        if self.reserved_at is not None and largest > 0:
-            guess = largest
+        line = fit.largest_batch(budget - self.workspace)
+        tried: list[tuple[int, bool]] = []
+        phases: dict[int, str] = dict(fit.peak_phases)
+        largest = line
+        if self.reserved_at is not None:
+            guess = max(1, line)
             if self.reserved and self.peak_allocated:
                 # segments hold about the same share more than the blocks at any batch: a first guess
-                guess = min(largest, fit.largest_batch(budget * self.peak_allocated / self.reserved - self.workspace))
+                guess = max(1, min(line, fit.largest_batch(budget * self.peak_allocated / self.reserved - self.workspace)))
             replay = self.reserved_at
-            largest = largest_fitting(lambda b: replay(b, budget) is not None, guess, largest)
-        return int(math.floor(largest * (1 - margin)))
+
+            def fits(batch: int) -> bool:
+                ok = replay(batch, budget) is not None
+                tried.append((batch, ok))
+                return ok
+
+            largest = largest_verified(fits, guess)
+        elif self.peak_at is not None:
+            measure = self.peak_at
+
+            def fits(batch: int) -> bool:
+                peak, phase = measure(batch)
+                phases[batch] = phase
+                ok = peak + self.workspace <= budget
+                tried.append((batch, ok))
+                return ok
+
+            largest = largest_verified(fits, max(1, line))
+        peak_phase = phases.get(largest)
+        if largest in phases or not tried:
+            moves = BatchFit({}, fit.batch_sizes, None, None, phases).peak_moves
+        else:
+            moves = fit.peak_moves
+        return BatchSearch(
+            batch_size=int(math.floor(largest * (1 - margin))),
+            largest=largest,
+            line=line,
+            tried=tuple(tried),
+            peak_phase=peak_phase,
+            peak_moves=moves,
+        )
 
     # -- the report --------------------------------------------------------------
     def format(self, unit: str = "MB", top: int = 5) -> str:
@@ -307,6 +453,8 @@ class MemoryEstimate:
             if self.fit.checked_at is not None and self.fit.error is not None:
                 check = f", checked at {self.fit.checked_at}: off by {100 * self.fit.error:.2f}%"
             out.append(f"Per sample: {fmt(self.fit.per_sample)} (linear over batch {a} and {b}{check})")
+            if self.fit.peak_moves:
+                out.append(f"The peak moves with the batch: {self.fit.peak_moves}")
         if self.alternatives:
             out += ["", self.format_comparison(unit)]
         out.append(f"({unit} = {UNITS[unit]:,} bytes)")
