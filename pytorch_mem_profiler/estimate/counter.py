@@ -49,7 +49,8 @@ class Life:
     phase: str
     died: int | None = None
     #: roles learned later: "weights", "gradients", "optimizer_state", "inputs", "activations";
-    #: "scratch" for a kernel's own buffer inside one operator (see ``StorageLifeCounter.transient``)
+    #: "scratch" for a kernel's own buffer inside one operator (see ``StorageLifeCounter.transient``);
+    #: "regrown" for a storage made again by ``storage.resize_`` (FSDP2's gathered parameters)
     roles: set[str] = field(default_factory=set)
     #: the module whose forward saved it for backward (the innermost one running)
     saved_by: str | None = None
@@ -147,7 +148,7 @@ class StorageLifeCounter(MemoryCounter):
         self.tick += 1
         life.died = self.tick
         self._change(-life.nbytes)
-        reborn = Life(nbytes, self.tick, self.phase, roles=set(life.roles), saved_by=life.saved_by)
+        reborn = Life(nbytes, self.tick, self.phase, roles={*life.roles, "regrown"}, saved_by=life.saved_by)
         self._live[key] = reborn
         self.lives.append(reborn)
         self._change(nbytes)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping
 
@@ -49,6 +49,7 @@ from .allocator import block_size, simulate_reserved
 from .counter import Life, StorageLifeCounter
 from .emulation import cuda_rules
 from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
+from .parallel import PARALLEL_ROLES
 from .scratch import KernelScratch
 
 __all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks"]
@@ -86,6 +87,11 @@ class StepPlan:
     checkpointing: bool | Callable[[str, nn.Module], bool] = False
     #: where the fake tensors live: ``device``, or the CPU where ``device`` cannot run autograd here
     run_device: torch.device | None = None
+    #: ``model -> (model, {role: tensors})``: wraps the fake model (DDP, FSDP2; see :mod:`.parallel`)
+    #: and names tensors it made that are counted from the start
+    setup: Callable[[nn.Module], tuple[nn.Module, Mapping[str, list[torch.Tensor]]]] | None = None
+    #: what the step runs inside (a fake process group)
+    context: Callable[[], contextlib.AbstractContextManager] | None = None
 
 
 @dataclass
@@ -109,6 +115,8 @@ class StepMemory:
     events: tuple[tuple[int, int], ...] = ()
     #: bytes of kernel scratch in ``peak`` (in ``breakdown["other"]``): an operator's own buffers (CUDA only)
     kernel_scratch: int = 0
+    #: bytes at the peak of each parallel role (:data:`.parallel.PARALLEL_ROLES`; in ``breakdown["other"]``)
+    parallel_parts: Mapping[str, int] = field(default_factory=dict)
 
 
 # -- errors ----------------------------------------------------------------------
@@ -272,6 +280,10 @@ class _SavedByModule:
         self.seen.add(id(life))
         if "weights" in life.roles:
             return t
+        if isinstance(t, nn.Parameter):
+            # a parameter not among the model's weights: FSDP2's gathered (unsharded) one
+            life.roles.add("regrown")
+            return t
         if "inputs" in life.roles:
             slot = (INPUT, ACTIVATIONS)
         else:
@@ -308,8 +320,8 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 # -- the step ----------------------------------------------------------------------
 def _category(life: Life) -> str:
     roles = life.roles
-    if "scratch" in roles:
-        return "other"  # a kernel's own buffer: alive only inside its operator
+    if "scratch" in roles or not roles.isdisjoint(PARALLEL_ROLES):
+        return "other"  # a kernel's own buffer; DDP's buckets, FSDP's gathered parameters
     for role in ("weights", "gradients", "optimizer_state", "inputs", "activations"):
         if role in roles:
             return role
@@ -348,8 +360,12 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     mode = fake_mode()
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
-    with mode, _unsupported_as_errors(), rules:
+    context = plan.context() if plan.context is not None else contextlib.nullcontext()
+    with context, mode, _unsupported_as_errors(), rules:
         model = _build(plan, mode, run_device)
+        made: Mapping[str, list[torch.Tensor]] = {}
+        if plan.setup is not None:
+            model, made = plan.setup(model)
         params = list(model.parameters())
         # a model with nothing to train has no optimizer step
         optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
@@ -358,6 +374,9 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
         try:
             counter.adopt(params, role="weights")
             counter.adopt(buffers, role="weights")
+            for role, tensors in made.items():
+                counter.adopt(tensors, role=role)
+            del made
             inputs = fake_inputs(plan.example_inputs, batch_size, run_device)
             targets = fake_inputs(plan.targets, batch_size, run_device) if plan.targets is not None else None
             # Loop variables would keep the last tensor alive past its time: give roles in a call.
@@ -434,6 +453,10 @@ def _summarize(
     at_peak = counter.alive_at(counter.peak_tick)
     breakdown = dict.fromkeys(PEAK_CATEGORIES, 0)
     scratch = sum(life.nbytes for life in at_peak if "scratch" in life.roles)
+    parallel_parts = {
+        role: sum(life.nbytes for life in at_peak if role in life.roles and "scratch" not in life.roles)
+        for role in PARALLEL_ROLES
+    }
     peak_layers: dict[str, int] = {}
     for life in at_peak:
         category = _category(life)
@@ -466,6 +489,7 @@ def _summarize(
         reserved=reserved,
         events=events,
         kernel_scratch=scratch,
+        parallel_parts=MappingProxyType({k: v for k, v in parallel_parts.items() if v}),
     )
 
 
