@@ -186,3 +186,30 @@ def test_what_if_table_across_strategies_and_world_sizes():
     for name in ("ddp x2", "fsdp2 x2", "fsdp2 x8"):
         assert f"| {name} | {est.alternatives[name].peak_allocated} " in table.replace(",", "")
     assert est.alternatives["fsdp2 x8"].peak < est.alternatives["fsdp2 x2"].peak < est.alternatives["ddp x2"].peak
+
+
+@needs_fsdp2_cpu
+def test_the_command_estimates_a_rank_and_the_what_ifs(tmp_path, capsys):
+    from pytorch_mem_profiler.analysis.cli import main
+
+    path = tmp_path / "model.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\nbatch_size = 8\n"
+        "def build_model():\n    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])\n"
+        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 64)\n"
+    )
+    argv = ["estimate", str(path), "--device", "cpu", "--units", "B", "--parallel", "fsdp2", "--world-size", "4"]
+    assert main([*argv, "--what-if", "ddp:2,fsdp2:8"]) == 0
+    out = capsys.readouterr().out
+    build = lambda: torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])  # noqa: E731
+    expected = {
+        name: estimate_memory(build, lambda b: torch.zeros(b, 64), batch_size=8, device="cpu", parallel=p, world_size=n, fit=False)
+        for name, p, n in (("base", "fsdp2", 4), ("ddp x2", "ddp", 2), ("fsdp2 x8", "fsdp2", 8))
+    }
+    assert "Parallel: FSDP2, rank 0 of 4 (figures per rank)" in out
+    assert f"Peak allocated{'.' * 3}" in out
+    compact = out.replace(",", "")
+    for name in ("ddp x2", "fsdp2 x8"):
+        assert f"| {name} | {expected[name].peak_allocated} B |" in compact
+    assert main([*argv[:-2]]) == 2  # --parallel without --world-size
+    assert "--parallel needs --world-size" in capsys.readouterr().err
