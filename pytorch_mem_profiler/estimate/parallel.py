@@ -29,7 +29,7 @@ Example::
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
     >>> one = estimate_memory(model, torch.zeros(8, 256), device="cpu", fit=False)
     >>> two = estimate_memory(model, torch.zeros(8, 256), device="cpu", fit=False, parallel="fsdp2", world_size=2)
-    >>> two.weights * 2 == one.weights, two.optimizer_state * 2 == one.optimizer_state
+    >>> two.weights * 2 == one.weights, two.gradients * 2 == one.gradients
     (True, True)
 """
 

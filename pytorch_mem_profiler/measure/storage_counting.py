@@ -106,8 +106,7 @@ def watch_storage_resizes(listener: Any) -> None:
         >>> seen = []
         >>> listen = lambda storage, before: seen.append((before, storage.nbytes()))
         >>> watch_storage_resizes(listen)
-        >>> torch.zeros(4).untyped_storage().resize_(0)
-        ...
+        >>> _ = torch.zeros(4).untyped_storage().resize_(0)
         >>> unwatch_storage_resizes(listen)
         >>> seen, torch.UntypedStorage.resize_ is _ORIGINAL_RESIZE or _ORIGINAL_RESIZE is None
         ([(16, 0)], True)
