@@ -54,6 +54,9 @@ _OVERRIDABLE = (
     "autocast",
     "checkpointing",
     "batch_size",
+    "parallel",
+    "world_size",
+    "rank",
 )
 
 
@@ -104,6 +107,9 @@ def estimate_memory(
     fit: bool = True,
     compare: Mapping[str, Mapping[str, Any]] | None = None,
     emulate: bool | None = None,
+    parallel: Any = None,
+    world_size: int | None = None,
+    rank: int = 0,
 ) -> MemoryEstimate:
     """Estimate one training step's memory on ``device`` without allocating it (no GPU needed).
 
@@ -144,6 +150,12 @@ def estimate_memory(
             seed exercise's three); each is estimated and kept in ``alternatives``.
         emulate: run on fake CPU tensors standing in for ``device`` (``None``: only
             where the device's runtime is missing here; autocast then follows the CPU's rules).
+        parallel: ``None`` (one device), ``"ddp"``, ``"fsdp2"``, or
+            :class:`~.parallel.DDP` / :class:`~.parallel.FSDP2` with their settings: the figures
+            are then one rank's of ``world_size``, for a batch of ``batch_size`` *per rank*
+            (see :mod:`~pytorch_mem_profiler.estimate.parallel`). No process group or GPU is needed.
+        world_size: the number of ranks (needed with ``parallel``).
+        rank: the rank estimated (FSDP2's last ranks may hold smaller shards; default 0).
 
     Raises:
         EstimateUnsupported: the step uses an operation the fake mode cannot run
@@ -173,6 +185,19 @@ def estimate_memory(
             if unknown:
                 raise ValueError(f"compare[{name!r}] has unknown keys {sorted(unknown)}; allowed: {', '.join(_OVERRIDABLE)}")
 
+    from .parallel import RankSetup, parse_parallel
+
+    parallel_plan = parse_parallel(parallel)
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if parallel_plan is not None and world_size is None:
+        raise ValueError(f"parallel={parallel!r} needs world_size= (the number of ranks)")
+    if parallel_plan is None and world_size not in (None, 1):
+        raise ValueError(f"world_size={world_size} needs parallel='ddp' or 'fsdp2'")
+    ranks = world_size or 1
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+        raise ValueError(f"rank must be an integer in [0, world_size={ranks}), got {rank!r}")
+
     run_device = _run_device(target, emulate)
     plan = StepPlan(
         model=model,
@@ -185,6 +210,9 @@ def estimate_memory(
         checkpointing=checkpointing,
         run_device=run_device,
     )
+    if parallel_plan is not None:
+        rank_setup = RankSetup(parallel_plan, ranks, rank, run_device)
+        plan.setup, plan.context = rank_setup, rank_setup.context
     batch = batch_size if batch_size is not None else batch_of(example_inputs) if not calls_inputs else None
     step = run_step(plan, batch)
     batch_fit = _fit(plan, step, batch) if fit and batch is not None else None
@@ -226,6 +254,10 @@ def estimate_memory(
         reserved_at=reserved_at,
         peak_at=peak_at,
         error_bounds=step.error_bounds,
+        parallel=parallel_plan.name if parallel_plan is not None else None,
+        world_size=ranks,
+        rank=rank,
+        parallel_parts=step.parallel_parts,
     )
     if compare:
         base = dict(
@@ -237,6 +269,9 @@ def estimate_memory(
             autocast=autocast,
             batch_size=batch_size,
             checkpointing=checkpointing,
+            parallel=parallel,
+            world_size=world_size,
+            rank=rank,
         )
         alternatives = {
             name: estimate_memory(

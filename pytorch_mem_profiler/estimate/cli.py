@@ -7,6 +7,7 @@ file that defines ``build_model()`` and ``example_inputs()`` (or
 
     pytorch-mem-profiler estimate resnet50 --batch-size 64 --memory 80GB
     pytorch-mem-profiler estimate my_model.py --device cuda --autocast bf16 --memory 24GiB --compare
+    pytorch-mem-profiler estimate my_model.py --parallel fsdp2 --world-size 8 --what-if ddp:2,fsdp2:2,fsdp2:8
 
 This module imports torch only when the command runs, so that the rest of the
 command line starts without it.
@@ -64,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true", help="also estimate checkpointing, bf16 autocast and both")
     parser.add_argument("--image-size", type=int, default=224, help="torchvision models: image height and width (default: 224)")
     parser.add_argument("--units", choices=list(UNITS), default="MB", help="the unit of the figures (default: MB)")
+    parser.add_argument("--parallel", choices=("ddp", "fsdp2"), help="estimate one rank of DDP or FSDP2 (with --world-size)")
+    parser.add_argument("--world-size", type=int, help="the number of ranks for --parallel (the batch size is per rank)")
+    parser.add_argument(
+        "--what-if",
+        metavar="STRATEGY:N,...",
+        help="also estimate each rank's peak for these strategies and world sizes: ddp:2,fsdp2:2,fsdp2:8",
+    )
 
 
 def load_model_file(path: Path) -> Any:
@@ -158,10 +166,18 @@ def run(args: argparse.Namespace, fail: Callable[[str], int]) -> int:
         return fail(f"--batch-size must be at least 1, got {args.batch_size}")
     if not 0 <= args.margin < 1:
         return fail(f"--margin must be at least 0 and less than 1, got {args.margin}")
+    if args.world_size is not None and args.world_size < 1:
+        return fail(f"--world-size must be at least 1, got {args.world_size}")
+    if args.parallel is not None and args.world_size is None:
+        return fail("--parallel needs --world-size (the number of ranks)")
     from .api import OPTIMIZATIONS, estimate_memory
+    from .parallel import what_ifs
     from .step import EstimateUnsupported
 
     try:
+        compare = dict(OPTIMIZATIONS) if args.compare else {}
+        if args.what_if:
+            compare.update(what_ifs(args.what_if))
         if args.model.endswith(".py") or Path(args.model).is_file():
             kwargs = _from_file(args)
         else:
@@ -171,7 +187,9 @@ def run(args: argparse.Namespace, fail: Callable[[str], int]) -> int:
             device=args.device,
             autocast=args.autocast,
             checkpointing=args.checkpointing,
-            compare=OPTIMIZATIONS if args.compare else None,
+            compare=compare or None,
+            parallel=args.parallel,
+            world_size=args.world_size,
         )
     except (ValueError, TypeError, EstimateUnsupported) as err:
         return fail(str(err))

@@ -33,9 +33,9 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..measure.accounting import same_device, storage_parts
+from ..measure.accounting import PLAIN_TENSORS, same_device, storage_parts
 from ..measure.devices import MemoryCounter, Reading
-from ..measure.storage_counting import NEW, RESIZED, return_kinds
+from ..measure.storage_counting import NEW, RESIZED, return_kinds, unwatch_storage_resizes, watch_storage_resizes
 
 __all__ = ["Life", "StorageLifeCounter"]
 
@@ -49,7 +49,8 @@ class Life:
     phase: str
     died: int | None = None
     #: roles learned later: "weights", "gradients", "optimizer_state", "inputs", "activations";
-    #: "scratch" for a kernel's own buffer inside one operator (see ``StorageLifeCounter.transient``)
+    #: "scratch" for a kernel's own buffer inside one operator (see ``StorageLifeCounter.transient``);
+    #: "regrown" for a storage made again by ``storage.resize_`` (FSDP2's gathered parameters)
     roles: set[str] = field(default_factory=set)
     #: the module whose forward saved it for backward (the innermost one running)
     saved_by: str | None = None
@@ -125,12 +126,32 @@ class StorageLifeCounter(MemoryCounter):
         if self._mode is None:
             self._mode = _LifeMode(self)
             self._mode.__enter__()
+            watch_storage_resizes(self._storage_resized)
 
     def stop(self) -> None:
         super().stop()
         mode, self._mode = self._mode, None
         if mode is not None:
+            unwatch_storage_resizes(self._storage_resized)
             mode.__exit__(None, None, None)  # the step is over: nothing was entered after it
+
+    def _storage_resized(self, storage: torch.UntypedStorage, _before: int) -> None:
+        """``storage.resize_`` (FSDP2 frees and remakes gathered parameters so): the storage's
+        life ends at its old size and, unless now empty, a new one begins at its new size."""
+        key = id(storage)
+        life = self._live.get(key)
+        if life is None:
+            return
+        nbytes = self._size_of(storage.nbytes())
+        if nbytes == life.nbytes:
+            return
+        self.tick += 1
+        life.died = self.tick
+        self._change(-life.nbytes)
+        reborn = Life(nbytes, self.tick, self.phase, roles={*life.roles, "regrown"}, saved_by=life.saved_by)
+        self._live[key] = reborn
+        self.lives.append(reborn)
+        self._change(nbytes)
 
     # -- what the dispatch mode hands over ---------------------------------------
     def _track(self, tensor: torch.Tensor, alias: bool = False) -> None:
@@ -200,6 +221,10 @@ class StorageLifeCounter(MemoryCounter):
     # -- roles -----------------------------------------------------------------
     def life_of(self, tensor: torch.Tensor) -> Life | None:
         """The life of the storage under ``tensor``, if counted and alive."""
+        if type(tensor) not in PLAIN_TENSORS:
+            parts = storage_parts(tensor)
+            if len(parts) == 1:
+                tensor = parts[0]  # a DTensor: its local shard
         try:
             return self._live.get(id(tensor.untyped_storage()))
         except (RuntimeError, NotImplementedError, TypeError):

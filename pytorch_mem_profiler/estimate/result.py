@@ -31,6 +31,9 @@ LINEARITY_TOLERANCE = 0.01
 
 _WIDTH = 46
 
+#: The parallel parts' names in the report (as :data:`~.parallel.PARALLEL_ROLES`, without importing torch here).
+_PARALLEL_LABELS = {"ddp_buckets": "DDP gradient buckets", "regrown": "FSDP gathered parameters"}
+
 
 def _line(label: str, value: str, width: int = _WIDTH) -> str:
     return f"{label}{'.' * max(2, width - len(label) - len(value))}{value}"
@@ -277,6 +280,12 @@ class MemoryEstimate:
     error_bounds: Mapping[str, int] = field(default_factory=dict)
     peak_at: Callable[[int], tuple[int, str]] | None = field(default=None, repr=False, compare=False)
     reserved_at: Callable[[int, int | None], int | None] | None = field(default=None, repr=False, compare=False)
+    #: ``"ddp"``/``"fsdp2"`` when the figures are one rank's of ``world_size`` (``rank``), else ``None``
+    parallel: str | None = None
+    world_size: int = 1
+    rank: int = 0
+    #: bytes at the peak of DDP's gradient buckets, FSDP2's gathered parameters (in ``peak_breakdown["other"]``)
+    parallel_parts: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def peak_allocated(self) -> int:
@@ -409,6 +418,8 @@ class MemoryEstimate:
         stars = "*" * _WIDTH
         where = f"{self.device}, fake tensors" + (" on the CPU standing in for it" if self.emulated else "")
         out = [stars, "Estimated memory of one training step", stars, f"Device: {where}"]
+        if self.parallel is not None:
+            out.append(f"Parallel: {self.parallel.upper()}, rank {self.rank} of {self.world_size} (figures per rank)")
         if self.batch_size is not None:
             out.append(_line("Batch size", str(self.batch_size)))
         out += [
@@ -432,6 +443,8 @@ class MemoryEstimate:
                 out.append(_line(f"  {PEAK_CATEGORY_LABELS[category]}", fmt(n)))
         if self.kernel_scratch:
             out.append(_line("  (of other: kernel scratch)", fmt(self.kernel_scratch)))
+        for role, n in self.parallel_parts.items():
+            out.append(_line(f"  (of other: {_PARALLEL_LABELS.get(role, role)})", fmt(n)))
         if self.workspace:
             out.append(_line("  cuBLAS workspace", fmt(self.workspace)))
         out.append("Peak by phase:")

@@ -51,6 +51,7 @@ from .counter import Life, StorageLifeCounter
 from .emulation import cuda_rules
 from .build import build_model
 from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
+from .parallel import PARALLEL_ROLES
 from .rnn import CudnnRNNRules
 from .scratch import KernelScratch
 
@@ -89,6 +90,11 @@ class StepPlan:
     checkpointing: bool | Callable[[str, nn.Module], bool] = False
     #: where the fake tensors live: ``device``, or the CPU where ``device`` cannot run autograd here
     run_device: torch.device | None = None
+    #: ``model -> (model, {role: tensors})``: wraps the fake model (DDP, FSDP2; see :mod:`.parallel`)
+    #: and names tensors it made that are counted from the start
+    setup: Callable[[nn.Module], tuple[nn.Module, Mapping[str, list[torch.Tensor]]]] | None = None
+    #: what the step runs inside (a fake process group)
+    context: Callable[[], contextlib.AbstractContextManager] | None = None
 
 
 @dataclass
@@ -114,6 +120,8 @@ class StepMemory:
     kernel_scratch: int = 0
     #: operations whose memory follows an unmeasured rule: the bytes the peak may be off by, per operation
     error_bounds: Mapping[str, int] = field(default_factory=dict)
+    #: bytes at the peak of each parallel role (:data:`.parallel.PARALLEL_ROLES`; in ``breakdown["other"]``)
+    parallel_parts: Mapping[str, int] = field(default_factory=dict)
 
 
 # -- errors ----------------------------------------------------------------------
@@ -277,6 +285,10 @@ class _SavedByModule:
         self.seen.add(id(life))
         if "weights" in life.roles:
             return t
+        if isinstance(t, nn.Parameter):
+            # a parameter not among the model's weights: FSDP2's gathered (unsharded) one
+            life.roles.add("regrown")
+            return t
         if "inputs" in life.roles:
             slot = (INPUT, ACTIVATIONS)
         else:
@@ -313,8 +325,8 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 # -- the step ----------------------------------------------------------------------
 def _category(life: Life) -> str:
     roles = life.roles
-    if "scratch" in roles:
-        return "other"  # a kernel's own buffer: alive only inside its operator
+    if "scratch" in roles or not roles.isdisjoint(PARALLEL_ROLES):
+        return "other"  # a kernel's own buffer; DDP's buckets, FSDP's gathered parameters
     for role in ("weights", "gradients", "optimizer_state", "inputs", "activations"):
         if role in roles:
             return role
@@ -373,13 +385,17 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     # cuDNN's recurrent layers, with its reserve, workspace and weight buffer, on fake tensors
     rnn = CudnnRNNRules(run_device.type) if target.type == "cuda" else None
     made, build_error = _construct(plan)
-    with mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext():
+    context = plan.context() if plan.context is not None else contextlib.nullcontext()
+    with context, mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext():
         try:
             model = _build(plan, mode, run_device, made)
         except Exception as err:
             if build_error is not None:
                 raise err from build_error
             raise
+        set_up: Mapping[str, list[torch.Tensor]] = {}
+        if plan.setup is not None:
+            model, set_up = plan.setup(model)
         params = list(model.parameters())
         # a model with nothing to train has no optimizer step
         optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
@@ -388,6 +404,9 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
         try:
             counter.adopt(params, role="weights")
             counter.adopt(buffers, role="weights")
+            for role, tensors in set_up.items():
+                counter.adopt(tensors, role=role)
+            del set_up
             inputs = fake_inputs(plan.example_inputs, batch_size, run_device)
             targets = fake_inputs(plan.targets, batch_size, run_device) if plan.targets is not None else None
             # Loop variables would keep the last tensor alive past its time: give roles in a call.
@@ -469,6 +488,10 @@ def _summarize(
     at_peak = counter.alive_at(counter.peak_tick)
     breakdown = dict.fromkeys(PEAK_CATEGORIES, 0)
     scratch = sum(life.nbytes for life in at_peak if "scratch" in life.roles)
+    parallel_parts = {
+        role: sum(life.nbytes for life in at_peak if role in life.roles and "scratch" not in life.roles)
+        for role in PARALLEL_ROLES
+    }
     peak_layers: dict[str, int] = {}
     for life in at_peak:
         category = _category(life)
@@ -501,6 +524,7 @@ def _summarize(
         reserved=reserved,
         events=events,
         kernel_scratch=scratch,
+        parallel_parts=MappingProxyType({k: v for k, v in parallel_parts.items() if v}),
     )
 
 

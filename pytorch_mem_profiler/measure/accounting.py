@@ -50,8 +50,13 @@ _COMPRESSED_COLUMNS = (torch.sparse_csc, torch.sparse_bsc)
 
 
 def storage_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The strided tensors that hold a tensor's memory: itself, or a sparse tensor's
-    indices and values.
+    """The strided tensors that hold a tensor's memory: itself, a sparse tensor's
+    indices and values, or a wrapper subclass's inner tensors.
+
+    A wrapper subclass (``DTensor``, any ``__tensor_flatten__`` subclass) has a storage
+    of its own that holds no data and claims the bytes of its *global* shape: a DTensor
+    sharded over two ranks would count twice its rank's memory. Its memory is its inner
+    tensors' (a DTensor's local shard).
 
     Example::
 
@@ -60,6 +65,12 @@ def storage_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         >>> [tuple(p.shape) for p in storage_parts(sparse)]
         [(2, 3), (3,)]
     """
+    if type(tensor) not in _PLAIN_TENSORS:
+        flatten = getattr(tensor, "__tensor_flatten__", None)
+        if flatten is not None:
+            names, _ = flatten()
+            inner = (getattr(tensor, name) for name in names)
+            return tuple(part for t in inner if isinstance(t, torch.Tensor) for part in storage_parts(t))
     layout = tensor.layout
     if layout is torch.strided:
         return (tensor,)

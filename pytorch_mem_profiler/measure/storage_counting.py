@@ -54,11 +54,82 @@ from typing import Any, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from .accounting import storage_parts
+from .accounting import PLAIN_TENSORS, storage_parts
 
-__all__ = ["Tally", "StorageRegistry", "shared_registry", "return_kinds", "NEW", "RESIZED", "SKIP"]
+__all__ = [
+    "Tally",
+    "StorageRegistry",
+    "shared_registry",
+    "return_kinds",
+    "NEW",
+    "RESIZED",
+    "SKIP",
+    "watch_storage_resizes",
+    "unwatch_storage_resizes",
+]
 
 _log = logging.getLogger("pytorch_mem_profiler")
+
+
+# -- storage resizes the dispatcher never sees ------------------------------------------
+#: Listeners ``(storage, nbytes_before) -> None`` called after each ``UntypedStorage.resize_``.
+_RESIZE_LISTENERS: list[Any] = []
+_RESIZE_LOCK = threading.Lock()
+_ORIGINAL_RESIZE: Any = None
+
+
+def _resize_and_tell(storage: torch.UntypedStorage, size: int) -> Any:
+    before = storage.nbytes()
+    out = _ORIGINAL_RESIZE(storage, size)  # the user's resize runs once, outside any try
+    for listener in tuple(_RESIZE_LISTENERS):
+        try:
+            listener(storage, before)
+        except Exception as exc:  # noqa: BLE001 - never break the caller's resize
+            _log.debug("pytorch_mem_profiler: a storage-resize listener failed: %s", exc)
+    return out
+
+
+def watch_storage_resizes(listener: Any) -> None:
+    """Call ``listener(storage, nbytes_before)`` after every ``torch.UntypedStorage.resize_``.
+
+    ``storage.resize_(n)`` changes a storage's size in C++ without an operator, so no
+    dispatch mode sees it. FSDP2 frees its all-gathered parameters that way
+    (``resize_(0)`` after forward and backward) and makes them again with
+    ``resize_(nbytes)``: a counter that missed it kept every gathered parameter alive.
+    The method is wrapped while at least one listener watches and put back after the last
+    one leaves (unless someone wrapped it again meanwhile: then the wrapper stays, calling
+    no one).
+
+    Example::
+
+        >>> import torch
+        >>> seen = []
+        >>> listen = lambda storage, before: seen.append((before, storage.nbytes()))
+        >>> watch_storage_resizes(listen)
+        >>> _ = torch.zeros(4).untyped_storage().resize_(0)
+        >>> unwatch_storage_resizes(listen)
+        >>> seen, torch.UntypedStorage.resize_ is _ORIGINAL_RESIZE or _ORIGINAL_RESIZE is None
+        ([(16, 0)], True)
+    """
+    global _ORIGINAL_RESIZE
+    with _RESIZE_LOCK:
+        if not _RESIZE_LISTENERS:
+            current = torch.UntypedStorage.resize_
+            if current is not _resize_and_tell:
+                _ORIGINAL_RESIZE = current
+                torch.UntypedStorage.resize_ = _resize_and_tell  # type: ignore[method-assign]
+        _RESIZE_LISTENERS.append(listener)
+
+
+def unwatch_storage_resizes(listener: Any) -> None:
+    """Stop calling ``listener``; the last one out puts ``UntypedStorage.resize_`` back."""
+    with _RESIZE_LOCK:
+        for i, known in enumerate(_RESIZE_LISTENERS):
+            if known is listener or known == listener:
+                del _RESIZE_LISTENERS[i]
+                break
+        if not _RESIZE_LISTENERS and torch.UntypedStorage.__dict__.get("resize_") is _resize_and_tell:
+            del torch.UntypedStorage.resize_  # the C method of StorageBase shows through again
 
 
 class Tally:
@@ -301,6 +372,8 @@ class StorageRegistry:
             # A mode still on the stack, switched off, is switched on again: nothing is pushed.
             self._modes[ident] = mode
             mode.tallies = (*mode.tallies, tally)
+            if not self._mode_of:
+                watch_storage_resizes(self._storage_resized)
             self._mode_of[tally] = mode
             self._leave_where_possible()  # forget the modes of threads that ended
             if not self._waiting:
@@ -323,6 +396,7 @@ class StorageRegistry:
                 del self._mode_of[tally]
             self._forget(tally)
             if not self._mode_of:
+                unwatch_storage_resizes(self._storage_resized)
                 self.live.clear()  # drops the weak references: no callback will run
                 self._failed = False
             self._leave_where_possible()
@@ -373,6 +447,12 @@ class StorageRegistry:
     def _new(self, tensor: torch.Tensor, tallies: tuple[Tally, ...]) -> None:
         if not tensor.is_cpu:
             return
+        if type(tensor) not in PLAIN_TENSORS:
+            parts = storage_parts(tensor)  # a DTensor's memory is its local shard, not its global shape
+            if len(parts) != 1 or parts[0] is not tensor:
+                for part in parts:
+                    self._new(part, tallies)
+                return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
@@ -440,10 +520,15 @@ class StorageRegistry:
     def _resized(self, tensor: torch.Tensor) -> None:
         if not tensor.is_cpu:
             return
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return
+        for part in storage_parts(tensor):
+            try:
+                storage = part.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            self._storage_resized(storage)
+
+    def _storage_resized(self, storage: torch.UntypedStorage, _before: int | None = None) -> None:
+        """A counted storage may have a new size: ``out=`` kernels, ``storage.resize_``."""
         ref = self.live.get(id(storage))
         if ref is None:
             return  # a storage made before counting began
@@ -479,6 +564,10 @@ class StorageRegistry:
 
     def ref_of(self, tensor: torch.Tensor) -> _StorageRef | None:
         """The live counted storage of a strided CPU tensor (``None``: not counted)."""
+        if type(tensor) not in PLAIN_TENSORS:
+            parts = storage_parts(tensor)
+            if len(parts) == 1:
+                tensor = parts[0]  # a DTensor: its local shard
         try:
             return self.live.get(id(tensor.untyped_storage()))
         except (RuntimeError, NotImplementedError, TypeError):
