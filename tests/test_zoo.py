@@ -181,3 +181,31 @@ def test_the_zoo_covers_the_families_optimizers_and_precisions():
     # at most one model in twenty the estimate refuses by design, each naming its operation
     refused = [entry for entry in ZOO.values() if entry.unsupported]
     assert len(refused) <= len(ZOO) // 20 and all(entry.unsupported.startswith("aten.") for entry in refused)
+
+
+def test_the_conformance_table_is_published_between_its_markers(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import json
+
+    import zoo_conformance
+
+    row = {
+        "name": "unet", "family": "UNet", "setup": "AdamW, fp32", "batch": 8,
+        "measured": {"allocated": 2_000_000_000, "reserved": 2_400_000_000, "base": 0},
+        "profiler": {"reference_peak": 10, "iteration_peak": 10, "breakdown_sum": 10, "weights": (4, 4),
+                     "gradients": (4, 4), "optimizer_state": (8, 8), "layers": (1000, 1005)},
+        "fake_cuda": {"peak_error_pct": -1.5, "reserved_error_pct": 6.0},
+        "emulated": {"peak_error_pct": 2.5},
+        "largest_batch": {"card": 5 << 30, "predicted": 20, "fits": True, "larger": 22, "larger_fits": False, "ok": True},
+    }
+    assert zoo_conformance.verdict(row) == ["emulated peak", "reserved"]
+    path = tmp_path / "zoo.json"
+    path.write_text(json.dumps({"environment": "Device: NVIDIA H100; torch 2.11.0", "seconds": 300, "rows": [row]}))
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"before\n{zoo_conformance.DOCS_START}\nold\n{zoo_conformance.DOCS_END}\nafter\n")
+    zoo_conformance.publish(path, docs)
+    text = docs.read_text()
+    assert "old" not in text and text.startswith("before\n") and text.endswith("after\n")
+    assert "Device: NVIDIA H100; torch 2.11.0" in text
+    assert "| unet | UNet | AdamW, fp32 | 8 | 2,000.0 / 2,400.0 | +0.00%, +0.00% | exact, exact, exact | -0.50% |" in text
+    assert "missed: emulated peak; reserved" in text and "Goals met on 0 of 1 models" in text
