@@ -21,7 +21,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "pandas>=1.5"],
     extras_require={
-        # The plot and report tests draw; the integration tests run the real frameworks.
+        # The plot and report tests draw; the integration tests run the real frameworks; the zoo builds models.
         "test": [
             "pytest>=7",
             "matplotlib>=3.5",
@@ -30,6 +30,9 @@ setup(
             "accelerate>=0.30",
             "tqdm>=4.60",
             "tensorboard>=2.10",
+            # the model zoo (benchmarks/zoo): ViT and Swin by timm, ResNet, ConvNeXt, EfficientNet, MobileNet
+            "timm",
+            "torchvision",
         ],
         "lightning": ["lightning>=2.0"],
         "transformers": ["transformers>=4.40", "accelerate>=0.30"],

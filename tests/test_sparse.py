@@ -175,3 +175,24 @@ def test_sparse_optimizer_state_counts_once():
     sparse = torch.eye(5).to_sparse()
     holder = types.SimpleNamespace(state={"p": {"moment": sparse, "same": sparse, "step": torch.zeros(())}})
     assert optimizer_state_bytes([holder], torch.device("cpu")) == held(sparse) + 4
+
+
+def test_sgd_momentum_over_sparse_gradients_is_recounted_as_it_grows():
+    """SGD's momentum buffer over a sparse gradient is itself sparse, and each step's update
+    (``buf.mul_(momentum).add_(grad)``) appends the gradient's entries: the state grows with the
+    number of state entries unchanged, so a count reused from the last iteration falls behind."""
+    torch.manual_seed(0)
+    model = nn.EmbeddingBag(1000, 8, mode="sum", sparse=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sizes, records = [], []
+    with MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
+        for _ in range(3):
+            model(torch.randint(0, 1000, (16, 4))).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            buffer = opt.state[model.weight]["momentum_buffer"]
+            sizes.append(held(buffer))
+            records.append(profiler.record_stats())
+    assert buffer.layout == torch.sparse_coo
+    assert sizes[0] < sizes[1] < sizes[2]  # the buffer grew, len(opt.state) did not
+    assert [r.optimizer_state for r in records] == sizes

@@ -353,7 +353,8 @@ class Meter:
         for entry in self._known_optimizers:
             if entry[0]() is optimizer:
                 return False
-        self._known_optimizers.append([weakref.ref(optimizer), -1, 0])
+        # [the optimizer, len(state) when last counted, its bytes then, whether a state tensor is sparse]
+        self._known_optimizers.append([weakref.ref(optimizer), -1, 0, False])
         return True
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
@@ -365,9 +366,11 @@ class Meter:
         """Bytes of the state of every optimizer known; ``None`` while none is known.
 
         Known: given with ``optimizer=``, or seen stepping the model's parameters
-        (remembered across epochs). State tensors keep their sizes once made (Adam
-        makes its moments at the first step), so the count is reused while
-        ``len(optimizer.state)`` holds; :meth:`refresh` recounts everything.
+        (remembered across epochs). Dense state tensors keep their sizes once made
+        (Adam makes its moments at the first step), so the count is reused while
+        ``len(optimizer.state)`` holds; a sparse one grows as it is updated (SGD's
+        momentum over sparse gradients gains the new gradient's entries each step), so
+        an optimizer holding one is recounted every time; :meth:`refresh` recounts everything.
         """
         total, alive = 0, False
         for entry in self._known_optimizers:
@@ -376,8 +379,9 @@ class Meter:
                 continue  # freed: it holds no state any more (dropped at the next refresh)
             alive = True
             size = len(opt.state)
-            if recount or entry[1] != size:
+            if recount or entry[1] != size or entry[3]:
                 entry[1], entry[2] = size, optimizer_state_bytes([opt], self.device)
+                entry[3] = any(t.layout is not torch.strided for t in optimizer_state_tensors([opt]))
             total += entry[2]
         return total if alive else None
 

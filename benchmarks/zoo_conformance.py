@@ -1,0 +1,323 @@
+"""The model zoo on the GPU at real sizes: the profiler against the allocator, and ``estimate_memory``
+(on fake CUDA and emulated) against the measured step, with the largest batch run for real.
+
+    PYTHONPATH=. python3 benchmarks/zoo_conformance.py --out results/zoo     # every zoo model, about 6 minutes on an H100
+    PYTHONPATH=. python3 benchmarks/zoo_conformance.py --only gpt2,unet --quick
+    python3 benchmarks/zoo_conformance.py --publish results/zoo/zoo_conformance.json   # the table into docs/benchmarks.md
+
+Per zoo model (``benchmarks/zoo``), at its real size and batch:
+
+- measured: one step at a batch of one, dropped (the libraries' workspaces exist from then
+  on); then, from an empty cache, ``torch.cuda.max_memory_allocated()`` over the model's first
+  two steps less what was allocated before the model (the persistent workspaces), and
+  ``max_memory_reserved()`` (as ``benchmarks/estimate_accuracy.py`` counts);
+- the profiler: ``memory_profiler(model, print_period=1, by_layer=True)`` on a warmed-up step,
+  its ``iteration_peak_allocated`` and the sum of its peak breakdown against
+  ``max_memory_allocated()`` over an identical unprofiled step, weights, weight gradients
+  and optimizer state against the unique storages, feature maps by layer against a pack hook;
+- estimated: ``estimate_memory(...).peak`` on fake CUDA tensors, and on fake CPU tensors
+  standing in for CUDA (``emulate=True``), each against the measured peak; the estimate's
+  reserved (the allocator replay) against the measured reserved;
+- largest batch: under ``torch.cuda.set_per_process_memory_fraction`` (a "card" of twice
+  the measured reserved, at least 1 GiB), ``max_batch_size(limit, margin=0, outside=0)`` is
+  run for real and must fit; 1.1 times it must run out of memory.
+
+A model that fails records its error in its row and the run goes on. Goals (issue #26): peak
+allocated within 2% by both estimates, reserved within 5%, the largest batch fits and 1.1x of
+it does not. Writes ``zoo_conformance.md`` and ``zoo_conformance.json`` under ``--out``
+(default: a new temporary folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from benchutil import environment_line, markdown_table  # noqa: E402
+from publish_overhead import replace_block  # noqa: E402
+
+from benchmarks.zoo import ZOO, SavedStorages, Training, ZooModel, storage_bytes  # noqa: E402
+
+GOAL_PEAK, GOAL_RESERVED = 2.0, 5.0  # percent
+DOCS = ROOT / "docs" / "benchmarks.md"
+DOCS_START, DOCS_END = "<!-- zoo conformance -->", "<!-- /zoo conformance -->"
+
+
+def fresh(device: torch.device) -> None:
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def measure_step(entry: ZooModel, batch: int, device: torch.device) -> dict[str, int]:
+    """Peak allocated over the first two steps above the persistent base, peak reserved, the base."""
+    warm = Training(entry, "real", device, 1)
+    warm.step()
+    del warm
+    fresh(device)
+    base = torch.cuda.memory_allocated(device)
+    run = Training(entry, "real", device, batch)
+    for _ in range(2):
+        run.step()
+    torch.cuda.synchronize(device)
+    result = {
+        "allocated": torch.cuda.max_memory_allocated(device) - base,
+        "reserved": torch.cuda.max_memory_reserved(device),
+        "base": base,
+    }
+    del run
+    fresh(device)
+    return result
+
+
+def runs_within(entry: ZooModel, batch: int, device: torch.device, fraction: float) -> tuple[bool, int | None]:
+    """Whether two steps at ``batch`` run under the allocator limit ``fraction``; their peak reserved."""
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    try:
+        return True, measure_step(entry, batch, device)["reserved"]
+    except torch.cuda.OutOfMemoryError:
+        fresh(device)
+        return False, None
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        fresh(device)
+
+
+def profiler_check(entry: ZooModel, batch: int, device: torch.device) -> dict[str, Any]:
+    """The profiler's record of a warmed-up step against the allocator and the unique storages."""
+    import io
+
+    from pytorch_mem_profiler import memory_profiler
+
+    run = Training(entry, "real", device, batch)
+    run.step()
+    run.step()
+    fresh(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run.step()
+    torch.cuda.synchronize(device)
+    reference = torch.cuda.max_memory_allocated(device)
+    saved = SavedStorages(run.model)
+    with memory_profiler(run.model, print_period=1, by_layer=True, stream=io.StringIO(), strict=True, optimizer=run.optimizer) as profiler:
+        run.step()
+        profiler.record_stats()
+        run.step(saved)
+        record = profiler.record_stats()
+    layers = None if record.layers is None else sum(record.layers.by_module.values())
+    result = {
+        "reference_peak": reference,
+        "iteration_peak": record.iteration_peak_allocated,
+        "breakdown_sum": sum(record.peak_breakdown.values()) if record.peak_breakdown else None,
+        "weights": (record.weights, storage_bytes(run.model.parameters())),
+        "gradients": (record.gradients, run.gradients[-1]),
+        "optimizer_state": (record.optimizer_state, run.optimizer_state[-1]),
+        "layers": (layers, saved.total),
+    }
+    del run
+    fresh(device)
+    return result
+
+
+def pct(value: int | None, truth: int | None) -> float | None:
+    if value is None or not truth:
+        return None
+    return 100.0 * (value - truth) / truth
+
+
+def conform(entry: ZooModel, device: torch.device, quick: bool = False) -> dict[str, Any]:
+    """Every figure of one zoo model; an error is recorded under ``"error"``, never raised."""
+    from pytorch_mem_profiler import estimate_memory
+
+    batch = entry.batch["real"]
+    row: dict[str, Any] = {"name": entry.name, "family": entry.family, "setup": entry.setup, "batch": batch}
+    started = time.perf_counter()
+    reason = entry.unavailable()
+    if reason:
+        row["error"] = f"skipped: {reason}"
+        return row
+    try:
+        measured = measure_step(entry, batch, device)
+        row["measured"] = measured
+        row["profiler"] = profiler_check(entry, batch, device)
+        kwargs = dict(entry.estimate_kwargs("real"), batch_size=batch, device=device)
+        for key, extra in (("fake_cuda", {"fit": not quick}), ("emulated", {"fit": False, "emulate": True})):
+            t0 = time.perf_counter()
+            try:
+                est = estimate_memory(**kwargs, **extra)
+            except Exception as err:  # noqa: BLE001 - recorded in the row
+                row[key] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+                continue
+            row[key] = {
+                "peak": est.peak,
+                "peak_error_pct": pct(est.peak, measured["allocated"]),
+                "reserved": est.reserved,
+                "reserved_error_pct": pct(est.reserved, measured["reserved"]),
+                "seconds": time.perf_counter() - t0,
+            }
+            if key == "fake_cuda" and not quick and est.reserved_at is not None:
+                total = torch.cuda.get_device_properties(device).total_memory
+                card = max(1 << 30, math.ceil(2 * measured["reserved"] / (256 << 20)) * (256 << 20))
+                fraction = card / total
+                limit = int(fraction * total)
+                predicted = est.max_batch_size(limit, margin=0, outside=0)
+                fits, reserved_at = runs_within(entry, predicted, device, fraction)
+                larger = math.ceil(predicted * 1.1)
+                larger_fits, larger_reserved = runs_within(entry, larger, device, fraction)
+                row["largest_batch"] = {
+                    "card": card, "predicted": predicted, "fits": fits, "reserved_at": reserved_at,
+                    "larger": larger, "larger_fits": larger_fits, "larger_reserved": larger_reserved,
+                    "ok": fits and not larger_fits,
+                }
+    except Exception as err:  # noqa: BLE001 - one model failing goes in its row
+        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+        row["traceback"] = traceback.format_exc()
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        fresh(device)
+    row["seconds"] = time.perf_counter() - started
+    return row
+
+
+HEADERS = [
+    "model", "family", "setup", "batch", "measured allocated / reserved (MB)", "profiler peak, breakdown vs allocator",
+    "profiler weights, gradients, state", "by layer vs pack hook", "estimate fake CUDA: peak, reserved",
+    "estimate emulated: peak", "largest batch (card): predicted, at it, at 1.1x", "verdict",
+]
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.2f}%"
+
+
+def _exact(pairs: list[tuple[int | None, int | None]]) -> str:
+    return ", ".join("exact" if a == b else f"{a:,} vs {b:,}" if a is not None and b is not None else "-" for a, b in pairs)
+
+
+def verdict(row: dict[str, Any]) -> list[str]:
+    """The goals a row misses (empty: all met)."""
+    if "error" in row:
+        return [row["error"]]
+    missed = []
+    prof = row["profiler"]
+    if prof["iteration_peak"] != prof["reference_peak"] or prof["breakdown_sum"] != prof["reference_peak"]:
+        missed.append("profiler peak")
+    if any(a != b for a, b in (prof["weights"], prof["gradients"], prof["optimizer_state"])):
+        missed.append("profiler state")
+    got, saw = prof["layers"]
+    if got is not None and saw and abs(got - saw) > 0.01 * saw:
+        missed.append("by layer")
+    for key in ("fake_cuda", "emulated"):
+        est = row.get(key, {})
+        if "error" in est:
+            missed.append(f"{key}: {est['error']}")
+        elif est.get("peak_error_pct") is None or abs(est["peak_error_pct"]) > GOAL_PEAK:
+            missed.append(f"{key} peak")
+    fake = row.get("fake_cuda", {})
+    if "reserved_error_pct" in fake and (fake["reserved_error_pct"] is None or abs(fake["reserved_error_pct"]) > GOAL_RESERVED):
+        missed.append("reserved")
+    largest = row.get("largest_batch")
+    if largest is not None and not largest["ok"]:
+        missed.append("largest batch")
+    return missed
+
+
+def table_row(row: dict[str, Any]) -> list[Any]:
+    head = [row["name"], row["family"], row["setup"], row["batch"]]
+    if "error" in row and "measured" not in row:
+        return head + ["-"] * (len(HEADERS) - 5) + [row["error"]]
+    m, prof = row["measured"], row.get("profiler")
+    cells = [f"{m['allocated'] / 1e6:,.1f} / {m['reserved'] / 1e6:,.1f}"]
+    if prof:
+        cells.append(f"{_fmt(pct(prof['iteration_peak'], prof['reference_peak']))}, {_fmt(pct(prof['breakdown_sum'], prof['reference_peak']))}")
+        cells.append(_exact([prof["weights"], prof["gradients"], prof["optimizer_state"]]))
+        got, saw = prof["layers"]
+        cells.append("n/a (compiled)" if got is None else _fmt(pct(got, saw)))
+    else:
+        cells += ["-"] * 3
+    fake, emu = row.get("fake_cuda", {}), row.get("emulated", {})
+    cells.append(fake.get("error") or f"{_fmt(fake.get('peak_error_pct'))}, {_fmt(fake.get('reserved_error_pct'))}")
+    cells.append(emu.get("error") or _fmt(emu.get("peak_error_pct")))
+    lb = row.get("largest_batch")
+    cells.append(
+        "-" if lb is None else
+        f"({lb['card'] / 2**30:g} GiB): {lb['predicted']}, {'fits' if lb['fits'] else 'OOM'}, "
+        f"{lb['larger']} {'fits' if lb['larger_fits'] else 'OOM'}"
+    )
+    missed = verdict(row)
+    cells.append("ok" if not missed else "missed: " + "; ".join(missed))
+    return head + cells
+
+
+def render(payload: dict[str, Any]) -> str:
+    rows = payload["rows"]
+    met = sum(1 for r in rows if not verdict(r))
+    lines = [
+        f"{payload['environment']}; {payload['seconds']:.0f} s in all"
+        + ("; --quick (no largest-batch runs)" if payload.get("quick") else ""),
+        "",
+        markdown_table(HEADERS, [table_row(r) for r in rows]),
+        "",
+        f"Goals met on {met} of {len(rows)} models (errors in % of the measured figure; MB = 10^6 bytes).",
+    ]
+    return "\n".join(lines)
+
+
+def publish(json_path: Path, docs: Path = DOCS) -> None:
+    payload = json.loads(Path(json_path).read_text())
+    body = "\n".join(["Generated by `python3 benchmarks/zoo_conformance.py --publish` from the JSON of a GPU run.", "", render(payload)])
+    docs.write_text(replace_block(docs.read_text(), DOCS_START, DOCS_END, body))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="folder for zoo_conformance.md and .json (default: a new temporary folder)")
+    parser.add_argument("--only", help="comma-separated zoo names (default: all)")
+    parser.add_argument("--quick", action="store_true", help="no largest-batch runs and no batch fit: about half the time")
+    parser.add_argument("--publish", type=Path, help="render this zoo_conformance.json into docs/benchmarks.md and exit")
+    args = parser.parse_args(argv)
+    if args.publish:
+        publish(args.publish)
+        print(f"updated {DOCS} from {args.publish}", file=sys.stderr)
+        return None
+    if not torch.cuda.is_available():
+        parser.error("the zoo's conformance run needs a CUDA GPU")
+    names = args.only.split(",") if args.only else list(ZOO)
+    unknown = [n for n in names if n not in ZOO]
+    if unknown:
+        parser.error(f"--only: unknown zoo models {', '.join(unknown)}; known: {', '.join(ZOO)}")
+    device = torch.device("cuda", torch.cuda.current_device())
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="zoo_conformance_"))
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    rows = []
+    for name in names:
+        row = conform(ZOO[name], device, quick=args.quick)
+        rows.append(row)
+        print(f"{name}: {'ok' if not verdict(row) else '; '.join(verdict(row))} ({row.get('seconds', 0):.0f} s)", flush=True)
+        torch._dynamo.reset()
+    payload = {"environment": environment_line(device), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device),
+               "quick": args.quick, "seconds": time.perf_counter() - started, "rows": rows}
+    (out / "zoo_conformance.json").write_text(json.dumps(payload, indent=1, default=str))
+    text = render(payload)
+    (out / "zoo_conformance.md").write_text(text + "\n")
+    print(text)
+    print(f"wrote {out / 'zoo_conformance.md'} and {out / 'zoo_conformance.json'}", file=sys.stderr)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

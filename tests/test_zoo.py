@@ -1,0 +1,211 @@
+"""Every zoo model (``benchmarks/zoo``) trained on the CPU at its small size, profiled, against
+independent truth; and ``estimate_memory`` against the CPU's measurement of the same step.
+
+For each model, three iterations under ``memory_profiler(model, print_period=1, by_layer=True)``
+with the user's own ``saved_tensors_hooks`` pack hook around each forward:
+
+- weights and buffers: the model's unique parameter (buffer) storages, ``nbytes()``;
+- weight gradients: the unique ``.grad`` storages when ``backward()`` returned (a sparse
+  gradient: its index and value storages);
+- optimizer state: the optimizer's unique state storages after its step;
+- feature maps by layer: within 1% of the unique storages the user's pack hook saw in that
+  forward (the profiler chains behind it; parameters and buffers left out);
+- the peak breakdown sums exactly to the iteration's peak; one forward, backward and step.
+
+Then ``estimate_memory(build, inputs, device="cpu")`` for the same step: on the CPU the estimate
+claims the measured peak to the byte, so it must equal the largest ``iteration_peak_allocated``
+of the first two iterations (the estimate runs two), with the same weights and optimizer state.
+A model the fake mode cannot run by design (data-dependent shapes) must be refused, naming the
+operation. Known gaps of the estimate are marked ``xfail(strict=True)`` with their figures.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import io
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.zoo import ZOO, SavedStorages, Training, storage_bytes  # noqa: E402
+from pytorch_mem_profiler import estimate_memory, memory_profiler  # noqa: E402
+from pytorch_mem_profiler.estimate import EstimateUnsupported  # noqa: E402
+from pytorch_mem_profiler.measure.saved_tensors import can_chain  # noqa: E402
+from pytorch_mem_profiler.stats import IterationRecord  # noqa: E402
+
+CPU = torch.device("cpu")
+ITERATIONS = 3
+
+#: Where the CPU estimate is known to differ from the measured step (estimated vs measured
+#: peak in bytes, on torch 2.14 and 2.13): each must fail until the estimate is fixed.
+ESTIMATE_GAPS = {
+    "lstm_lm": "nn.LSTM on the CPU: the second step's backward peak is under-estimated "
+    "(estimated 461,104 B, measured 485,172 B, -24,068 B, -4.96%; a second counter started apart "
+    "from the profiler measures the same)",
+    "batchnorm_cnn": "BatchNorm under bf16 autocast with SGD momentum: the second step's forward and "
+    "backward are 192 B under the measured (estimated 357,256 B, measured 357,448 B)",
+    "mobilenet": "MobileNetV3 (BatchNorm, bf16 autocast, SGD momentum): the second step's backward "
+    "peak is 6,368 B under the measured (estimated 51,184,296 B, measured 51,190,664 B)",
+    "sparse_recommender": "SGD momentum on sparse EmbeddingBag gradients: aten.mul_.Tensor on a sparse "
+    "fake tensor has no fake kernel (EstimateUnsupported) although the step runs on the CPU",
+}
+
+
+def _available(name: str):
+    reason = ZOO[name].unavailable()
+    return pytest.param(name, marks=pytest.mark.skip(reason=reason)) if reason else name
+
+
+NAMES = [_available(name) for name in ZOO]
+
+
+@dataclass
+class Iteration:
+    record: IterationRecord
+    weights: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    saved: int
+    sparse: bool  # the model makes sparse gradients
+
+
+@functools.lru_cache(maxsize=None)
+def profiled_run(name: str) -> tuple[Iteration, ...]:
+    """Three profiled iterations of ``name`` at its small size, with the independent counts."""
+    entry = ZOO[name]
+    run = Training(entry, "small", CPU)
+    saved = SavedStorages(run.model)
+    gc.collect()
+    out = []
+    with memory_profiler(
+        run.model, print_period=1, by_layer=True, stream=io.StringIO(), strict=True, optimizer=run.optimizer
+    ) as profiler:
+        run.make_batch()  # made while profiled, as a data loader's batch is (and as the estimate counts it)
+        for _ in range(ITERATIONS):
+            run.step(saved)
+            record = profiler.record_stats()
+            out.append(
+                Iteration(
+                    record,
+                    storage_bytes(run.model.parameters()),
+                    storage_bytes(run.model.buffers()),
+                    run.gradients[-1],
+                    run.optimizer_state[-1],
+                    saved.total,
+                    any(getattr(m, "sparse", False) is True for m in run.model.modules()),
+                )
+            )
+    return tuple(out)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_runs():
+    yield
+    profiled_run.cache_clear()
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_profilers_record_equals_independent_counts(name):
+    for it in profiled_run(name):
+        record = it.record
+        where = f"{name}, iteration {record.iteration}"
+        assert record.weights == it.weights > 0, where
+        assert record.buffers == it.buffers, where
+        assert record.gradients == it.gradients > 0, where
+        assert record.optimizer_state == it.optimizer_state, where
+        assert record.forward_passes == record.backward_passes == record.optimizer_steps == 1, where
+        assert record.peak_breakdown is not None, where
+        assert sum(record.peak_breakdown.values()) == record.iteration_peak_allocated > 0, where
+        if ZOO[name].needs_compile:
+            # inside a compiled graph there are no module boundaries to attribute to: totals only
+            assert record.layers is None and record.feature_maps > 0, where
+        elif can_chain():
+            layers = record.layers
+            assert layers is not None and it.saved > 0, where
+            attributed = sum(layers.by_module.values())
+            assert attributed == layers.total + layers.inputs, where
+            assert abs(attributed - it.saved) <= 0.01 * it.saved, (where, attributed, it.saved)
+    first, second = profiled_run(name)[:2]
+    # the optimizer's state is made by its first step and kept (SGD's momentum, AdamW's moments);
+    # a sparse momentum buffer gains each sparse gradient's entries
+    assert 0 < first.optimizer_state <= second.optimizer_state
+    if not first.sparse:
+        assert first.optimizer_state == second.optimizer_state
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_cpu_estimate_equals_the_measured_step(name, request):
+    entry = ZOO[name]
+    kwargs = dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cpu", fit=False)
+    if entry.unsupported:
+        with pytest.raises(EstimateUnsupported, match=entry.unsupported):
+            estimate_memory(**kwargs)
+        return
+    if entry.constructor_reads_values():
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                raises=EstimateUnsupported,
+                reason="the model's constructor reads a tensor's value inside the fake mode "
+                "(aten._local_scalar_dense): being fixed in the estimate",
+            )
+        )
+    elif name in ESTIMATE_GAPS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=ESTIMATE_GAPS[name]))
+    estimate = estimate_memory(**kwargs)
+    runs = profiled_run(name)
+    measured = max(it.record.iteration_peak_allocated for it in runs[:2])
+    assert estimate.weights == runs[0].weights
+    assert estimate.optimizer_state == runs[1].optimizer_state
+    assert sum(estimate.peak_breakdown.values()) == estimate.peak
+    assert estimate.peak == measured, f"{name}: estimated {estimate.peak:,} B, measured {measured:,} B"
+
+
+def test_the_zoo_covers_the_families_optimizers_and_precisions():
+    from benchmarks.zoo import ADAMW, SGD_MOMENTUM
+
+    families = {entry.family for entry in ZOO.values()}
+    assert len(ZOO) >= 20
+    assert {"decoder", "encoder", "encoder-decoder", "vision transformer", "CNN", "RNN", "recommendation", "UNet",
+            "mixture of experts", "compiled"} <= families
+    setups = {(entry.optimizer, entry.autocast) for entry in ZOO.values()}
+    assert setups == {(o, a) for o in (ADAMW, SGD_MOMENTUM) for a in (None, torch.bfloat16)}
+    # at most one model in twenty the estimate refuses by design, each naming its operation
+    refused = [entry for entry in ZOO.values() if entry.unsupported]
+    assert len(refused) <= len(ZOO) // 20 and all(entry.unsupported.startswith("aten.") for entry in refused)
+
+
+def test_the_conformance_table_is_published_between_its_markers(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import json
+
+    import zoo_conformance
+
+    row = {
+        "name": "unet", "family": "UNet", "setup": "AdamW, fp32", "batch": 8,
+        "measured": {"allocated": 2_000_000_000, "reserved": 2_400_000_000, "base": 0},
+        "profiler": {"reference_peak": 10, "iteration_peak": 10, "breakdown_sum": 10, "weights": (4, 4),
+                     "gradients": (4, 4), "optimizer_state": (8, 8), "layers": (1000, 1005)},
+        "fake_cuda": {"peak_error_pct": -1.5, "reserved_error_pct": 6.0},
+        "emulated": {"peak_error_pct": 2.5},
+        "largest_batch": {"card": 5 << 30, "predicted": 20, "fits": True, "larger": 22, "larger_fits": False, "ok": True},
+    }
+    assert zoo_conformance.verdict(row) == ["emulated peak", "reserved"]
+    path = tmp_path / "zoo.json"
+    path.write_text(json.dumps({"environment": "Device: NVIDIA H100; torch 2.11.0", "seconds": 300, "rows": [row]}))
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"before\n{zoo_conformance.DOCS_START}\nold\n{zoo_conformance.DOCS_END}\nafter\n")
+    zoo_conformance.publish(path, docs)
+    text = docs.read_text()
+    assert "old" not in text and text.startswith("before\n") and text.endswith("after\n")
+    assert "Device: NVIDIA H100; torch 2.11.0" in text
+    assert "| unet | UNet | AdamW, fp32 | 8 | 2,000.0 / 2,400.0 | +0.00%, +0.00% | exact, exact, exact | -0.50% |" in text
+    assert "missed: emulated peak; reserved" in text and "Goals met on 0 of 1 models" in text
