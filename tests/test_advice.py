@@ -216,15 +216,19 @@ def test_eight_bit_optimizer_saves_three_quarters_of_the_state():
 def test_foreach_free_step_at_an_optimizer_peak():
     weights = MappingProxyType({"a.weight": 120_000_000, "b.weight": 40_000_000})
     other = 500_000_000
-    rec = record(peak_phase="optimizer", weights_by_name=weights,
+    rec = record(peak_phase="optimizer", weights_by_name=weights, peak_step_temporaries=other,
+                 peak_other_before=0,
                  peak_breakdown=breakdown(weights=160_000_000, gradients=160_000_000,
                                           optimizer_state=320_000_000, other=other, inputs=PEAK - 1_140_000_000))
     (advice,) = advise(rec)
     assert advice.kind == "foreach-free step" and advice.saves == other - 2 * 120_000_000
-    # 'other' within two of the largest parameter: already a per-parameter step, no advice
-    small = breakdown(weights=160_000_000, gradients=160_000_000, optimizer_state=320_000_000,
-                      other=2 * 120_000_000, inputs=PEAK - 880_000_000)
-    assert advise(dataclasses.replace(rec, peak_breakdown=small)) == []
+    # temporaries within two of the largest parameter: already a per-parameter step, no advice
+    assert advise(dataclasses.replace(rec, peak_step_temporaries=2 * 120_000_000)) == []
+    # 'other' that existed before the iteration (another model) is no temporary of the step
+    foreign = dataclasses.replace(rec, peak_step_temporaries=0, peak_other_before=other)
+    assert advise(foreign) == []
+    # no measurement of the step's temporaries: no advice, whatever 'other' holds
+    assert advise(dataclasses.replace(rec, peak_step_temporaries=None)) == []
     # the same make-up at a backward peak: the step's temporaries are not what peaks
     assert advise(dataclasses.replace(rec, peak_phase="backward")) == []
 

@@ -220,8 +220,9 @@ def test_iteration_peak_is_the_largest_phase_peak(stream):
 
 
 def test_model_without_parameters_gives_a_zero_report(stream):
-    with make(nn.ReLU(), stream) as profiler:
-        nn.ReLU()(torch.randn(4, requires_grad=True)).sum().backward()
+    model = nn.ReLU()
+    with make(model, stream) as profiler:
+        model(torch.randn(4, requires_grad=True)).sum().backward()
         record = profiler.record_stats()
     assert record.weights == record.gradients == 0
     assert record.optimizer_state is None  # no optimizer known: unknown, not a false zero
