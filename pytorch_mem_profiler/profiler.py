@@ -502,12 +502,22 @@ class MemoryProfiler:
         if self._ranks is not None:
             self._ranks.observe(record)
         if reported:
-            if self.first_record is None:
+            first = self.first_record is None
+            if first:
                 self.first_record = record
             self.records.append(record)
             for sink in self._sinks:
                 self._guard.call(f"output: {sink.name}", sink.on_record, record)
+            if first and self.csv_path is not None:
+                self._guard.call("output: report", self._report.write, self._csv_notice())
         return record
+
+    def _csv_notice(self) -> str:
+        """Where the rows go and in which unit, said once, at the first row written."""
+        text = f"CSV: a row per report in {self.csv_path} (amounts in {self.units}, as its unit column says)"
+        if self.layers_csv_path is not None:
+            text += f"; feature maps by layer in {self.layers_csv_path.name} (amounts in bytes, its bytes column)"
+        return text
 
     def _misuse(self, call: str, message: str) -> None:
         """Warn once per profiler about a misuse of ``call`` (not counted; the run goes on)."""

@@ -285,7 +285,8 @@ def test_full_report_prints_advice_after_the_at_the_peak_block():
     end = start + 1
     while lines[end].startswith("  "):
         end += 1
-    assert end - start - 1 == 5  # the five nonzero categories
+    assert end - start - 2 == 5  # the five nonzero categories, then what 'other' holds
+    assert lines[end - 1].startswith("  (other 100 MB: ")
     assert lines[end : end + 2] == [
         "Advice (from what is alive at the peak):",
         "  an 8-bit optimizer (bitsandbytes, e.g. AdamW8bit) would save about 900 MB: "
@@ -300,7 +301,8 @@ def test_compact_report_prints_advice_and_the_line_does_not():
     lines = format_compact(rec, "GB").splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("  at the peak: "))
     saves = format_amount(900_000_000, "GB")
-    assert lines[at + 1].startswith(f"  advice: an 8-bit optimizer (bitsandbytes, e.g. AdamW8bit) would save about {saves}: ")
+    assert lines[at + 1].startswith(f"  other {format_amount(100_000_000, 'GB')}: what no category claims")
+    assert lines[at + 2].startswith(f"  advice: an 8-bit optimizer (bitsandbytes, e.g. AdamW8bit) would save about {saves}: ")
     assert "advice" not in format_line(rec) and "8-bit" not in format_line(rec)
     assert not any("advice" in line for line in format_compact(record()).splitlines())
 

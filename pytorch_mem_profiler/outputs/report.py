@@ -138,6 +138,7 @@ def _is_cpu(record: IterationRecord) -> bool:
 #: What ``other`` at the peak holds, for the line that splits it.
 OTHER_BEFORE = "existed before this iteration (not this model's parameters, gradients or optimizer state: another model, a cache, tensors kept from earlier iterations)"
 OTHER_MADE = "made by this iteration outside the model's tensors (the loss, outputs, temporaries)"
+OTHER_UNSPLIT = "what no category claims (the loss, outputs, temporaries, and memory that is not this model's)"
 
 
 def other_text(record: IterationRecord, unit: str) -> str | None:
@@ -159,7 +160,7 @@ def other_text(record: IterationRecord, unit: str) -> str | None:
     fmt = lambda n: format_amount(n, unit)  # noqa: E731
     before = record.peak_other_before
     if before is None:
-        return f"other {fmt(other)}: {OTHER_MADE.replace('made by this iteration ', 'what no category claims: ')}"
+        return f"other {fmt(other)}: {OTHER_UNSPLIT}"
     made = other - before
     parts = [f"{fmt(before)} {OTHER_BEFORE}"] if before else []
     if made or not before:
