@@ -526,7 +526,8 @@ class MemoryProfiler:
             warn_user(message, MisuseWarning, self.options.log)
 
     def _epoch_end(self) -> None:
-        if self.iteration == 0:
+        # (with record_stats() switched off by a fault no iteration is counted: epochs still are)
+        if self.iteration == 0 and self._measuring and "record_stats" not in self._guard.disabled:
             self._misuse(
                 "epoch_end",
                 f"epoch_end() with no record_stats() iteration since the last epoch_end() "
