@@ -182,7 +182,7 @@ class Foreign:
         if kind == "second model and optimizer":
             # its weights and Adam's state (its gradients are None between its steps)
             return storage_bytes(
-                *s["model"].parameters(), *(t for t in optimizer_state_tensors([s["opt"]]) if t.device == self.device)
+                *s["model"].parameters(), *(t for t in optimizer_state_tensors([s["opt"]]) if t.device.type == self.device.type)
             )
         if kind == "leak":
             return storage_bytes(*s["kept"][: CHECKED - 1])  # one per iteration before the checked one
