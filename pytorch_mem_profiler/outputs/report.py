@@ -151,7 +151,7 @@ def other_text(record: IterationRecord, unit: str) -> str | None:
         >>> rec = IterationRecord(epoch=1, iteration=1, step=1, device="cpu", allocated=0,
         ...     peak_breakdown=parts, peak_other_before=100_000_000, peak_step_temporaries=0)
         >>> print(other_text(rec, "MB"))  # doctest: +ELLIPSIS
-        other 101 MB: 100 MB existed before this iteration (not this model's ...), 1 MB made by this iteration ...
+        other 101 MB: 100 MB existed before this iteration (not this model's ...); 1 MB made by this iteration ...
     """
     breakdown = record.peak_breakdown
     if not breakdown or not breakdown.get("other"):
