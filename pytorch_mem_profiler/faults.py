@@ -111,8 +111,23 @@ class FaultGuard:
         A step that raises is run once more (removing twice is harmless; a
         transient fault then still leaves nothing installed), then the fault is
         logged; the steps after it run all the same. When strict, the first
-        fault is re-raised after every step ran.
+        fault is re-raised after every step ran. A fault in this bookkeeping
+        itself (or in logging a step's fault) still runs every step: the
+        clean-up is what must not fail.
         """
+        try:
+            first = self._clean_up(part, steps)
+        except Exception as exc:  # noqa: BLE001 - the bookkeeping failed: every step once more, bare
+            first = exc
+            for step in steps:
+                try:
+                    twice(step)
+                except Exception:  # noqa: BLE001 - the next steps must run
+                    pass
+        if first is not None and self.strict:
+            raise first
+
+    def _clean_up(self, part: str, steps: tuple[Callable[[], Any], ...]) -> BaseException | None:
         first: BaseException | None = None
         for step in steps:
             try:
@@ -121,22 +136,39 @@ class FaultGuard:
                 first = first or exc
                 if not self.strict:
                     self.fault(part, exc)
-        if first is not None and self.strict:
-            raise first
+        return first
 
     def fault(self, part: str, exc: BaseException) -> None:
-        """Record a fault in ``part``: re-raise when strict, else log once and switch it off."""
-        if self.strict:
+        """Record a fault in ``part``: re-raise when strict, else log once and switch it off.
+
+        Never raises when not strict: it runs inside the ``except`` of every hook,
+        where an exception would reach torch or the training loop. Switching the
+        part off comes first and cannot be lost to a failed log record.
+        """
+        try:
+            strict = self.strict
+            first = part not in self.disabled
+        except Exception:  # noqa: BLE001 - switching off must happen whatever failed here
+            strict, first = self.strict, False
+        if strict:
             raise exc
-        if part not in self.disabled:
-            self.disabled.add(part)
-            _log.warning(
-                "pytorch_mem_profiler: %s failed and is switched off; training continues (%s: %s)",
-                part,
-                type(exc).__name__,
-                exc,
-                exc_info=exc,
-            )
+        self.disabled.add(part)
+        if first:
+            _log_fault(part, exc)
+
+
+def _log_fault(part: str, exc: BaseException) -> None:
+    """Log a part's fault once; a failing handler, filter or formatter loses the line, nothing else."""
+    try:
+        _log.warning(
+            "pytorch_mem_profiler: %s failed and is switched off; training continues (%s: %s)",
+            part,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
+    except Exception:  # noqa: BLE001 - a log line is not worth the training run
+        pass
 
 
 def twice(step: Callable[[], Any]) -> Any:

@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -43,6 +44,7 @@ from .faults import FaultGuard
 from .measure.hooks import PhaseBlock
 from .measure.meter import Meter, Position
 from .options import ProfilerOptions
+from .outputs.notices import MisuseWarning, warn_user
 from .outputs.sinks import CsvSink, HeadroomSink, LayerCsvSink, LeakSink, ReportSink, Sink, TensorBoardSink
 from .stats import IterationRecord
 
@@ -216,6 +218,8 @@ class MemoryProfiler:
         self.cross_rank_summary: CrossRankSummary | None = None
         self._ranks = CrossRankExchange(self.rank_info) if self.rank_info is not None else None
         self._closed = False
+        # the misuses warned about already (each once per profiler)
+        self._warned: set[str] = set()
         # False once record_stats() is switched off by a fault: nothing is measured from then on
         self._measuring = True
         self.oom_postmortem = None
@@ -294,9 +298,14 @@ class MemoryProfiler:
         """Count one iteration; print the report every ``print_period`` iterations.
 
         Returns the iteration's record (all figures in bytes), the same one the
-        report and the CSV row are made from; ``None`` only if the profiler
-        failed and switched itself off (a fault in this method, or in the CPU
-        counter every figure on the CPU comes from): nothing is measured then.
+        report and the CSV row are made from; ``None`` if the profiler failed
+        and switched itself off (a fault in this method, or in the CPU counter
+        every figure on the CPU comes from): nothing is measured then. A call
+        whose iteration the hooks watched and saw nothing in (the model not
+        entered, not even without gradients; no backward, no optimizer step) (called twice in a row, or before training began) is
+        no iteration: it is not counted nor reported, its record (the figures as
+        they are) carries the last counted iteration and ``reported=False``, and a
+        :class:`~pytorch_mem_profiler.outputs.notices.MisuseWarning` says so once.
         """
         # A door the user calls: every line inside the try (so are epoch_end's and close's);
         # contained as FaultGuard.call("record_stats", ...) would, inline (it runs every iteration).
@@ -311,6 +320,10 @@ class MemoryProfiler:
 
     def epoch_end(self) -> None:
         """Print ``Epoch N finished``, write the epoch's rows, and start the next epoch.
+
+        An ``epoch_end()`` with no :meth:`record_stats` iteration since the last one
+        (or since the start) counts no epoch: a
+        :class:`~pytorch_mem_profiler.outputs.notices.MisuseWarning` says so once.
 
         Under ``torch.distributed`` also gather every rank's peaks (one small
         all-gather) into :attr:`cross_rank_summary` and print the cross-rank
@@ -469,23 +482,58 @@ class MemoryProfiler:
             # figures would be frozen, so none is given, and nothing is measured any more.
             self._stop_measuring()
             return None
+        reported = (self.iteration + 1) % self.print_period == 0
+        record = self._meter.finish(Position(self.epoch, self.iteration + 1, self.step + 1), reported)
+        # with a part's hooks off (a fault), a phase may go unseen: no iteration is refused then
+        if self._meter.idle and not self._guard.disabled:
+            # Watched, and no training step in it: counting it would shift every later iteration.
+            self._meter.prepare(self._next_reported())
+            self._misuse(
+                "record_stats",
+                "record_stats() saw no forward (the model was not called), no backward and no optimizer step since the last call "
+                "(called twice in a row, or before training began): not counted as an iteration",
+            )
+            # The figures as they are, marked as no iteration: the last counted position, not reported.
+            return dataclasses.replace(record, iteration=self.iteration, step=self.step, reported=False)
         self.iteration += 1
         self.step += 1
-        reported = self.iteration % self.print_period == 0
-        record = self._meter.finish(Position(self.epoch, self.iteration, self.step), reported)
         self.last_record = record
         self._meter.prepare(self._next_reported())
         if self._ranks is not None:
             self._ranks.observe(record)
         if reported:
-            if self.first_record is None:
+            first = self.first_record is None
+            if first:
                 self.first_record = record
             self.records.append(record)
             for sink in self._sinks:
                 self._guard.call(f"output: {sink.name}", sink.on_record, record)
+            if first and self.csv_path is not None:
+                self._guard.call("output: report", self._report.write, self._csv_notice())
         return record
 
+    def _csv_notice(self) -> str:
+        """Where the rows go and in which unit, said once, at the first row written."""
+        text = f"CSV: a row per report in {self.csv_path} (amounts in {self.units}, as its unit column says)"
+        if self.layers_csv_path is not None:
+            text += f"; feature maps by layer in {self.layers_csv_path.name} (amounts in bytes, its bytes column)"
+        return text
+
+    def _misuse(self, call: str, message: str) -> None:
+        """Warn once per profiler about a misuse of ``call`` (not counted; the run goes on)."""
+        if call not in self._warned:
+            self._warned.add(call)
+            warn_user(message, MisuseWarning, self.options.log)
+
     def _epoch_end(self) -> None:
+        # (with record_stats() switched off by a fault no iteration is counted: epochs still are)
+        if self.iteration == 0 and self._measuring and "record_stats" not in self._guard.disabled:
+            self._misuse(
+                "epoch_end",
+                f"epoch_end() with no record_stats() iteration since the last epoch_end() "
+                f"(or the start): no epoch counted, the next is still epoch {self.epoch}",
+            )
+            return
         for sink in self._sinks:
             self._guard.call(f"output: {sink.name}", sink.on_epoch_end, self.epoch)
         if self._measuring:

@@ -40,7 +40,7 @@ PHASES = ("forward", "backward", "optimizer", "other")
 
 #: How the phases are named for people.
 PHASE_LABELS: Mapping[str, str] = MappingProxyType(
-    {"forward": "forward", "backward": "backward", "optimizer": "optimizer step", "other": "between phases"}
+    {"forward": "forward", "backward": "backward", "optimizer": "optimizer step", "other": "between phases (outside forward, backward and the step: the loss, data, zero_grad)"}
 )
 
 #: The record's memory categories (its byte fields), each with the name people know it by.
@@ -191,6 +191,19 @@ class IterationRecord:
             byte was seen by identity (the CPU) or no breakdown was measured.
         peak_transient_in: the module (``""``: the model's own code) or the phase
             that transient ran in (``None`` for a module whose name is unknown).
+        peak_other_before: the part of ``peak_breakdown["other"]`` that was alive before
+            the iteration began: not this model's weights, gradients or optimizer state
+            (a frozen reference model, an EMA copy, a cached dataset, tensors kept from
+            earlier iterations). Exact on the CPU; on allocators read at boundaries, the
+            least ``other`` seen since the iteration began (exact while that memory stays).
+            The rest of ``other`` is what the iteration made. ``None`` where no breakdown
+            was measured.
+        peak_step_temporaries: the part of ``peak_breakdown["other"]`` that the optimizer
+            step allocated and held at the peak (above what was allocated at its start,
+            less the optimizer state it made): its temporaries. 0 when the peak is not in
+            the step; ``None`` where no breakdown was measured.
+        model_name: the model's class name (the root module, whose own forward's saved
+            activations are under the module name ``""``); ``None`` where unknown.
         ddp_gradient_buckets: bytes of DDP's gradient buckets held apart from the
             gradients (0 with ``gradient_as_bucket_view=True``); ``None`` without DDP.
         fsdp_gathered_parameters: most bytes of FSDP2's gathered (unsharded)
@@ -237,6 +250,9 @@ class IterationRecord:
     peak_layers: Mapping[str, int] | None = None
     peak_transient: int | None = None
     peak_transient_in: str | None = None
+    peak_other_before: int | None = None
+    peak_step_temporaries: int | None = None
+    model_name: str | None = None
     ddp_gradient_buckets: int | None = None
     fsdp_gathered_parameters: int | None = None
     rank: int | None = None

@@ -216,15 +216,19 @@ def test_eight_bit_optimizer_saves_three_quarters_of_the_state():
 def test_foreach_free_step_at_an_optimizer_peak():
     weights = MappingProxyType({"a.weight": 120_000_000, "b.weight": 40_000_000})
     other = 500_000_000
-    rec = record(peak_phase="optimizer", weights_by_name=weights,
+    rec = record(peak_phase="optimizer", weights_by_name=weights, peak_step_temporaries=other,
+                 peak_other_before=0,
                  peak_breakdown=breakdown(weights=160_000_000, gradients=160_000_000,
                                           optimizer_state=320_000_000, other=other, inputs=PEAK - 1_140_000_000))
     (advice,) = advise(rec)
     assert advice.kind == "foreach-free step" and advice.saves == other - 2 * 120_000_000
-    # 'other' within two of the largest parameter: already a per-parameter step, no advice
-    small = breakdown(weights=160_000_000, gradients=160_000_000, optimizer_state=320_000_000,
-                      other=2 * 120_000_000, inputs=PEAK - 880_000_000)
-    assert advise(dataclasses.replace(rec, peak_breakdown=small)) == []
+    # temporaries within two of the largest parameter: already a per-parameter step, no advice
+    assert advise(dataclasses.replace(rec, peak_step_temporaries=2 * 120_000_000)) == []
+    # 'other' that existed before the iteration (another model) is no temporary of the step
+    foreign = dataclasses.replace(rec, peak_step_temporaries=0, peak_other_before=other)
+    assert advise(foreign) == []
+    # no measurement of the step's temporaries: no advice, whatever 'other' holds
+    assert advise(dataclasses.replace(rec, peak_step_temporaries=None)) == []
     # the same make-up at a backward peak: the step's temporaries are not what peaks
     assert advise(dataclasses.replace(rec, peak_phase="backward")) == []
 
@@ -281,7 +285,8 @@ def test_full_report_prints_advice_after_the_at_the_peak_block():
     end = start + 1
     while lines[end].startswith("  "):
         end += 1
-    assert end - start - 1 == 5  # the five nonzero categories
+    assert end - start - 2 == 5  # the five nonzero categories, then what 'other' holds
+    assert lines[end - 1].startswith("  (other 100 MB: ")
     assert lines[end : end + 2] == [
         "Advice (from what is alive at the peak):",
         "  an 8-bit optimizer (bitsandbytes, e.g. AdamW8bit) would save about 900 MB: "
@@ -296,7 +301,8 @@ def test_compact_report_prints_advice_and_the_line_does_not():
     lines = format_compact(rec, "GB").splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("  at the peak: "))
     saves = format_amount(900_000_000, "GB")
-    assert lines[at + 1].startswith(f"  advice: an 8-bit optimizer (bitsandbytes, e.g. AdamW8bit) would save about {saves}: ")
+    assert lines[at + 1].startswith(f"  other {format_amount(100_000_000, 'GB')}: what no category claims")
+    assert lines[at + 2].startswith(f"  advice: an 8-bit optimizer (bitsandbytes, e.g. AdamW8bit) would save about {saves}: ")
     assert "advice" not in format_line(rec) and "8-bit" not in format_line(rec)
     assert not any("advice" in line for line in format_compact(record()).splitlines())
 

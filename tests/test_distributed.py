@@ -266,6 +266,8 @@ def test_epoch_end_after_the_group_is_gone_does_not_fail(stream):
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     model = torch.nn.Linear(4, 4)
     profiler = MemoryProfiler(model, 1, stream=stream, strict=True)
+    model(torch.randn(2, 4)).sum().backward()
+    profiler.record_stats()  # an iteration: an epoch_end() with none would count no epoch
     dist.destroy_process_group()
     profiler.epoch_end()
     profiler.close()

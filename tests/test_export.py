@@ -69,6 +69,7 @@ def test_round_trip_through_pandas(csv_dir):
 def test_units_apply_to_the_csv(csv_dir):
     model = torch.nn.Linear(256, 1024, bias=False)  # 1 MiB
     with MemoryProfiler(model, 1, True, csv_dir=csv_dir, units="MiB", stream=io.StringIO()) as profiler:
+        model(torch.randn(2, 256))
         profiler.record_stats()
     frame = pd.read_csv(profiler.csv_path)
     assert frame.loc[0, "total_weight_usage"] == 1.0 and frame.loc[0, "unit"] == "MiB"

@@ -199,7 +199,7 @@ def test_compact_mode_line_by_line():
     assert lines[1] == f"  peak {mb(record.iteration_peak_allocated)} during {phase}{where}"
     # after the step, zero_grad() freed the gradients: weights and Adam's state are what is left
     assert record.allocated == weights + state
-    assert lines[2] == f"  now: allocated {mb(weights + state)}, reserved {mb(record.current_cached)}"
+    assert lines[2] == f"  now: allocated {mb(weights + state)}"  # the CPU caches nothing: no "reserved"
     categories = (
         f"  weights {mb(weights)}, weight gradients {mb(weights)}, optimizer state {mb(state)}, "
         f"feature maps {mb(16 * (64 + 10) * 4)}"
@@ -216,12 +216,20 @@ def test_compact_mode_line_by_line():
     )
     saved = saved_by_module(model, torch.randn(16, 32))
     assert saved == {"1": 16 * 64 * 4}  # ReLU keeps its output; the Linears save the batch and that
+    # 'other' at the peak: all of it made by this iteration (nothing foreign in this process): the
+    # model's output, still referenced, and Adam's two temporaries of the largest parameter's size
+    other, step = expected["other"], 2 * max(nbytes(q) for q in model.parameters())
+    assert record.peak_other_before == 0 and record.peak_step_temporaries == step
+    assert lines[5] == (
+        f"  other {mb(other)}: {mb(other)} made by this iteration outside the model's tensors "
+        f"(the loss, outputs, temporaries), of which {mb(step)} the optimizer step's temporaries"
+    )
     if not can_chain():  # torch < 2.8 measures no feature maps by layer: no top layers
-        assert record.layers is None and len(lines) == 5, lines
+        assert record.layers is None and len(lines) == 6, lines
         return
-    assert lines[5] == "  top layers (feature maps saved for backward):"
-    assert re.fullmatch(rf"    1\.+{16 * 64 * 4} B 100\.0%", lines[6]), lines[6]
-    assert len(lines) == 7
+    assert lines[6] == "  top layers (feature maps saved for backward):"
+    assert re.fullmatch(rf"    1\.+{16 * 64 * 4} B 100\.0%", lines[7]), lines[7]
+    assert len(lines) == 8
 
 
 def test_line_mode_is_one_line_per_report():
@@ -244,7 +252,7 @@ def test_line_mode_is_one_line_per_report():
         largest, n = at_peak_parts(expected)[0]
         assert line == (
             f"memory epoch 1 iteration {record.iteration} | peak {mb(record.iteration_peak_allocated)} during {phase}"
-            f" | allocated {mb(weights + state)}, reserved {mb(record.current_cached)}"
+            f" | allocated {mb(weights + state)}"
             f" | weights {mb(weights)}, weight gradients {mb(weights)}, optimizer state {mb(state)},"
             f" feature maps {mb(16 * 74 * 4)}{extra}"
             f" | largest at the peak: {PEAK_CATEGORY_LABELS[largest]} {100 * n / peak:.1f}%"
@@ -472,7 +480,8 @@ def test_at_the_peak_block_follows_the_peak_line():
     ]
     for line, (label, amount, share) in zip(block, expected):
         assert re.fullmatch(rf"  {re.escape(label)}\.+{amount} {re.escape(share)}", line), line
-    assert not lines[start + 8].startswith("  ")  # the zero "input batch" is left out
+    assert lines[start + 8].startswith("  (other 25 MB: ")  # what 'other' holds, in one line
+    assert not lines[start + 9].startswith("  ")  # the zero "input batch" is left out
     # the report's unit
     assert "At the peak (2 GiB):" in format_report(record, "GiB").splitlines()
     assert any(re.fullmatch(r"  weights\.+0\.47 GiB 20\.0%", line) for line in format_report(record, "GiB").splitlines())
@@ -655,7 +664,8 @@ def test_python_train_py_piped_into_head(tmp_path):
     proc.stdout.close()  # what `head -3` does after its third line
     _, err = proc.communicate(timeout=120)
     err = err.decode()
-    assert all(line.startswith(b"memory epoch 1 iteration") for line in head)
+    # the reports, and once, at the first row, where the CSV rows go
+    assert all(line.startswith((b"memory epoch 1 iteration", b"CSV: a row per report in ")) for line in head)
     assert "done" in err, err
     assert "OutputWarning" in err and "broken pipe" in err
     csv_path = err.splitlines()[0]

@@ -220,8 +220,9 @@ def test_iteration_peak_is_the_largest_phase_peak(stream):
 
 
 def test_model_without_parameters_gives_a_zero_report(stream):
-    with make(nn.ReLU(), stream) as profiler:
-        nn.ReLU()(torch.randn(4, requires_grad=True)).sum().backward()
+    model = nn.ReLU()
+    with make(model, stream) as profiler:
+        model(torch.randn(4, requires_grad=True)).sum().backward()
         record = profiler.record_stats()
     assert record.weights == record.gradients == 0
     assert record.optimizer_state is None  # no optimizer known: unknown, not a false zero
@@ -232,6 +233,7 @@ def test_model_without_parameters_gives_a_zero_report(stream):
 def test_units(stream):
     model = nn.Linear(256, 1024, bias=False)  # exactly 1 MiB of float32
     with make(model, stream, units="MiB") as profiler:
+        model(torch.randn(2, 256))
         profiler.record_stats()
     assert "Total layer weight usage" + "." * 14 + "1 MiB" in stream.getvalue()
 
@@ -357,7 +359,8 @@ def test_a_device_without_peak_counters_reads_na(monkeypatch, stream):
     assert record.peak_cached is None and record.intermediate_gradients is None
     assert record.iteration_peak_allocated is None and record.peak_allocated is None
     assert record.feature_maps == 4 * (64 + 10) * 4  # allocated deltas still work
-    assert "Peak cached" + "." * 29 + "n/a" in stream.getvalue()
+    # the CPU caches nothing: no cache lines (on a device without peak counters they read n/a)
+    assert "Peak cached" not in stream.getvalue() and "Current cached" not in stream.getvalue()
 
 
 def test_a_closed_profiler_is_freed_without_the_cycle_collector(stream):

@@ -241,6 +241,10 @@ class _SampleHook:
 
     __slots__ = ("tracker",)
 
+
+    def __deepcopy__(self, memo: dict) -> _SampleHook:
+        return self  # a copied model shares the hook (see ``EntryWatch.__deepcopy__``)
+
     def __init__(self, tracker: FsdpGatherTracker) -> None:
         self.tracker = weakref.ref(tracker)
 

@@ -123,6 +123,8 @@ class StepMeasurements:
     layers_kept: int = 0
     #: whether passes and steps were counted (False: the hooks slept through the iteration)
     counted: bool = True
+    #: calls that entered the model from outside it, no-grad ones too (0: the model never ran)
+    model_calls: int = 0
 
     @property
     def counts(self) -> tuple[int, int, int] | tuple[None, None, None]:
@@ -500,6 +502,7 @@ class TrainingStepHooks:
         """A call entered the model from outside it: is it (part of) a training forward?"""
         # No-grad forwards (evaluation) and recomputation inside backward leave
         # nothing for a later backward: they are not a forward phase.
+        self.current.model_calls += 1
         if self._backward_unsettled:
             self._settle_backward()
         if not torch.is_grad_enabled() or self._phase == "backward":
@@ -688,8 +691,10 @@ class TrainingStepHooks:
 
     # -- optimizer step --------------------------------------------------------
     def _steps_model(self, optimizer: torch.optim.Optimizer) -> bool:
-        if self._explicit_optimizers is not None:
-            return True
+        explicit = self._explicit_optimizers
+        if explicit is not None:
+            # only those given: another model's optimizer stepping is not this model's step
+            return any(optimizer is given for given in explicit)
         holds = self._holds.get(optimizer)
         if holds is None:
             holds = optimizer_holds_any(optimizer, self._param_ids)
@@ -702,7 +707,7 @@ class TrainingStepHooks:
         try:
             if OPTIMIZER_PART in self.guard.disabled:
                 return None
-            if (self._explicit_optimizers is not None or self._steps_model(optimizer)) and (
+            if self._steps_model(optimizer) and (
                 "optimizer" not in self._explicit
             ):
                 self._step_began()
@@ -714,7 +719,7 @@ class TrainingStepHooks:
         try:
             if OPTIMIZER_PART in self.guard.disabled:
                 return None
-            if self._explicit_optimizers is None and not self._steps_model(optimizer):
+            if not self._steps_model(optimizer):
                 return None
             if "optimizer" not in self._explicit:
                 self._step_ended()

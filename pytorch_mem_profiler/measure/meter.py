@@ -36,6 +36,7 @@ from ..stats import PHASES, IterationRecord, LayerFeatureMaps, PhaseStats
 from .accounting import (
     buffer_bytes,
     gradient_bytes,
+    optimizer_holds_any,
     optimizer_state_bytes,
     optimizer_state_tensors,
     unique_parameters,
@@ -101,6 +102,7 @@ class Meter:
         #: bytes of memory the device has in all (``None``: unknown, or the CPU)
         self.capacity = device_capacity(self.device)
         self._optimizers = None if optimizers is None else list(optimizers)
+        _check_optimizers_step(self._optimizers, model)
         self._fsdp: FsdpGatherTracker | None = None
         self._ddp_buckets: int | None = None
         self._refresh_model_state()
@@ -117,6 +119,9 @@ class Meter:
         # allocated at the last read (the end of the last iteration): a reported one starts there
         self._last_allocated: int | None = None
         self._last_time = time.perf_counter()
+        #: whether the iteration :meth:`finish` closed last was watched and had nothing in it:
+        #: the model never entered, no backward, no optimizer step
+        self.idle = False
 
     # -- what the model holds ------------------------------------------------
     @property
@@ -422,6 +427,7 @@ class Meter:
             m = hooks.finish_iteration()
             final = m.final
             assert final is not None
+        self.idle = m is not None and m.counted and m.model_calls == 0 and m.counts == (0, 0, 0)
         now = time.perf_counter()
         elapsed, self._last_time = now - self._last_time, now
         self._last_allocated = final.allocated
@@ -482,6 +488,8 @@ class Meter:
         fields["layers"] = _feature_maps_by_layer(m.layers, m.layers_kept) if reported else None
         if peak is not None:
             fields["peak_breakdown"] = MappingProxyType(peak.breakdown)
+            fields["peak_other_before"] = peak.other_before
+            fields["peak_step_temporaries"] = peak.step_temporaries if m.peak_phase == "optimizer" else 0
             if peak.peak_layers is not None and located:
                 fields["peak_layers"] = MappingProxyType(peak.peak_layers)
             if peak.transient_in is not None:
@@ -519,6 +527,7 @@ class Meter:
                     device_total=self.capacity,
                     ddp_gradient_buckets=self._ddp_buckets,
                     rank=self.rank_info.rank if self.rank_info is not None else None,
+                    model_name=type(self.model).__name__,
                     reported=False,
                 )
             ).copy()
@@ -566,6 +575,26 @@ class Meter:
             return None
         params = [p for _, p in self._params]
         return self.guard.call(BREAKDOWN_PART, tracker.result, iteration_peak, params, self._optimizer_list())
+
+
+def _check_optimizers_step(optimizers: list[torch.optim.Optimizer] | None, model: torch.nn.Module) -> None:
+    """``ValueError`` naming ``optimizer`` for a given optimizer that steps none of the model's
+    parameters (another model's): its state would be counted as 0 and its step, not this
+    model's, would be missed. A model without parameters has nothing to check."""
+    if not optimizers:
+        return
+    ids = {id(p) for p in model.parameters()}
+    if not ids:
+        return
+    for index, opt in enumerate(optimizers):
+        if not optimizer_holds_any(opt, ids):
+            which = "optimizer" if len(optimizers) == 1 else f"optimizer[{index}]"
+            held = sum(len(group["params"]) for group in opt.param_groups)
+            raise ValueError(
+                f"{which}: this {type(opt).__name__} steps none of the model's parameters "
+                f"(it holds {held} parameter(s) of another model); give the optimizer that "
+                "trains this model, or leave optimizer=None to find it"
+            )
 
 
 def _record(fields: dict[str, Any]) -> IterationRecord:

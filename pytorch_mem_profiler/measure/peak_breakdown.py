@@ -96,6 +96,12 @@ class PeakResult(NamedTuple):
     transient: int
     #: the module (``""``: the model's own code) or phase the transient ran in
     transient_in: str | None
+    #: the part of ``other`` that was alive before the iteration began (not this model's
+    #: weights, gradients or optimizer state: another model, a cache, tensors kept from before)
+    other_before: int = 0
+    #: the part of ``other`` the optimizer step allocated and still held at the peak (its
+    #: temporaries: what it allocated above what was allocated at its start, less new state)
+    step_temporaries: int = 0
 
 
 def _empty() -> dict[str, int]:
@@ -204,6 +210,8 @@ class CpuPeakBreakdown(PeakBreakdown):
         self._best: tuple[int, dict[Any, int]] | None = None
         self._backward_best: tuple[int, dict[Any, int]] | None = None
         self._born_in_backward: set[Any] = set()
+        self._born_in_step: set[Any] = set()
+        self._before: set[Any] = set()
         self._saved_by: dict[Any, str | None] = {}
         self._inputs: set[Any] = set()
         self._gradients: set[Any] = set()
@@ -221,6 +229,8 @@ class CpuPeakBreakdown(PeakBreakdown):
         self._buffers = list(buffers)
         self._live, self._events = self.counter.watch_storages()
         self._total = sum(self._live.values())
+        # what was alive when the iteration began: ``other`` there is not the iteration's
+        self._before = set(self._live)
         self.gradients_ready(params)
         self._add_refs(self._state, optimizer_state_tensors(optimizers))
 
@@ -272,12 +282,13 @@ class CpuPeakBreakdown(PeakBreakdown):
     def _fold(self, batch: list[tuple[Any, int]], phase: str) -> None:
         live = self._live
         in_backward = phase == "backward"
+        born = self._born_in_backward if in_backward else self._born_in_step if phase == "optimizer" else None
         for ref, delta in batch:
             n = live.get(ref)
             if n is None:
                 live[ref] = delta
-                if in_backward:
-                    self._born_in_backward.add(ref)
+                if born is not None:
+                    born.add(ref)
             else:
                 n += delta
                 if n > 0:
@@ -285,10 +296,15 @@ class CpuPeakBreakdown(PeakBreakdown):
                 else:
                     del live[ref]
 
-    def _categorize(self, alive: dict[Any, int], weights: set[Any]) -> tuple[dict[str, int], dict[str, int]]:
+    def _categorize(
+        self, alive: dict[Any, int], weights: set[Any]
+    ) -> tuple[dict[str, int], dict[str, int], int, int]:
+        """(bytes by category, saved activations by module, ``other`` alive before the
+        iteration, ``other`` the optimizer step made)."""
         out = _empty()
         layers: dict[str, int] = {}
         saved_by = self._saved_by
+        before = step = 0
         for ref, n in alive.items():
             if ref in weights:
                 category = "weights"
@@ -307,8 +323,12 @@ class CpuPeakBreakdown(PeakBreakdown):
                 category = "activation_gradients"
             else:
                 category = "other"
+                if ref in self._before:
+                    before += n
+                elif ref in self._born_in_step:
+                    step += n
             out[category] += n
-        return out, layers
+        return out, layers, before, step
 
     def result(self, peak: int | None, params: Sequence[torch.Tensor], optimizers: Iterable[Any]) -> PeakResult | None:
         try:
@@ -320,7 +340,7 @@ class CpuPeakBreakdown(PeakBreakdown):
             self._add_refs(weights, params)
             self._add_refs(weights, self._buffers)
             top, alive = self._best
-            breakdown, layers = self._categorize(alive, weights)
+            breakdown, layers, before, step = self._categorize(alive, weights)
             # The hooks' peak is read from the same changes: equal unless another thread counted
             # into this counter between the two reads; what differs is not known by identity.
             breakdown["other"] += peak - top
@@ -334,6 +354,8 @@ class CpuPeakBreakdown(PeakBreakdown):
                 dict(sorted(layers.items(), key=lambda kv: -kv[1])) if has_layers else None,
                 0,
                 None,
+                before,
+                step,
             )
         finally:
             self.counter.unwatch_storages()
@@ -475,6 +497,9 @@ class _Boundary(NamedTuple):
     allocated: int
     parts: dict[str, int]
     layers: dict[str, int] | None
+    #: the least ``other`` at any boundary since the iteration began: what was alive before
+    #: it and is still alive now is at most this
+    floor: int
 
 
 #: ``_Boundary(*fields)`` made in C, without the Python ``__new__`` a NamedTuple has (once per boundary)
@@ -502,6 +527,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         self._best: tuple[int, _Boundary, str, str | None, int] | None = None
         self._backward_best: tuple[int, _Boundary, str, str | None, int] | None = None
         self._unclaimed_before_backward = 0
+        self._floor: int | None = None
         self._started = False
         # the parameters that may get a gradient and had none yet: looked at in backward
         self._awaiting: list[torch.Tensor] = []
@@ -666,7 +692,9 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             unclaimed -= grads
         parts["other"] += unclaimed
         layers = dict(alive.by_module) if self.module_name is not None else None
-        return _new_boundary((allocated, parts, layers))
+        floor = self._floor
+        floor = self._floor = max(0, parts["other"] if floor is None else min(floor, parts["other"]))
+        return _new_boundary((allocated, parts, layers, floor))
 
     def marked(self, reading: Reading, ended: str, following: str, location: str | None) -> None:
         if not self._started:
@@ -702,8 +730,13 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         parts["activation_gradients"] += moved
         self._open = opened._replace(parts=parts)
 
-    def _explain(self, best: tuple[int, _Boundary, str, str | None, int], optimizers: list[Any]) -> tuple[dict[str, int], int]:
+    def _explain(
+        self, best: tuple[int, _Boundary, str, str | None, int], optimizers: list[Any]
+    ) -> tuple[dict[str, int], int, int, int]:
+        """(bytes by category, the transient, ``other`` alive before the iteration, ``other``
+        the optimizer step made) at ``best``'s peak."""
         peak, opened, phase, _, gradients_at_end = best
+        step = 0
         parts = dict(opened.parts)
         transient = peak - opened.allocated
         if transient < 0:  # cannot happen with a sound counter: keep the sum exact all the same
@@ -720,13 +753,19 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             made = min(transient, max(0, state_now - opened.parts["optimizer_state"]))
             parts["optimizer_state"] += made
             parts["other"] += transient - made
+            # the step's intervals open at its start (it has no module boundaries): what it
+            # allocated above that, less its new state, is its temporaries
+            step = transient - made
         else:
             parts["other"] += transient
         if parts["other"] < 0:  # tracked storages outside the allocator: take it off the largest
             largest = max(parts, key=lambda k: parts[k])
             parts[largest] += parts["other"]
             parts["other"] = 0
-        return parts, transient
+        # What existed before the iteration and is still alive was in ``other`` at every boundary
+        # since: at most the least of those (exact while such memory stays, as a model does).
+        before = min(opened.floor, parts["other"])
+        return parts, transient, before, min(step, parts["other"] - before)
 
     def _state_bytes(self, optimizers: list[Any]) -> int:
         """The bytes of the optimizer state's pieces on the device now, a piece counted each time
@@ -751,7 +790,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             optimizers = list(optimizers)
             if best[0] != peak:
                 return None  # an interval this tracker did not see (it started late)
-            parts, transient = self._explain(best, optimizers)
+            parts, transient, before, step = self._explain(best, optimizers)
             backward = None
             if self._backward_best is not None:
                 backward = self._explain(self._backward_best, optimizers)[0]["activation_gradients"]
@@ -764,6 +803,8 @@ class BoundaryPeakBreakdown(PeakBreakdown):
                 else None,
                 transient,
                 best[3],
+                before,
+                step,
             )
         finally:
             self._reset()

@@ -594,13 +594,16 @@ class StorageRegistry:
             self._failed = True
             for mode in self._modes.values():
                 mode.tallies = ()
-        _log.warning(
-            "pytorch_mem_profiler: the CPU storage counter failed and is switched off; "
-            "training continues (%s: %s)",
-            type(exc).__name__,
-            exc,
-            exc_info=exc,
-        )
+        try:  # called from the dispatch mode and weak-reference callbacks: a failed log line stays here
+            _log.warning(
+                "pytorch_mem_profiler: the CPU storage counter failed and is switched off; "
+                "training continues (%s: %s)",
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+        except Exception:  # noqa: BLE001 - a log line is not worth the training run
+            pass
 
     # -- leaving torch's mode stack ------------------------------------------------
     def _leave_where_possible(self) -> None:

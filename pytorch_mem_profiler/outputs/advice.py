@@ -3,7 +3,10 @@
 Each rule looks at one record's :attr:`~pytorch_mem_profiler.stats.IterationRecord.peak_breakdown`
 (what was alive at the iteration's peak, by category) and, when it applies,
 gives one :class:`Advice` whose ``saves`` is computed from the record's own
-figures; a rule whose figures are missing gives nothing, never a generic tip.
+figures, each a measurement tied to what the advice names (the named blocks'
+saved activations, the optimizer's state, the step's temporaries, the
+gradients): never a remainder. A rule whose figures are missing gives nothing,
+never a generic tip.
 At most :data:`MAX_ADVICE` pieces are given, the largest saving first, and only
 those that save at least :data:`MIN_SAVING_SHARE` of the peak.
 
@@ -27,14 +30,18 @@ The rules (``a`` is a category's bytes at the peak, ``P`` the iteration's peak):
   optimizer (bitsandbytes ``Adam8bit``, ``AdamW8bit``, ``SGD8bit``...) keeps each
   fp32 state (4 bytes) in 1 byte: saving ``3/4 * optimizer_state``. States that
   are already smaller than fp32 save less.
-- **foreach-free step**: the peak is in the optimizer step and ``other >=
-  FOREACH_SHARE * P``. The default ``foreach`` step makes its temporaries for
-  all parameters at once; with ``foreach=False`` it makes them one parameter at
-  a time. Saving: ``other - 2 x largest parameter`` (the per-parameter loop
-  holds at most two temporaries of one parameter's size, Adam's ``sqrt`` and its
-  division; ``other`` also holds what is not the step's, so this is an upper
-  bound). An ``other`` no larger than that is already a per-parameter step: no
-  advice. The step is slower.
+- **foreach-free step**: the peak is in the optimizer step and the step's own
+  temporaries alive at it (:attr:`~pytorch_mem_profiler.stats.IterationRecord.peak_step_temporaries`:
+  what the step allocated above what was allocated at its start, less the
+  optimizer state it made) are ``>= FOREACH_SHARE * P``. The default ``foreach``
+  step makes its temporaries for all parameters at once; with ``foreach=False``
+  it makes them one parameter at a time. Saving: ``temporaries - 2 x largest
+  parameter`` (the per-parameter loop holds at most two temporaries of one
+  parameter's size, Adam's ``sqrt`` and its division). Temporaries no larger
+  than that are already a per-parameter step: no advice. The step is slower.
+  Never read from ``other`` as a remainder: memory that was alive before the
+  iteration (another model, an EMA copy, a cached dataset) is in ``other`` too,
+  and is not the step's.
 - **set_to_none**: the peak is in the forward, weight gradients are alive then
   and there is one forward in the iteration (with gradient accumulation the
   gradients must stay). They are the previous step's: ``zero_grad(set_to_none=True)``
@@ -190,12 +197,11 @@ def _eight_bit(breakdown: Mapping[str, int]) -> Advice:
     return Advice("8-bit optimizer", state * 3 // 4, basis={"optimizer_state": state})
 
 
-def _foreach_free(record: IterationRecord, breakdown: Mapping[str, int]) -> Advice:
-    other = breakdown.get("other", 0)
+def _foreach_free(record: IterationRecord, temporaries: int) -> Advice:
     largest = max(record.weights_by_name.values(), default=0)
     # a per-parameter step keeps at most two temporaries of the largest parameter's size
-    saves = max(0, other - 2 * largest)
-    return Advice("foreach-free step", saves, basis={"other": other, "largest_parameter": largest})
+    saves = max(0, temporaries - 2 * largest)
+    return Advice("foreach-free step", saves, basis={"step_temporaries": temporaries, "largest_parameter": largest})
 
 
 def advise(record: IterationRecord) -> list[Advice]:
@@ -216,8 +222,9 @@ def advise(record: IterationRecord) -> list[Advice]:
             found.append(advice)
     if breakdown.get("optimizer_state", 0) >= DOMINANT_SHARE * peak:
         found.append(_eight_bit(breakdown))
-    if record.peak_phase == "optimizer" and breakdown.get("other", 0) >= FOREACH_SHARE * peak:
-        found.append(_foreach_free(record, breakdown))
+    temporaries = record.peak_step_temporaries
+    if record.peak_phase == "optimizer" and temporaries is not None and temporaries >= FOREACH_SHARE * peak:
+        found.append(_foreach_free(record, temporaries))
     # several forwards in one iteration: gradient accumulation, whose gradients must stay
     if record.peak_phase == "forward" and breakdown.get("gradients", 0) > 0 and (record.forward_passes or 0) <= 1:
         found.append(Advice("set_to_none", breakdown["gradients"], basis={"gradients": breakdown["gradients"]}))
@@ -245,7 +252,8 @@ def format_advice(advice: Advice, unit: str = "MB") -> str:
     if advice.kind == "foreach-free step":
         return (
             f"the optimizer with foreach=False would save up to {fmt(advice.saves)} (a slower step): "
-            f"'other' at the peak, {fmt(basis['other'])}, less twice the largest parameter, "
+            f"the step's temporaries at the peak, {fmt(basis['step_temporaries'])} (what it allocated "
+            f"above what was allocated at its start, less new state), less twice the largest parameter, "
             f"{fmt(basis['largest_parameter'])} (temporaries one parameter at a time)"
         )
     if advice.kind == "set_to_none":

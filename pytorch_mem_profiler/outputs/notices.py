@@ -27,7 +27,7 @@ import os
 import sys
 import warnings
 
-__all__ = ["OutputWarning", "warn_user", "package_logger", "PACKAGE_DIR"]
+__all__ = ["OutputWarning", "MisuseWarning", "warn_user", "package_logger", "PACKAGE_DIR"]
 
 #: The package's folder: frames inside it are the profiler's, not the user's.
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -38,6 +38,12 @@ package_logger = logging.getLogger("pytorch_mem_profiler")
 
 class OutputWarning(UserWarning):
     """An output (the CSV file, the report's stream) failed, or was made again, while the run went on."""
+
+
+class MisuseWarning(UserWarning):
+    """The profiler was called in a way that would count wrong (an ``epoch_end()`` with no
+    iteration since the last one, a ``record_stats()`` that saw no training step): the call is
+    not counted, and the warning, shown once per profiler and kind, names it."""
 
 
 def _user_stacklevel() -> int:

@@ -111,12 +111,64 @@ def _layer_groups(record: IterationRecord) -> list[LayerGroup]:
     ranked = sorted(
         ((m, c, n) for (m, c), n in layers.by_module.items() if m != INPUT), key=lambda item: -item[2]
     )
-    labels = [(_module_label(m, c), n) for m, c, n in ranked]
+    labels = [(_module_label(m, c, record.model_name), n) for m, c, n in ranked]
     return group_repeated(labels)
 
 
-def _module_label(module: str, category: str) -> str:
-    return (module or "(model)") + (" [weight copies]" if category != ACTIVATIONS else "")
+def root_label(model_name: str | None) -> str:
+    """How the model's own forward (the root module, whose name is ``""``) is named for people.
+
+    Example::
+
+        >>> root_label("NeuMF"), root_label(None)
+        ('NeuMF (its own forward)', '(the model, its own forward)')
+    """
+    return f"{model_name} (its own forward)" if model_name else "(the model, its own forward)"
+
+
+def _module_label(module: str, category: str, model_name: str | None = None) -> str:
+    return (module or root_label(model_name)) + (" [weight copies]" if category != ACTIVATIONS else "")
+
+
+def _is_cpu(record: IterationRecord) -> bool:
+    """On the CPU nothing is cached: reserved equals allocated, and the cache lines say nothing."""
+    return record.device.split(":")[0] == "cpu"
+
+
+#: What ``other`` at the peak holds, for the line that splits it.
+OTHER_BEFORE = "existed before this iteration (not this model's parameters, gradients or optimizer state: another model, a cache, tensors kept from earlier iterations)"
+OTHER_MADE = "made by this iteration outside the model's tensors (the loss, outputs, temporaries)"
+OTHER_UNSPLIT = "what no category claims (the loss, outputs, temporaries, and memory that is not this model's)"
+
+
+def other_text(record: IterationRecord, unit: str) -> str | None:
+    """One line saying what ``other`` at the peak holds; ``None`` where it is 0 or not measured.
+
+    Example::
+
+        >>> from pytorch_mem_profiler.stats import IterationRecord, PEAK_CATEGORIES
+        >>> parts = dict.fromkeys(PEAK_CATEGORIES, 0); parts["other"] = 101_000_000
+        >>> rec = IterationRecord(epoch=1, iteration=1, step=1, device="cpu", allocated=0,
+        ...     peak_breakdown=parts, peak_other_before=100_000_000, peak_step_temporaries=0)
+        >>> print(other_text(rec, "MB"))  # doctest: +ELLIPSIS
+        other 101 MB: 100 MB existed before this iteration (not this model's ...); 1 MB made by this iteration ...
+    """
+    breakdown = record.peak_breakdown
+    if not breakdown or not breakdown.get("other"):
+        return None
+    other = breakdown["other"]
+    fmt = lambda n: format_amount(n, unit)  # noqa: E731
+    before = record.peak_other_before
+    if before is None:
+        return f"other {fmt(other)}: {OTHER_UNSPLIT}"
+    made = other - before
+    parts = [f"{fmt(before)} {OTHER_BEFORE}"] if before else []
+    if made or not before:
+        made_text = f"{fmt(made)} {OTHER_MADE}"
+        if record.peak_step_temporaries:
+            made_text += f", of which {fmt(record.peak_step_temporaries)} the optimizer step's temporaries"
+        parts.append(made_text)
+    return f"other {fmt(other)}: " + "; ".join(parts)
 
 
 def _group_value(group: LayerGroup, unit: str) -> str:
@@ -194,7 +246,7 @@ def _share(part: int, total: int) -> str:
     return f"{100 * part / total:4.1f}%" if total else ""
 
 
-def _at_peak_section(record: IterationRecord, fmt: Callable[[int | None], str], width: int) -> list[str]:
+def _at_peak_section(record: IterationRecord, fmt: Callable[[int | None], str], width: int, unit: str) -> list[str]:
     found = _at_peak(record)
     if found is None:
         return []
@@ -202,6 +254,9 @@ def _at_peak_section(record: IterationRecord, fmt: Callable[[int | None], str], 
     out = [f"At the peak ({fmt(total)}):"]
     for name, n in parts:
         out.append(dotted_line(f"  {PEAK_CATEGORY_LABELS.get(name, name)}", fmt(n), width) + " " + _share(n, total))
+    other = other_text(record, unit)
+    if other is not None:
+        out.append(f"  ({other})")
     return out
 
 
@@ -233,9 +288,12 @@ def _report_body(record: IterationRecord, unit: str, top: int = 10) -> tuple[int
     fmt = lambda n: format_amount(n, unit)  # noqa: E731
     width = _width(tuple(record.weights_by_name), tuple(record.gradients_by_name))
     line = lambda label, n: _line(label, n, unit, width)  # noqa: E731
-    out = [
+    cached = [] if _is_cpu(record) else [
         line("Peak cached", record.peak_cached),
         line("Current cached", record.current_cached),
+    ]
+    out = [
+        *cached,
         line("Total feature map usage", record.feature_maps),
         "",
         line("Total layer weight usage", record.weights),
@@ -266,11 +324,11 @@ def _report_body(record: IterationRecord, unit: str, top: int = 10) -> tuple[int
         if record.peak_location is not None:
             text += f", reached in {record.peak_location or '(model, outside its submodules)'}"
         out.append(text)
-    out += _at_peak_section(record, fmt, width)
+    out += _at_peak_section(record, fmt, width, unit)
     advice = _advice_lines(record, unit, "  ")
     if advice:
         out += ["Advice (from what is alive at the peak):", *advice]
-    if record.fragmentation is not None and record.current_cached is not None:
+    if record.fragmentation is not None and record.current_cached is not None and not _is_cpu(record):
         out.append(line("Cache slack (reserved - allocated)", record.fragmentation))
     if record.device_used is not None:
         out += _outside_section(record, line)
@@ -329,7 +387,7 @@ def _categories(record: IterationRecord, unit: str) -> list[str]:
 
 def _now_text(record: IterationRecord, unit: str) -> str:
     text = f"allocated {format_amount(record.allocated, unit)}"
-    if record.current_cached is not None:
+    if record.current_cached is not None and not _is_cpu(record):
         text += f", reserved {format_amount(record.current_cached, unit)}"
     return text
 
@@ -375,6 +433,9 @@ def _compact_body(record: IterationRecord, unit: str, top: int = COMPACT_TOP) ->
                 for k, v in parts
             )
         )
+        other = other_text(record, unit)
+        if other is not None:
+            out.append("  " + other)
         out += _advice_lines(record, unit, "  advice: ")
     if record.layers is not None:
         out.append("  top layers (feature maps saved for backward):")

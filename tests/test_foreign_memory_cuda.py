@@ -1,0 +1,53 @@
+"""The foreign-memory battery on a GPU (see ``tests/foreign_memory.py``): the same cases as on the
+CPU, where the breakdown is read at boundaries. 'Other' alive before the iteration is the least
+'other' seen since it began: it must hold the foreign memory (beyond what the model alone leaves
+there: cuBLAS's workspace, which the caching allocator holds too) within 1 MiB, and no advice may
+change. Run on the GPU machine with ``PYTHONPATH=. python -m pytest -m cuda tests/test_foreign_memory_cuda.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytorch_mem_profiler.outputs.advice import advise
+
+from .foreign_memory import KINDS, SETUPS, check_no_wrong_advice, run
+
+pytestmark = pytest.mark.cuda
+
+#: elements of each foreign tensor: 1 GB of float32, as the frozen reference model of the issue
+SIZE = 1 << 28
+TOLERANCE = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def device():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture(scope="module")
+def baselines(device):
+    return {name: run(setup, device, None, SIZE)[0] for name, setup in SETUPS.items()}
+
+
+def test_the_setups_get_advice_of_their_own(baselines):
+    assert "8-bit optimizer" in {a.kind for a in advise(baselines["optimizer-heavy"])}
+    assert "checkpointing" in {a.kind for a in advise(baselines["activation-heavy"])}
+    for record in baselines.values():
+        assert record.peak_other_before is not None and record.peak_other_before <= 64 << 20
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_foreign_memory_gives_no_wrong_advice_on_the_gpu(device, baselines, setup, kind):
+    torch.cuda.empty_cache()
+    record, before = run(SETUPS[setup], device, kind, SIZE)
+    alone = baselines[setup]
+    assert sum(record.peak_breakdown.values()) == record.iteration_peak_allocated
+    assert before is not None and before >= SIZE
+    extra = record.peak_other_before - alone.peak_other_before
+    assert abs(extra - before) <= TOLERANCE, (record.peak_other_before, alone.peak_other_before, before)
+    check_no_wrong_advice(alone, record)
+    # the old rule's reading ('other' at an optimizer peak, less two parameters) would have
+    # promised the foreign gigabyte: no advice promises anything near it
+    assert all(a.saves < before // 2 for a in advise(record))
