@@ -236,6 +236,37 @@ def small_cnn(device: torch.device, batch: int = 24, channels: int = 16, image: 
     )
 
 
+def deep_mlp(device: torch.device, depth: int = 64, batch: int = 32, width: int = 64) -> Workload:
+    """``depth`` blocks of Linear and ReLU, narrow: a host-bound step whose cost grows with the
+    number of modules (the scaling sweep: 64, 512 and 4,096 layers)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, width, device=device)
+
+    def step() -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return Workload(f"deep_{depth}", model, opt, step, f"{depth} x Linear({width}) + ReLU, batch {batch}, Adam", (x,))
+
+
+def _deep(depth: int) -> Callable[..., Workload]:
+    def make(device: torch.device, **sizes: int) -> Workload:
+        return deep_mlp(device, depth=depth, **sizes)
+
+    return make
+
+
+#: The scaling sweep: the same narrow MLP at 64, 512 and 4,096 layers.
+SCALING: dict[str, Callable[..., Workload]] = {f"deep_{n}": _deep(n) for n in (64, 512, 4096)}
+
 #: Workloads for training on the CPU (``benchmarks/cpu_overhead.py``).
 CPU_WORKLOADS: dict[str, Callable[..., Workload]] = {"cpu_mlp": cpu_mlp, "small_cnn": small_cnn}
 
@@ -244,6 +275,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "resnet50": resnet50,
     "neumf": neumf,
     "tiny_mlp": tiny_mlp,
+    **SCALING,
 }
 
 #: Sizes for a smoke test on a CPU: each step takes milliseconds.
@@ -254,6 +286,7 @@ QUICK: dict[str, dict[str, int]] = {
     "tiny_mlp": {"batch": 16, "width": 128, "depth": 8},
     "cpu_mlp": {"batch": 16, "hidden": 32},
     "small_cnn": {"batch": 2, "channels": 4, "image": 16},
+    **{name: {"batch": 4, "width": 16} for name in SCALING},
 }
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .outputs.report import REPORT_MODES
+from .measure.budget import check_overhead
 from .units import check_unit
 
 __all__ = ["ProfilerOptions", "check_int", "check_bool", "check_path", "check_stream", "check_choice", "check_logger", "REPORT_MODES"]
@@ -206,6 +207,7 @@ class ProfilerOptions:
     print_ranks: Any = 0
     report: str = "full"
     log: Any = None
+    overhead: float | None = 0.03
 
     def __post_init__(self) -> None:
         check_int(self.print_period, "print_period")
@@ -237,6 +239,7 @@ class ProfilerOptions:
         _warn_about_missing_ranks(given, ranks)
         check_choice(self.report, "report", REPORT_MODES)
         check_logger(self.log)
+        self._set("overhead", check_overhead(self.overhead))
         if self.log is not None and self.stream is not None:
             raise ValueError("give stream or log, not both: with log= the reports go through the logger")
 

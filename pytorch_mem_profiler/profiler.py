@@ -41,6 +41,7 @@ import torch
 
 from .distributed import CrossRankExchange, CrossRankSummary, format_cross_rank, rank_info
 from .faults import FaultGuard
+from .measure.budget import CostBudget, richest_level
 from .measure.hooks import PhaseBlock
 from .measure.meter import Meter, Position
 from .options import ProfilerOptions
@@ -98,6 +99,16 @@ class MemoryProfiler:
             ``"line"`` (one line per report, for long runs).
         log: a :class:`logging.Logger` the reports go to (``INFO``, one record per
             report) instead of ``stream``; the profiler's warnings are logged there too.
+        overhead: the largest share of the run's time the profiler may cost (default
+            ``0.03``: 3%; ``None``: no limit). The profiler measures its own cost in the
+            run and gives each reported iteration the richest level of detail
+            (:data:`~pytorch_mem_profiler.stats.DETAIL_LEVELS`) that keeps it within
+            the budget: ``"phases"`` (phase peaks, feature maps, weight and
+            intermediate gradients, the peak's make-up) or, with ``by_layer=True``,
+            ``"full"`` (and the per-layer figures); else ``"light"`` (one allocator
+            read). The first reported iteration gets the richest level; each record
+            says its level (``record.detail``), and the report why a figure is missing
+            (see :mod:`~pytorch_mem_profiler.measure.budget`).
 
     Rows reach the CSV files as they are reported (one ``write()`` per row, no
     buffering in memory), so a run killed by SIGTERM or SIGKILL loses none.
@@ -152,6 +163,7 @@ class MemoryProfiler:
         print_ranks: int | Iterable[int] | str = 0,
         report: str = "full",
         log: logging.Logger | logging.LoggerAdapter | None = None,
+        overhead: float | None = 0.03,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -173,6 +185,7 @@ class MemoryProfiler:
             print_ranks=print_ranks,
             report=report,
             log=log,
+            overhead=overhead,
         )
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError(
@@ -197,7 +210,10 @@ class MemoryProfiler:
             by_layer=options.by_layer,
             guard=self._guard,
             rank_info=self.rank_info,
+            overhead=options.overhead,
         )
+        #: chooses each reported iteration's level of detail within ``overhead``
+        self._budget = CostBudget(options.overhead, richest_level(options.by_layer))
         # Outputs are made before any hook is installed: a CSV folder that cannot
         # be written fails here, leaving nothing behind.
         self._report, self._sinks = self._make_sinks()
@@ -229,11 +245,12 @@ class MemoryProfiler:
             self.oom_postmortem = OomPostmortem(options.oom_dir, profiler=self)
 
         self._meter.start()
-        self._meter.prepare(self._next_reported())
+        self._meter.prepare(self._next_level())
         if self.oom_postmortem is not None:
             self.oom_postmortem.attach()
         self._atexit = _flush_at_exit(self)
         atexit.register(self._atexit)
+        self._budget.restart()
 
     def _make_sinks(self) -> tuple[ReportSink, list[Sink]]:
         options = self.options
@@ -472,6 +489,10 @@ class MemoryProfiler:
     def _next_reported(self) -> bool:
         return (self.iteration + 1) % self.print_period == 0
 
+    def _next_level(self) -> str:
+        """The coming iteration's level of detail: the budget's choice if it will be reported."""
+        return self._budget.choose() if self._next_reported() else "light"
+
     def _record_stats(self) -> IterationRecord | None:
         if self._closed:
             raise RuntimeError("record_stats() called after close()")
@@ -482,12 +503,15 @@ class MemoryProfiler:
             # figures would be frozen, so none is given, and nothing is measured any more.
             self._stop_measuring()
             return None
+        budget = self._budget
+        budget.entered()
         reported = (self.iteration + 1) % self.print_period == 0
         record = self._meter.finish(Position(self.epoch, self.iteration + 1, self.step + 1), reported)
         # with a part's hooks off (a fault), a phase may go unseen: no iteration is refused then
         if self._meter.idle and not self._guard.disabled:
             # Watched, and no training step in it: counting it would shift every later iteration.
-            self._meter.prepare(self._next_reported())
+            budget.restart()  # no step to account for: the next is timed from here
+            self._meter.prepare(self._next_level())
             self._misuse(
                 "record_stats",
                 "record_stats() saw no forward (the model was not called), no backward and no optimizer step since the last call "
@@ -498,7 +522,6 @@ class MemoryProfiler:
         self.iteration += 1
         self.step += 1
         self.last_record = record
-        self._meter.prepare(self._next_reported())
         if self._ranks is not None:
             self._ranks.observe(record)
         if reported:
@@ -510,6 +533,10 @@ class MemoryProfiler:
                 self._guard.call(f"output: {sink.name}", sink.on_record, record)
             if first and self.csv_path is not None:
                 self._guard.call("output: report", self._report.write, self._csv_notice())
+        # Accounted before the next level is chosen; getting the next iteration ready is timed
+        # with its step (a detailed one's set-up is part of what the detail costs).
+        budget.left(record.detail)
+        self._meter.prepare(self._next_level())
         return record
 
     def _csv_notice(self) -> str:
@@ -541,7 +568,8 @@ class MemoryProfiler:
         self.epoch += 1
         self.iteration = 0
         if self._measuring:
-            self._meter.prepare(self._next_reported())
+            self._meter.prepare(self._next_level())
+        self._budget.restart()  # the epoch's end is neither a step nor an iteration's cost
 
     def _cross_rank_summary(self, epoch: int) -> None:
         assert self._ranks is not None

@@ -32,6 +32,7 @@ __all__ = [
     "ACTIVATIONS",
     "WEIGHT_COPIES",
     "diff_records",
+    "DETAIL_LEVELS",
 ]
 
 #: The phases of an iteration, in order. "other" is everything between them:
@@ -87,6 +88,12 @@ PEAK_CATEGORY_LABELS: Mapping[str, str] = MappingProxyType(
 
 #: The categories that belong to the model and its optimizer rather than to one iteration.
 MODEL_STATE = ("weights", "gradients", "optimizer_state", "buffers")
+
+#: The levels of detail a record is measured at, from the cheapest: ``"light"`` (one allocator
+#: read), ``"phases"`` (phase peaks, feature maps, gradients, intermediate gradients and the
+#: peak's make-up), ``"full"`` (and the per-layer figures, with ``by_layer=True``). See
+#: :mod:`pytorch_mem_profiler.measure.budget`.
+DETAIL_LEVELS = ("light", "phases", "full")
 
 #: The module name under which the model's inputs are counted in per-layer figures.
 INPUT = "(input)"
@@ -151,8 +158,8 @@ class IterationRecord:
             largest forward of the iteration).
         intermediate_gradients: the ``activation_gradients`` part of what was alive at
             backward's peak (gradients with respect to activations and backward's
-            temporaries; see :attr:`peak_breakdown`), on reported iterations in per-layer
-            mode (``by_layer=True``); ``None`` where it was not measured.
+            temporaries; see :attr:`peak_breakdown`), at the ``"phases"`` and ``"full"``
+            levels (:attr:`detail`); ``None`` where it was not measured.
         weights: bytes of the model's parameters (unique storages).
         weights_by_name: bytes per parameter name.
         gradients: bytes of the parameters' ``.grad`` when backward ended.
@@ -180,8 +187,8 @@ class IterationRecord:
         device_total: bytes of memory the device has in all (``None`` where torch cannot
             tell, and on the CPU).
         peak_breakdown: bytes alive at this iteration's peak by category (keys
-            :data:`PEAK_CATEGORIES`, summing to ``iteration_peak_allocated``), on
-            reported iterations in per-layer mode; ``None`` where it was not measured.
+            :data:`PEAK_CATEGORIES`, summing to ``iteration_peak_allocated``), at the
+            ``"phases"`` and ``"full"`` levels; ``None`` where it was not measured.
         peak_layers: per-layer mode: bytes of each module's saved activations still
             alive at the peak, by module name (``None`` where the module names are unknown).
         peak_transient: bytes of the peak that were made and freed between two
@@ -215,6 +222,11 @@ class IterationRecord:
             they carry allocated, the peaks, cached, the pass counts, weights, buffers
             and optimizer state, and ``None`` for ``feature_maps``, ``gradients``,
             ``intermediate_gradients`` and ``peak_phase`` (``phases`` empty).
+        detail: the level of detail the iteration was measured at (:data:`DETAIL_LEVELS`):
+            ``"light"`` for one that is not reported, and for a reported one the cost budget
+            could not afford more for; a figure the level does not measure is ``None``.
+        overhead_budget: the cost budget (a share of the run's time) the level was chosen
+            under; ``None``: no limit.
     """
 
     epoch: int
@@ -257,6 +269,8 @@ class IterationRecord:
     fsdp_gathered_parameters: int | None = None
     rank: int | None = None
     reported: bool = True
+    detail: str = "full"
+    overhead_budget: float | None = None
 
     @property
     def model_state(self) -> int:

@@ -64,6 +64,7 @@ def profile_tiny_model(
         units=units,
         strict=True,
         by_layer=by_layer,
+        overhead=None,  # every reported row measured (module-scoped fixtures run outside conftest's)
     )
     with profiler:
         for _ in range(epochs):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import io
+import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from pytorch_mem_profiler import MemoryProfiler
@@ -46,10 +48,46 @@ def check_neumf_report(device: torch.device, batch: int) -> None:
     assert "Total layer weight usage.............127 MB" in text
     assert "Total layer weight gradient usage....127 MB" in text
     assert record.optimizer_state >= 2 * total
+    # The seed's whole table, by default (no by_layer): every line has a number.
+    assert record.detail == "phases"
+    seed_lines = ("Peak cached", "Current cached", "Total feature map usage", "Total layer weight usage",
+                  "Total layer weight gradient usage", "Intermediate gradients")
+    for label in seed_lines:
+        (line,) = [line for line in text.splitlines() if line.startswith(label + ".")]
+        assert re.search(r"\.\d[\d.]* MB$", line), line
+    return record
 
 
+@pytest.mark.default_budget
 def test_neumf_report_on_cpu():
     check_neumf_report(torch.device("cpu"), batch=512)
+
+
+@pytest.mark.default_budget
+def test_neumf_intermediate_gradients_by_default_match_the_per_layer_mode():
+    """By default (the "phases" level) NeuMF's intermediate gradients are the per-layer mode's, to
+    the byte (whose figure tests/test_peak_breakdown.py checks against one computed by hand, in
+    both modes): the CPU's breakdown sees every storage, with module boundaries or without."""
+    default = check_neumf_report(torch.device("cpu"), batch=512)
+    per_layer = neumf_record(torch.device("cpu"), batch=512, by_layer=True)
+    assert per_layer.detail == "full"
+    assert default.intermediate_gradients == per_layer.intermediate_gradients > 0
+    assert dict(default.peak_breakdown) == dict(per_layer.peak_breakdown)
+    assert default.intermediate_gradients <= default.iteration_peak_allocated
+
+
+def neumf_record(device: torch.device, batch: int, **kw):
+    torch.manual_seed(0)
+    model = NeuMF().to(device)
+    opt = torch.optim.Adam(model.parameters())
+    with MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, **kw) as profiler:
+        users = torch.randint(0, NUM_USERS, (batch,), device=device)
+        items = torch.randint(0, NUM_ITEMS, (batch,), device=device)
+        labels = torch.randint(0, 2, (batch,), device=device).float()
+        torch.nn.functional.binary_cross_entropy_with_logits(model(users, items), labels).backward()
+        opt.step()
+        opt.zero_grad()
+        return profiler.record_stats()
 
 
 def test_the_demo_prints_the_compact_report_and_writes_its_csv(tmp_path, capsys):

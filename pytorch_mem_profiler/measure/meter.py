@@ -32,7 +32,7 @@ from typing import Any, Iterable, NamedTuple
 import torch
 
 from ..faults import FaultGuard
-from ..stats import PHASES, IterationRecord, LayerFeatureMaps, PhaseStats
+from ..stats import DETAIL_LEVELS, PHASES, IterationRecord, LayerFeatureMaps, PhaseStats
 from .accounting import (
     buffer_bytes,
     gradient_bytes,
@@ -80,6 +80,8 @@ class Meter:
         by_layer: attribute feature maps to modules on reported iterations.
         guard: contains the meter's faults.
         rank_info: this process's rank under torch.distributed (``None``: one process).
+        overhead: the cost budget the levels of detail are chosen under, stamped on each
+            record (``None``: no limit; see :mod:`.budget`).
     """
 
     def __init__(
@@ -91,8 +93,12 @@ class Meter:
         by_layer: bool = False,
         guard: FaultGuard | None = None,
         rank_info: Any = None,
+        overhead: float | None = None,
     ) -> None:
         self.model = model
+        self.overhead = overhead
+        #: the level of detail the running iteration is measured at (:meth:`prepare`)
+        self.level = "light"
         self.guard = guard or FaultGuard()
         self.rank_info = rank_info
         self.by_layer = by_layer
@@ -228,28 +234,36 @@ class Meter:
             tracker.module_name = hooks.attribution.current_module
         return tracker
 
-    def prepare(self, detailed: bool) -> None:
-        """Whether the coming iteration is one that will be reported.
+    def prepare(self, level: str | bool) -> None:
+        """The level of detail the coming iteration is measured at (:data:`~..stats.DETAIL_LEVELS`;
+        ``True``: the richest this meter has, ``False``: ``"light"``).
 
-        Only a reported iteration reads the counters at its phase boundaries,
-        measures gradients, runs the per-layer hooks and watches what is alive at
-        its peak; the others cost one read and one peak reset, at :meth:`finish`.
+        ``"light"`` costs one read and one peak reset, at :meth:`finish`. ``"phases"``
+        reads the counters at the phase boundaries, measures gradients and watches what
+        is alive at its peak (its make-up, and the intermediate gradients); ``"full"``
+        (per-layer mode) runs the per-layer hooks as well.
         """
+        if level is True or level is False:
+            level = ("full" if self.by_layer else "phases") if level else "light"
+        if level not in DETAIL_LEVELS:
+            raise ValueError(f"level must be one of {DETAIL_LEVELS}, got {level!r}")
+        self.level = level
+        detailed = level != "light"
         hooks = self._hooks
         if hooks is not None:
             if self.guard.disabled:
                 self._drop_switched_off(hooks)
             hooks.reported = detailed
-            hooks.detailed = hooks.attribution is not None and detailed
+            hooks.detailed = hooks.attribution is not None and level == "full"
             if self._fsdp is not None:
                 self._fsdp.active = detailed
             hooks.breakdown = None
             self._watch(hooks, detailed)
             tracker = self._peak
-            # Per-layer mode only: the breakdown watches every saved tensor from Python and looks
-            # for gradients at backward's boundaries, which a host-bound step at print_period=1
-            # would pay for (GPT-2: 1.25x).
-            if detailed and self.by_layer and tracker is not None:
+            # The breakdown watches every saved tensor from Python and looks for gradients at
+            # backward's boundaries: what a host-bound step at print_period=1 pays for (GPT-2:
+            # 1.25x), and what the cost budget weighs against the step.
+            if detailed and tracker is not None:
                 # Inline rather than through guard.call: this runs at the end of the
                 # iteration before a reported one, which stays on the light path.
                 try:
@@ -432,9 +446,9 @@ class Meter:
         elapsed, self._last_time = now - self._last_time, now
         self._last_allocated = final.allocated
         if m is None:
-            return self._light_record(position, final, final.peak_allocated, _UNCOUNTED, elapsed)
+            return self._light_record(position, final, final.peak_allocated, _UNCOUNTED, elapsed, reported)
         if not measured:
-            return self._light_record(position, final, m.iteration_peak, m.counts, elapsed)
+            return self._light_record(position, final, m.iteration_peak, m.counts, elapsed, reported)
         peak = self._peak_result(m.iteration_peak)
         sizes = m.gradient_sizes
         if sizes is None or len(sizes) != len(self._params):
@@ -490,7 +504,7 @@ class Meter:
             fields["peak_breakdown"] = MappingProxyType(peak.breakdown)
             fields["peak_other_before"] = peak.other_before
             fields["peak_step_temporaries"] = peak.step_temporaries if m.peak_phase == "optimizer" else 0
-            if peak.peak_layers is not None and located:
+            if peak.peak_layers is not None and located and self.level == "full":
                 fields["peak_layers"] = MappingProxyType(peak.peak_layers)
             if peak.transient_in is not None:
                 fields["peak_transient"] = peak.transient
@@ -504,6 +518,7 @@ class Meter:
             fields["fsdp_gathered_parameters"] = self._fsdp.finish_iteration()
         fields["device_total"] = self.capacity
         fields["reported"] = True
+        fields["detail"] = self.level
         return _record(fields)
 
     def _shared_fields(self) -> dict[str, Any]:
@@ -529,6 +544,8 @@ class Meter:
                     rank=self.rank_info.rank if self.rank_info is not None else None,
                     model_name=type(self.model).__name__,
                     reported=False,
+                    detail="light",
+                    overhead_budget=self.overhead,
                 )
             ).copy()
         return shared
@@ -540,6 +557,7 @@ class Meter:
         iteration_peak: int | None,
         counts: tuple[int, int, int] | tuple[None, None, None],
         elapsed: float,
+        reported: bool = False,
     ) -> IterationRecord:
         """The record of an iteration that is not reported: what one read of the counters,
         the pass counts and the sizes known already give; what needs the phase
@@ -564,6 +582,8 @@ class Meter:
         fields["iteration_time_s"] = elapsed
         if self._fsdp is not None:
             fields["fsdp_gathered_parameters"] = self._fsdp.finish_iteration()
+        if reported:
+            fields["reported"] = True  # reported at "light": the budget afforded no more
         return _record(fields)
 
     def _peak_result(self, iteration_peak: int | None) -> PeakResult | None:

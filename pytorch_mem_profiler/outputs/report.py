@@ -48,6 +48,7 @@ __all__ = [
     "dotted_line",
     "REPORT_WIDTH",
     "COMPACT_TOP",
+    "skipped_reason",
 ]
 
 #: The report layouts, by the name ``memory_profiler(..., report=...)`` takes.
@@ -273,6 +274,29 @@ def _advice_lines(record: IterationRecord, unit: str, indent: str) -> list[str]:
         return []
 
 
+def skipped_reason(record: IterationRecord) -> str | None:
+    """Why a reported record's detailed figures are ``None``: ``"skipped: over the 3% budget"``
+    for one measured at the ``"light"`` level (the cost budget afforded no more); ``None`` otherwise.
+
+    Example::
+
+        >>> from pytorch_mem_profiler.stats import IterationRecord
+        >>> skipped_reason(IterationRecord(epoch=1, iteration=2, step=2, device="cpu", allocated=0,
+        ...                                detail="light", overhead_budget=0.03))
+        'skipped: over the 3% budget'
+    """
+    if record.detail != "light" or not record.reported:
+        return None
+    budget = record.overhead_budget
+    if budget is None:
+        return "skipped"
+    return f"skipped: over the {100 * budget:.3g}% budget"
+
+
+def _skipped_line(record: IterationRecord, reason: str) -> str:
+    return f"Detail: {record.detail} (phases, gradients and the peak's make-up {reason})"
+
+
 def format_report(record: IterationRecord, unit: str = "MB", top: int = 10) -> str:
     """The report of one iteration, in the original tool's layout plus the figures it lacked.
 
@@ -287,21 +311,27 @@ def _report_body(record: IterationRecord, unit: str, top: int = 10) -> tuple[int
     the lines from "Peak cached" on, the closing line). :func:`_report_frame` adds the rest."""
     fmt = lambda n: format_amount(n, unit)  # noqa: E731
     width = _width(tuple(record.weights_by_name), tuple(record.gradients_by_name))
+    skipped = skipped_reason(record)
+
     line = lambda label, n: _line(label, n, unit, width)  # noqa: E731
+
+    def detailed(label: str, n: int | None) -> str:  # a figure the "light" level does not measure
+        return dotted_line(label, "skipped", width) if n is None and skipped is not None else line(label, n)
+
     cached = [] if _is_cpu(record) else [
         line("Peak cached", record.peak_cached),
         line("Current cached", record.current_cached),
     ]
     out = [
         *cached,
-        line("Total feature map usage", record.feature_maps),
+        detailed("Total feature map usage", record.feature_maps),
         "",
         line("Total layer weight usage", record.weights),
     ]
     out += _rows(tuple(record.weights_by_name.items()), "", unit, width)
-    out.append(line("Total layer weight gradient usage", record.gradients))
+    out.append(detailed("Total layer weight gradient usage", record.gradients))
     out += _rows(tuple(record.gradients_by_name.items()), " grad", unit, width)
-    out.append(line("Intermediate gradients", record.intermediate_gradients))
+    out.append(detailed("Intermediate gradients", record.intermediate_gradients))
     out += [
         "",
         line("Optimizer state", record.optimizer_state),
@@ -324,6 +354,8 @@ def _report_body(record: IterationRecord, unit: str, top: int = 10) -> tuple[int
         if record.peak_location is not None:
             text += f", reached in {record.peak_location or '(model, outside its submodules)'}"
         out.append(text)
+    if skipped is not None:
+        out.append(_skipped_line(record, skipped))
     out += _at_peak_section(record, fmt, width, unit)
     advice = _advice_lines(record, unit, "  ")
     if advice:
@@ -423,6 +455,9 @@ def _compact_body(record: IterationRecord, unit: str, top: int = COMPACT_TOP) ->
         "  now: " + _now_text(record, unit),
         "  " + ", ".join(_categories(record, unit)),
     ]
+    skipped = skipped_reason(record)
+    if skipped is not None:
+        out.append("  " + _skipped_line(record, skipped))
     found = _at_peak(record)
     if found is not None:
         total, parts = found
@@ -474,6 +509,9 @@ def _line_body(record: IterationRecord, unit: str, top: int = 0) -> str:
         total, at_peak = found
         name, n = at_peak[0]
         parts.append(f"largest at the peak: {PEAK_CATEGORY_LABELS.get(name, name)} {_share(n, total).strip()}")
+    skipped = skipped_reason(record)
+    if skipped is not None:
+        parts.append(f"detail {record.detail} ({skipped})")
     return " | ".join(parts)
 
 
