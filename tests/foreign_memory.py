@@ -213,7 +213,7 @@ def run(setup: Setup, device: torch.device, kind: str | None, size: int) -> tupl
     xs = [torch.randn(setup.batch, setup.width, generator=gen).to(device) for _ in range(CHECKED)]
     foreign = Foreign(kind, device, size) if kind is not None else None
     record = None
-    with MemoryProfiler(model, 1, by_layer=True, stream=io.StringIO(), strict=True) as profiler:
+    with MemoryProfiler(model, 1, by_layer=True, overhead=None, stream=io.StringIO(), strict=True) as profiler:
         if foreign is not None:
             foreign.start(model, setup.width)
         for step, x in enumerate(xs):
