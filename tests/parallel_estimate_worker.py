@@ -3,15 +3,19 @@
 Started by ``torchrun`` (``python -m torch.distributed.run --nproc_per_node 2 --standalone
 tests/parallel_estimate_worker.py --out DIR --scenarios ddp,fsdp2``) from
 ``tests/test_estimate_parallel.py`` (gloo, CPU) and ``benchmarks/parallel_estimate_accuracy.py``
-(NCCL, two GPUs). Each rank writes ``DIR/rank<r>.json``: per scenario, the peak over two
-training steps (the CPU counter, started before the model is built, on the CPU;
-``torch.cuda.max_memory_allocated`` on a GPU) and independent figures: the bytes of the
-rank's parameter shards and optimizer state, from their storages.
+(NCCL, two GPUs, one launch per scenario). Each rank writes ``DIR/rank<r>.json``: per
+scenario, the peak over two training steps above what was allocated before the model was
+built (the CPU counter, started before the model is built, on the CPU; the caching
+allocator's peak on a GPU, where ``--warmup`` first runs two steps, waits for the device
+and NCCL, and then measures two more: the steady state, DDP's bucket rebuild behind it),
+each phase's peak and ``torch.cuda.memory_stats`` figures on a GPU, and independent
+figures: the bytes of the rank's parameter shards and optimizer state, from their storages.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -87,14 +91,71 @@ def local_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def run(name: str, device: torch.device, sizes: dict) -> dict:
+#: ``torch.cuda.memory_stats`` keys kept for each phase and at the end (bytes, since the last reset)
+CUDA_STATS = (
+    "allocated_bytes.all.current", "allocated_bytes.all.peak", "active_bytes.all.peak",
+    "requested_bytes.all.peak", "reserved_bytes.all.peak", "num_alloc_retries",
+)  # fmt: skip
+
+
+def _cuda_drained(device: torch.device) -> None:
+    """Wait until nothing of an earlier step is still held: the device idle, Python's cycles
+    collected, and ProcessGroupNCCL's watchdog past its next round (it drops the finished
+    collectives' work objects, and with them the tensors they kept alive: every 100 ms in
+    recent versions, every second in older ones' cleanup thread)."""
+    torch.cuda.synchronize(device)
+    gc.collect()
+    dist.barrier()
+    time.sleep(1.1)
+    gc.collect()
+    torch.cuda.synchronize(device)
+
+
+class _Phases:
+    """Each phase's peak (bytes above ``base``): on CUDA the allocator's peak since the phase
+    began (reset at each boundary), on the CPU the counter's reading at the boundary."""
+
+    def __init__(self, device: torch.device, base: int, counter: CpuCounter | None) -> None:
+        self.device, self.base, self.counter = device, base, counter
+        self.rows: list[dict] = []
+        self.peak = 0
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak = 0
+
+    def mark(self, step: int, phase: str) -> None:
+        if self.device.type != "cuda":
+            return  # the CPU counter's peak over the steps is read once, at the end
+        stats = torch.cuda.memory_stats(self.device)
+        peak = stats["allocated_bytes.all.peak"] - self.base
+        self.peak = max(self.peak, peak)
+        row = {"step": step, "phase": phase, "peak": peak, "allocated": stats["allocated_bytes.all.current"] - self.base}
+        row.update({k: stats.get(k, 0) for k in CUDA_STATS})
+        self.rows.append(row)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def run(name: str, device: torch.device, sizes: dict, warmup: bool = False) -> dict:
+    """One scenario: build, wrap, (with ``warmup``: ``STEPS`` steps first), then ``STEPS`` measured steps.
+
+    On CUDA everything is measured from ``base``, what was allocated before the model was
+    built (with a previous scenario's tensors collected): the cuBLAS workspaces a first
+    matmul takes count, as the estimate counts them. After the warm-up steps the run waits
+    for the device and NCCL's watchdog (:func:`_cuda_drained`) so that the measured steps
+    are the steady state the estimate's two steps model (DDP rebuilds its buckets before
+    its second forward; the first step's may live on in NCCL's work objects for a while).
+    """
     parallel, settings = SCENARIOS[name]
     counter = CpuCounter() if device.type == "cpu" else None
     if counter is not None:
         counter.start()
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     try:
         with torch.device(device):
@@ -126,41 +187,74 @@ def run(name: str, device: torch.device, sizes: dict) -> dict:
         g = torch.Generator().manual_seed(dist.get_rank())
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device)
         targets = tokens.clone()  # the estimate's targets are a tensor of their own
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device) - base
-        else:
-            before = counter.mark().allocated
-        for _ in range(STEPS):
+        phases = _Phases(device, base, counter)
+        cuda = device.type == "cuda"
+        if cuda:
+            _cuda_drained(device)  # DDP's broadcast of the weights at wrapping: its buffers gone
+        before = torch.cuda.memory_allocated(device) - base if cuda else counter.mark().allocated
+
+        def step(i: int) -> None:
             # the step as the estimate runs it: the output and the loss kept until the step ends
             output = wrapped(tokens)
+            phases.mark(i, "forward")
             loss = loss_fn(output, targets)
+            phases.mark(i, "other")
             loss.backward()
+            phases.mark(i, "backward")
             opt.step()
+            phases.mark(i, "optimizer")
             opt.zero_grad(set_to_none=True)
             del output, loss
-        if device.type == "cuda":
+            phases.mark(i, "other")
+
+        phases.reset()
+        first_steps_peak = None
+        measured = range(STEPS)
+        if warmup:
+            for i in range(STEPS):
+                step(i)  # the first steps as a user's run has them (DDP's bucket rebuild and all)
+            if cuda:
+                torch.cuda.synchronize(device)
+                first_steps_peak = phases.peak
+                _cuda_drained(device)
+            phases.reset()
+            measured = range(STEPS, 2 * STEPS)
+        for i in measured:
+            step(i)
+        if cuda:
             torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device) - base
+            phases.mark(-1, "end")
+            peak = phases.peak
             end = torch.cuda.memory_allocated(device) - base
         else:
             reading = counter.read()
             peak, end = reading.peak_allocated, reading.allocated
         params = list(wrapped.parameters())
         state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return {
+        result = {
             "peak": peak,
             "end": end,
             "before_steps": before,
+            "base": base,
+            "warmup_steps": STEPS if warmup else 0,
+            "first_steps_peak": first_steps_peak,
             "weights": local_bytes(params),
             "optimizer_state": local_bytes(state),
             "device": str(device),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "gpu": torch.cuda.get_device_name(device) if cuda else None,
         }
+        if cuda:
+            result["phases"] = phases.rows
+            result["memory_stats"] = {k: v for k, v in torch.cuda.memory_stats(device).items() if k.endswith(".all.current") or k.endswith(".all.peak") or k.startswith("num_")}
+        del wrapped, model, opt, params, state
+        return result
     finally:
         if counter is not None:
             counter.stop()
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -169,6 +263,10 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--sizes", default="{}", help="JSON keyword arguments of build()")
+    parser.add_argument(
+        "--warmup", action="store_true",
+        help="run STEPS steps first (their peak kept as first_steps_peak), wait for the device, then measure",
+    )  # fmt: skip
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     if args.backend == "nccl":
@@ -183,7 +281,7 @@ def main() -> None:
     for name in args.scenarios.split(","):
         started = time.perf_counter()
         try:
-            results[name] = run(name, device, sizes)
+            results[name] = run(name, device, sizes, args.warmup)
         except Exception:  # noqa: BLE001 - reported to the test, which fails with it
             results[name] = {"error": traceback.format_exc()}
             print(f"[rank {rank}] {name} failed:\n{results[name]['error']}", file=sys.stderr)
