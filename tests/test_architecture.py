@@ -230,6 +230,23 @@ def test_the_layer_check_finds_an_upward_import(tmp_path, monkeypatch):
     assert _imported_units(fake / "measure" / "x.py") == [(1, "stats", False), (2, "__init__", False)]
 
 
+def test_objects_are_made_by_their_constructors():
+    """No instance made without its constructor (``object.__new__``), and no fields set through
+    ``object.__setattr__`` but an object's own (a frozen dataclass's ``__post_init__``)."""
+    bad = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = _dotted(node.func)
+            first = node.args[0] if node.args else None
+            if name == "object.__new__" or (
+                name == "object.__setattr__" and not (isinstance(first, ast.Name) and first.id == "self")
+            ):
+                bad.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {name}")
+    assert bad == []
+
+
 def test_every_subpackage_says_what_it_is_and_may_import():
     for init in PACKAGE.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
