@@ -74,7 +74,6 @@ class _ModelFigures(NamedTuple):
     weights: int
     weights_by_name: Any
     buffers: int
-    device_total: int | None
     ddp_gradient_buckets: int | None
     rank: int | None
     overhead_budget: float | None
@@ -523,7 +522,7 @@ class Meter:
             device_used=usage.device_used if usage is not None else None,
             process_used=usage.process_used if usage is not None else None,
             outside_pytorch=outside,
-            device_total=shared.device_total,
+            device_total=self.capacity,
             peak_breakdown=breakdown,
             peak_layers=peak_layers,
             peak_transient=transient,
@@ -545,7 +544,6 @@ class Meter:
                 weights=self._weights_total,
                 weights_by_name=self._weights_by_name,
                 buffers=self._buffers_total,
-                device_total=self.capacity,
                 ddp_gradient_buckets=self._ddp_buckets,
                 rank=self.rank_info.rank if self.rank_info is not None else None,
                 overhead_budget=self.overhead,
@@ -593,7 +591,7 @@ class Meter:
             backward_passes=backward_passes,
             optimizer_steps=optimizer_steps,
             iteration_time_s=elapsed,
-            device_total=shared.device_total,
+            device_total=self.capacity,
             ddp_gradient_buckets=shared.ddp_gradient_buckets,
             fsdp_gathered_parameters=self._fsdp.finish_iteration() if self._fsdp is not None else None,
             rank=shared.rank,
