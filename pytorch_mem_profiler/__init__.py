@@ -4,12 +4,12 @@ The module map (one level of subpackages; dependencies point one way, down this 
 
 - top level: :mod:`.stats` (the record and the shared vocabulary), :mod:`.units`
   (bytes to text), :mod:`.faults` (fault containment), :mod:`.options` (the
-  profiler's validated settings), :mod:`.distributed` (ranks and the cross-rank
-  table), :mod:`.profiler` (``MemoryProfiler``: lifecycle and wiring only);
+  profiler's validated settings), :mod:`.profiler` (``MemoryProfiler``: lifecycle and wiring only);
 - :mod:`.measure`: every device-memory read, the phase hooks, per-layer
   attribution and the per-iteration meter;
+- :mod:`.distributed`: rank identity and the cross-rank exchange;
 - :mod:`.outputs`: sinks for finished records: the text report, CSV files,
-  TensorBoard, leak warnings;
+  TensorBoard, leak warnings, the cross-rank table;
 - :mod:`.tools`: snapshots, block usage, OOM post-mortems, the memory timeline
   (loaded on first use);
 - :mod:`.analysis`: reading runs back, summary, comparison, plots, the HTML report
@@ -51,7 +51,7 @@ _LAZY = {
     "RankSummary": "distributed",
     "RankInfo": "distributed",
     "rank_info": "distributed",
-    "format_cross_rank": "distributed",
+    "format_cross_rank": "outputs.rank_table",
     "save_memory_snapshot": "tools.snapshot",
     "SnapshotRecorder": "tools.snapshot",
     "start_record_memory_history": "tools.snapshot",

@@ -39,13 +39,14 @@ from typing import IO, Any, ContextManager, Iterable
 
 import torch
 
-from .distributed import CrossRankExchange, CrossRankSummary, format_cross_rank, rank_info
+from .distributed import CrossRankExchange, CrossRankSummary, rank_info
 from .faults import FaultGuard
 from .measure.budget import CostBudget, richest_level
 from .measure.hooks import PhaseBlock
 from .measure.meter import Meter, Position
 from .options import ProfilerOptions
 from .outputs.notices import MisuseWarning, warn_user
+from .outputs.rank_table import format_cross_rank
 from .outputs.sinks import CsvSink, HeadroomSink, LayerCsvSink, LeakSink, ReportSink, Sink, TensorBoardSink
 from .stats import IterationRecord
 

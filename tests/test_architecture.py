@@ -1,5 +1,5 @@
 """The package's layering, checked on its source: device calls stay in measure/, the analysis
-needs no torch, subpackages import only downwards."""
+needs no torch, every module (top-level ones included) imports only downwards."""
 
 from __future__ import annotations
 
@@ -26,10 +26,37 @@ DEVICE_APIS = (
 #: Pure-Python renderers that live under torch.cuda but read files, not devices.
 RENDERERS = ("torch.cuda._memory_viz",)
 
-#: What each subpackage may import from the package (top-level modules are always allowed).
+#: Each top-level module's and subpackage's layer (ARCHITECTURE.md's diagram, from the bottom):
+#: a module imports only from a lower layer or from its own subpackage.
+LAYERS = {
+    "units": 0,  # bytes to text
+    "stats": 0,  # the record and the vocabulary
+    "faults": 0,  # the fault guard
+    "grouping": 1,  # repeated layers' names (formats with units)
+    "measure": 2,  # the only device reads
+    "estimate": 3,
+    "distributed": 3,  # rank identity, the cross-rank exchange
+    "paths": 4,  # output folders and file names (with the rank)
+    "outputs": 5,
+    "options": 6,
+    "analysis": 7,
+    "tools": 7,
+    "profiler": 8,  # wiring
+    "integrations": 9,
+    "__init__": 10,  # the package's public names, loaded on first use
+    "__main__": 10,
+}
+
+#: Names kept importable where they were before they moved up a layer: ``(module, layer it
+#: reaches)``. Loaded by the module's ``__getattr__`` only when asked for, with a
+#: DeprecationWarning; nothing else of the module depends on them.
+MOVED_NAMES = {("distributed", "outputs")}
+
+#: What each subpackage may import from the other subpackages, beyond the layers' rule.
 ALLOWED = {
     "measure": {"measure"},
-    "outputs": {"outputs"},
+    "distributed": {"distributed", "measure"},
+    "outputs": {"outputs", "distributed"},
     "tools": {"tools", "measure"},
     "analysis": {"analysis", "outputs"},
     "integrations": {"integrations"},
@@ -85,14 +112,46 @@ def test_only_measure_calls_device_memory_apis():
     assert _device_calls(PACKAGE / "measure" / "devices.py")
 
 
-def _relative_imports(path: Path) -> list[tuple[int, str]]:
-    """``(level, dotted module)`` of each relative import of ``path``."""
+def _unit(path: Path) -> str:
+    """The top-level module or subpackage ``path`` belongs to (``"__init__"``: the package's own)."""
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+def _imported_units(path: Path) -> list[tuple[int, str, bool]]:
+    """``(line, unit)`` of each import of the package in ``path``, and whether it runs in the
+    module-level ``__getattr__`` (a moved name kept importable). ``from .. import __version__``
+    is left out: the package's version is set before any of its modules loads."""
     tree = ast.parse(path.read_text())
-    out = []
+    here = list(path.relative_to(PACKAGE).parent.parts)
+    lazy = {
+        id(node)
+        for top in tree.body
+        if isinstance(top, ast.FunctionDef) and top.name == "__getattr__"
+        for node in ast.walk(top)
+    }
+    found = []
     for node in ast.walk(tree):
+        targets: list[list[str]] = []
         if isinstance(node, ast.ImportFrom) and node.level:
-            out.append((node.level, node.module or ""))
-    return out
+            base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+            module = node.module.split(".") if node.module else []
+            if module:
+                targets.append(base + module)
+            else:  # from . import x: x is a module of base, or a name of base's __init__
+                for alias in node.names:
+                    if alias.name == "__version__" and not base:
+                        continue
+                    candidate = PACKAGE.joinpath(*base, alias.name)
+                    exists = candidate.is_dir() or candidate.with_suffix(".py").exists()
+                    targets.append(base + [alias.name] if exists else base)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == PACKAGE.name:
+            targets.append(node.module.split(".")[1:])
+        elif isinstance(node, ast.Import):
+            targets += [a.name.split(".")[1:] for a in node.names if a.name.split(".")[0] == PACKAGE.name]
+        for parts in targets:
+            found.append((node.lineno, parts[0] if parts else "__init__", id(node) in lazy))
+    return found
 
 
 @pytest.mark.parametrize("subpackage", sorted(ALLOWED))
@@ -102,14 +161,89 @@ def test_subpackages_import_only_what_they_may(subpackage):
         pytest.skip(f"no {subpackage}/ yet")
     bad = []
     for path in folder.glob("*.py"):
-        for level, module in _relative_imports(path):
-            if level == 1:
-                continue  # a sibling
-            first = module.split(".")[0]
-            if first and (PACKAGE / first).is_dir() and first not in ALLOWED[subpackage]:
-                bad.append(f"{path.name}: from {'.' * level}{module}")
-            if first == "profiler" and subpackage != "integrations":  # only integrations drive the profiler
-                bad.append(f"{path.name}: from {'.' * level}{module}")
+        for line, target, lazy in _imported_units(path):
+            if lazy and (subpackage, target) in MOVED_NAMES:
+                continue
+            if (PACKAGE / target).is_dir() and target not in ALLOWED[subpackage]:
+                bad.append(f"{path.name}:{line}: {target}")
+            if target == "profiler" and subpackage != "integrations":  # only integrations drive the profiler
+                bad.append(f"{path.name}:{line}: {target}")
+    assert bad == []
+
+
+def test_every_module_has_a_layer():
+    units = {_unit(p) for p in _modules()}
+    assert units - set(LAYERS) == set(), "give each new top-level module or subpackage a layer"
+    assert set(LAYERS) - units == set(), "a layer for a module that is gone"
+
+
+def test_every_import_points_downwards():
+    """Top-level modules as well as subpackages: nothing imports from its own layer or above,
+    but its own subpackage (and the moved names of :data:`MOVED_NAMES`, loaded lazily)."""
+    bad, moved = [], set()
+    for path in _modules():
+        unit = _unit(path)
+        for line, target, lazy in _imported_units(path):
+            if target == unit or LAYERS[target] < LAYERS[unit]:
+                continue
+            if lazy and (unit, target) in MOVED_NAMES:
+                moved.add((unit, target))
+                continue
+            bad.append(f"{path.relative_to(PACKAGE)}:{line}: {unit} (layer {LAYERS[unit]}) imports "
+                       f"{target} (layer {LAYERS[target]})")
+    assert bad == []
+    assert moved == MOVED_NAMES  # each moved name still imports from where it was
+
+
+def test_moved_names_still_import_where_they_were():
+    import warnings
+
+    from pytorch_mem_profiler.outputs.rank_table import format_cross_rank
+
+    import pytorch_mem_profiler.distributed as package
+
+    vars(package).pop("format_cross_rank", None)  # as in a fresh process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from pytorch_mem_profiler.distributed import format_cross_rank as old
+    assert old is format_cross_rank
+    moved = [w for w in caught if "format_cross_rank moved to" in str(w.message)]
+    assert [w.category for w in moved] == [DeprecationWarning]
+    assert "outputs.rank_table" in str(moved[0].message)
+    import pytorch_mem_profiler
+
+    assert pytorch_mem_profiler.format_cross_rank is format_cross_rank
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path, monkeypatch):
+    """The check reads what it must: a bottom module that imports the profiler, relatively
+    and absolutely, and one from a subpackage that reaches the package's own names."""
+    fake = tmp_path / PACKAGE.name
+    (fake / "measure").mkdir(parents=True)
+    (fake / "stats.py").write_text("from .profiler import MemoryProfiler\n")
+    (fake / "units.py").write_text("import pytorch_mem_profiler.outputs.report\n")
+    (fake / "measure" / "x.py").write_text("from .. import stats, __version__\nfrom .. import MemoryProfiler\n")
+    (fake / "profiler.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert _imported_units(fake / "stats.py") == [(1, "profiler", False)]
+    assert _imported_units(fake / "units.py") == [(1, "outputs", False)]
+    assert _imported_units(fake / "measure" / "x.py") == [(1, "stats", False), (2, "__init__", False)]
+
+
+def test_objects_are_made_by_their_constructors():
+    """No instance made without its constructor (``object.__new__``), and no fields set through
+    ``object.__setattr__`` but an object's own (a frozen dataclass's ``__post_init__``)."""
+    bad = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = _dotted(node.func)
+            first = node.args[0] if node.args else None
+            if name == "object.__new__" or (
+                name == "object.__setattr__" and not (isinstance(first, ast.Name) and first.id == "self")
+            ):
+                bad.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {name}")
     assert bad == []
 
 

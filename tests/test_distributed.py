@@ -27,10 +27,10 @@ from pytorch_mem_profiler.distributed import (
     RankSummary,
     decode_summary,
     encode_summary,
-    format_cross_rank,
     parse_print_ranks,
     rank_info,
 )
+from pytorch_mem_profiler.outputs.rank_table import format_cross_rank
 from pytorch_mem_profiler.measure.devices import rank_device
 from .torchrun_helper import run_worker
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..options import ProfilerOptions
-from ..stats import IterationRecord
+from ..stats import PLAIN_METRICS, IterationRecord, flat_metrics
 from ..units import UNITS
 
 __all__ = ["LOGGED_FIGURES", "logger_metrics", "check_profiler_arguments"]
 
-#: The record's figures sent to loggers: ``(field, key)``. A handful a dashboard can show,
-#: not every counter: the full record is in the CSV file.
+#: The figures of the record's flat view (:func:`~pytorch_mem_profiler.stats.flat_metrics`) sent
+#: to loggers: ``(figure, key)``. A handful a dashboard can show, not every counter: the full
+#: record is in the CSV file.
 LOGGED_FIGURES = (
     ("iteration_peak_allocated", "iteration_peak"),
     ("allocated", "allocated"),
@@ -31,6 +32,7 @@ LOGGED_FIGURES = (
     ("feature_maps", "feature_maps"),
     ("gradients", "gradients"),
     ("optimizer_state", "optimizer_state"),
+    ("peak_share", "peak_share"),
 )
 
 
@@ -43,14 +45,16 @@ def logger_metrics(record: IterationRecord, unit: str = "MB", prefix: str = "mem
     device does not know are left out, never sent as 0.
     """
     div = UNITS[unit]
+    flat = flat_metrics(record)
     metrics: dict[str, float] = {}
-    for field, key in LOGGED_FIGURES:
-        value = getattr(record, field)
-        if value is not None:
+    for figure, key in LOGGED_FIGURES:
+        value = flat[figure]
+        if value is None:
+            continue
+        if figure in PLAIN_METRICS:
+            metrics[f"{prefix}{separator}{key}"] = value
+        else:
             metrics[f"{prefix}{separator}{key}_{unit}"] = value / div
-    share = record.peak_share
-    if share is not None:
-        metrics[f"{prefix}{separator}peak_share"] = share
     return metrics
 
 

@@ -68,6 +68,19 @@ class Position(NamedTuple):
     step: int
 
 
+class _ModelFigures(NamedTuple):
+    """What every record carries unchanged while the model does not change."""
+
+    device: str
+    weights: int
+    weights_by_name: Any
+    buffers: int
+    ddp_gradient_buckets: int | None
+    rank: int | None
+    overhead_budget: float | None
+    model_name: str
+
+
 class Meter:
     """Measures a model's training iterations on one device.
 
@@ -169,8 +182,8 @@ class Meter:
             self._ddp_buckets = ddp_gradient_bucket_bytes(self.model, self.device)
             if self._fsdp is not None:
                 self._fsdp.refresh()
-        # the fields every record shares until the model changes (:meth:`_shared_fields`)
-        self._shared_record_fields: dict[str, Any] | None = None
+        # the figures every record shares until the model changes (:meth:`_shared`)
+        self._shared_figures: _ModelFigures | None = None
         # the model's modules, each once (for its buffers: :meth:`_buffers`)
         self._modules: list[torch.nn.Module] | None = None
 
@@ -477,77 +490,81 @@ class Meter:
         outside = None
         if usage is not None and final.reserved is not None:
             outside = usage.device_used - final.reserved
-        # Every field set, on a copy of the fields shared with the light records: made the
-        # instance's dict at once rather than through the frozen dataclass's 37 setattr calls.
-        fields = self._shared_fields().copy()
-        fields["epoch"], fields["iteration"], fields["step"] = position
-        fields["allocated"] = final.allocated
-        fields["peak_allocated"] = hooks.max_allocated if has_peak else None
-        fields["iteration_peak_allocated"] = m.iteration_peak
-        fields["peak_phase"] = m.peak_phase
-        fields["peak_cached"] = hooks.max_reserved if has_peak else None
-        fields["current_cached"] = final.reserved
-        fields["feature_maps"] = m.feature_maps
-        fields["intermediate_gradients"] = peak.backward_activation_gradients if peak is not None else None
-        fields["gradients"] = sum(sizes)
-        fields["gradients_by_name"] = self._gradients_by_name
-        fields["optimizer_state"] = self._optimizer_state()
-        fields["forward_passes"], fields["backward_passes"], fields["optimizer_steps"] = m.counts
-        fields["iteration_time_s"] = elapsed
-        fields["phases"] = phases
         # Module names come from the per-layer attribution: where a fault switched it off during
         # this iteration, those it gave may be stale, and none is reported.
         located = ATTRIBUTION_PART not in self.guard.disabled
-        fields["peak_location"] = m.peak_location if located else None
-        fields["layers"] = _feature_maps_by_layer(m.layers, m.layers_kept) if reported else None
+        breakdown = peak_layers = transient = transient_in = other_before = step_temporaries = None
         if peak is not None:
-            fields["peak_breakdown"] = MappingProxyType(peak.breakdown)
-            fields["peak_other_before"] = peak.other_before
-            fields["peak_step_temporaries"] = peak.step_temporaries if m.peak_phase == "optimizer" else 0
+            breakdown = MappingProxyType(peak.breakdown)
+            other_before = peak.other_before
+            step_temporaries = peak.step_temporaries if m.peak_phase == "optimizer" else 0
             if peak.peak_layers is not None and located and self.level == "full":
-                fields["peak_layers"] = MappingProxyType(peak.peak_layers)
+                peak_layers = MappingProxyType(peak.peak_layers)
             if peak.transient_in is not None:
-                fields["peak_transient"] = peak.transient
-            transient_in = peak.transient_in
-            fields["peak_transient_in"] = transient_in if located or transient_in in PHASES else None
-        if usage is not None:
-            fields["device_used"] = usage.device_used
-            fields["process_used"] = usage.process_used
-            fields["outside_pytorch"] = outside
-        if self._fsdp is not None:
-            fields["fsdp_gathered_parameters"] = self._fsdp.finish_iteration()
-        fields["device_total"] = self.capacity
-        fields["reported"] = True
-        fields["detail"] = self.level
-        return _record(fields)
+                transient = peak.transient
+            transient_in = peak.transient_in if located or peak.transient_in in PHASES else None
+        shared = self._shared()
+        epoch, iteration, step = position
+        forward_passes, backward_passes, optimizer_steps = m.counts
+        return IterationRecord(
+            epoch=epoch,
+            iteration=iteration,
+            step=step,
+            device=shared.device,
+            allocated=final.allocated,
+            peak_allocated=hooks.max_allocated if has_peak else None,
+            iteration_peak_allocated=m.iteration_peak,
+            peak_phase=m.peak_phase,
+            peak_cached=hooks.max_reserved if has_peak else None,
+            current_cached=final.reserved,
+            feature_maps=m.feature_maps,
+            intermediate_gradients=peak.backward_activation_gradients if peak is not None else None,
+            weights=shared.weights,
+            weights_by_name=shared.weights_by_name,
+            gradients=sum(sizes),
+            gradients_by_name=self._gradients_by_name,
+            optimizer_state=self._optimizer_state(),
+            buffers=shared.buffers,
+            forward_passes=forward_passes,
+            backward_passes=backward_passes,
+            optimizer_steps=optimizer_steps,
+            iteration_time_s=elapsed,
+            phases=phases,
+            peak_location=m.peak_location if located else None,
+            layers=_feature_maps_by_layer(m.layers, m.layers_kept) if reported else None,
+            device_used=usage.device_used if usage is not None else None,
+            process_used=usage.process_used if usage is not None else None,
+            outside_pytorch=outside,
+            device_total=self.capacity,
+            peak_breakdown=breakdown,
+            peak_layers=peak_layers,
+            peak_transient=transient,
+            peak_transient_in=transient_in,
+            ddp_gradient_buckets=shared.ddp_gradient_buckets,
+            fsdp_gathered_parameters=self._fsdp.finish_iteration() if self._fsdp is not None else None,
+            rank=shared.rank,
+            reported=True,
+            detail=self.level,
+            overhead_budget=shared.overhead_budget,
+            peak_other_before=other_before,
+            peak_step_temporaries=step_temporaries,
+            model_name=shared.model_name,
+        )
 
-    def _shared_fields(self) -> dict[str, Any]:
-        """The fields every record shares until the model changes (:meth:`_refresh_model_state`),
-        with the defaults of the others: the base each record's fields are copied from."""
-        shared = self._shared_record_fields
+    def _shared(self) -> _ModelFigures:
+        """The figures every record shares until the model changes (:meth:`_refresh_model_state`)."""
+        shared = self._shared_figures
         if shared is None:
-            shared = self._shared_record_fields = vars(
-                IterationRecord(
-                    epoch=0,
-                    iteration=0,
-                    step=0,
-                    device=str(self.device),
-                    allocated=0,
-                    feature_maps=None,
-                    intermediate_gradients=None,
-                    weights=self._weights_total,
-                    weights_by_name=self._weights_by_name,
-                    gradients=None,
-                    buffers=self._buffers_total,
-                    device_total=self.capacity,
-                    ddp_gradient_buckets=self._ddp_buckets,
-                    rank=self.rank_info.rank if self.rank_info is not None else None,
-                    model_name=type(self.model).__name__,
-                    reported=False,
-                    detail="light",
-                    overhead_budget=self.overhead,
-                )
-            ).copy()
+            shared = self._shared_figures = _ModelFigures(
+                device=str(self.device),
+                weights=self._weights_total,
+                weights_by_name=self._weights_by_name,
+                buffers=self._buffers_total,
+                ddp_gradient_buckets=self._ddp_buckets,
+                rank=self.rank_info.rank if self.rank_info is not None else None,
+                overhead_budget=self.overhead,
+                model_name=type(self.model).__name__,
+            )
         return shared
 
     def _light_record(
@@ -565,26 +582,41 @@ class Meter:
         peak's phase) is ``None``."""
         hooks = self._hooks
         assert hooks is not None
-        # A frozen dataclass's __init__ sets its 30-odd fields one object.__setattr__ at a
-        # time (about 5 us); a copy of the shared fields, the rest set item by item (no
-        # keyword dict built), made the instance's dict, takes about 1.
-        fields = self._shared_fields().copy()
-        fields["epoch"], fields["iteration"], fields["step"] = position
-        fields["allocated"] = final.allocated
-        fields["current_cached"] = final.reserved
-        fields["iteration_peak_allocated"] = iteration_peak
-        if self.counter.has_peak:
-            fields["peak_allocated"] = hooks.max_allocated
-            fields["peak_cached"] = hooks.max_reserved
-        fields["optimizer_state"] = self._optimizer_state()
+        shared = self._shared()
+        epoch, iteration, step = position
+        has_peak = self.counter.has_peak
         # None each where the hooks slept through it: unknown, not 0
-        fields["forward_passes"], fields["backward_passes"], fields["optimizer_steps"] = counts
-        fields["iteration_time_s"] = elapsed
-        if self._fsdp is not None:
-            fields["fsdp_gathered_parameters"] = self._fsdp.finish_iteration()
-        if reported:
-            fields["reported"] = True  # reported at "light": the budget afforded no more
-        return _record(fields)
+        forward_passes, backward_passes, optimizer_steps = counts
+        return IterationRecord(
+            epoch=epoch,
+            iteration=iteration,
+            step=step,
+            device=shared.device,
+            allocated=final.allocated,
+            peak_allocated=hooks.max_allocated if has_peak else None,
+            iteration_peak_allocated=iteration_peak,
+            peak_cached=hooks.max_reserved if has_peak else None,
+            current_cached=final.reserved,
+            feature_maps=None,
+            intermediate_gradients=None,
+            weights=shared.weights,
+            weights_by_name=shared.weights_by_name,
+            gradients=None,
+            optimizer_state=self._optimizer_state(),
+            buffers=shared.buffers,
+            forward_passes=forward_passes,
+            backward_passes=backward_passes,
+            optimizer_steps=optimizer_steps,
+            iteration_time_s=elapsed,
+            device_total=self.capacity,
+            ddp_gradient_buckets=shared.ddp_gradient_buckets,
+            fsdp_gathered_parameters=self._fsdp.finish_iteration() if self._fsdp is not None else None,
+            rank=shared.rank,
+            reported=reported,  # reported at "light": the budget afforded no more
+            detail="light",
+            overhead_budget=shared.overhead_budget,
+            model_name=shared.model_name,
+        )
 
     def _peak_result(self, iteration_peak: int | None) -> PeakResult | None:
         """What the iteration's peak held, where the breakdown watched it (reported iterations)."""
@@ -615,13 +647,6 @@ def _check_optimizers_step(optimizers: list[torch.optim.Optimizer] | None, model
                 f"(it holds {held} parameter(s) of another model); give the optimizer that "
                 "trains this model, or leave optimizer=None to find it"
             )
-
-
-def _record(fields: dict[str, Any]) -> IterationRecord:
-    """The record whose fields are ``fields`` (every field of :class:`IterationRecord`, each set)."""
-    record = object.__new__(IterationRecord)
-    object.__setattr__(record, "__dict__", fields)
-    return record
 
 
 def _feature_maps_by_layer(breakdown: LayerBreakdown | None, kept: int) -> LayerFeatureMaps | None:

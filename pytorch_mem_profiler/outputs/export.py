@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..paths import free_path, prepare_output_dir
-from ..stats import PEAK_CATEGORIES, IterationRecord
+from ..stats import PEAK_CATEGORIES, PLAIN_METRICS, IterationRecord, flat_metrics
 from ..units import UNITS
 from .notices import OutputWarning, package_logger, warn_user
 
@@ -64,6 +64,7 @@ __all__ = [
     "layer_values",
     "EXTRA_COLUMNS",
     "NON_AMOUNT_COLUMNS",
+    "SEED_COLUMNS",
     "new_run_path",
 ]
 
@@ -111,101 +112,38 @@ EXTRA_COLUMNS = (
 
 
 #: Columns of :data:`EXTRA_COLUMNS` that are not amounts in the file's unit.
-NON_AMOUNT_COLUMNS = frozenset(
-    {
-        "peak_phase",
-        "forward_passes",
-        "backward_passes",
-        "optimizer_steps",
-        "iteration_time_s",
-        "step",
-        "device",
-        "unit",
-        "peak_location",
-        "rank",
-        "peak_share",
-    }
-)
+NON_AMOUNT_COLUMNS = frozenset({"unit"} | (PLAIN_METRICS & set(EXTRA_COLUMNS)))
+
+#: The original tool's names for the figures of its columns, where they are not the figures'
+#: own (:func:`~pytorch_mem_profiler.stats.flat_metrics`): ``figure -> column``.
+SEED_COLUMNS: Mapping[str, str] = {
+    "feature_maps": "total_feature_map_usage",
+    "weights": "total_weight_usage",
+    "gradients": "total_layer_weight_gradient_usage",
+}
+
+#: The figures of the columns before the parameters' ones, and after the gradients' ones.
+_HEAD = ("epoch", "iteration", "peak_cached", "current_cached", "feature_maps", "weights")
+_TAIL = ("intermediate_gradients", *EXTRA_COLUMNS)
 
 
 def record_columns(weight_names: Sequence[str]) -> list[str]:
     """The columns of a run's file, given its parameter names."""
     return (
-        [
-            "epoch",
-            "iteration",
-            "peak_cached",
-            "current_cached",
-            "total_feature_map_usage",
-            "total_weight_usage",
-        ]
+        [SEED_COLUMNS.get(figure, figure) for figure in _HEAD]
         + list(weight_names)
-        + ["total_layer_weight_gradient_usage"]
+        + [SEED_COLUMNS["gradients"]]
         + [f"{name}_grad" for name in weight_names]
-        + ["intermediate_gradients"]
-        + list(EXTRA_COLUMNS)
+        + list(_TAIL)
     )
 
 
-def _extra_values(record: IterationRecord, u: Any, unit: str) -> dict[str, Any]:
-    """The :data:`EXTRA_COLUMNS` of ``record``'s row, by column."""
-    extra: dict[str, Any] = {
-        "allocated": u(record.allocated),
-        "peak_allocated": u(record.peak_allocated),
-        "iteration_peak_allocated": u(record.iteration_peak_allocated),
-        "optimizer_state": u(record.optimizer_state),
-        "buffers": u(record.buffers),
-    }
-    for phase in ("forward", "backward", "optimizer"):
-        stats = record.phases.get(phase)
-        extra[f"{phase}_end_allocated"] = u(stats.allocated_at_end) if stats else None
-        extra[f"{phase}_peak_allocated"] = u(stats.peak_allocated) if stats else None
-    layers = record.layers
-    breakdown = record.peak_breakdown
-    extra.update(
-        peak_phase=record.peak_phase,
-        forward_passes=record.forward_passes,
-        backward_passes=record.backward_passes,
-        optimizer_steps=record.optimizer_steps,
-        iteration_time_s=record.iteration_time_s,
-        step=record.step,
-        device=record.device,
-        unit=unit,
-        peak_location=record.peak_location,
-        device_used=u(record.device_used),
-        process_used=u(record.process_used),
-        outside_pytorch=u(record.outside_pytorch),
-        fragmentation=u(record.fragmentation),
-        layers_total_feature_maps=u(layers.total) if layers else None,
-        layers_input=u(layers.inputs) if layers else None,
-        layers_unattributed=u(layers.unattributed) if layers else None,
-        ddp_gradient_buckets=u(record.ddp_gradient_buckets),
-        fsdp_gathered_parameters=u(record.fsdp_gathered_parameters),
-        rank=record.rank,
-        device_total=u(record.device_total),
-        peak_share=record.peak_share,
-    )
-    for category in PEAK_CATEGORIES:
-        extra[f"peak_{category}"] = u(breakdown.get(category)) if breakdown is not None else None
-    return extra
-
-
-def _head_values(record: IterationRecord, u: Any) -> list[Any]:
-    """The row's values before the parameters' columns."""
+def _values(flat: Mapping[str, Any], figures: Sequence[str], u: Any, unit: str) -> list[Any]:
+    """The cells of ``figures`` from a record's flat view: amounts in ``unit``, the rest as they are."""
     return [
-        record.epoch,
-        record.iteration,
-        u(record.peak_cached),
-        u(record.current_cached),
-        u(record.feature_maps),
-        u(record.weights),
+        unit if figure == "unit" else flat[figure] if figure in PLAIN_METRICS else u(flat[figure])
+        for figure in figures
     ]
-
-
-def _tail_values(record: IterationRecord, u: Any, unit: str) -> list[Any]:
-    """The row's values after the gradients' columns: intermediate gradients, then :data:`EXTRA_COLUMNS`."""
-    extra = _extra_values(record, u, unit)
-    return [u(record.intermediate_gradients)] + [extra[column] for column in EXTRA_COLUMNS]
 
 
 def _in_unit(unit: str) -> Any:
@@ -230,12 +168,13 @@ def record_values(record: IterationRecord, weight_names: Sequence[str], unit: st
     """
     u = _in_unit(unit)
     div = UNITS[unit]
+    flat = flat_metrics(record)
     weights, grads = record.weights_by_name, record.gradients_by_name
-    values = _head_values(record, u)
+    values = _values(flat, _HEAD, u, unit)
     values += [weights.get(name, 0) / div for name in weight_names]
-    values.append(u(record.gradients))
+    values.append(u(flat["gradients"]))
     values += [grads.get(name, 0) / div for name in weight_names]
-    return values + _tail_values(record, u, unit)
+    return values + _values(flat, _TAIL, u, unit)
 
 
 def record_row(record: IterationRecord, weight_names: Sequence[str], unit: str) -> dict[str, Any]:
@@ -583,13 +522,14 @@ class CsvLog:
         """
         u = self._u
         cells = self.file.cells
-        parts = [cells.join(_head_values(record, u))]
+        flat = flat_metrics(record)
+        parts = [cells.join(_values(flat, _HEAD, u, self.unit))]
         if self.weight_names:
             parts.append(self._segment("weights", record.weights_by_name))
-        parts.append(cells.join([u(record.gradients)]))
+        parts.append(cells.join([u(flat["gradients"])]))
         if self.weight_names:
             parts.append(self._segment("gradients", record.gradients_by_name))
-        parts.append(cells.join(_tail_values(record, u, self.unit)))
+        parts.append(cells.join(_values(flat, _TAIL, u, self.unit)))
         return ",".join(parts) + "\n"
 
     def _segment(self, which: str, by_name: Mapping[str, int]) -> str:

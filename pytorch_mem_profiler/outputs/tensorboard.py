@@ -34,12 +34,37 @@ from __future__ import annotations
 from typing import Any
 
 from ..units import UNITS
-from ..stats import BYTE_FIGURES, PEAK_CATEGORIES, IterationRecord
+from ..stats import BYTE_FIGURES, PEAK_CATEGORIES, PLAIN_METRICS, IterationRecord, flat_metrics
 
-__all__ = ["MEMORY_FIGURES", "log_record"]
+__all__ = ["MEMORY_FIGURES", "SCALARS", "log_record", "scalar_tag"]
 
 #: The record's byte figures that become scalars, by field name.
 MEMORY_FIGURES = BYTE_FIGURES
+
+#: The figures of the record's flat view (:func:`~pytorch_mem_profiler.stats.flat_metrics`)
+#: logged, in order.
+SCALARS = (
+    *MEMORY_FIGURES,
+    "device_total",
+    "peak_share",
+    *(f"peak_{category}" for category in PEAK_CATEGORIES),
+    "iteration_time_s",
+    "epoch",
+)
+
+#: The tags of the scalars that are not amounts.
+_PLAIN_TAGS = {"peak_share": "memory/peak_share", "iteration_time_s": "time/iteration_s", "epoch": "progress/epoch"}
+
+
+def scalar_tag(figure: str, unit: str) -> str:
+    """The tag of a figure of the flat view: ``memory_<unit>/<figure>`` for an amount.
+
+    Example::
+
+        >>> scalar_tag("peak_allocated", "MB"), scalar_tag("epoch", "MB")
+        ('memory_MB/peak_allocated', 'progress/epoch')
+    """
+    return _PLAIN_TAGS[figure] if figure in PLAIN_METRICS else f"memory_{unit}/{figure}"
 
 
 def log_record(writer: Any, record: IterationRecord, unit: str = "MB") -> None:
@@ -52,20 +77,8 @@ def log_record(writer: Any, record: IterationRecord, unit: str = "MB") -> None:
     """
     div = UNITS[unit]
     step = record.step
-    for name in MEMORY_FIGURES:
-        nbytes = getattr(record, name)
-        if nbytes is not None:
-            writer.add_scalar(f"memory_{unit}/{name}", nbytes / div, step)
-    if record.device_total is not None:
-        writer.add_scalar(f"memory_{unit}/device_total", record.device_total / div, step)
-    share = record.peak_share
-    if share is not None:
-        writer.add_scalar("memory/peak_share", share, step)
-    breakdown = record.peak_breakdown
-    if breakdown is not None:
-        for category in PEAK_CATEGORIES:
-            if category in breakdown:
-                writer.add_scalar(f"memory_{unit}/peak_{category}", breakdown[category] / div, step)
-    if record.iteration_time_s is not None:
-        writer.add_scalar("time/iteration_s", record.iteration_time_s, step)
-    writer.add_scalar("progress/epoch", record.epoch, step)
+    flat = flat_metrics(record)
+    for figure in SCALARS:
+        value = flat[figure]
+        if value is not None:
+            writer.add_scalar(scalar_tag(figure, unit), value if figure in PLAIN_METRICS else value / div, step)

@@ -1,11 +1,10 @@
-"""Rank awareness and the cross-rank summary, through ``torch.distributed``.
+"""The cross-rank exchange: each rank's peaks brought to every rank, once an epoch.
 
-Under ``torchrun`` every rank runs its own profiler on its own device. This
-module knows which rank a process is (:func:`rank_info`), which device a rank
-profiles (:func:`rank_device`), and, once per ``epoch_end()``, brings each
-rank's peaks to every rank with one small all-gather (:func:`gather_summaries`)
-so that one rank can print which rank came closest to running out of memory
-(:func:`format_cross_rank`). Nothing here runs a collective per iteration.
+Once per ``epoch_end()``, each rank's peaks and its largest categories go to
+every rank with one small all-gather (:func:`gather_summaries`), so that one
+rank can print which rank came closest to running out of memory
+(:func:`~pytorch_mem_profiler.outputs.rank_table.format_cross_rank`). Nothing
+here runs a collective per iteration.
 
 Example::
 
@@ -19,40 +18,30 @@ Example::
     (1, ('feature maps', 5000000))
     >>> summary.stat("peak_cached")
     (8000000, 9000000, 8500000.0)
-    >>> print(format_cross_rank(summary).splitlines()[1])
-    Memory across 2 ranks, Epoch 1
 """
 
 from __future__ import annotations
 
-import os
-import re
-import socket
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from .measure.devices import accelerator_device
-from .units import UNITS, format_amount
-from .outputs.report import REPORT_WIDTH
-from .stats import CATEGORIES as RECORD_CATEGORIES
-from .stats import IterationRecord
+from ..measure.devices import accelerator_device
+from ..stats import CATEGORIES as RECORD_CATEGORIES
+from ..stats import IterationRecord
+from .ranks import RankInfo
 
 __all__ = [
-    "RankInfo",
     "RankSummary",
     "CrossRankSummary",
     "CATEGORIES",
-    "rank_info",
-    "parse_print_ranks",
     "summarize_rank",
     "encode_summary",
     "decode_summary",
     "gather_summaries",
     "GatherBuffers",
-    "format_cross_rank",
     "RankPeakTracker",
     "CrossRankExchange",
 ]
@@ -69,116 +58,6 @@ _HEAD = 4
 _LABEL_BYTES = 128
 _VECTOR_LENGTH = _HEAD + len(CATEGORIES) + _LABEL_BYTES
 _UNKNOWN = -1
-
-# Backends that run collectives on an accelerator and nowhere else.
-_ACCELERATOR_BACKENDS = {"nccl": "cuda", "xccl": "xpu", "hccl": "hpu"}
-
-
-# -- who am I ------------------------------------------------------------------
-@dataclass(frozen=True)
-class RankInfo:
-    """Where this process sits in the job.
-
-    Attributes:
-        rank: the global rank, from 0.
-        world_size: how many ranks the job has.
-        local_rank: the rank on this host (``LOCAL_RANK``, set by ``torchrun``); ``None`` if unset.
-        host: this host's name.
-        backends: the process group's backend by device type, e.g. ``{"cpu": "gloo", "cuda": "nccl"}``.
-    """
-
-    rank: int
-    world_size: int
-    local_rank: int | None
-    host: str
-    backends: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-
-    @property
-    def file_tag(self) -> str:
-        """What a rank's file names end with: ``_rank<r>_<host>``, distinct for each rank."""
-        return f"_rank{self.rank}_{_safe_name(self.host)}"
-
-
-def _safe_name(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "-", text)[:64] or "host"
-
-
-def _backends() -> dict[str, str]:
-    """The default group's backend per device type, from ``"cpu:gloo,cuda:nccl"`` or ``"nccl"``."""
-    import torch.distributed as dist
-
-    getter = getattr(dist, "get_backend_config", None)  # torch >= 2.1; older: one name
-    text = str(getter() if getter is not None else dist.get_backend()).lower()
-    result: dict[str, str] = {}
-    for part in text.split(","):
-        part = part.strip()
-        if ":" in part:
-            device, backend = part.split(":", 1)
-            result[device] = backend
-        elif part in _ACCELERATOR_BACKENDS:
-            result[_ACCELERATOR_BACKENDS[part]] = part
-        elif part:
-            result.setdefault("cpu", part)
-    return result
-
-
-def rank_info() -> RankInfo | None:
-    """This process's rank, or ``None`` when no default process group is initialized.
-
-    Example::
-
-        >>> rank_info() is None   # no torch.distributed.init_process_group() here
-        True
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    local = os.environ.get("LOCAL_RANK")
-    return RankInfo(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        local_rank=int(local) if local is not None and local.isdigit() else None,
-        host=socket.gethostname(),
-        backends=MappingProxyType(_backends()),
-    )
-
-
-def parse_print_ranks(value: Any) -> frozenset[int] | None:
-    """The ranks that print, from ``print_ranks``; ``None`` means every rank.
-
-    Accepts ``"all"``, a rank number, a list of them, or a string of them
-    (``"0"``, ``"0,3"``, handy from an environment variable).
-
-    Example::
-
-        >>> parse_print_ranks(0), parse_print_ranks("0,2"), parse_print_ranks("all")
-        (frozenset({0}), frozenset({0, 2}), None)
-    """
-    error = ValueError(
-        "print_ranks must be 'all', a rank number >= 0 or a list of them, " f"got {value!r}"
-    )
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text == "all":
-            return None
-        parts = [p.strip() for p in text.split(",") if p.strip()]
-        if not parts or not all(p.isdigit() for p in parts):
-            raise error
-        return frozenset(int(p) for p in parts)
-    if isinstance(value, bool):
-        raise error
-    if isinstance(value, int):
-        if value < 0:
-            raise error
-        return frozenset({value})
-    try:
-        items = list(value)
-    except TypeError:
-        raise error from None
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
-        raise error
-    return frozenset(items)
 
 
 # -- one rank's figures -----------------------------------------------------------
@@ -434,7 +313,7 @@ def gather_summaries(
     return tuple(summaries)
 
 
-# -- the table ----------------------------------------------------------------------
+# -- every rank's figures ---------------------------------------------------------
 @dataclass(frozen=True)
 class CrossRankSummary:
     """Every rank's peaks at the end of an epoch.
@@ -459,60 +338,3 @@ class CrossRankSummary:
         """The rank with the highest peak (cached where known): the first to run out of memory."""
         known = [r for r in self.ranks if r.peak is not None]
         return max(known, key=lambda r: (r.peak, -r.rank)) if known else None
-
-
-def format_cross_rank(summary: CrossRankSummary, unit: str = "MB") -> str:
-    """The cross-rank table: peaks per rank, min / max / mean, and the rank that peaks highest.
-
-    Example::
-
-        >>> s = CrossRankSummary(epoch=2, ranks=(RankSummary(rank=0, peak_cached=2_000_000),))
-        >>> "Highest peak: rank 0" in format_cross_rank(s)
-        True
-    """
-    fmt = lambda n: format_amount(n, unit)  # noqa: E731
-    n = len(summary.ranks)
-    header = ("rank", "host", "device", "peak cached", "peak allocated", "largest category")
-    rows = []
-    for r in summary.ranks:
-        largest = r.largest_category
-        rows.append(
-            (
-                str(r.rank),
-                r.host or "?",
-                r.device or "?",
-                fmt(r.peak_cached),
-                fmt(r.peak_allocated),
-                f"{largest[0]} {fmt(largest[1])}" if largest else "n/a",
-            )
-        )
-    stats = {name: summary.stat(name) for name in ("peak_cached", "peak_allocated")}
-    for i, label in enumerate(("min", "max", "mean")):
-        cells = []
-        for name in ("peak_cached", "peak_allocated"):
-            s = stats[name]
-            cells.append(fmt(None if s is None else s[i]))
-        rows.append((label, "", "", cells[0], cells[1], ""))
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    right = {0, 3, 4}
-
-    def line(cells: Sequence[str]) -> str:
-        out = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
-        return "  ".join(out).rstrip()
-
-    table = [line(header)] + [line(row) for row in rows[:n]] + [line(row) for row in rows[n:]]
-    width = max(REPORT_WIDTH, *(len(t) for t in table))
-    stars = "*" * width
-    out = [stars, f"Memory across {n} rank{'s' if n != 1 else ''}, Epoch {summary.epoch}", stars]
-    out += table
-    top = summary.highest
-    if top is not None:
-        where = ", ".join(x for x in (top.host, top.device) if x)
-        text = f"Highest peak: rank {top.rank}" + (f" ({where})" if where else "")
-        text += f", {fmt(top.peak_cached)} cached, {fmt(top.peak_allocated)} allocated"
-        largest = top.largest_category
-        if largest is not None:
-            text += f"; largest category: {largest[0]}, {fmt(largest[1])}"
-        out.append(text)
-    out.append(f"({unit} = {UNITS[unit]:,} bytes; peaks since the profiler started)")
-    return "\n".join(out)
