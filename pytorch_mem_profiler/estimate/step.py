@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -109,6 +110,13 @@ class StepMemory:
     events: tuple[tuple[int, int], ...] = ()
     #: bytes of kernel scratch in ``peak`` (in ``breakdown["other"]``): an operator's own buffers (CUDA only)
     kernel_scratch: int = 0
+    #: what ``checkpointing`` acted on: the modules wrapped, sorted (``None``: checkpointing off;
+    #: empty: asked for, but no module was chosen)
+    checkpointed: tuple[str, ...] | None = None
+    #: the optimizer's class name (``None``: nothing to train, no optimizer step)
+    optimizer_name: str | None = None
+    #: the dtypes of the model's floating-point parameters, by name (``"float32"``), once each
+    parameter_dtypes: tuple[str, ...] = ()
 
 
 # -- errors ----------------------------------------------------------------------
@@ -316,7 +324,8 @@ def _category(life: Life) -> str:
     return "activation_gradients" if life.phase == "backward" else "other"
 
 
-def _build(plan: StepPlan, mode: Any, run_device: torch.device) -> nn.Module:
+def _build(plan: StepPlan, mode: Any, run_device: torch.device) -> tuple[nn.Module, tuple[str, ...] | None]:
+    """The step's fake model, and the modules checkpointing wrapped (``None``: checkpointing off)."""
     model = plan.model
     if isinstance(model, nn.Module):
         built = fake_model(model, run_device, mode)
@@ -328,11 +337,12 @@ def _build(plan: StepPlan, mode: Any, run_device: torch.device) -> nn.Module:
         built = fake_model(made, run_device, mode, owned=True)
     else:
         raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
+    checkpointed = None
     if plan.checkpointing:
         if built is model:
             built = fake_model(model, run_device, mode)
-        checkpoint_blocks(built, plan.checkpointing)
-    return built
+        checkpointed = tuple(checkpoint_blocks(built, plan.checkpointing))
+    return built, checkpointed
 
 
 def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
@@ -349,8 +359,9 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
     with mode, _unsupported_as_errors(), rules:
-        model = _build(plan, mode, run_device)
+        model, checkpointed = _build(plan, mode, run_device)
         params = list(model.parameters())
+        dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params if p.is_floating_point()}))
         # a model with nothing to train has no optimizer step
         optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
         buffers = [b for b in model.buffers() if b is not None]
@@ -390,7 +401,13 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
             layers = attribution.result()
         finally:
             counter.stop()
-    return _summarize(counter, batch_size, layers, params, buffers, optimizer_state, gradients, target)
+    step = _summarize(counter, batch_size, layers, params, buffers, optimizer_state, gradients, target)
+    return dataclasses.replace(
+        step,
+        checkpointed=checkpointed,
+        optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
+        parameter_dtypes=dtypes,
+    )
 
 
 def kernel_scratch(target: torch.device) -> KernelScratch | None:
