@@ -100,11 +100,12 @@ _RESERVED_COLOUR = "#111111"
 #: sum of moments that never coincide, so it can rise above everything the allocator held at
 #: once; and a cache emptied after the peak (``torch.cuda.empty_cache()``) is below it too.
 RESERVED_LABEL = (
-    "reserved by the allocator at record_stats()\n"
-    "(allocated + its cache, at that moment; may run\n"
-    "inside the stack, which adds each category\n"
-    "at its own largest in the iteration, moments\n"
-    "that do not coincide)"
+    "reserved by the allocator at\n"
+    "record_stats() (allocated + its\n"
+    "cache, at that moment; may run\n"
+    "inside the stack, which adds\n"
+    "each category at its own\n"
+    "largest in the iteration)"
 )
 _PEAK_COLOUR = "#7A1F1F"
 
