@@ -19,6 +19,7 @@ pytest.importorskip("matplotlib")
 
 from pytorch_mem_profiler.analysis.plot import (  # noqa: E402
     CATEGORIES,
+    RESERVED_LABEL,
     memory_categories,
     plot_iteration_time,
     plot_layers,
@@ -79,10 +80,10 @@ def test_memory_chart_labels_units_and_epochs(run):
     assert ax.get_ylabel() == "Memory (KiB, 1 KiB = 1,024 bytes)"
     assert "Iteration" in ax.get_xlabel()
     labels = [text.get_text() for text in ax.get_legend().get_texts()]
-    assert labels[:2] == ["reserved", "peak allocated, this iteration"]
+    assert labels[:2] == [RESERVED_LABEL, "peak allocated, this iteration"]
     assert sorted(labels[2:]) == sorted(label for _, label, _ in CATEGORIES)
     # the reserved line is current_cached, in KiB
-    reserved = next(line for line in ax.lines if line.get_label() == "reserved")
+    reserved = next(line for line in ax.lines if line.get_label() == RESERVED_LABEL)
     assert list(reserved.get_ydata()) == pytest.approx(list(run.records["current_cached"] / 1024))
     # one label per epoch, a boundary line between epochs
     epoch_labels = [t.get_text() for t in ax.texts if t.get_text().startswith("epoch ")]
@@ -229,3 +230,29 @@ def test_cli_plot_draws_the_panel(broken_down, tmp_path):
     result = run_cli("plot", broken.path, "-o", out, "--width", 800, "--height", 500, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert png_size(out) == (800, 500)
+
+
+def test_reserved_line_says_what_it_is_and_why_it_can_run_inside_the_stack(run):
+    # A CUDA-like file: the allocator's reserved memory read at record_stats(), here set below
+    # the stack's top (as when the categories' own largest add past what was alive at once).
+    rec = run.records
+    stack_top = memory_categories(run).sum(axis=1)
+    reserved = stack_top * 0.9
+    cuda_like = replace(run, records=rec.assign(current_cached=reserved))
+    figure = plot_memory(cuda_like, unit="B")
+    ax = figure.axes[0]
+    legend = ax.get_legend()
+    texts = [t.get_text() for t in legend.get_texts()]
+    entry = next(t for t in texts if t.startswith("reserved"))
+    flat = " ".join(entry.split())
+    assert "reserved by the allocator at record_stats()" in flat
+    assert "allocated + its cache, at that moment" in flat
+    assert "may run inside the stack" in flat
+    assert "each category at its own largest" in flat
+    # the line drawn is the file's current_cached, and it does run inside the stack here
+    line = next(l for l in ax.get_lines() if l.get_label() == entry)
+    assert list(line.get_ydata()) == list(reserved)
+    assert (line.get_ydata() < stack_top.to_numpy()).all()
+    # a CPU file (no reserved memory) has no such entry
+    cpu = plot_memory(replace(run, records=rec.assign(current_cached=float("nan"))))
+    assert not any(t.get_text().startswith("reserved") for t in cpu.axes[0].get_legend().get_texts())

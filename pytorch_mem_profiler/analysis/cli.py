@@ -203,9 +203,14 @@ def _compare(args: argparse.Namespace) -> None:
         print()
         print(categories)
     print()
+    from .compare import MIN_TIMED_ITERATIONS
+
     print(
         f"Peak memory: the largest peak_allocated of each run ({unit} = {UNITS[unit]:,} bytes); "
-        "time per iteration: the median of iteration_time_s."
+        "time per iteration: the median of iteration_time_s over the run's records, with its "
+        "interquartile range (IQR) and the iterations timed; a time change is given only where "
+        f"the IQRs do not overlap (else \"within noise\") and each run timed {MIN_TIMED_ITERATIONS} "
+        "or more (the CSV has a row per reported iteration: print_period=1 times them all)."
     )
     if categories:
         explained = "Categories: each at its largest over the run's records"

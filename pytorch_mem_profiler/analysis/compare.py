@@ -16,8 +16,13 @@ for a CSV file.
   allocated to tensors since the profiler started, so every iteration counts,
   reported or not). ``peak_cached`` (what the allocator reserved) is in the
   CSV output too.
-- Time per iteration: the median of ``iteration_time_s``, so the first
-  iteration's warm-up does not count.
+- Time per iteration: the median of ``iteration_time_s`` over the run's
+  records (so the first iteration's warm-up does not count), with its
+  interquartile range (IQR) and how many iterations were timed. A time change
+  is given in percent only where the two runs' IQRs do not overlap and each
+  timed at least :data:`MIN_TIMED_ITERATIONS`; else "time within noise" or
+  "too few timed iterations" (two runs of one configuration differ by a few
+  percent either way: a signed figure there would mislead).
 - Categories: weights, weight gradients, optimizer state and feature maps, each
   at its largest over the run's records; where the files record it, what was
   alive at the run's highest iteration peak, by category (``peak_<category>``).
@@ -28,14 +33,16 @@ for a CSV file.
 Example::
 
     >>> rows = [
-    ...     Comparison("baseline", 2e9, 4e9, 0.100, categories={"feature_maps": 1.5e9}),
-    ...     Comparison("checkpointing", 1e9, 2e9, 0.125, categories={"feature_maps": 0.4e9}),
+    ...     Comparison("baseline", 2e9, 4e9, 0.100, categories={"feature_maps": 1.5e9},
+    ...                time_quartiles_s=(0.098, 0.103), timed_iterations=20),
+    ...     Comparison("checkpointing", 1e9, 2e9, 0.125, categories={"feature_maps": 0.4e9},
+    ...                time_quartiles_s=(0.122, 0.127), timed_iterations=20),
     ... ]
     >>> print(format_markdown(rows, "GB"))
     | Configuration | Peak memory | Time per iteration | vs first |
     | --- | ---: | ---: | --- |
-    | baseline | 2.00 GB | 100 ms | (reference) |
-    | checkpointing | 1.00 GB | 125 ms | -50.0% memory, +25.0% time |
+    | baseline | 2.00 GB | 100 ms (IQR 98.0-103 ms, 20 it.) | (reference) |
+    | checkpointing | 1.00 GB | 125 ms (IQR 122-127 ms, 20 it.) | -50.0% memory, +25.0% time |
     >>> print(format_categories_markdown(rows, "GB"))
     | Category | baseline | checkpointing |
     | --- | ---: | ---: |
@@ -69,7 +76,13 @@ __all__ = [
     "comparison_frame",
     "write_comparison_csv",
     "CATEGORY_LABELS",
+    "MIN_TIMED_ITERATIONS",
+    "time_versus",
 ]
+
+#: The fewest timed iterations (records with ``iteration_time_s``) a run needs for its time to be
+#: compared: fewer give a median that moves by more than most changes measured.
+MIN_TIMED_ITERATIONS = 10
 
 #: The categories compared, by key, with their labels, in table order. The record's
 #: categories are each at their largest over the run; ``peak_<category>`` is what was
@@ -98,6 +111,9 @@ class Comparison:
             the peak's categories only where the file records them).
         parameters: the model's parameter names, in the file's order.
         device_total: bytes of memory the device has, where the file says.
+        time_quartiles_s: the first and third quartiles of the iteration times, in seconds
+            (their distance is the interquartile range, the spread shown; ``None``: unknown).
+        timed_iterations: how many records had an iteration time.
     """
 
     name: str
@@ -109,6 +125,16 @@ class Comparison:
     categories: Mapping[str, float | None] = field(default_factory=dict)
     parameters: tuple[str, ...] = ()
     device_total: float | None = None
+    time_quartiles_s: tuple[float, float] | None = None
+    timed_iterations: int = 0
+
+
+def _time_spread(run: Run) -> tuple[tuple[float, float] | None, int]:
+    """The iteration times' first and third quartiles, and how many records were timed."""
+    times = run.records["iteration_time_s"].dropna()
+    if times.empty:
+        return None, 0
+    return (float(times.quantile(0.25)), float(times.quantile(0.75))), int(len(times))
 
 
 def default_names(runs: Sequence[Run]) -> tuple[list[str], str]:
@@ -186,6 +212,7 @@ def compare_runs(runs: Sequence[Run], names: Sequence[str] | None = None) -> lis
     out = []
     for name, run in zip(names, runs):
         cached = run.records["peak_cached"].max()
+        quartiles, timed = _time_spread(run)
         out.append(
             Comparison(
                 name=name,
@@ -197,6 +224,8 @@ def compare_runs(runs: Sequence[Run], names: Sequence[str] | None = None) -> lis
                 categories=_categories(run),
                 parameters=tuple(run.parameters),
                 device_total=run.device_total,
+                time_quartiles_s=quartiles,
+                timed_iterations=timed,
             )
         )
     return out
@@ -209,11 +238,61 @@ def _change(value: float | None, reference: float | None) -> float | None:
     return (value - reference) / reference * 100.0
 
 
+def _within_noise(row: Comparison, first: Comparison) -> bool | None:
+    """Whether the two runs' interquartile ranges of iteration time overlap (``None``: unknown)."""
+    a, b = row.time_quartiles_s, first.time_quartiles_s
+    if a is None or b is None:
+        return None
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+def time_versus(row: Comparison, first: Comparison) -> str:
+    """The time change of ``row`` against ``first``, as the table words it.
+
+    ``"+25.0% time"`` where each run timed :data:`MIN_TIMED_ITERATIONS` or more and their
+    interquartile ranges do not overlap; ``"time within noise"`` where they overlap; ``"time:
+    too few timed iterations (4; 10 needed)"``; ``"+25.0% time (spread unknown)"`` for rows
+    made without the spread; ``"n/a time"`` without times.
+
+    Example::
+
+        >>> a = Comparison("a", None, None, 0.100, time_quartiles_s=(0.095, 0.104), timed_iterations=30)
+        >>> b = Comparison("b", None, None, 0.102, time_quartiles_s=(0.097, 0.106), timed_iterations=30)
+        >>> time_versus(b, a)
+        'time within noise (medians 102 ms and 100 ms, IQRs overlap)'
+    """
+    pct = _change(row.time_per_iteration_s, first.time_per_iteration_s)
+    if pct is None:
+        return "n/a time"
+    if row.time_quartiles_s is None or first.time_quartiles_s is None:
+        return f"{pct:+.1f}% time (spread unknown)"
+    fewest = min(row.timed_iterations, first.timed_iterations)
+    if fewest < MIN_TIMED_ITERATIONS:
+        return f"time: too few timed iterations ({fewest}; {MIN_TIMED_ITERATIONS} needed)"
+    if _within_noise(row, first):
+        return (
+            f"time within noise (medians {format_seconds(row.time_per_iteration_s)} and "
+            f"{format_seconds(first.time_per_iteration_s)}, IQRs overlap)"
+        )
+    return f"{pct:+.1f}% time"
+
+
 def _versus(row: Comparison, first: Comparison) -> str:
     memory = _change(row.peak_allocated, first.peak_allocated)
-    time = _change(row.time_per_iteration_s, first.time_per_iteration_s)
-    text = lambda pct: "n/a" if pct is None else f"{pct:+.1f}%"  # noqa: E731
-    return f"{text(memory)} memory, {text(time)} time"
+    memory_text = "n/a" if memory is None else f"{memory:+.1f}%"
+    return f"{memory_text} memory, {time_versus(row, first)}"
+
+
+def _time_cell(row: Comparison) -> str:
+    """``"137 ms (IQR 130-141 ms, 20 it.)"``: the median, its interquartile range, the iterations timed."""
+    median = format_seconds(row.time_per_iteration_s)
+    if row.time_quartiles_s is None or row.time_per_iteration_s is None:
+        return median
+    low, high = row.time_quartiles_s
+    spread = f"{format_seconds(low).removesuffix(' ms').removesuffix(' s')}-{format_seconds(high)}"
+    if (low < 10) != (high < 10):  # one in ms, one in s: both with their unit
+        spread = f"{format_seconds(low)}-{format_seconds(high)}"
+    return f"{median} (IQR {spread}, {row.timed_iterations} it.)"
 
 
 def _cell(text: str) -> str:
@@ -231,7 +310,7 @@ def format_markdown(rows: Sequence[Comparison], unit: str = "MB") -> str:
         versus = "(reference)" if i == 0 else _versus(row, rows[0])
         lines.append(
             f"| {_cell(row.name)} | {format_amount(row.peak_allocated, unit, digits=3)} | "
-            f"{format_seconds(row.time_per_iteration_s)} | {versus} |"
+            f"{_time_cell(row)} | {versus} |"
         )
     return "\n".join(lines)
 
@@ -340,7 +419,9 @@ def comparison_frame(rows: Sequence[Comparison], unit: str = "MB") -> pd.DataFra
 
     After the headline columns come ``device_total``, ``same_model_as_first`` (the
     same parameter names as the first run) and, per category any run has
-    (:data:`CATEGORY_LABELS`), ``<category>`` and ``<category>_change_pct``.
+    (:data:`CATEGORY_LABELS`), ``<category>`` and ``<category>_change_pct``; then
+    ``time_q1_s``, ``time_q3_s`` (the iteration times' quartiles), ``timed_iterations``
+    and ``time_within_noise`` (the interquartile ranges overlap the first run's).
     """
     check_unit(unit)
     div = UNITS[unit]
@@ -362,6 +443,7 @@ def comparison_frame(rows: Sequence[Comparison], unit: str = "MB") -> pd.DataFra
     ]
     for key in keys:
         columns += [key, f"{key}_change_pct"]
+    columns += ["time_q1_s", "time_q3_s", "timed_iterations", "time_within_noise"]
     records = []
     for i, row in enumerate(rows):
         record = {
@@ -380,6 +462,10 @@ def comparison_frame(rows: Sequence[Comparison], unit: str = "MB") -> pd.DataFra
             "file": row.path,
             "device_total": scale(row.device_total),
             "same_model_as_first": set(row.parameters) == set(first.parameters),
+            "time_q1_s": row.time_quartiles_s[0] if row.time_quartiles_s else None,
+            "time_q3_s": row.time_quartiles_s[1] if row.time_quartiles_s else None,
+            "timed_iterations": row.timed_iterations,
+            "time_within_noise": None if i == 0 else _within_noise(row, first),
         }
         for key in keys:
             value = row.categories.get(key)

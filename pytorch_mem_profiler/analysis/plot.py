@@ -12,7 +12,9 @@ allocated (``iteration_peak_allocated``; ``allocated`` where the peak is
 unknown) minus those five, where that is positive (inputs, the loss,
 buffers, temporaries). The categories are each at their own largest, which do
 not all happen at one moment, so the stack may rise above the peak drawn as a
-line; the reserved line (``current_cached``) is on top.
+line. The reserved line (``current_cached``) is what the allocator held when
+``record_stats()`` read it: a moment, not a peak, so it may run inside the
+stack; its legend entry (:data:`RESERVED_LABEL`) says so.
 
 Where the file records what was alive at each iteration's peak (the
 ``peak_<category>`` columns), :func:`plot_peak_breakdown` draws the run's
@@ -54,6 +56,7 @@ from .summary import category_label, choose_unit, layer_groups
 __all__ = [
     "CATEGORIES",
     "PEAK_COLOURS",
+    "RESERVED_LABEL",
     "memory_categories",
     "plot_memory",
     "plot_peak_breakdown",
@@ -90,6 +93,20 @@ PEAK_COLOURS = {
 assert tuple(PEAK_COLOURS) == PEAK_CATEGORIES
 
 _RESERVED_COLOUR = "#111111"
+
+#: The reserved line's legend entry: what it is, and why it may run inside the stack. It is
+#: ``current_cached``, read once at ``record_stats()``; the stack is each category at its own
+#: largest during the iteration (feature maps before backward frees them, gradients after), a
+#: sum of moments that never coincide, so it can rise above everything the allocator held at
+#: once; and a cache emptied after the peak (``torch.cuda.empty_cache()``) is below it too.
+RESERVED_LABEL = (
+    "reserved by the allocator at\n"
+    "record_stats() (allocated + its\n"
+    "cache, at that moment; may run\n"
+    "inside the stack, which adds\n"
+    "each category at its own\n"
+    "largest in the iteration)"
+)
 _PEAK_COLOUR = "#7A1F1F"
 
 
@@ -243,7 +260,7 @@ def plot_memory(
         handles.append(peak)
     if lines["reserved"].notna().any():
         (reserved,) = ax.plot(
-            x, lines["reserved"], color=_RESERVED_COLOUR, linewidth=2.0, label="reserved"
+            x, lines["reserved"], color=_RESERVED_COLOUR, linewidth=2.0, label=RESERVED_LABEL
         )
         handles.append(reserved)
     ax.set_xlim(float(x.min()), float(x.max()))

@@ -24,7 +24,7 @@ from torch import nn
 from ..measure.devices import parse_device, usable_device
 from .allocator import CUDA_CONTEXT_ALLOWANCE, cublas_workspace_bytes, simulate_reserved
 from .fake import batch_of
-from .result import BatchFit, MemoryEstimate
+from .result import CHOSEN_BY_FUNCTION, REPEATED_BLOCKS, BatchFit, MemoryEstimate
 from .step import EstimateUnsupported, StepMemory, StepPlan, run_step
 
 __all__ = ["estimate_memory", "EstimateUnsupported", "OPTIMIZATIONS", "parse_autocast"]
@@ -44,6 +44,9 @@ _AUTOCAST_NAMES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+
+#: How the report names each autocast dtype.
+_AUTOCAST_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 _OVERRIDABLE = (
     "model",
@@ -258,6 +261,11 @@ def estimate_memory(
         world_size=ranks,
         rank=rank,
         parallel_parts=step.parallel_parts,
+        autocast=_AUTOCAST_SHORT[dtype] if dtype is not None else None,
+        checkpointing=None if not checkpointing else REPEATED_BLOCKS if checkpointing is True else CHOSEN_BY_FUNCTION,
+        checkpointed=step.checkpointed,
+        optimizer=_optimizer_text(optimizer, step.optimizer_name),
+        parameter_dtypes=step.parameter_dtypes,
     )
     if compare:
         base = dict(
@@ -286,6 +294,22 @@ def estimate_memory(
         }
         est = dataclasses.replace(est, alternatives=alternatives)
     return est
+
+
+def _optimizer_text(optimizer: Callable[..., Any], made: str | None) -> str:
+    """The optimizer as the step made it (its class), with the keywords a ``functools.partial`` gave.
+
+    Example::
+
+        >>> _optimizer_text(functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), "SGD")
+        'SGD(lr=0.1, momentum=0.9)'
+    """
+    if made is None:
+        return "none (nothing to train)"
+    keywords = getattr(optimizer, "keywords", None) if isinstance(optimizer, functools.partial) else None
+    if keywords:
+        return f"{made}({', '.join(f'{k}={v!r}' for k, v in keywords.items())})"
+    return made
 
 
 def _reserved_at(plan: StepPlan, workspace_events: tuple[tuple[int, int], ...], batch: int, limit: int | None = None) -> int | None:

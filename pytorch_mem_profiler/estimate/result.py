@@ -23,7 +23,19 @@ from typing import Callable, Mapping
 from ..stats import INPUT, PEAK_CATEGORIES, PEAK_CATEGORY_LABELS, PHASE_LABELS, LayerFeatureMaps
 from ..units import UNITS, format_amount
 
-__all__ = ["BatchFit", "BatchSearch", "MemoryEstimate", "LINEARITY_TOLERANCE", "largest_fitting", "largest_verified"]
+__all__ = [
+    "BatchFit",
+    "BatchSearch",
+    "MemoryEstimate",
+    "LINEARITY_TOLERANCE",
+    "largest_fitting",
+    "largest_verified",
+    "REPEATED_BLOCKS",
+    "CHOSEN_BY_FUNCTION",
+    "checkpointing_text",
+    "acted_on",
+    "unchanged_reason",
+]
 
 #: The largest relative error of the linear fit at the third batch size that
 #: :meth:`MemoryEstimate.max_batch_size` accepts without a warning.
@@ -255,6 +267,13 @@ class MemoryEstimate:
         reserved_at: the replay at another batch size: ``(batch_size, limit) -> reserved``
             bytes, ``None`` if the allocator would run out under ``limit`` (``None``: off
             CUDA, or no batch dimension); :meth:`max_batch_size` calls it.
+        autocast: the autocast dtype of the forward (``"bf16"``, ``"fp16"``; ``None``: off).
+        checkpointing: how modules were chosen for gradient checkpointing (:data:`REPEATED_BLOCKS`
+            or :data:`CHOSEN_BY_FUNCTION`; ``None``: off).
+        checkpointed: the modules checkpointing wrapped, sorted (``None``: off; empty: it chose none).
+        optimizer: the optimizer, as made (``"Adam"``, ``"SGD(lr=0.1, momentum=0.9)"``, ``"none
+            (nothing to train)"``; ``None``: unknown).
+        parameter_dtypes: the dtypes of the model's floating-point parameters (``"float32"``).
     """
 
     device: str
@@ -286,6 +305,11 @@ class MemoryEstimate:
     rank: int = 0
     #: bytes at the peak of DDP's gradient buckets, FSDP2's gathered parameters (in ``peak_breakdown["other"]``)
     parallel_parts: Mapping[str, int] = field(default_factory=dict)
+    autocast: str | None = None
+    checkpointing: str | None = None
+    checkpointed: tuple[str, ...] | None = None
+    optimizer: str | None = None
+    parameter_dtypes: tuple[str, ...] = ()
 
     @property
     def peak_allocated(self) -> int:
@@ -412,16 +436,46 @@ class MemoryEstimate:
         )
 
     # -- the report --------------------------------------------------------------
+    def settings(self, unit: str = "MB") -> list[tuple[str, str]]:
+        """Every setting the estimate was made with, as ``(name, value)`` lines of the report's header.
+
+        Example::
+
+            >>> est = MemoryEstimate("cuda", 8, 0, "forward", {}, {}, {}, LayerFeatureMaps({}, {}, 0, 0, 0), 0, 0, 0, 0, 0,
+            ...                      emulated=True, outside=2**30, workspace=2**26, autocast="bf16",
+            ...                      checkpointing=REPEATED_BLOCKS, checkpointed=(), optimizer="AdamW")
+            >>> for name, value in est.settings("MiB"):
+            ...     print(f"{name}: {value}")
+            Device: cuda, fake tensors on the CPU standing in for it
+            Batch size: 8
+            Autocast: bf16 (the forward under torch.autocast)
+            Gradient checkpointing: no module: the model has no repeated blocks to checkpoint (give checkpointing=fn to choose modules)
+            Optimizer: AdamW
+            Allowed outside PyTorch: 1024 MiB (the CUDA context; outside=)
+            Workspace allowed: 64 MiB (cuBLAS; workspace=)
+        """
+        where = f"{self.device}, fake tensors" + (" on the CPU standing in for it" if self.emulated else " on it")
+        lines = [("Device", where)]
+        if self.parallel is not None:
+            lines.append(("Parallel", f"{self.parallel.upper()}, rank {self.rank} of {self.world_size} (figures per rank)"))
+        lines.append(("Batch size", "unknown (no batch dimension)" if self.batch_size is None else str(self.batch_size)))
+        lines.append(("Autocast", f"{self.autocast} (the forward under torch.autocast)" if self.autocast else "off (the model's own dtypes)"))
+        lines.append(("Gradient checkpointing", checkpointing_text(self)))
+        lines.append(("Optimizer", self.optimizer if self.optimizer is not None else "unknown"))
+        outside_why = "the CUDA context" if self.device.startswith("cuda") else "none off CUDA"
+        lines.append(("Allowed outside PyTorch", f"{format_amount(self.outside, unit)} ({outside_why}; outside=)"))
+        workspace_why = "cuBLAS" if self.device.startswith("cuda") else "none off CUDA"
+        lines.append(("Workspace allowed", f"{format_amount(self.workspace, unit)} ({workspace_why}; workspace=)"))
+        return lines
+
     def format(self, unit: str = "MB", top: int = 5) -> str:
-        """The report; ``str(estimate)`` is ``estimate.format()``."""
+        """The report; ``str(estimate)`` is ``estimate.format()``. Its header names every setting
+        (:meth:`settings`)."""
         fmt = lambda n: format_amount(n, unit)  # noqa: E731
         stars = "*" * _WIDTH
-        where = f"{self.device}, fake tensors" + (" on the CPU standing in for it" if self.emulated else "")
-        out = [stars, "Estimated memory of one training step", stars, f"Device: {where}"]
-        if self.parallel is not None:
-            out.append(f"Parallel: {self.parallel.upper()}, rank {self.rank} of {self.world_size} (figures per rank)")
-        if self.batch_size is not None:
-            out.append(_line("Batch size", str(self.batch_size)))
+        out = [stars, "Estimated memory of one training step", stars]
+        out += [f"{name}: {value}" for name, value in self.settings(unit)]
+        out.append("")
         out += [
             _line("Weights", fmt(self.weights)),
             _line("Weight gradients", fmt(self.gradients)),
@@ -474,14 +528,130 @@ class MemoryEstimate:
         return "\n".join(out)
 
     def format_comparison(self, unit: str = "MB") -> str:
-        """The alternatives' peaks against this estimate's, as a Markdown table."""
-        rows = [("baseline", self)] + list(self.alternatives.items())
+        """The alternatives' peaks against this estimate's, as a Markdown table, with what each
+        what-if acted on (:func:`acted_on`); where it changes nothing, why (:func:`unchanged_reason`)
+        instead of ``+0.0%``."""
         base = self.peak_allocated
-        lines = [f"| configuration | peak allocated ({unit}) | vs baseline |", "| --- | --- | --- |"]
-        for name, est in rows:
-            change = f"{100 * (est.peak_allocated - base) / base:+.1f}%" if base else "n/a"
-            lines.append(f"| {name} | {format_amount(est.peak_allocated, unit, digits=4)} | {change} |")
+        lines = [
+            f"| configuration | peak allocated ({unit}) | vs baseline | what it acted on |",
+            "| --- | --- | --- | --- |",
+            f"| baseline | {format_amount(base, unit, digits=4)} | (reference) | {_cell(_baseline_text(self))} |",
+        ]
+        for name, est in self.alternatives.items():
+            reason = unchanged_reason(self, est)
+            if reason is not None:
+                change = f"no change: {reason}"
+            else:
+                change = f"{100 * (est.peak_allocated - base) / base:+.1f}%" if base else "n/a"
+            # a setting that found nothing to act on is the reason already: not said twice
+            said = reason.split("; ") if reason is not None else []
+            acted = "; ".join(a for a in acted_on(self, est) if not any(part in a for part in said)) or "nothing"
+            lines.append(f"| {_cell(name)} | {format_amount(est.peak_allocated, unit, digits=4)} | {_cell(change)} | {_cell(acted)} |")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.format()
+
+
+#: :attr:`MemoryEstimate.checkpointing` when ``checkpointing=True``: the model's repeated blocks.
+REPEATED_BLOCKS = "the model's repeated blocks"
+#: :attr:`MemoryEstimate.checkpointing` when ``checkpointing`` is a function ``(name, module) -> bool``.
+CHOSEN_BY_FUNCTION = "the modules checkpointing=fn chose"
+
+#: Why checkpointing chose no module, by how it chooses.
+_NOTHING_TO_CHECKPOINT = {
+    REPEATED_BLOCKS: "the model has no repeated blocks to checkpoint (give checkpointing=fn to choose modules)",
+    CHOSEN_BY_FUNCTION: "checkpointing=fn chose no module (it returned False for every (name, module))",
+}
+
+#: Autocast's names for the dtypes' names of :attr:`MemoryEstimate.parameter_dtypes`.
+_AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def _names(names: tuple[str, ...], most: int = 6) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def checkpointing_text(est: MemoryEstimate) -> str:
+    """What gradient checkpointing wrapped in ``est``: ``"off"``, ``"3 modules (the model's
+    repeated blocks): blocks.0, blocks.1, blocks.2"``, or why no module."""
+    if est.checkpointing is None or est.checkpointed is None:
+        return "off"
+    if not est.checkpointed:
+        return "no module: " + _NOTHING_TO_CHECKPOINT.get(est.checkpointing, "no module was chosen")
+    n = len(est.checkpointed)
+    return f"{n} module{'s' if n != 1 else ''} ({est.checkpointing}): {_names(est.checkpointed)}"
+
+
+def _autocast_idle(est: MemoryEstimate) -> str | None:
+    """Why ``est``'s autocast changes no precision, or ``None`` where it may."""
+    if est.autocast is None:
+        return None
+    dtype = _AUTOCAST_DTYPES.get(est.autocast, est.autocast)
+    if not est.parameter_dtypes:
+        return f"autocast to {est.autocast}: the model has no floating-point parameters to compute in {dtype}"
+    if set(est.parameter_dtypes) == {dtype}:
+        return f"autocast to {est.autocast}: the model's parameters are already {dtype}"
+    return None
+
+
+def _baseline_text(est: MemoryEstimate) -> str:
+    parts = [f"autocast {est.autocast}" if est.autocast else "no autocast"]
+    parts.append("no checkpointing" if est.checkpointed is None else f"checkpointing: {checkpointing_text(est)}")
+    return ", ".join(parts)
+
+
+def acted_on(base: MemoryEstimate, est: MemoryEstimate) -> list[str]:
+    """What the what-if ``est`` changed against ``base``, one phrase per setting that differs,
+    computed from what each setting found (the modules checkpointed, the parameters' dtypes)."""
+    out = []
+    if est.checkpointed != base.checkpointed:
+        if est.checkpointed is None:
+            out.append("checkpointing off")
+        elif not est.checkpointed:
+            out.append("checkpointed nothing: " + _NOTHING_TO_CHECKPOINT.get(est.checkpointing or "", "no module chosen"))
+        else:
+            n = len(est.checkpointed)
+            out.append(f"checkpointed {n} module{'s' if n != 1 else ''} ({est.checkpointing}): {_names(est.checkpointed)}")
+    if est.autocast != base.autocast:
+        idle = _autocast_idle(est)
+        if idle is not None:
+            out.append(idle)
+        elif est.autocast is None:
+            out.append("autocast off")
+        else:
+            dtypes = ", ".join(est.parameter_dtypes)
+            out.append(f"the forward under autocast to {est.autocast} ({dtypes} parameters)")
+    if est.batch_size != base.batch_size:
+        out.append(f"batch size {base.batch_size} -> {est.batch_size}")
+    if est.optimizer != base.optimizer:
+        out.append(f"optimizer {base.optimizer} -> {est.optimizer}")
+    return out
+
+
+def unchanged_reason(base: MemoryEstimate, est: MemoryEstimate) -> str | None:
+    """Why the what-if ``est`` does not change ``base``'s peak, or ``None`` where it does.
+
+    The settings that found nothing to act on are the reason (checkpointing that chose no module,
+    autocast to the dtype the parameters already have); where every setting acted and the peak is
+    still the same, the reason is that the peak holds nothing they change.
+    """
+    if est.peak_allocated != base.peak_allocated:
+        return None
+    idle = []
+    if est.checkpointed is not None and not est.checkpointed and est.checkpointed != base.checkpointed:
+        idle.append(_NOTHING_TO_CHECKPOINT.get(est.checkpointing or "", "checkpointing chose no module"))
+    if est.autocast != base.autocast and _autocast_idle(est) is not None:
+        idle.append(_autocast_idle(est) or "")
+    if idle:
+        return "; ".join(idle)
+    acted = acted_on(base, est)
+    if not acted:
+        return "its settings are the baseline's"
+    phase = PHASE_LABELS.get(est.peak_phase, est.peak_phase)
+    return f"what it acted on is not at the peak ({phase}), which holds the same bytes"

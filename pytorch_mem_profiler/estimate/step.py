@@ -122,6 +122,13 @@ class StepMemory:
     error_bounds: Mapping[str, int] = field(default_factory=dict)
     #: bytes at the peak of each parallel role (:data:`.parallel.PARALLEL_ROLES`; in ``breakdown["other"]``)
     parallel_parts: Mapping[str, int] = field(default_factory=dict)
+    #: what ``checkpointing`` acted on: the modules wrapped, sorted (``None``: checkpointing off;
+    #: empty: asked for, but no module was chosen)
+    checkpointed: tuple[str, ...] | None = None
+    #: the optimizer's class name (``None``: nothing to train, no optimizer step)
+    optimizer_name: str | None = None
+    #: the dtypes of the model's floating-point parameters, by name (``"float32"``), once each
+    parameter_dtypes: tuple[str, ...] = ()
 
 
 # -- errors ----------------------------------------------------------------------
@@ -347,7 +354,10 @@ def _construct(plan: StepPlan) -> tuple[nn.Module | None, BaseException | None]:
     return made, None
 
 
-def _build(plan: StepPlan, mode: Any, run_device: torch.device, made: nn.Module | None = None) -> nn.Module:
+def _build(
+    plan: StepPlan, mode: Any, run_device: torch.device, made: nn.Module | None = None
+) -> tuple[nn.Module, tuple[str, ...] | None]:
+    """The step's fake model, and the modules checkpointing wrapped (``None``: checkpointing off)."""
     model = plan.model
     if made is not None:
         built = fake_model(made, run_device, mode, owned=True)
@@ -362,11 +372,12 @@ def _build(plan: StepPlan, mode: Any, run_device: torch.device, made: nn.Module 
         built = fake_model(made, run_device, mode, owned=True)
     else:
         raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
+    checkpointed = None
     if plan.checkpointing:
         if built is model:
             built = fake_model(model, run_device, mode)
-        checkpoint_blocks(built, plan.checkpointing)
-    return built
+        checkpointed = tuple(checkpoint_blocks(built, plan.checkpointing))
+    return built, checkpointed
 
 
 def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
@@ -388,7 +399,7 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     context = plan.context() if plan.context is not None else contextlib.nullcontext()
     with context, mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext():
         try:
-            model = _build(plan, mode, run_device, made)
+            model, checkpointed = _build(plan, mode, run_device, made)
         except Exception as err:
             if build_error is not None:
                 raise err from build_error
@@ -397,6 +408,7 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
         if plan.setup is not None:
             model, set_up = plan.setup(model)
         params = list(model.parameters())
+        dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params if p.is_floating_point()}))
         # a model with nothing to train has no optimizer step
         optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
         buffers = [b for b in model.buffers() if b is not None]
@@ -442,6 +454,12 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
         finally:
             counter.stop()
     step = _summarize(counter, batch_size, layers, params, buffers, optimizer_state, gradients, target)
+    step = dataclasses.replace(
+        step,
+        checkpointed=checkpointed,
+        optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
+        parameter_dtypes=dtypes,
+    )
     if rnn is not None and rnn.bounds:
         step = dataclasses.replace(step, error_bounds=MappingProxyType(dict(rnn.bounds)))
     return step
