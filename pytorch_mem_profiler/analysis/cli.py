@@ -203,13 +203,14 @@ def _compare(args: argparse.Namespace) -> None:
         print()
         print(categories)
     print()
-    from .compare import MIN_TIMED_ITERATIONS
+    from .compare import MIN_TIMED_ITERATIONS, NOISE_FLOOR
 
     print(
         f"Peak memory: the largest peak_allocated of each run ({unit} = {UNITS[unit]:,} bytes); "
         "time per iteration: the median of iteration_time_s over the run's records, with its "
         "interquartile range (IQR) and the iterations timed; a time change is given only where "
-        f"the IQRs do not overlap (else \"within noise\") and each run timed {MIN_TIMED_ITERATIONS} "
+        f"the IQRs do not overlap and the medians differ by {NOISE_FLOOR:.0%} or more (else \"within noise\") "
+        f"and each run timed {MIN_TIMED_ITERATIONS} "
         "or more (the CSV has a row per reported iteration: print_period=1 times them all)."
     )
     if categories:

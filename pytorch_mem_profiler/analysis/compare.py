@@ -19,8 +19,9 @@ for a CSV file.
 - Time per iteration: the median of ``iteration_time_s`` over the run's
   records (so the first iteration's warm-up does not count), with its
   interquartile range (IQR) and how many iterations were timed. A time change
-  is given in percent only where the two runs' IQRs do not overlap and each
-  timed at least :data:`MIN_TIMED_ITERATIONS`; else "time within noise" or
+  is given in percent only where the two runs' IQRs do not overlap, their
+  medians differ by :data:`NOISE_FLOOR` (5%) or more, and each timed at least
+  :data:`MIN_TIMED_ITERATIONS`; else "time within noise" or
   "too few timed iterations" (two runs of one configuration differ by a few
   percent either way: a signed figure there would mislead).
 - Categories: weights, weight gradients, optimizer state and feature maps, each
@@ -238,12 +239,24 @@ def _change(value: float | None, reference: float | None) -> float | None:
     return (value - reference) / reference * 100.0
 
 
+#: Medians of iteration time closer than this (relative) are within noise even where the two runs'
+#: interquartile ranges do not overlap: runs of one configuration one after the other differ by a
+#: few percent (warm caches, clocks, a shared machine), and a tight spread does not make that a change.
+NOISE_FLOOR = 0.05
+
+
 def _within_noise(row: Comparison, first: Comparison) -> bool | None:
-    """Whether the two runs' interquartile ranges of iteration time overlap (``None``: unknown)."""
+    """Whether the two runs' iteration times are within noise (``None``: unknown): their
+    interquartile ranges overlap, or their medians differ by less than :data:`NOISE_FLOOR`."""
     a, b = row.time_quartiles_s, first.time_quartiles_s
     if a is None or b is None:
         return None
-    return a[0] <= b[1] and b[0] <= a[1]
+    if a[0] <= b[1] and b[0] <= a[1]:
+        return True
+    medians = row.time_per_iteration_s, first.time_per_iteration_s
+    if None in medians or not medians[1]:
+        return False
+    return abs(medians[0] - medians[1]) < NOISE_FLOOR * medians[1]
 
 
 def time_versus(row: Comparison, first: Comparison) -> str:
@@ -270,9 +283,11 @@ def time_versus(row: Comparison, first: Comparison) -> str:
     if fewest < MIN_TIMED_ITERATIONS:
         return f"time: too few timed iterations ({fewest}; {MIN_TIMED_ITERATIONS} needed)"
     if _within_noise(row, first):
+        a, b = row.time_quartiles_s, first.time_quartiles_s
+        why = "IQRs overlap" if a[0] <= b[1] and b[0] <= a[1] else f"medians within {NOISE_FLOOR:.0%}"
         return (
             f"time within noise (medians {format_seconds(row.time_per_iteration_s)} and "
-            f"{format_seconds(first.time_per_iteration_s)}, IQRs overlap)"
+            f"{format_seconds(first.time_per_iteration_s)}, {why})"
         )
     return f"{pct:+.1f}% time"
 
