@@ -25,8 +25,6 @@ pytestmark = pytest.mark.cuda
 
 #: Known gaps of the estimate on CUDA, each to be removed when its fix lands (strict).
 KNOWN = {
-    "lstm_lm": "nn.LSTM on fake CUDA: cuDNN's RNN backward wants a weight buffer fake tensors do not have",
-    "gru_lm": "nn.GRU on fake CUDA: cuDNN's RNN backward wants a weight buffer fake tensors do not have",
     "sparse_recommender": "SGD momentum on sparse gradients: aten.mul_.Tensor on a sparse fake tensor has no fake kernel",
 }
 
@@ -39,9 +37,7 @@ def test_the_zoo_model_conforms_on_the_gpu(name, request):
     reason = entry.unavailable()
     if reason:
         pytest.skip(reason)
-    if entry.constructor_reads_values("real"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason="the constructor reads a tensor's value in the fake mode (aten._local_scalar_dense)"))
-    elif name in KNOWN:
+    if name in KNOWN:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN[name]))
     device = torch.device("cuda", torch.cuda.current_device())
     row = zoo_conformance.conform(entry, device)
