@@ -110,19 +110,6 @@ class ZooModel:
             return compile_unavailable()
         return None
 
-    def constructor_reads_values(self, size: str = "small") -> bool:
-        """Whether building the model inside a fake mode reads a tensor's value (timm's drop-path
-        rates by ``.item()``, ``nn.init.trunc_normal_``'s ``mask.any()`` on recent torch): what
-        ``estimate_memory(model=<function>)`` refuses as ``aten._local_scalar_dense``."""
-        from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-
-        try:
-            with FakeTensorMode():
-                self.build(size)
-        except DataDependentOutputException:
-            return True
-        return False
-
     def builder(self, size: str) -> Callable[[], nn.Module]:
         """A zero-argument function building the model: ``estimate_memory(model=...)`` takes it."""
         _check_size(size)
