@@ -9,6 +9,10 @@ and two such places hold most of a transformer's memory:
   path (which keeps the whole attention matrix for backward) where CUDA runs
   flash attention (half precision, no mask) or memory-efficient attention
   (otherwise); here it runs CUDA's choice, as the composite CUDA code calls it;
+- dropout: CUDA runs one fused kernel (``native_dropout``) that saves a ``bool``
+  mask, where the CPU draws a mask in the input's dtype (``bernoulli_``, ``div_``,
+  ``mul``) and saves it: four times the bytes in float32 (the GPU diff of
+  ``benchmarks/estimate_paths.py`` showed it in every transformer measured);
 - autocast: CUDA runs ``layer_norm``, ``group_norm`` in float32 and gives
   ``softmax``/``log_softmax`` a float32 result, where the CPU's autocast keeps
   half precision.
@@ -122,11 +126,25 @@ def _float32_result(original: Callable[..., torch.Tensor]) -> Callable[..., torc
     return float32_result
 
 
+def _fused_dropout(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``dropout``: CUDA's fused kernel (a bool mask saved), as ATen picks it for a CUDA input."""
+
+    @functools.wraps(original)
+    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        # ATen's dropout takes the fused kernel for a CUDA input with 0 < p < 1 that is not in place
+        if not isinstance(input, FakeTensor) or inplace or not training or not 0 < p < 1 or input.numel() == 0:
+            return original(input, p, training, inplace)
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+
+    return dropout
+
+
 @contextlib.contextmanager
 def cuda_rules() -> Iterator[None]:
     """CUDA's attention kernels and autocast precisions for fake CPU tensors, for the block."""
     patches = {
         "scaled_dot_product_attention": _attention,
+        "dropout": _fused_dropout,
         "layer_norm": _in_float32,
         "group_norm": _in_float32,
         "softmax": _float32_result,
