@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             entry["measured"] = step_peak(config, device)
             entry["difference"] = (estimate - entry["measured"]) / entry["measured"]
         rows.append(entry)
+        out = output_dir(args.out)
+        if out is not None:  # after each configuration: a run cut short keeps what it measured
+            (out / "rnn_rules.json").write_text(json.dumps(rows, indent=1))
     headers = ["config", "reserve measured", "rule", "fwd workspace", "rule", "weight buf", "step measured", "estimated", "diff"]
     table = []
     for e in rows:

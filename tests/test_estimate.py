@@ -299,6 +299,8 @@ def test_unsupported_operations_name_the_operation_and_point_to_the_real_profile
     with pytest.raises(EstimateUnsupported, match="_local_scalar_dense") as caught:
         estimate_memory(Branch(), torch.zeros(2, 4), device=CPU)
     assert ".item()" in str(caught.value)
+    # the line that read the value, in the model's own code (the first frame outside torch)
+    assert f"{__file__}:" in str(caught.value) and "return y if y.sum() > 0 else -y" in str(caught.value)
 
 
 def test_an_operator_without_a_fake_kernel_is_refused_not_run():

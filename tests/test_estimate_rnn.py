@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from pytorch_mem_profiler import estimate_memory
 from pytorch_mem_profiler.estimate.allocator import block_size
-from pytorch_mem_profiler.estimate.rnn import UNMEASURED_SHARE, cudnn_rnn_buffers
+from pytorch_mem_profiler.estimate.rnn import UNMEASURED_SHARE, WORKSPACE_FLOOR, cudnn_rnn_buffers, workspace_bound
 
 
 class Tagger(nn.Module):
@@ -30,16 +31,17 @@ def _estimate(kind, autocast=None, **kwargs):
 def test_an_lstm_saves_its_output_states_and_cudnns_reserve_space_for_backward():
     est = _estimate(nn.LSTM)
     layers, directions, seq, batch, hidden = 2, 1, 40, 8, 128
-    reserve = layers * directions * seq * batch * (4 * hidden + hidden + hidden) * 4  # gates, cell, output per step
+    # gates, cell, output per step and layer, less the last layer's output (the output tensor), plus 256 bytes
+    reserve = directions * (layers * 6 - 1) * seq * batch * hidden * 4 + 256
     assert cudnn_rnn_buffers("lstm", seq_len=seq, batch=batch, hidden=hidden, proj=hidden, layers=2, directions=1, element_size=4).reserve == reserve
     output = batch * seq * hidden * 4
     states = layers * batch * hidden * 4  # h0 and c0, zeros made by nn.LSTM, saved with the input
     by_module = {m: n for (m, _), n in est.layers.by_module.items()}
     embedded = batch * seq * 64 * 4  # the layer's input: the embedding's output, first saved here
     assert by_module["rnn"] == block_size(embedded) + block_size(output) + block_size(reserve) + 2 * block_size(states)
-    workspace = seq * batch * 4 * hidden * 4
-    assert est.error_bounds == {"aten._cudnn_rnn (lstm)": int(UNMEASURED_SHARE * (reserve + workspace))}
-    assert "± aten._cudnn_rnn (lstm) (rule not measured)" in str(est)
+    projections = seq * batch * 4 * hidden * 4
+    assert est.error_bounds == {"aten._cudnn_rnn (lstm)": workspace_bound(projections)}
+    assert "± aten._cudnn_rnn (lstm) (by its rule's measured spread)" in str(est)
 
 
 def test_under_autocast_cudnn_keeps_a_half_precision_copy_of_the_weights():
@@ -47,7 +49,7 @@ def test_under_autocast_cudnn_keeps_a_half_precision_copy_of_the_weights():
     rnn = Tagger(nn.GRU).rnn
     weight_buf = sum(p.numel() for p in rnn.parameters()) * 2
     seq, batch, hidden = 40, 8, 128
-    reserve = 2 * seq * batch * (3 * hidden + 2 * hidden) * 2
+    reserve = (2 * 7 - 1) * seq * batch * hidden * 2 + 256  # a GRU: 3 + 3 gate halves and the output per layer
     saved = {m: n for (m, _), n in est.layers.by_module.items()}["rnn"]
     # the half-precision input, h0, the output, the reserve and the weight buffer
     parts = [batch * seq * 64 * 2, 2 * batch * hidden * 2, batch * seq * hidden * 2, reserve, weight_buf]
@@ -60,3 +62,80 @@ def test_every_recurrent_kind_runs_bidirectional_and_projected_without_a_raw_err
         assert est.peak > est.weights and est.error_bound > 0
     on_cpu = estimate_memory(lambda: Tagger(nn.LSTM), torch.zeros(8, 40, dtype=torch.long), device="cpu", fit=False)
     assert on_cpu.error_bounds == {}  # the CPU's own kernels: counted exactly
+
+
+# cuDNN's reserve space (the uint8 tensor its forward saves) measured on an NVIDIA H100 80GB HBM3,
+# torch 2.11.0+cu130, by benchmarks/rnn_rules.py (rnn_rules.json of the 2026-11-25 run):
+# (mode, layers, hidden, seq, batch, directions, element size) -> bytes
+MEASURED_RESERVE = {
+    ("lstm", 2, 512, 128, 32, 1, 4): 92274944,
+    ("lstm", 1, 512, 128, 32, 1, 4): 41943296,
+    ("lstm", 3, 512, 128, 32, 1, 4): 142606592,
+    ("lstm", 2, 128, 128, 32, 1, 4): 23068928,
+    ("lstm", 2, 1024, 128, 32, 1, 4): 184549632,
+    ("lstm", 2, 512, 16, 32, 1, 4): 11534592,
+    ("lstm", 2, 512, 128, 128, 1, 4): 369099008,
+    ("lstm", 2, 512, 128, 32, 2, 4): 184549632,
+    ("lstm", 1, 512, 128, 32, 2, 2): 41943296,
+    ("lstm", 2, 512, 128, 32, 1, 2): 46137600,
+    ("gru", 2, 512, 128, 32, 1, 4): 109052160,
+    ("gru", 1, 512, 128, 32, 1, 4): 50331904,
+    ("gru", 1, 512, 128, 32, 2, 4): 100663552,
+    ("gru", 1, 512, 128, 32, 2, 2): 50331904,
+}
+
+
+def test_the_reserve_rule_gives_the_measured_reserve_to_the_byte():
+    for (mode, layers, hidden, seq, batch, directions, element), measured in MEASURED_RESERVE.items():
+        rule = cudnn_rnn_buffers(
+            mode, seq_len=seq, batch=batch, hidden=hidden, proj=hidden, layers=layers, directions=directions, element_size=element
+        )  # fmt: skip
+        assert rule.reserve == measured, (mode, layers, hidden, seq, batch, directions, element)
+
+
+# The same run's forward workspace (peak inside the forward above what it leaves), in MiB, and the
+# rule's: the rule's spread around them is what the bound must cover.
+MEASURED_WORKSPACE_MIB = {
+    ("lstm", 2, 512, 128, 32, 1, 4): 76.0,
+    ("lstm", 3, 512, 128, 32, 1, 4): 92.0,
+    ("lstm", 2, 128, 128, 32, 1, 4): 64.0,
+    ("lstm", 2, 1024, 128, 32, 1, 4): 154.5,
+    ("lstm", 2, 512, 16, 32, 1, 4): 36.75,
+    ("lstm", 2, 512, 128, 4, 1, 4): 36.0,
+    ("lstm", 2, 512, 128, 128, 1, 4): 212.0,
+    ("lstm", 2, 512, 128, 32, 2, 4): 188.0,
+    ("lstm", 1, 512, 128, 32, 1, 2): 98.125,
+    ("gru", 1, 512, 128, 32, 1, 2): 30.46875,
+}
+
+
+def test_the_workspace_rule_and_its_bound_cover_every_measured_workspace():
+    for (mode, layers, hidden, seq, batch, directions, element), mib in MEASURED_WORKSPACE_MIB.items():
+        rule = cudnn_rnn_buffers(
+            mode, seq_len=seq, batch=batch, hidden=hidden, proj=hidden, layers=layers, directions=directions, element_size=element
+        )  # fmt: skip
+        measured = int(mib * 2**20)
+        assert rule.workspace >= WORKSPACE_FLOOR
+        assert abs(measured - rule.workspace) <= rule.bound, (mode, layers, hidden, seq, batch, directions, element)
+
+
+def test_backward_holds_the_flat_weight_gradient_beside_the_workspace_and_the_input_gradient():
+    """The step's peak is in cuDNN's backward-weights pass: what ATen's _cudnn_rnn_backward holds then."""
+    seq, batch, hidden, inputs = 40, 8, 128, 64
+    model = nn.LSTM(inputs, hidden, num_layers=1)
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    est = estimate_memory(
+        lambda: nn.LSTM(inputs, hidden, num_layers=1), torch.zeros(seq, batch, inputs), device="cuda", emulate=True,
+        loss_fn=lambda out: out[0].sum(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1), workspace=0, fit=False,
+    )  # fmt: skip
+    rule = cudnn_rnn_buffers("lstm", seq_len=seq, batch=batch, hidden=hidden, proj=hidden, layers=1, directions=1, element_size=4)
+    output, state = seq * batch * hidden * 4, batch * hidden * 4
+    alive = (
+        weights + seq * batch * inputs * 4  # the weights, the input
+        + 2 * state + output + rule.reserve  # saved by the forward: h0, c0, the output, the reserve
+        + 2 * state  # zeros for h_n's and c_n's missing gradients
+        + seq * batch * inputs * 4 + 2 * state  # the input's and states' gradients
+        + weights + rule.workspace  # the flat weight gradient and the workspace again
+    )  # fmt: skip
+    assert est.peak_phase == "backward"
+    assert est.peak_allocated == pytest.approx(alive, abs=64 * 1024), (est.peak_allocated, alive)

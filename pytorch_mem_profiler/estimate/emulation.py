@@ -9,6 +9,10 @@ and two such places hold most of a transformer's memory:
   path (which keeps the whole attention matrix for backward) where CUDA runs
   flash attention (half precision, no mask) or memory-efficient attention
   (otherwise); here it runs CUDA's choice, as the composite CUDA code calls it;
+- dropout: CUDA runs one fused kernel (``native_dropout``) that saves a ``bool``
+  mask, where the CPU draws a mask in the input's dtype (``bernoulli_``, ``div_``,
+  ``mul``) and saves it: four times the bytes in float32 (the GPU diff of
+  ``benchmarks/estimate_paths.py`` showed it in every transformer measured);
 - autocast: CUDA runs ``layer_norm``, ``group_norm`` in float32 and gives
   ``softmax``/``log_softmax`` a float32 result, where the CPU's autocast keeps
   half precision.
@@ -32,13 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["cuda_rules"]
+__all__ = ["cuda_backend", "cuda_rules"]
 
 #: Head sizes flash attention takes on CUDA (sm80 and newer).
 FLASH_MAX_HEAD_DIM = 256
@@ -56,6 +61,107 @@ def _autocast_dtype() -> torch.dtype | None:
     return None
 
 
+def _cuda_boolean_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as CUDA's attention converts it: one ``where`` into an additive mask (0 kept, -inf out)."""
+    return torch.where(mask, torch.scalar_tensor(0.0, dtype=dtype), torch.scalar_tensor(float("-inf"), dtype=dtype))
+
+
+def cuda_backend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    enable_gqa: bool = False,
+) -> str:
+    """The kernel CUDA's ``scaled_dot_product_attention`` picks on an sm80+ GPU (H100, A100), by its rules.
+
+    Follows ATen's ``select_sdp_backend`` (``sdp_utils.cpp``) for dense inputs
+    as torch 2.11 ships it: ``"flash"`` (half precision, no mask, equal head
+    sizes up to 256), ``"efficient"`` (float32 or half precision, head sizes
+    aligned, the same number of heads in query, key and value), else
+    ``"math"``. Every fused kernel wants 4-d inputs whose last dimension is
+    contiguous, and a mask whose last dimension is too. cuDNN's attention
+    (first in the order on Hopper) takes half precision with or without a mask
+    and allocates what the efficient kernel does (the H100 diff of
+    ``benchmarks/estimate_paths.py``: bert-bf16 and t5-bf16, equal bytes in
+    forward, backward and what it saves), so it stands in as ``"efficient"``
+    (with a mask) or ``"flash"`` (without).
+
+    Example::
+
+        >>> q = torch.empty(1, 8, 16, 64)
+        >>> cuda_backend(q, q, q), cuda_backend(q.half(), q.half(), q.half())
+        ('efficient', 'flash')
+        >>> cuda_backend(q, q[:, :2], q[:, :2], enable_gqa=True)  # grouped-query attention in float32
+        'math'
+    """
+    tensors = (query, key, value)
+    if any(t.dim() != 4 for t in tensors) or any(t.stride(-1) != 1 and t.size(-1) != 1 for t in tensors):
+        return "math"
+    if attn_mask is not None and attn_mask.dim() > 0 and attn_mask.stride(-1) != 1:
+        return "math"  # a mask whose last dimension is strided (T5's permuted position bias)
+    dtype = query.dtype
+    if any(t.dtype != dtype for t in tensors) or any(t.size(-2) == 0 for t in tensors):
+        return "math"
+    heads_equal = query.size(1) == key.size(1) == value.size(1)
+    head_dim, value_dim = query.size(-1), value.size(-1)
+    if (
+        dtype in _HALF
+        and attn_mask is None
+        and head_dim == key.size(-1) == value_dim
+        and head_dim <= FLASH_MAX_HEAD_DIM
+        and (heads_equal or (enable_gqa and query.size(1) % key.size(1) == 0 and query.size(1) % value.size(1) == 0))
+    ):
+        return "flash"
+    alignment = 8 if dtype in _HALF else 4  # minimum_gemm_alignment on sm80+: 128 bits, at least 4
+    if (
+        dtype in (torch.float32, *_HALF)
+        and heads_equal  # torch 2.11's efficient kernel takes no grouped-query attention
+        and head_dim == key.size(-1)
+        and head_dim % alignment == 0
+        and value_dim % alignment == 0
+    ):
+        return "efficient"
+    return "math"
+
+
+def _math_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """ATen's math attention as it runs on CUDA: the whole matrix in float32, ``_safe_softmax``, fused dropout.
+
+    The composite ``_scaled_dot_product_attention_math`` would draw its dropout
+    mask by the CPU's route (in the matrix's dtype); on CUDA ``at::dropout``
+    takes the fused kernel and saves a bool mask, so the steps are spelled out
+    here, in the order ATen runs them, with ``native_dropout``.
+    """
+    origin = query.dtype
+    # half precision is computed in float32 for accuracy
+    query, key, value = (t.float() if t.dtype in _HALF else t for t in (query, key, value))
+    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.size(-1)))
+    query = torch.ops.aten.mul.Scalar(query, root)  # ATen scales by a scalar (a Python float would wrap a tensor)
+    if is_causal:
+        causal = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
+        attn_mask = _cuda_boolean_mask(causal, query.dtype)
+    if enable_gqa and not query.size(-3) == key.size(-3) == value.size(-3):
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+    attn = torch.matmul(query, torch.ops.aten.mul.Scalar(key.transpose(-2, -1), root))
+    if attn_mask is not None:
+        attn = attn.add(attn_mask)  # out of place, as ATen does for tensor subclasses (fake tensors)
+    attn = torch.ops.aten._safe_softmax(attn, -1)
+    if dropout_p > 0.0:
+        attn = torch.ops.aten.native_dropout(attn, dropout_p, True)[0]
+    return torch.matmul(attn, value).to(origin)
+
+
 def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     @functools.wraps(original)
     def attention(
@@ -68,21 +174,28 @@ def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> torch.Tensor:
-        if not _fake(query, key, value) or enable_gqa or query.dim() != 4:
+        if not _fake(query, key, value) or query.is_nested:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         dtype = _autocast_dtype()
         with torch.autocast("cpu", enabled=False):
-            if dtype is not None:  # attention is on autocast's half-precision list on CUDA
-                query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
-            if query.dtype in _HALF and attn_mask is None and query.shape[-1] <= FLASH_MAX_HEAD_DIM:
+            if dtype is not None:  # attention is on autocast's half-precision list on CUDA: every float argument
+                query, key, value, attn_mask = (
+                    t.to(dtype) if t is not None and t.is_floating_point() else t for t in (query, key, value, attn_mask)
+                )
+            backend = cuda_backend(query, key, value, attn_mask, enable_gqa)
+            if backend == "flash" and not query.size(1) == key.size(1) == value.size(1):
+                # grouped-query attention in half precision: the CPU's flash kernel takes it and saves
+                # what CUDA's does (llama-gqa-bf16 on the H100: 16 KB apart in 2.5 GB)
+                return original(query, key, value, None, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+            if backend == "flash":
                 return torch.ops.aten._scaled_dot_product_flash_attention(
                     query, key, value, dropout_p, is_causal, False, scale=scale
                 )[0]
-            bias = attn_mask
-            if bias is not None and bias.dtype == torch.bool:
-                bias = torch.zeros(bias.shape, dtype=query.dtype, device=bias.device).masked_fill(~bias, float("-inf"))
-            elif bias is not None:
-                bias = bias.to(query.dtype)
+            if attn_mask is not None and attn_mask.dtype == torch.bool:
+                attn_mask = _cuda_boolean_mask(attn_mask, query.dtype)
+            if backend == "math":
+                return _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            bias = attn_mask.to(query.dtype) if attn_mask is not None else None
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, bias, grad, dropout_p, is_causal, scale=scale
@@ -122,15 +235,69 @@ def _float32_result(original: Callable[..., torch.Tensor]) -> Callable[..., torc
     return float32_result
 
 
+def _fused_dropout(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``dropout``: CUDA's fused kernel (a bool mask saved), as ATen picks it for a CUDA input."""
+
+    @functools.wraps(original)
+    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        # ATen's dropout takes the fused kernel for a CUDA input with 0 < p < 1 that is not in place
+        if not isinstance(input, FakeTensor) or inplace or not training or not 0 < p < 1 or input.numel() == 0:
+            return original(input, p, training, inplace)
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+
+    return dropout
+
+
+def _cuda_cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``cross_entropy`` under autocast: CUDA's log-softmax in the input's precision, then a float32 ``nll_loss``.
+
+    CPU autocast lists ``cross_entropy_loss`` for float32 and copies the logits
+    to float32 before the log-softmax; CUDA's does not list it, so the composite
+    runs ``log_softmax`` in the input's dtype (it passes the dtype explicitly)
+    and autocast copies that result to float32 for ``nll_loss``, which it lists
+    (t5-bf16 on the H100: ``_log_softmax`` bf16 then ``_to_copy`` float32).
+    Class-index targets without label smoothing; other forms keep the CPU's path.
+    """
+
+    @functools.wraps(original)
+    def cross_entropy(input: torch.Tensor, target: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = dict(zip(("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"), args))
+        params.update(kwargs)
+        if (
+            _autocast_dtype() is None
+            or not isinstance(input, FakeTensor)
+            or input.dtype not in _HALF
+            or target.is_floating_point()
+            or params.get("label_smoothing", 0.0) != 0.0
+            or params.get("size_average") is not None
+            or params.get("reduce") is not None
+        ):
+            return original(input, target, *args, **kwargs)
+        weight = params.get("weight")
+        with torch.autocast("cpu", enabled=False):
+            log_probs = torch.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=input.dtype)
+            return F.nll_loss(
+                log_probs.float(),
+                target,
+                weight.float() if weight is not None else None,
+                ignore_index=params.get("ignore_index", -100),
+                reduction=params.get("reduction", "mean"),
+            )
+
+    return cross_entropy
+
+
 @contextlib.contextmanager
 def cuda_rules() -> Iterator[None]:
     """CUDA's attention kernels and autocast precisions for fake CPU tensors, for the block."""
     patches = {
         "scaled_dot_product_attention": _attention,
+        "dropout": _fused_dropout,
         "layer_norm": _in_float32,
         "group_norm": _in_float32,
         "softmax": _float32_result,
         "log_softmax": _float32_result,
+        "cross_entropy": _cuda_cross_entropy,
     }
     originals = {name: getattr(F, name) for name in patches}
     try:

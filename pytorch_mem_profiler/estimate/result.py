@@ -259,9 +259,10 @@ class MemoryEstimate:
         fit: the peak per phase as a line in the batch size (``None``: not fitted).
         emulated: the step ran on fake CPU tensors standing in for a device this machine lacks.
         alternatives: estimates of the same step with other settings (``compare=``), by name.
-        error_bounds: operations whose memory follows a rule not yet measured on the device (cuDNN's
-            recurrent layers' buffers, see :mod:`~pytorch_mem_profiler.estimate.rnn`): the bytes the
-            peak may be off by because of each, by operation; empty where every figure is known.
+        error_bounds: operations whose memory follows a rule that measurements do not pin down (cuDNN's
+            recurrent layers' workspace, chosen by its heuristics, see
+            :mod:`~pytorch_mem_profiler.estimate.rnn`): the bytes the peak may be off by because of
+            each, by operation; empty where every figure is known.
         peak_at: the step at another batch size, ``batch_size -> (peak, peak phase)`` (fake steps;
             ``None``: no batch dimension); :meth:`max_batch_size` verifies its answer with it off CUDA.
         reserved_at: the replay at another batch size: ``(batch_size, limit) -> reserved``
@@ -486,7 +487,7 @@ class MemoryEstimate:
             "",
             _line("Peak allocated", fmt(self.peak_allocated) + (f" ± {fmt(self.error_bound)}" if self.error_bound else "")),
             *(
-                _line(f"  ± {operation} (rule not measured)", fmt(n))
+                _line(f"  ± {operation} (by its rule's measured spread)", fmt(n))
                 for operation, n in self.error_bounds.items()
             ),
             f"Peak during: {PHASE_LABELS.get(self.peak_phase, self.peak_phase)}; alive then:",

@@ -17,20 +17,41 @@ tensors: the output and final states in the compute dtype, the reserve space and
 the weight buffer saved for backward, the workspace alive inside the operator;
 in backward the input's, states' and weights' gradients and the workspace again.
 
-The sizes (:func:`cudnn_rnn_buffers`) follow cuDNN's documented layout, **not yet
-measured on a GPU**: a reserve of ``layers * directions * T * B * (gates + 2) * H``
-elements (each layer's gate pre-activations, cell state and output per time
-step; ``gates`` = 4 for an LSTM, 3 for a GRU, 1 for a plain RNN), a workspace of
-one layer's input projections for every time step, ``directions * T * B * gates * H``
-elements. ``benchmarks/rnn_rules.py`` measures the real figures on a GPU; until
-then each such call carries an error bound (:data:`UNMEASURED_SHARE` of its
-reserve and workspace) that the estimate reports beside its peak.
+The sizes (:func:`cudnn_rnn_buffers`) are fitted to cuDNN's buffers measured on an
+H100 (``benchmarks/rnn_rules.py``; ``docs/estimate.md`` has the table):
+
+- the **reserve** is every layer's and direction's per-step values, less the last
+  layer's output (which is the output tensor itself), plus 256 bytes:
+  ``directions * (layers * per_layer - proj) * T * B * element + 256`` where
+  ``per_layer`` is ``4H + H + proj`` for an LSTM (gate pre-activations, cell, output)
+  and ``3H + 3H + H`` for a GRU (its input and recurrent gate halves apart, as
+  ``r * (W_hn h + b_hn)`` needs, and the output). Exact to the byte on all 22
+  measured configurations; a plain RNN's (``H + H``) and an LSTM with
+  ``proj_size`` are not measured and carry half their reserve as an error bound;
+- the **weight buffer** under autocast is every weight in half precision, exact;
+- the **workspace** is what cuDNN's heuristics ask for
+  (``cudnnGetRNNTempSpaceSizes``), which cuDNN documents as not monotonic in the
+  sizes: taken here as one layer's input projections for every step
+  (``directions * T * B * gates * H * element``) plus :data:`WORKSPACE_FLOOR`, the
+  size measured where the projections are small; the spread measured around that
+  (from 13.5 MiB under to 92 MiB over) is each call's error bound
+  (:func:`workspace_bound`). It is taken in forward and again, twice in a row, in
+  backward (backward data, then backward weights).
+
+In backward, as ATen's ``_cudnn_rnn_backward`` allocates: a contiguous copy of the
+output's gradient where it is not contiguous (freed after the data pass), zeros for
+final states without a gradient, the input's and states' gradients, then the weights'
+gradient as one flat buffer (in the compute dtype; under autocast cast to each
+float32 weight after), and for ``batch_first`` a transposed copy of the input beside
+each workspace.
 
 Example::
 
     >>> buffers = cudnn_rnn_buffers("lstm", seq_len=100, batch=32, hidden=256, proj=256, layers=2, directions=1, element_size=4)
-    >>> buffers.reserve == 2 * 100 * 32 * 6 * 256 * 4, buffers.workspace == 100 * 32 * 4 * 256 * 4
+    >>> buffers.reserve == (2 * 6 - 1) * 100 * 32 * 256 * 4 + 256, buffers.workspace == 100 * 32 * 4 * 256 * 4 + WORKSPACE_FLOOR
     (True, True)
+    >>> buffers.bound == workspace_bound(100 * 32 * 4 * 256 * 4)  # the reserve is measured: only the workspace's spread
+    True
 """
 
 from __future__ import annotations
@@ -42,31 +63,62 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["RNN_GATES", "UNMEASURED_SHARE", "RNNBuffers", "cudnn_rnn_buffers", "CudnnRNNRules"]
+__all__ = [
+    "RNN_GATES",
+    "UNMEASURED_SHARE",
+    "WORKSPACE_FLOOR",
+    "RNNBuffers",
+    "cudnn_rnn_buffers",
+    "workspace_bound",
+    "CudnnRNNRules",
+]
 
 #: Gates per cell, by ``torch._VF`` function.
 RNN_GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
-#: The share of a call's reserve and workspace taken as its error bound while the rule is unmeasured.
+#: The share of a reserve taken as its error bound where its layout is not measured (plain RNNs, LSTM projections).
 UNMEASURED_SHARE = 0.5
+#: cuDNN's workspace above one layer's input projections: measured 32-32.75 MiB on an H100 where the
+#: projections are 4 MiB (128 steps x 4, or 16 steps x 32, of a 512-wide LSTM), the smallest measured.
+WORKSPACE_FLOOR = 32 * 2**20
+#: The largest distance measured between cuDNN's workspace and the rule, above the projections' own size
+#: (92 MiB over for a bidirectional 2-layer LSTM whose projections are 64 MiB; 50 MiB over for a 1-layer
+#: one under autocast whose projections are 16 MiB): the bound is the projections plus this.
+WORKSPACE_SPREAD = 48 * 2**20
+#: cuDNN's reserve space carries this many bytes past the per-step values (all 22 measured configurations).
+RESERVE_PAD = 256
 
 
 @dataclass(frozen=True)
 class RNNBuffers:
-    """Bytes of cuDNN's own buffers for one RNN call."""
+    """Bytes of cuDNN's own buffers for one RNN call, and how far the estimate of them may be off."""
 
     reserve: int
     workspace: int
+    bound: int = 0
+
+
+def workspace_bound(projections: int) -> int:
+    """How far cuDNN's workspace may be from the rule, for input projections of ``projections`` bytes."""
+    return projections + WORKSPACE_SPREAD
 
 
 def cudnn_rnn_buffers(
     mode: str, *, seq_len: int, batch: int, hidden: int, proj: int, layers: int, directions: int, element_size: int
 ) -> RNNBuffers:
-    """cuDNN's reserve space and workspace for one training forward (the unmeasured rule; see the module)."""
+    """cuDNN's reserve space and workspace for one training forward, with the rule's error bound (see the module)."""
     gates = RNN_GATES[mode]
-    per_step = gates * hidden + hidden + proj  # gate pre-activations, the cell state, the output
-    reserve = layers * directions * seq_len * batch * per_step * element_size
-    workspace = directions * seq_len * batch * gates * hidden * element_size
-    return RNNBuffers(reserve, workspace)
+    if mode == "lstm":
+        per_layer = gates * hidden + hidden + proj  # gate pre-activations, the cell state, the output
+    elif mode == "gru":
+        per_layer = 2 * gates * hidden + hidden  # the input's and the state's gate halves apart, the output
+    else:
+        per_layer = gates * hidden + hidden  # not measured: the pre-activation and the output
+    tokens = seq_len * batch
+    reserve = directions * (layers * per_layer - proj) * tokens * element_size + RESERVE_PAD
+    projections = directions * tokens * gates * hidden * element_size
+    measured = mode == "gru" or (mode == "lstm" and proj == hidden)
+    bound = workspace_bound(projections) + (0 if measured else math.ceil(UNMEASURED_SHARE * reserve))
+    return RNNBuffers(reserve, projections + WORKSPACE_FLOOR, bound)
 
 
 def _params_per_cell(params: list[torch.Tensor], layers: int, directions: int) -> int:
@@ -86,8 +138,7 @@ class _CudnnRNN(torch.autograd.Function):
         finals = [s.new_empty(s.shape, dtype=dtype) for s in states]
         reserve = x.new_empty((spec["reserve"],), dtype=torch.uint8)
         weight_buf = x.new_empty((spec["weight_buf"],), dtype=torch.uint8) if spec["weight_buf"] else None
-        workspace = x.new_empty((spec["workspace"],), dtype=torch.uint8)
-        del workspace  # taken and given back inside the kernel
+        _inside_kernel(x, spec)
         saved = [x, *states, out, reserve, *weights]
         if weight_buf is not None:
             saved.append(weight_buf)
@@ -103,12 +154,32 @@ class _CudnnRNN(torch.autograd.Function):
         x = saved[0]
         states = saved[1 : 1 + spec["n_states"]]
         weights = saved[3 + spec["n_states"] : 3 + spec["n_states"] + ctx.n_weights]
-        workspace = x.new_empty((spec["workspace"],), dtype=torch.uint8)
+        dtype = spec["dtype"]
+        # backward data: the output's gradient made contiguous, the input's and states' gradients
+        grad_out = grads[0].contiguous()
         grad_x = x.new_empty(x.shape)
         grad_states = [s.new_empty(s.shape) for s in states]
-        del workspace
-        grad_weights = [w.new_empty(w.shape) for w in weights]
+        _inside_kernel(x, spec)
+        del grad_out
+        # backward weights: one flat buffer in the compute dtype, the workspace again
+        flat = x.new_empty((sum(w.numel() for w in weights),), dtype=dtype)
+        _inside_kernel(x, spec)
+        grad_weights = []
+        offset = 0
+        for w in weights:
+            view = flat.narrow(0, offset, w.numel()).view(w.shape)
+            # under autocast the flat half-precision gradient is cast to each float32 weight
+            grad_weights.append(view if w.dtype == dtype else view.to(w.dtype))
+            offset += w.numel()
+        del flat
         return (None, grad_x, *grad_states, *grad_weights)
+
+
+def _inside_kernel(x: torch.Tensor, spec: dict) -> None:
+    """What a cuDNN RNN kernel takes and gives back: its workspace, and for ``batch_first`` a transposed input."""
+    workspace = x.new_empty((spec["workspace"],), dtype=torch.uint8)
+    transposed = x.new_empty(x.shape) if spec["batch_first"] else None
+    del workspace, transposed
 
 
 class CudnnRNNRules(TorchFunctionMode):
@@ -172,10 +243,12 @@ class CudnnRNNRules(TorchFunctionMode):
                 "reserve": buffers.reserve if train else 0,
                 "workspace": buffers.workspace,
                 "weight_buf": weight_buf,
+                "batch_first": bool(batch_first) and not packed and x.dim() == 3,
             }
             outputs = _CudnnRNN.apply(spec, x, *states, *params)
         operation = f"aten._cudnn_rnn ({mode})"
-        self.bounds[operation] = self.bounds.get(operation, 0) + math.ceil(UNMEASURED_SHARE * (spec["reserve"] + spec["workspace"]))
+        # the workspaces of calls in a row are never alive together: the largest call's bound stands for all
+        self.bounds[operation] = max(self.bounds.get(operation, 0), buffers.bound)
         return tuple(outputs)  # (output, h_n) or, for an LSTM, (output, h_n, c_n), as torch._VF's
 
 

@@ -27,6 +27,8 @@ import contextlib
 import dataclasses
 import functools
 import re
+import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping
@@ -139,6 +141,22 @@ class _NotInThisTorch(Exception):
 #: Newer torch names the fake mode's device mismatch (torch 2.11 does not: there it is a
 #: plain RuntimeError, which reaches the user as it is).
 _DEVICE_MISMATCH: type[BaseException] = getattr(_fake, "FakeTensorDeviceMismatchError", _NotInThisTorch)
+def _reading_line(err: BaseException) -> str:
+    """`` (at file:line: code)`` for the innermost frame of ``err``'s traceback outside torch and this package.
+
+    That is the line in the user's or a library's code (``modeling_bart.py``, say) whose call read a
+    value: what a user needs to change or to report.
+    """
+    import traceback
+
+    skip = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, sys.modules[__name__.split(".")[0]]))
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        if frame.filename and not str(Path(frame.filename).resolve()).startswith(skip):
+            code = f": {frame.line.strip()}" if frame.line else ""
+            return f" (at {frame.filename}:{frame.lineno}{code})"
+    return ""
+
+
 @contextlib.contextmanager
 def _unsupported_as_errors() -> Iterator[None]:
     """The fake mode's refusals as :class:`EstimateUnsupported`, naming the operation."""
@@ -147,15 +165,15 @@ def _unsupported_as_errors() -> Iterator[None]:
     except DynamicOutputShapeException as err:
         name = str(err.func)
         raise EstimateUnsupported(
-            f"{name}: its output's shape depends on the values of its input (a data-dependent "
-            f"shape), which a fake tensor does not have. {REAL_PROFILER}",
+            f"{name}{_reading_line(err)}: its output's shape depends on the values of its input (a "
+            f"data-dependent shape), which a fake tensor does not have. {REAL_PROFILER}",
             name,
         ) from err
     except DataDependentOutputException as err:
         name = str(err.func)
         raise EstimateUnsupported(
-            f"{name}: it reads the values of a tensor (.item(), a Python `if` on a tensor, a "
-            f"data-dependent branch), which a fake tensor does not have. {REAL_PROFILER}",
+            f"{name}{_reading_line(err)}: it reads the values of a tensor (.item(), a Python `if` on a "
+            f"tensor, a data-dependent branch), which a fake tensor does not have. {REAL_PROFILER}",
             name,
         ) from err
     except UnsupportedOperatorException as err:

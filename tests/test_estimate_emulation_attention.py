@@ -1,0 +1,160 @@
+"""The emulated CUDA step picks CUDA's attention kernel by ATen's rules and builds masks and losses as CUDA does.
+
+Every figure below is checked against what autograd saved (a ``saved_tensors_hooks``
+pack hook: the node that made each saved tensor, its dtype, its storage's bytes) or
+the operators the step ran, on fake CPU tensors under :func:`cuda_rules`. The rules
+were read off the op-by-op diff of ``benchmarks/estimate_paths.py`` on an NVIDIA
+H100 (torch 2.11.0+cu130, transformers 5.17, 2026-11-25): there, fake CUDA ran what
+these tests assert, where the emulation ran something else.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+from torch._subclasses import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pytorch_mem_profiler.estimate.emulation import cuda_backend, cuda_rules
+
+B, H, L, D = 2, 4, 32, 16
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[str, ...], int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        items = out if isinstance(out, (tuple, list)) else [out]
+        tensors = [t for t in items if isinstance(t, torch.Tensor)]
+        self.ops.append((str(func.overloadpacket), tuple(str(t.dtype) for t in tensors), sum(t.nbytes for t in tensors)))
+        return out
+
+
+def _saved(run):  # type: ignore[no-untyped-def]
+    """(node that made it, dtype) -> storage bytes of every tensor autograd saved while ``run`` ran."""
+    seen: Counter[tuple[str, str]] = Counter()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._is_view() and t._base is not None else t
+        node = type(base.grad_fn).__name__ if base.grad_fn is not None else "leaf"
+        seen[(node, str(t.dtype).replace("torch.", ""))] += t.untyped_storage().nbytes()
+        return t
+
+    ops = _Ops()
+    with FakeTensorMode(), cuda_rules(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ops:
+        out = run()
+    return seen, ops.ops, out
+
+
+def test_grouped_query_attention_in_float32_runs_the_math_path_with_the_whole_matrix():
+    # llama-gqa-fp32 on the H100: enable_gqa=True and is_causal without a mask; flash and cuDNN want half
+    # precision and torch 2.11's efficient kernel no grouped heads, so CUDA ran the math path: _safe_softmax
+    # and bmm, the float32 matrix saved twice per call (by the softmax and by the second matmul: 16 saves of
+    # 100,663,296 B over 8 calls) and key and value repeated to every head (CloneBackward0). The emulation ran
+    # the CPU's fused kernel and came out 502 MB (16%) low.
+    def run():  # type: ignore[no-untyped-def]
+        # as Llama lays them out: (batch, sequence, heads, head size) seen through a transpose
+        q, k, v = (torch.empty(B, L, h, D, requires_grad=True).transpose(1, 2) for h in (H, 1, 1))
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    saved, ops, out = _saved(run)
+    # per call on the H100: the (8, 12, 512, 512) float32 matrix twice, and three head-wide (8, 12, 512, 64)
+    # float32 operands of the two matmuls (the scaled query, key and value repeated to all 12 heads)
+    assert saved[("SafeSoftmaxBackward0", "float32")] == 2 * B * H * L * L * 4, saved
+    head_wide = sum(n for (node, _), n in saved.items() if node != "SafeSoftmaxBackward0")
+    assert head_wide == 3 * B * H * L * D * 4, saved
+    names = [name for name, _, _ in ops]
+    assert "aten._safe_softmax" in names and not any("flash" in n or "efficient" in n for n in names)
+    # the causal mask built as CUDA's math path builds it: ones, tril, and one where into float32
+    assert ("aten.where", ("torch.float32",), L * L * 4) in ops
+    assert out.shape == (B, H, L, D)
+
+
+def test_a_strided_mask_that_needs_gradients_runs_the_math_path_with_cudas_fused_dropout():
+    # t5-fp32 and t5-bf16 on the H100: T5's self-attention passed its position bias (permuted, so its last
+    # dimension is strided, and learned, so it needs gradients) as the mask; the fused kernels want a
+    # contiguous last dimension, so CUDA ran the math path (16 calls of 24), in float32 under bf16, and its
+    # dropout through the fused kernel: per call the softmax's float32 result, a bool mask and the float32
+    # dropped matrix saved. The emulation ran the efficient kernel: 1.27 GB (fp32) and 1.50 GB (bf16) low.
+    for autocast in (None, torch.bfloat16):
+
+        def run():  # type: ignore[no-untyped-def]
+            q = torch.empty(B, H, L, D, requires_grad=True)
+            bias = torch.empty(L, L, H, requires_grad=True).permute(2, 0, 1).unsqueeze(0)
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                return nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=bias, dropout_p=0.1)
+
+        saved, ops, out = _saved(run)
+        matrix = B * H * L * L
+        assert saved[("SafeSoftmaxBackward0", "float32")] == matrix * 4, (autocast, saved)
+        assert saved[("NativeDropoutBackward0", "float32")] == matrix * 4, (autocast, saved)
+        assert saved[("leaf", "bool")] == matrix, (autocast, saved)  # the fused kernel's mask
+        assert not any("bernoulli" in name for name, _, _ in ops)
+        assert out.dtype == (autocast or torch.float32)
+
+
+def test_a_bool_mask_becomes_an_additive_mask_with_one_where():
+    # bert-fp32 and bert-bf16 on the H100: CUDA turned the bool padding mask into the query's dtype with one
+    # where (8 x 4 MB in bf16); the emulation ran zeros, bitwise_not and masked_fill (34-35 MB more).
+    for dtype in (torch.float32, torch.bfloat16):
+
+        def run():  # type: ignore[no-untyped-def]
+            q = torch.empty(B, H, L, D, dtype=dtype, requires_grad=True)
+            mask = torch.ones(B, 1, L, L, dtype=torch.bool)
+            return nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+        saved, ops, out = _saved(run)
+        names = [name for name, _, _ in ops]
+        assert not {"aten.zeros", "aten.masked_fill", "aten.bitwise_not"} & set(names), names
+        wheres = [(d, n) for name, d, n in ops if name == "aten.where"]
+        assert wheres == [((str(dtype),), B * L * L * torch.finfo(dtype).bits // 8)], wheres
+        assert type(out.grad_fn).__name__ == "ScaledDotProductEfficientAttentionBackward0"
+
+
+def test_cudas_backend_rules():
+    f32 = torch.empty(B, H, L, D)
+    bf16 = f32.bfloat16()
+    kv = torch.empty(B, 1, L, D)
+    assert cuda_backend(f32, f32, f32) == "efficient"
+    assert cuda_backend(bf16, bf16, bf16) == "flash"
+    assert cuda_backend(bf16, bf16, bf16, torch.zeros(1, 1, L, L, dtype=torch.bfloat16)) == "efficient"
+    assert cuda_backend(bf16, kv.bfloat16(), kv.bfloat16(), enable_gqa=True) == "flash"
+    assert cuda_backend(f32, kv, kv, enable_gqa=True) == "math"
+    assert cuda_backend(f32, f32, f32, torch.zeros(L, L, H).permute(2, 0, 1)) == "math"  # strided mask
+    assert cuda_backend(torch.empty(B, H, L, 6), torch.empty(B, H, L, 6), torch.empty(B, H, L, 6)) == "math"
+    assert cuda_backend(f32[0], f32[0], f32[0]) == "math"  # 3-d inputs
+    assert cuda_backend(bf16, bf16, bf16[..., :8]) == "efficient"  # unequal head sizes: no flash
+
+
+def test_cross_entropy_under_autocast_runs_cudas_log_softmax_in_half_precision():
+    # t5-bf16 on the H100: cross_entropy ran _log_softmax in bf16 (saved: 262,144,000 B per step) and copied
+    # the result to float32 for nll_loss; the emulation (CPU autocast lists cross_entropy_loss in float32)
+    # copied the logits to float32 first and saved a float32 log-softmax.
+    N, V = 64, 1000
+
+    def run():  # type: ignore[no-untyped-def]
+        logits = torch.empty(N, V, dtype=torch.bfloat16, requires_grad=True)
+        target = torch.zeros(N, dtype=torch.long)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return nn.CrossEntropyLoss()(logits, target)
+
+    saved, ops, loss = _saved(run)
+    assert saved[("LogSoftmaxBackward0", "bfloat16")] == N * V * 2, saved
+    assert saved[("ToCopyBackward0", "float32")] == N * V * 4, saved
+    assert ("aten._log_softmax", ("torch.bfloat16",), N * V * 2) in ops
+    assert loss.dtype == torch.float32
+
+
+def test_real_tensors_keep_torchs_own_path():
+    torch.manual_seed(0)
+    q = torch.randn(B, H, L, D)
+    kv = torch.randn(B, 1, L, D)
+    expected = nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+    with cuda_rules():
+        got = nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+    assert torch.equal(got, expected)

@@ -1,0 +1,45 @@
+"""The emulated CUDA step runs dropout as CUDA does: the fused kernel, a bool mask saved for backward."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch._subclasses import FakeTensorMode
+
+from pytorch_mem_profiler.estimate.emulation import cuda_rules
+
+
+def _saved(p: float, dtype: torch.dtype) -> list[tuple[str, torch.dtype, int]]:
+    seen: list[tuple[str, torch.dtype, int]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append((str(t.dtype), t.dtype, t.untyped_storage().nbytes()))
+        return t
+
+    with FakeTensorMode(), cuda_rules(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        x = torch.empty(8, 512, 768, dtype=dtype, requires_grad=True)
+        y = nn.functional.dropout(x, p, training=True)
+        assert type(y.grad_fn).__name__ == "NativeDropoutBackward0"
+    return seen
+
+
+def test_dropout_saves_a_bool_mask_as_cudas_fused_kernel_does():
+    # Measured on an NVIDIA H100 (torch 2.11.0+cu130, benchmarks/estimate_paths.py, bert-fp32 and gpt2-fp32,
+    # 2026-11-25): fake CUDA ran aten.native_dropout (float32/bool), and autograd saved for
+    # NativeDropoutBackward0 a bool mask of one byte per element, where the emulation saved a float32
+    # mask (MulBackward0: 4 bytes per element) from bernoulli_/div_.
+    for dtype in (torch.float32, torch.bfloat16):
+        saved = _saved(0.1, dtype)
+        assert [(d, n) for d, _, n in saved] == [("torch.bool", 8 * 512 * 768)], saved
+
+
+def test_dropout_outside_the_fused_kernels_reach_keeps_the_composite_path():
+    with FakeTensorMode(), cuda_rules():
+        x = torch.empty(4, 4, requires_grad=True)
+        assert nn.functional.dropout(x, 0.5, training=False) is x
+    real = torch.ones(4, 4)
+    with cuda_rules():  # real tensors take the original path
+        torch.manual_seed(0)
+        a = nn.functional.dropout(real, 0.5)
+    torch.manual_seed(0)
+    assert torch.equal(a, nn.functional.dropout(real, 0.5))
