@@ -54,6 +54,12 @@ from publish_overhead import replace_block  # noqa: E402
 from benchmarks.zoo import ZOO, SavedStorages, Training, ZooModel, storage_bytes  # noqa: E402
 
 GOAL_PEAK, GOAL_RESERVED = 2.0, 5.0  # percent
+#: The profiler's iteration peak against another, unprofiled step's ``max_memory_allocated()``
+#: (percent): two steps differ by the caching allocator's unsplit remainders (a cached block
+#: larger than asked for is handed out whole below a split threshold, and counted as allocated),
+#: which depend on what the cache held. The same iteration's peak is checked to the byte by
+#: tests/test_core_cuda.py; the breakdown's sum against the iteration peak to the byte here.
+GOAL_PROFILER_PEAK = 0.2
 DOCS = ROOT / "docs" / "benchmarks.md"
 DOCS_START, DOCS_END = "<!-- zoo conformance -->", "<!-- /zoo conformance -->"
 
@@ -220,7 +226,8 @@ def verdict(row: dict[str, Any]) -> list[str]:
         return [row["error"]]
     missed = []
     prof = row["profiler"]
-    if prof["iteration_peak"] != prof["reference_peak"] or prof["breakdown_sum"] != prof["reference_peak"]:
+    drift = pct(prof["iteration_peak"], prof["reference_peak"])
+    if prof["breakdown_sum"] != prof["iteration_peak"] or drift is None or abs(drift) > GOAL_PROFILER_PEAK:
         missed.append("profiler peak")
     if any(a != b for a, b in (prof["weights"], prof["gradients"], prof["optimizer_state"])):
         missed.append("profiler state")
@@ -285,7 +292,9 @@ def render(payload: dict[str, Any]) -> str:
         markdown_table(HEADERS, [table_row(r) for r in rows]),
         "",
         f"Goals met on {met} of {len(rows)} models (errors in % of the measured figure; MB = 10^6 bytes; "
-        "an estimate that states an error bound for an operation meets the peak goal within 2% plus that bound).",
+        "an estimate that states an error bound for an operation meets the peak goal within 2% plus that bound; "
+        f"the profiler's peak is compared with another, unprofiled step's, within {GOAL_PROFILER_PEAK}%, "
+        "and its breakdown with its peak to the byte).",
     ]
     return "\n".join(lines)
 

@@ -78,22 +78,29 @@ class Setup:
     width: int
 
 
-SETUPS = {
-    "optimizer-heavy": Setup(
-        "optimizer-heavy",
-        lambda: nn.Sequential(*(nn.Linear(256, 256, bias=False) for _ in range(4))),
-        lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, foreach=True),
-        batch=4,
-        width=256,
-    ),
-    "activation-heavy": Setup(
-        "activation-heavy",
-        lambda: Deep(128, 8),
-        lambda m: torch.optim.SGD(m.parameters(), lr=1e-3),
-        batch=512,
-        width=128,
-    ),
-}
+def setups(scale: int = 1) -> dict[str, Setup]:
+    """The two setups, ``scale`` times wider (and the activation-heavy one's batch too): on a GPU
+    the libraries' workspaces (cuBLAS's 32 MiB and more) are in the peak, and advice worth less
+    than 5% of it is not given, so the models there must be large enough to get advice at all."""
+    return {
+        "optimizer-heavy": Setup(
+            "optimizer-heavy",
+            lambda: nn.Sequential(*(nn.Linear(256 * scale, 256 * scale, bias=False) for _ in range(4))),
+            lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, foreach=True),
+            batch=4,
+            width=256 * scale,
+        ),
+        "activation-heavy": Setup(
+            "activation-heavy",
+            lambda: Deep(128 * scale, 8),
+            lambda m: torch.optim.SGD(m.parameters(), lr=1e-3),
+            batch=512 * scale,
+            width=128 * scale,
+        ),
+    }
+
+
+SETUPS = setups()
 
 
 @dataclass

@@ -145,7 +145,9 @@ class Training:
         loss.backward()
         self.gradients.append(storage_bytes(p.grad for p in self.model.parameters()))
         self.optimizer.step()
-        self.optimizer_state.append(storage_bytes(optimizer_state_tensors(self.optimizer)))
+        # on the device profiled: AdamW's step counts stay on the CPU when the model is on a GPU
+        state = [t for t in optimizer_state_tensors(self.optimizer) if t.device.type == self.device.type]
+        self.optimizer_state.append(storage_bytes(state))
         self.optimizer.zero_grad(set_to_none=True)
         value = float(loss.detach())
         del output, loss
