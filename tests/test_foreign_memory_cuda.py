@@ -11,7 +11,7 @@ import torch
 
 from pytorch_mem_profiler.outputs.advice import advise
 
-from .foreign_memory import KINDS, check_no_wrong_advice, run, setups
+from .foreign_memory import CHECKED, KINDS, check_no_wrong_advice, run, setups
 
 pytestmark = pytest.mark.cuda
 
@@ -39,8 +39,13 @@ def test_the_setups_get_advice_of_their_own(baselines):
     # peak put Adam's state just under its threshold
     assert "foreach-free step" in {a.kind for a in advise(baselines["optimizer-heavy"])}
     assert "checkpointing" in {a.kind for a in advise(baselines["activation-heavy"])}
-    for record in baselines.values():
-        assert record.peak_other_before is not None and record.peak_other_before <= 64 << 20
+    for name, record in baselines.items():
+        # the model alone leaves there cuBLAS's two workspaces (forward's and backward's thread, 32 MiB
+        # each) and the loop's batches made before the profiler, less the one in use (an input)
+        setup = SETUPS[name]
+        batches = (CHECKED - 1) * setup.batch * setup.width * 4
+        assert record.peak_other_before is not None
+        assert batches <= record.peak_other_before <= (64 << 20) + batches + 2 * TOLERANCE, (name, record.peak_other_before)
 
 
 @pytest.mark.parametrize("setup", sorted(SETUPS))
