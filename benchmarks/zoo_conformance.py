@@ -35,6 +35,7 @@ import argparse
 import gc
 import json
 import math
+import re
 import sys
 import tempfile
 import time
@@ -237,7 +238,7 @@ def verdict(row: dict[str, Any]) -> list[str]:
     for key in ("fake_cuda", "emulated"):
         est = row.get(key, {})
         if "error" in est:
-            missed.append(f"{key}: {est['error']}")
+            missed.append(f"{key}: {est['error'].split(':')[0]}")
         elif est.get("peak_error_pct") is None or abs(est["peak_error_pct"]) > GOAL_PEAK + (est.get("error_bound_pct") or 0.0):
             missed.append(f"{key} peak")
     fake = row.get("fake_cuda", {})
@@ -263,8 +264,8 @@ def table_row(row: dict[str, Any]) -> list[Any]:
     else:
         cells += ["-"] * 3
     fake, emu = row.get("fake_cuda", {}), row.get("emulated", {})
-    cells.append(fake.get("error") or f"{_fmt(fake.get('peak_error_pct'))}{_bound(fake)}, {_fmt(fake.get('reserved_error_pct'))}")
-    cells.append(emu.get("error") or f"{_fmt(emu.get('peak_error_pct'))}{_bound(emu)}")
+    cells.append(_short(fake["error"]) if "error" in fake else f"{_fmt(fake.get('peak_error_pct'))}{_bound(fake)}, {_fmt(fake.get('reserved_error_pct'))}")
+    cells.append(_short(emu["error"]) if "error" in emu else f"{_fmt(emu.get('peak_error_pct'))}{_bound(emu)}")
     lb = row.get("largest_batch")
     cells.append(
         "-" if lb is None else
@@ -274,6 +275,14 @@ def table_row(row: dict[str, Any]) -> list[Any]:
     missed = verdict(row)
     cells.append("ok" if not missed else "missed: " + "; ".join(missed))
     return head + cells
+
+
+def _short(error: str) -> str:
+    """An estimate's error as a table cell: its kind, the operation and the line that ran it."""
+    error = re.sub(r"\S*site-packages/", "", error)
+    error = re.sub(r"\S*/benchmarks/", "benchmarks/", error)
+    cut = error.find("): ")
+    return error[: cut + 1] if cut > 0 else error[:120]
 
 
 def _bound(est: dict[str, Any]) -> str:
