@@ -172,6 +172,11 @@ def neumf(device: torch.device, batch: int = 65_536, num_users: int = 0, num_ite
 
 
 def tiny_mlp(device: torch.device, batch: int = 64, width: int = 1024, depth: int = 8) -> Workload:
+    return _mlp("tiny_mlp", device, batch, width, depth, f"{depth} x Linear({width}), batch {batch}, Adam")
+
+
+def _mlp(name: str, device: torch.device, batch: int, width: int, depth: int, description: str) -> Workload:
+    """``depth`` blocks of Linear(width) and ReLU, Adam, one fixed batch."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(depth):
@@ -187,7 +192,7 @@ def tiny_mlp(device: torch.device, batch: int = 64, width: int = 1024, depth: in
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return Workload("tiny_mlp", model, opt, step, f"{depth} x Linear({width}), batch {batch}, Adam", (x,))
+    return Workload(name, model, opt, step, description, (x,))
 
 
 def cpu_mlp(device: torch.device, batch: int = 128, hidden: int = 256) -> Workload:
@@ -239,22 +244,7 @@ def small_cnn(device: torch.device, batch: int = 24, channels: int = 16, image: 
 def deep_mlp(device: torch.device, depth: int = 64, batch: int = 32, width: int = 64) -> Workload:
     """``depth`` blocks of Linear and ReLU, narrow: a host-bound step whose cost grows with the
     number of modules (the scaling sweep: 64, 512 and 4,096 layers)."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    model = nn.Sequential(*layers).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.randn(batch, width, device=device)
-
-    def step() -> torch.Tensor:
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return Workload(f"deep_{depth}", model, opt, step, f"{depth} x Linear({width}) + ReLU, batch {batch}, Adam", (x,))
+    return _mlp(f"deep_{depth}", device, batch, width, depth, f"{depth} x Linear({width}) + ReLU, batch {batch}, Adam")
 
 
 def _deep(depth: int) -> Callable[..., Workload]:

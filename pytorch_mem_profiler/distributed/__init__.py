@@ -36,21 +36,9 @@ from .exchange import (
 )
 from .ranks import RankInfo, parse_print_ranks, rank_info
 
-__all__ = [
-    "RankInfo",
-    "RankSummary",
-    "CrossRankSummary",
-    "CATEGORIES",
-    "rank_info",
-    "parse_print_ranks",
-    "summarize_rank",
-    "encode_summary",
-    "decode_summary",
-    "gather_summaries",
-    "GatherBuffers",
-    "RankPeakTracker",
-    "CrossRankExchange",
-]
+from . import exchange as _exchange
+
+__all__ = ["RankInfo", "rank_info", "parse_print_ranks", *_exchange.__all__]
 
 
 def __getattr__(name: str) -> Any:

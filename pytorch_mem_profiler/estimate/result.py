@@ -114,6 +114,29 @@ class BatchFit:
         return max(0, int(best))
 
 
+def _remembered(fits: Callable[[int], bool]) -> Callable[[int], bool]:
+    """``fits``, each batch size asked once (a fake step each)."""
+    cache: dict[int, bool] = {}
+
+    def ok(batch: int) -> bool:
+        if batch not in cache:
+            cache[batch] = fits(batch)
+        return cache[batch]
+
+    return ok
+
+
+def _bisect(ok: Callable[[int], bool], lo: int, hi: int, tolerance: float) -> int:
+    """Narrow ``lo`` (fits) and ``hi`` (does not) until within ``tolerance`` of the batch (or 1)."""
+    while hi - lo > max(1, int(lo * tolerance)):
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def largest_fitting(fits: Callable[[int], bool], guess: int, upper: int, *, tolerance: float = 0.01) -> int:
     """The largest batch size up to ``upper`` for which ``fits(batch)`` (0: none).
 
@@ -126,13 +149,7 @@ def largest_fitting(fits: Callable[[int], bool], guess: int, upper: int, *, tole
         >>> largest_fitting(lambda b: 100 + 7 * b <= 1000, 50, 200)
         128
     """
-    cache: dict[int, bool] = {}
-
-    def ok(batch: int) -> bool:
-        if batch not in cache:
-            cache[batch] = fits(batch)
-        return cache[batch]
-
+    ok = _remembered(fits)
     if ok(upper):
         return upper
     lo, hi = 0, upper  # lo fits (0 always does), hi does not
@@ -142,13 +159,7 @@ def largest_fitting(fits: Callable[[int], bool], guess: int, upper: int, *, tole
             lo = guess
         else:
             hi = guess
-    while hi - lo > max(1, int(lo * tolerance)):
-        mid = (lo + hi) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _bisect(ok, lo, hi, tolerance)
 
 
 def largest_verified(fits: Callable[[int], bool], guess: int, *, tolerance: float = 0.01, most: int = 1 << 40) -> int:
@@ -164,13 +175,7 @@ def largest_verified(fits: Callable[[int], bool], guess: int, *, tolerance: floa
         >>> largest_verified(lambda b: 100 + 7 * b <= 1000, 50), largest_verified(lambda b: 100 + 7 * b <= 1000, 500)
         (128, 128)
     """
-    cache: dict[int, bool] = {}
-
-    def ok(batch: int) -> bool:
-        if batch not in cache:
-            cache[batch] = fits(batch)
-        return cache[batch]
-
+    ok = _remembered(fits)
     guess = max(1, min(int(guess), most))
     step = max(1, guess // 20)
     if ok(guess):
@@ -193,13 +198,7 @@ def largest_verified(fits: Callable[[int], bool], guess: int, *, tolerance: floa
                 lo = nxt
             else:
                 hi, step = nxt, 2 * step
-    while hi - lo > max(1, int(lo * tolerance)):
-        mid = (lo + hi) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _bisect(ok, lo, hi, tolerance)
 
 
 @dataclass(frozen=True)
