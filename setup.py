@@ -30,10 +30,13 @@ setup(
             "accelerate>=0.30",
             "tqdm>=4.60",
             "tensorboard>=2.10",
-            # the model zoo (benchmarks/zoo): ViT and Swin by timm, ResNet, ConvNeXt, EfficientNet, MobileNet
-            "timm",
-            "torchvision",
         ],
+        # The model zoo's vision models (benchmarks/zoo: ViT and Swin by timm; ResNet, ConvNeXt,
+        # EfficientNet, MobileNet by torchvision), for its tests: apart from "test" because PyPI's
+        # torchvision is built for PyPI's default (CUDA) torch, and beside torch's CPU build it fails
+        # at import, which breaks Lightning's import too. With the CPU build, install torchvision
+        # from the same index as torch.
+        "zoo": ["timm", "torchvision"],
         "lightning": ["lightning>=2.0"],
         "transformers": ["transformers>=4.40", "accelerate>=0.30"],
         "plot": ["matplotlib>=3.5"],

@@ -56,7 +56,8 @@ def missing_package(package: str) -> str | None:
     try:
         importlib.import_module(package)
     except Exception as err:  # noqa: BLE001 - any failure to import means "not here"
-        return f"{package} cannot be imported here ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        return f"{package} cannot be imported here ({why}; pip install 'pytorch_mem_profiler[zoo]')"
     return None
 
 
