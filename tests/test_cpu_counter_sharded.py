@@ -16,8 +16,11 @@ import torch
 import torch.distributed as dist
 
 from pytorch_mem_profiler.measure.accounting import storage_parts
+from pytorch_mem_profiler.measure import storage_counting
 from pytorch_mem_profiler.measure.devices import CpuCounter
 from pytorch_mem_profiler.measure.storage_counting import unwatch_storage_resizes, watch_storage_resizes
+
+from .helpers import local_storage_bytes
 
 TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2])
 
@@ -36,16 +39,6 @@ def fake_two_ranks():
         dist.destroy_process_group()
 
 
-def local_bytes(tensors) -> int:
-    """Bytes of the unique storages under ``tensors`` (a DTensor's: its local shard's)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
-        seen[id(storage)] = storage.nbytes()
-    return sum(seen.values())
-
-
 def test_storage_resize_is_counted_and_the_method_put_back(counter):
     assert "resize_" in torch.UntypedStorage.__dict__  # watched while the counter runs
     x = torch.empty(1000)  # 4000 bytes
@@ -56,11 +49,14 @@ def test_storage_resize_is_counted_and_the_method_put_back(counter):
     reading = counter.read()
     assert (reading.allocated, reading.peak_allocated) == (8000, 8000)
     counter.stop()
-    assert "resize_" not in torch.UntypedStorage.__dict__  # the C method again
+    # put back as it was before the counter: the C method (or what another tool left in the class)
+    before = storage_counting._ORIGINAL_RESIZE if storage_counting._ORIGINAL_IN_CLASS else None
+    assert torch.UntypedStorage.__dict__.get("resize_") is before
 
 
 def test_resize_listeners_come_and_go_in_any_order():
     seen_a, seen_b = [], []
+    installed = torch.UntypedStorage.__dict__.get("resize_")  # nothing, or what another tool left there
     a = lambda s, before: seen_a.append((before, s.nbytes()))  # noqa: E731
     b = lambda s, before: seen_b.append((before, s.nbytes()))  # noqa: E731
     watch_storage_resizes(a)
@@ -72,7 +68,30 @@ def test_resize_listeners_come_and_go_in_any_order():
     unwatch_storage_resizes(b)
     storage.resize_(4)
     assert seen_a == [(32, 16)] and seen_b == [(32, 16), (16, 0)]
-    assert "resize_" not in torch.UntypedStorage.__dict__
+    assert torch.UntypedStorage.__dict__.get("resize_") is installed
+
+
+def test_a_resize_wrapper_installed_before_the_counter_is_put_back():
+    # someone's own wrapper of UntypedStorage.resize_ (another tool's): still there, and still
+    # called, after the counter came and went
+    original = torch.UntypedStorage.resize_
+    calls = []
+
+    def theirs(storage, size):
+        calls.append(size)
+        return original(storage, size)
+
+    torch.UntypedStorage.resize_ = theirs
+    try:
+        listen = lambda storage, before: None  # noqa: E731
+        watch_storage_resizes(listen)
+        unwatch_storage_resizes(listen)
+        assert torch.UntypedStorage.__dict__.get("resize_") is theirs
+        torch.zeros(4).untyped_storage().resize_(0)
+        assert calls == [0]
+    finally:
+        del torch.UntypedStorage.resize_
+    assert torch.UntypedStorage.resize_ is original
 
 
 def test_a_dtensor_counts_its_local_shard(fake_two_ranks, counter):
@@ -87,7 +106,7 @@ def test_a_dtensor_counts_its_local_shard(fake_two_ranks, counter):
     doubled = sharded * 2  # a DTensor operator's result: a new local shard
     assert [t.untyped_storage().nbytes() for t in storage_parts(doubled)] == [512 * 256 * 4]
     assert doubled.untyped_storage().nbytes() == 1024 * 256 * 4  # what the wrapper claims
-    assert counter.read().allocated - base == local_bytes([sharded, doubled]) == 2 * 512 * 256 * 4
+    assert counter.read().allocated - base == local_storage_bytes([sharded, doubled]) == 2 * 512 * 256 * 4
 
 
 @pytest.mark.skipif(TORCH < (2, 6), reason="FSDP2 on the CPU needs torch >= 2.6")
@@ -126,9 +145,9 @@ def test_fsdp2_step_counts_the_ranks_shards_state_and_gathered_parameters(fake_t
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     full = sum(p.numel() * p.element_size() for p in params)
     # Each rank holds half of every parameter, and AdamW's two moments of that half.
-    assert local_bytes(params) == full // 2
-    assert end == local_bytes(params) + local_bytes(state)
-    assert local_bytes(state) == 2 * full // 2 + 4 * len(params)  # exp_avg, exp_avg_sq; a float32 step each
+    assert local_storage_bytes(params) == full // 2
+    assert end == local_storage_bytes(params) + local_storage_bytes(state)
+    assert local_storage_bytes(state) == 2 * full // 2 + 4 * len(params)  # exp_avg, exp_avg_sq; a float32 step each
     # A block's gathered parameters are freed (resize_(0)) once its forward ends: after
     # each block's forward the level grows by that block's output (8 x 256 float32, kept
     # for the next block's backward), not by a gathered block (256 x 257 float32).

@@ -150,9 +150,11 @@ def test_fsdp2_pads_dim_0_to_a_multiple_of_the_world():
 @needs_fsdp2_cpu
 def test_no_process_group_is_left_and_a_users_group_is_refused():
     assert not dist.is_initialized()
+    # what the class held before (nothing, or what another tool left there): the same after
+    before = torch.UntypedStorage.__dict__.get("resize_")
     estimate_memory(wide_model(), torch.zeros(8, 64), device="cpu", fit=False, parallel="fsdp2", world_size=2)
     assert not dist.is_initialized()
-    assert "resize_" not in torch.UntypedStorage.__dict__
+    assert torch.UntypedStorage.__dict__.get("resize_") is before
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         with pytest.raises(ValueError, match="already initialised"):

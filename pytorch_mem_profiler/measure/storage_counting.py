@@ -76,6 +76,9 @@ _log = logging.getLogger("pytorch_mem_profiler")
 _RESIZE_LISTENERS: list[Any] = []
 _RESIZE_LOCK = threading.Lock()
 _ORIGINAL_RESIZE: Any = None
+#: whether ``_ORIGINAL_RESIZE`` was ``UntypedStorage``'s own attribute (someone's wrapper), to put
+#: back as it was, or inherited from the C base class (deleting ours shows it again)
+_ORIGINAL_IN_CLASS = False
 
 
 def _resize_and_tell(storage: torch.UntypedStorage, size: int) -> Any:
@@ -111,12 +114,13 @@ def watch_storage_resizes(listener: Any) -> None:
         >>> seen, torch.UntypedStorage.resize_ is _ORIGINAL_RESIZE or _ORIGINAL_RESIZE is None
         ([(16, 0)], True)
     """
-    global _ORIGINAL_RESIZE
+    global _ORIGINAL_RESIZE, _ORIGINAL_IN_CLASS
     with _RESIZE_LOCK:
         if not _RESIZE_LISTENERS:
             current = torch.UntypedStorage.resize_
             if current is not _resize_and_tell:
                 _ORIGINAL_RESIZE = current
+                _ORIGINAL_IN_CLASS = "resize_" in torch.UntypedStorage.__dict__
                 torch.UntypedStorage.resize_ = _resize_and_tell  # type: ignore[method-assign]
         _RESIZE_LISTENERS.append(listener)
 
@@ -129,7 +133,10 @@ def unwatch_storage_resizes(listener: Any) -> None:
                 del _RESIZE_LISTENERS[i]
                 break
         if not _RESIZE_LISTENERS and torch.UntypedStorage.__dict__.get("resize_") is _resize_and_tell:
-            del torch.UntypedStorage.resize_  # the C method of StorageBase shows through again
+            if _ORIGINAL_IN_CLASS:  # a wrapper of someone else's, installed before ours
+                torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
+            else:
+                del torch.UntypedStorage.resize_  # the C method of StorageBase shows through again
 
 
 class Tally:
