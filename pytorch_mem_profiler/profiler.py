@@ -320,9 +320,10 @@ class MemoryProfiler:
         and switched itself off (a fault in this method, or in the CPU counter
         every figure on the CPU comes from): nothing is measured then. A call
         whose iteration the hooks watched and saw nothing in (the model not
-        entered, not even without gradients; no backward, no optimizer step) (called twice in a row, or before training began) is
-        no iteration: it is not counted nor reported, its record (the figures as
-        they are) carries the last counted iteration and ``reported=False``, and a
+        entered, not even without gradients; no backward, no optimizer step: called
+        twice in a row, or before training began) is no iteration: it is not counted
+        nor reported, its record (the figures as they are) carries the last counted
+        iteration and ``reported=False``, and a
         :class:`~pytorch_mem_profiler.outputs.notices.MisuseWarning` says so once.
         """
         # A door the user calls: every line inside the try (so are epoch_end's and close's);
@@ -506,7 +507,7 @@ class MemoryProfiler:
             return None
         budget = self._budget
         budget.entered()
-        reported = (self.iteration + 1) % self.print_period == 0
+        reported = self._next_reported()
         record = self._meter.finish(Position(self.epoch, self.iteration + 1, self.step + 1), reported)
         # with a part's hooks off (a fault), a phase may go unseen: no iteration is refused then
         if self._meter.idle and not self._guard.disabled:

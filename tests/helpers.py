@@ -25,6 +25,11 @@ def unique_storage_bytes(*tensors: torch.Tensor) -> int:
     return sum(unique.values())
 
 
+def local_storage_bytes(tensors) -> int:
+    """:func:`unique_storage_bytes` of ``tensors``, a DTensor counted by its local shard."""
+    return unique_storage_bytes(*(t.to_local() if hasattr(t, "to_local") else t for t in tensors))
+
+
 class SavedBytes:
     """The user's own pack hook: unique storages autograd saved inside :meth:`hooks`, the
     parameters of ``model`` and the tensors ``skip`` left out (the independent count of what a

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pytorch_mem_profiler.estimate.parallel import FSDP2, fully_shard_function  # noqa: E402
 from pytorch_mem_profiler.measure.devices import CpuCounter  # noqa: E402
+from tests.helpers import local_storage_bytes  # noqa: E402
 
 BATCH = 8
 STEPS = 2
@@ -80,15 +81,6 @@ SCENARIOS = {
     "fsdp2_keep": ("fsdp2", {"reshard_after_forward": False}),
     "fsdp2_bf16": ("fsdp2", {"mixed_precision": "bf16"}),
 }
-
-
-def local_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
-        seen[id(storage)] = storage.nbytes()
-    return sum(seen.values())
 
 
 #: ``torch.cuda.memory_stats`` keys kept for each phase and at the end (bytes, since the last reset)
@@ -238,8 +230,8 @@ def run(name: str, device: torch.device, sizes: dict, warmup: bool = False) -> d
             "base": base,
             "warmup_steps": STEPS if warmup else 0,
             "first_steps_peak": first_steps_peak,
-            "weights": local_bytes(params),
-            "optimizer_state": local_bytes(state),
+            "weights": local_storage_bytes(params),
+            "optimizer_state": local_storage_bytes(state),
             "device": str(device),
             "gpu": torch.cuda.get_device_name(device) if cuda else None,
         }

@@ -241,7 +241,6 @@ class _SampleHook:
 
     __slots__ = ("tracker",)
 
-
     def __deepcopy__(self, memo: dict) -> _SampleHook:
         return self  # a copied model shares the hook (see ``EntryWatch.__deepcopy__``)
 

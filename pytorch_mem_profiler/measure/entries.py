@@ -98,7 +98,6 @@ class EntryWatch:
         guard: contains faults of the hooks.
     """
 
-
     def __deepcopy__(self, memo: dict) -> EntryWatch:
         # ``copy.deepcopy(model)`` (an EMA copy, a reference model) copies the hooks on the
         # model's modules, and a bound method's copy would copy this watch and, through it, the

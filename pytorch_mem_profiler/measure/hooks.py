@@ -707,9 +707,7 @@ class TrainingStepHooks:
         try:
             if OPTIMIZER_PART in self.guard.disabled:
                 return None
-            if self._steps_model(optimizer) and (
-                "optimizer" not in self._explicit
-            ):
+            if self._steps_model(optimizer) and "optimizer" not in self._explicit:
                 self._step_began()
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
             self.guard.fault(OPTIMIZER_PART, exc)
