@@ -33,7 +33,7 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..measure.accounting import PLAIN_TENSORS, same_device, storage_parts
+from ..measure.accounting import same_device, storage_holder, storage_parts
 from ..measure.devices import MemoryCounter, Reading
 from ..measure.storage_counting import NEW, RESIZED, return_kinds, unwatch_storage_resizes, watch_storage_resizes
 
@@ -221,10 +221,7 @@ class StorageLifeCounter(MemoryCounter):
     # -- roles -----------------------------------------------------------------
     def life_of(self, tensor: torch.Tensor) -> Life | None:
         """The life of the storage under ``tensor``, if counted and alive."""
-        if type(tensor) not in PLAIN_TENSORS:
-            parts = storage_parts(tensor)
-            if len(parts) == 1:
-                tensor = parts[0]  # a DTensor: its local shard
+        tensor = storage_holder(tensor)  # a DTensor: its local shard
         try:
             return self._live.get(id(tensor.untyped_storage()))
         except (RuntimeError, NotImplementedError, TypeError):

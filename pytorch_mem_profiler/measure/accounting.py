@@ -25,6 +25,7 @@ __all__ = [
     "PLAIN_TENSORS",
     "tensor_bytes",
     "storage_parts",
+    "storage_holder",
     "parts_on",
     "allocation_bytes",
     "same_device",
@@ -81,6 +82,24 @@ def storage_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if layout in _COMPRESSED_COLUMNS:
         return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
     return (tensor,)
+
+
+def storage_holder(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``tensor``'s memory: a wrapper subclass's one inner
+    tensor (a DTensor's local shard), else ``tensor`` itself.
+
+    Example::
+
+        >>> import torch
+        >>> t = torch.ones(2)
+        >>> storage_holder(t) is t
+        True
+    """
+    if type(tensor) not in _PLAIN_TENSORS:
+        parts = storage_parts(tensor)
+        if len(parts) == 1:
+            return parts[0]
+    return tensor
 
 
 def parts_on(tensors: Iterable[torch.Tensor], device: torch.device) -> Iterator[torch.Tensor]:

@@ -54,7 +54,7 @@ from typing import Any, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from .accounting import PLAIN_TENSORS, storage_parts
+from .accounting import PLAIN_TENSORS, storage_holder, storage_parts
 
 __all__ = [
     "Tally",
@@ -571,10 +571,7 @@ class StorageRegistry:
 
     def ref_of(self, tensor: torch.Tensor) -> _StorageRef | None:
         """The live counted storage of a strided CPU tensor (``None``: not counted)."""
-        if type(tensor) not in PLAIN_TENSORS:
-            parts = storage_parts(tensor)
-            if len(parts) == 1:
-                tensor = parts[0]  # a DTensor: its local shard
+        tensor = storage_holder(tensor)  # a DTensor: its local shard
         try:
             return self.live.get(id(tensor.untyped_storage()))
         except (RuntimeError, NotImplementedError, TypeError):
