@@ -69,6 +69,26 @@ def models(quick: bool) -> dict[str, dict[str, Any]]:
     }, batch
 
 
+def model_configurations(names: str | None, quick: bool) -> list[tuple[str, str, Any, dict[str, Any], int]]:
+    """(name, precision, autocast, estimate arguments, batch) for the transformers models, fp32 and bf16 each."""
+    zoo, batch = models(quick)
+    chosen = names.split(",") if names else list(zoo)
+    return [(name, precision, autocast, zoo[name], batch) for name in chosen for precision, autocast in (("fp32", None), ("bf16", torch.bfloat16))]
+
+
+def zoo_configurations(names: list[str], size: str) -> list[tuple[str, str, Any, dict[str, Any], int]]:
+    """The same for zoo models (``benchmarks/zoo``), each in its own precision and at its batch for ``size``."""
+    from zoo import ZOO
+
+    configurations = []
+    for name in names:
+        entry = ZOO[name]
+        kwargs = entry.estimate_kwargs(size)
+        autocast = kwargs.pop("autocast")
+        configurations.append((name, "bf16" if autocast is torch.bfloat16 else "fp32", autocast, kwargs, entry.batch[size]))
+    return configurations
+
+
 class Recording:
     """Patches the estimate's counter and saved-tensor hook, for one step, to record what they see."""
 
@@ -164,39 +184,38 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--models", default=None, help="comma-separated subset of bert,t5,llama-gqa,gpt2")
     parser.add_argument("--budget", type=float, default=85.0, help="seconds: no configuration starts after this (default 85)")
     parser.add_argument("--skip-done", action="store_true", help="skip configurations whose JSON is already in --out")
+    parser.add_argument("--zoo", default=None, help="comma-separated zoo models (benchmarks/zoo) at their real size, in their own precision, instead of --models")
     args = parser.parse_args(argv)
     out = output_dir(args.out)
     started = time.perf_counter()
     on_gpu = torch.cuda.is_available()
-    zoo, batch = models(args.quick)
-    chosen = args.models.split(",") if args.models else list(zoo)
+    configurations = zoo_configurations(args.zoo.split(","), "small" if args.quick else "real") if args.zoo else model_configurations(args.models, args.quick)
     lines = [f"{environment_line(torch.device('cuda' if on_gpu else 'cpu'))}", ""]
     lines.append("| model | precision | fake CUDA peak | emulated peak | emulated vs CUDA | ops similarity |")
     lines.append("| --- | --- | --- | --- | --- | --- |")
     details = []
-    for name in chosen:
-        for precision, autocast in (("fp32", None), ("bf16", torch.bfloat16)):
-            if out is not None and args.skip_done and (out / f"{name}-{precision}.json").exists():
-                continue
-            if time.perf_counter() - started > args.budget:
-                lines.append(f"| {name} | {precision} | (not run: past --budget; rerun with --skip-done) | | | |")
-                continue
-            emulated = run_path(zoo[name], batch, autocast, emulate=True)
-            result: dict[str, Any] = {"model": name, "precision": precision, "emulated": emulated}
-            if on_gpu:
-                cuda = run_path(zoo[name], batch, autocast, emulate=False)
-                result["cuda"] = cuda
-                result["diff"] = d = diff(cuda, emulated)
-                change = 100 * (emulated["peak"] - cuda["peak"]) / cuda["peak"]
-                lines.append(f"| {name} | {precision} | {cuda['peak']:,} | {emulated['peak']:,} | {change:+.2f}% | {d['similarity']:.3f} |")
-                top = [f"  - op {r['key']}: CUDA {r['cuda_count']}x {r['cuda_bytes']:,} B, emulated {r['emulated_count']}x {r['emulated_bytes']:,} B" for r in d["ops"][:5]]
-                top += [f"  - saved {r['key']}: CUDA {r['cuda_bytes']:,} B, emulated {r['emulated_bytes']:,} B" for r in d["saved"][:5]]
-                details.append(f"- {name} {precision}:\n" + "\n".join(top))
-            else:
-                lines.append(f"| {name} | {precision} | (no GPU) | {emulated['peak']:,} | - | - |")
-            if out is not None:
-                (out / f"{name}-{precision}.json").write_text(json.dumps(result))
-                (out / "summary.md").write_text("\n".join(lines) + "\n")  # after each configuration
+    for name, precision, autocast, kwargs, batch in configurations:
+        if out is not None and args.skip_done and (out / f"{name}-{precision}.json").exists():
+            continue
+        if time.perf_counter() - started > args.budget:
+            lines.append(f"| {name} | {precision} | (not run: past --budget; rerun with --skip-done) | | | |")
+            continue
+        emulated = run_path(kwargs, batch, autocast, emulate=True)
+        result: dict[str, Any] = {"model": name, "precision": precision, "emulated": emulated}
+        if on_gpu:
+            cuda = run_path(kwargs, batch, autocast, emulate=False)
+            result["cuda"] = cuda
+            result["diff"] = d = diff(cuda, emulated)
+            change = 100 * (emulated["peak"] - cuda["peak"]) / cuda["peak"]
+            lines.append(f"| {name} | {precision} | {cuda['peak']:,} | {emulated['peak']:,} | {change:+.2f}% | {d['similarity']:.3f} |")
+            top = [f"  - op {r['key']}: CUDA {r['cuda_count']}x {r['cuda_bytes']:,} B, emulated {r['emulated_count']}x {r['emulated_bytes']:,} B" for r in d["ops"][:5]]
+            top += [f"  - saved {r['key']}: CUDA {r['cuda_bytes']:,} B, emulated {r['emulated_bytes']:,} B" for r in d["saved"][:5]]
+            details.append(f"- {name} {precision}:\n" + "\n".join(top))
+        else:
+            lines.append(f"| {name} | {precision} | (no GPU) | {emulated['peak']:,} | - | - |")
+        if out is not None:
+            (out / f"{name}-{precision}.json").write_text(json.dumps(result))
+            (out / "summary.md").write_text("\n".join(lines) + "\n")  # after each configuration
     lines += ["", f"{time.perf_counter() - started:.0f} s", "", "Largest differences (bytes over the two steps):", *details]
     text = "\n".join(lines) + "\n"
     print(text)

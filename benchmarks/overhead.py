@@ -22,6 +22,9 @@ spread (lowest and highest). Tools:
   reported iterations at each level of detail;
 - ``torch.profiler.profile(profile_memory=True, record_shapes=True)``;
 - ``torch.cuda.memory._record_memory_history``, ``stacks="python"`` and ``"all"``;
+- the same history as an engine for detailed iterations: on for each step, read back with
+  ``_snapshot()`` after it, then restarted (what replacing the pack and gradient hooks
+  with it would cost at least, set against ``by_layer`` at ``print_period=1``);
 - torch's ``MemTracker``, which tracks one step only and refuses a second: each
   round times one tracked step against one untracked step;
 - pytorch_memlab's ``MemReporter(model).report()`` after every step.
@@ -187,6 +190,44 @@ def history_tool(stacks: str, max_entries: int) -> Tool:
     )
 
 
+def history_engine_tool(max_entries: int) -> Tool:
+    """The allocator history as an engine for detailed iterations: switched on for each step
+    (Python stacks), read back with ``_snapshot()`` after it, its trace walked for the step's
+    peak, then switched off and on again (a fresh trace). A floor of what such an engine costs
+    per detailed iteration: attributing the trace to layers comes on top."""
+
+    def enable() -> None:
+        torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=max_entries)
+
+    def read_back() -> None:
+        snapshot = torch.cuda.memory._snapshot()
+        live = peak = 0
+        for trace in snapshot["device_traces"]:
+            for event in trace:
+                if event["action"] == "alloc":
+                    live += event["size"]
+                    peak = max(peak, live)
+                elif event["action"] == "free_completed":
+                    live -= event["size"]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        enable()
+
+    @contextlib.contextmanager
+    def open_(work: Workload, device: torch.device) -> Iterator[PerStep]:
+        enable()
+        try:
+            yield read_back
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    return Tool(
+        "history engine: on each step, read back by _snapshot()",
+        open_,
+        _history_check,
+        note="a floor for an allocator-history engine at the full level each iteration",
+    )
+
+
 def _memtracker_check(device: torch.device) -> str | None:
     if not torch.distributed.is_available():
         return "torch.distributed is not available in this build"
@@ -239,6 +280,7 @@ def make_tools(max_entries: int) -> dict[str, Tool]:
         Tool("torch.profiler(profile_memory, record_shapes)", _torch_profiler, _torch_profiler_check),
         history_tool("python", max_entries),
         history_tool("all", max_entries),
+        history_engine_tool(max_entries),
         Tool(
             "MemTracker",
             _memtracker,
