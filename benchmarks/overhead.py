@@ -614,6 +614,23 @@ def ours_table(rows: list[Row]) -> str:
 
 
 
+CSV_HEADERS = [
+    "workload", "tool", "status", "ratio", "step_ms_without", "step_ms_with", "rounds", "steps_without",
+    "steps_with", "tool_stop_s", "goal", "ratios", "note", "device", "torch",
+]  # fmt: skip
+
+
+def ratio_csv_rows(rows: list[Row], device: torch.device) -> list[list[Any]]:
+    gpu = environment_line(device)
+    return [
+        [
+            r.workload, r.tool, r.status, r.ratio, r.base_ms, r.tool_ms, r.rounds, r.base_steps, r.tool_steps,
+            r.stop_s, r.goal, " ".join(f"{x:.4f}" for x in r.ratios), r.note, gpu, torch.__version__,
+        ]  # fmt: skip
+        for r in rows
+    ]
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -686,8 +703,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
             else:
                 row = measure_tool(work, device, tool, base_step_s, settings)
             rows.append(row)
+            if out is not None:  # a run cut short (a time limit, a kill) keeps every row measured so far
+                write_csv(out / "overhead_partial.csv", CSV_HEADERS, ratio_csv_rows(rows, device))
             if row.ratio is not None:
-                print(f"{name:9s} {tool_name:48s} {row.ratio:7.3f}x  ({row.base_ms:.2f} -> {row.tool_ms:.2f} ms)", flush=True)
+                print(f"{name:9s} {tool_name:48s} {row.ratio:7.3f}x [{row.spread}]  ({row.base_ms:.2f} -> {row.tool_ms:.2f} ms)  {row.note}", flush=True)
             else:
                 print(f"{name:9s} {tool_name:48s} {row.status}", flush=True)
         if any(tools[t].ours for t in args.tools) and time.monotonic() < deadline:
@@ -761,22 +780,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     emit()
     emit("Tool stop: seconds to leave the tool's context after a block (torch.profiler processes its trace then).")
 
-    csv_headers = [
-        "workload", "tool", "status", "ratio", "step_ms_without", "step_ms_with", "rounds", "steps_without",
-        "steps_with", "tool_stop_s", "goal", "ratios", "note", "device", "torch",
-    ]  # fmt: skip
-    gpu = environment_line(device)
-    csv_rows = [
-        [
-            r.workload, r.tool, r.status, r.ratio, r.base_ms, r.tool_ms, r.rounds, r.base_steps, r.tool_steps,
-            r.stop_s, r.goal, " ".join(f"{x:.4f}" for x in r.ratios), r.note, gpu, torch.__version__,
-        ]  # fmt: skip
-        for r in rows
-    ]
+    csv_rows = ratio_csv_rows(rows, device)
     if args.csv:
-        write_csv(Path(args.csv), csv_headers, csv_rows)
+        write_csv(Path(args.csv), CSV_HEADERS, csv_rows)
     if out is not None:
-        write_csv(out / "overhead.csv", csv_headers, csv_rows)
+        write_csv(out / "overhead.csv", CSV_HEADERS, csv_rows)
+        (out / "overhead_partial.csv").unlink(missing_ok=True)
         write_csv(out / "overhead_device_memory.csv", mem_headers, memory_rows)
         write_csv(out / "overhead_host_memory.csv", host_headers, host_rows)
         (out / "overhead.md").write_text("\n".join(lines) + "\n")
