@@ -5,10 +5,12 @@ fake CUDA and emulated, its reserved within 5% of ``max_memory_reserved()``, the
 batch running under the allocator limit and 1.1x of it running out of memory.
 
     PYTHONPATH=. python3 -m pytest tests/test_zoo_cuda.py -m cuda -q
+    ZOO_CONFORMANCE_OUT=$OUT/zoo PYTHONPATH=. python3 -m pytest tests/test_zoo_cuda.py -m cuda -q   # rows for --publish too
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +44,8 @@ def test_the_zoo_model_conforms_on_the_gpu(name, request):
     device = torch.device("cuda", torch.cuda.current_device())
     row = zoo_conformance.conform(entry, device)
     torch._dynamo.reset()
+    if os.environ.get("ZOO_CONFORMANCE_OUT"):  # the same rows feed the published table
+        zoo_conformance.append_row(Path(os.environ["ZOO_CONFORMANCE_OUT"]) / "zoo_conformance.json", row, device, quick=False)
     missed = zoo_conformance.verdict(row)
     if entry.unsupported:
         # refused by design: both estimates name the operation; everything else must hold
