@@ -1,5 +1,9 @@
 """Each rank's estimated peak against a real two-GPU run: DDP and FSDP2, float32 and bf16 mixed precision.
 
+DDP in float32 (buckets copied, or the gradients their views), under bf16 autocast, with
+BatchNorm's buffers and with position tables as buffers (broadcast before each forward);
+FSDP2 resharding after forward or not, float32 or bf16 parameters with float32 reduction.
+
 For each scenario, its own ``torchrun --nproc-per-node 2`` with NCCL on
 ``tests/parallel_estimate_worker.py --warmup`` (a fresh process: nothing of another
 scenario in the allocator, the cuBLAS workspaces taken afresh). Each rank measures the
@@ -32,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 SIZES = {"width": 1024, "hidden": 4096, "layers": 6}
 #: the goal of the estimate across ranks: each rank's peak within this fraction of the real one
 TOLERANCE = 0.03
-SCENARIO_NAMES = "ddp,ddp_view,fsdp2,fsdp2_keep,fsdp2_bf16"
+SCENARIO_NAMES = "ddp,ddp_view,ddp_bf16,ddp_bn,ddp_tables,fsdp2,fsdp2_keep,fsdp2_bf16"
 _MB = 1e6
 
 
@@ -62,22 +66,22 @@ def launch(name: str, out: Path, timeout_s: float, backend: str = "nccl", sizes:
     return ranks
 
 
-def estimate(name: str, rank: int, device: str = "cuda", sizes: dict = SIZES):
+def estimate(name: str, rank: int, device: str = "cuda", sizes: dict = SIZES, world_size: int = 2):
+    """The estimate of ``rank`` of ``world_size`` for the scenario, with the benchmark's model."""
     import torch
 
     from parallel_estimate_worker import BATCH, SCENARIOS, SEQ, build, loss_fn
     from pytorch_mem_profiler.estimate import estimate_memory
-    from pytorch_mem_profiler.estimate.parallel import DDP, FSDP2
 
-    parallel, settings = SCENARIOS[name]
-    plan = DDP(**settings) if parallel == "ddp" else FSDP2(**settings)
+    scenario = SCENARIOS[name]
+    model = {**scenario.model, **sizes}
 
     def tokens(b: int) -> torch.Tensor:
         return torch.zeros(b, SEQ, dtype=torch.long)
 
     return estimate_memory(
-        lambda: build(**sizes), tokens, batch_size=BATCH, loss_fn=loss_fn, targets=tokens,
-        optimizer=torch.optim.AdamW, device=device, fit=False, parallel=plan, world_size=2, rank=rank,
+        lambda: build(**model), tokens, batch_size=BATCH, loss_fn=loss_fn, targets=tokens, optimizer=torch.optim.AdamW,
+        device=device, fit=False, parallel=scenario.plan(), world_size=world_size, rank=rank, autocast=scenario.autocast,
     )  # fmt: skip
 
 
