@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -50,12 +51,21 @@ def launch(name: str, out: Path, timeout_s: float, backend: str = "nccl", sizes:
         "--scenarios", name, "--sizes", json.dumps(sizes), "--warmup",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "NCCL_NVLS_ENABLE": "0"}
+    # torchrun and its workers in a session of their own: past the timeout all of them are stopped,
+    # none left holding a GPU for the next scenario
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
-        log = f"$ {' '.join(cmd)}\nexit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-    except subprocess.TimeoutExpired as e:
-        log = f"$ {' '.join(cmd)}\ntimed out after {timeout_s} s\n{e.stdout or ''}\n{e.stderr or ''}"
-    (folder / "log.txt").write_text(log if isinstance(log, str) else str(log))
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        log = f"$ {' '.join(cmd)}\nexit {proc.returncode}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # torchrun stops its workers on SIGTERM
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        log = f"$ {' '.join(cmd)}\ntimed out after {timeout_s} s\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+    (folder / "log.txt").write_text(log)
     ranks = {}
     for r in (0, 1):
         path = folder / f"rank{r}.json"
@@ -178,7 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for the results (default $OUT)")
     parser.add_argument("--scenarios", default=SCENARIO_NAMES)
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one scenario's launch may take")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one scenario's launch may take")
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU with the tests' small model (a dry run)")
     args = parser.parse_args(argv)
     if not args.out:
