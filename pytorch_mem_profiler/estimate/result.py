@@ -379,6 +379,8 @@ class MemoryEstimate:
         times ``1 - margin``, rounded down (Lightning's ``BatchSizeFinder(margin=...)``
         rule). ``outside``: another allowance than :attr:`outside` (0 when the limit
         is the allocator's own, as under ``torch.cuda.set_per_process_memory_fraction``).
+        For an estimate of one rank (:attr:`parallel`) the batch is per rank and every fake
+        step is that rank's (rank 0 holds the largest shards: its answer is every rank's).
 
         Raises:
             ValueError: a bad argument, or no fit (an estimate made without a batch dimension).
