@@ -489,7 +489,8 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
                 del output, loss
                 step_peaks.append(counter.read().peak_allocated)
             # what the set-up made while the steps ran (DDP's rebuilt buckets) has its role too
-            _adopt_set_up(counter, set_up)
+            for role, holding in set_up.items():
+                _give_role(counter, holding(), role)
             assert attribution is not None
             layers = attribution.result()
         finally:
