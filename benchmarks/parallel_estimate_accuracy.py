@@ -1,5 +1,9 @@
 """Each rank's estimated peak against a real two-GPU run: DDP and FSDP2, float32 and bf16 mixed precision.
 
+DDP in float32 (buckets copied, or the gradients their views), under bf16 autocast, with
+BatchNorm's buffers and with position tables as buffers (broadcast before each forward);
+FSDP2 resharding after forward or not, float32 or bf16 parameters with float32 reduction.
+
 For each scenario, its own ``torchrun --nproc-per-node 2`` with NCCL on
 ``tests/parallel_estimate_worker.py --warmup`` (a fresh process: nothing of another
 scenario in the allocator, the cuBLAS workspaces taken afresh). Each rank measures the
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -32,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 SIZES = {"width": 1024, "hidden": 4096, "layers": 6}
 #: the goal of the estimate across ranks: each rank's peak within this fraction of the real one
 TOLERANCE = 0.03
-SCENARIO_NAMES = "ddp,ddp_view,fsdp2,fsdp2_keep,fsdp2_bf16"
+SCENARIO_NAMES = "ddp,ddp_view,ddp_bf16,ddp_bn,ddp_tables,fsdp2,fsdp2_keep,fsdp2_bf16"
 _MB = 1e6
 
 
@@ -46,12 +51,21 @@ def launch(name: str, out: Path, timeout_s: float, backend: str = "nccl", sizes:
         "--scenarios", name, "--sizes", json.dumps(sizes), "--warmup",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "NCCL_NVLS_ENABLE": "0"}
+    # torchrun and its workers in a session of their own: past the timeout all of them are stopped,
+    # none left holding a GPU for the next scenario
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
-        log = f"$ {' '.join(cmd)}\nexit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-    except subprocess.TimeoutExpired as e:
-        log = f"$ {' '.join(cmd)}\ntimed out after {timeout_s} s\n{e.stdout or ''}\n{e.stderr or ''}"
-    (folder / "log.txt").write_text(log if isinstance(log, str) else str(log))
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        log = f"$ {' '.join(cmd)}\nexit {proc.returncode}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # torchrun stops its workers on SIGTERM
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        log = f"$ {' '.join(cmd)}\ntimed out after {timeout_s} s\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+    (folder / "log.txt").write_text(log)
     ranks = {}
     for r in (0, 1):
         path = folder / f"rank{r}.json"
@@ -62,22 +76,22 @@ def launch(name: str, out: Path, timeout_s: float, backend: str = "nccl", sizes:
     return ranks
 
 
-def estimate(name: str, rank: int, device: str = "cuda", sizes: dict = SIZES):
+def estimate(name: str, rank: int, device: str = "cuda", sizes: dict = SIZES, world_size: int = 2):
+    """The estimate of ``rank`` of ``world_size`` for the scenario, with the benchmark's model."""
     import torch
 
     from parallel_estimate_worker import BATCH, SCENARIOS, SEQ, build, loss_fn
     from pytorch_mem_profiler.estimate import estimate_memory
-    from pytorch_mem_profiler.estimate.parallel import DDP, FSDP2
 
-    parallel, settings = SCENARIOS[name]
-    plan = DDP(**settings) if parallel == "ddp" else FSDP2(**settings)
+    scenario = SCENARIOS[name]
+    model = {**scenario.model, **sizes}
 
     def tokens(b: int) -> torch.Tensor:
         return torch.zeros(b, SEQ, dtype=torch.long)
 
     return estimate_memory(
-        lambda: build(**sizes), tokens, batch_size=BATCH, loss_fn=loss_fn, targets=tokens,
-        optimizer=torch.optim.AdamW, device=device, fit=False, parallel=plan, world_size=2, rank=rank,
+        lambda: build(**model), tokens, batch_size=BATCH, loss_fn=loss_fn, targets=tokens, optimizer=torch.optim.AdamW,
+        device=device, fit=False, parallel=scenario.plan(), world_size=world_size, rank=rank, autocast=scenario.autocast,
     )  # fmt: skip
 
 
@@ -174,7 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for the results (default $OUT)")
     parser.add_argument("--scenarios", default=SCENARIO_NAMES)
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one scenario's launch may take")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one scenario's launch may take")
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU with the tests' small model (a dry run)")
     args = parser.parse_args(argv)
     if not args.out:

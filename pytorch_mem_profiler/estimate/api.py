@@ -214,7 +214,7 @@ def estimate_memory(
         run_device=run_device,
     )
     if parallel_plan is not None:
-        rank_setup = RankSetup(parallel_plan, ranks, rank, run_device)
+        rank_setup = RankSetup(parallel_plan, ranks, rank, run_device, target)
         plan.setup, plan.context = rank_setup, rank_setup.context
     batch = batch_size if batch_size is not None else batch_of(example_inputs) if not calls_inputs else None
     step = run_step(plan, batch)
@@ -261,6 +261,7 @@ def estimate_memory(
         world_size=ranks,
         rank=rank,
         parallel_parts=step.parallel_parts,
+        step_peaks=step.step_peaks,
         autocast=_AUTOCAST_SHORT[dtype] if dtype is not None else None,
         checkpointing=None if not checkpointing else REPEATED_BLOCKS if checkpointing is True else CHOSEN_BY_FUNCTION,
         checkpointed=step.checkpointed,

@@ -207,9 +207,12 @@ def run(args: argparse.Namespace, fail: Callable[[str], int]) -> int:
                 search = estimate.batch_search(args.memory, margin=args.margin)
             except ValueError as err:
                 return fail(str(err))
+            where = f"Largest batch on a device of {memory}: {search.batch_size} ("
+            if estimate.parallel is not None:
+                total = search.batch_size * estimate.world_size
+                where = f"Largest batch per rank on a device of {memory}: {search.batch_size} ({total} across the {estimate.world_size} ranks; "
             print(
-                f"\nLargest batch on a device of {memory}: {search.batch_size} "
-                f"(margin {100 * args.margin:g}%; {format_amount(estimate.outside, unit, digits=3)} allowed outside PyTorch; "
+                f"\n{where}margin {100 * args.margin:g}%; {format_amount(estimate.outside, unit, digits=3)} allowed outside PyTorch; "
                 f"verified with {len(search.tried)} fake steps, the line alone said {search.line})"
             )
             if search.peak_moves:

@@ -25,9 +25,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -37,7 +39,38 @@ from ..measure.accounting import same_device, storage_holder, storage_parts
 from ..measure.devices import MemoryCounter, Reading
 from ..measure.storage_counting import NEW, RESIZED, return_kinds, unwatch_storage_resizes, watch_storage_resizes
 
-__all__ = ["Life", "StorageLifeCounter"]
+__all__ = ["Life", "StorageLifeCounter", "born_as", "COLLECTIVE_ROLE"]
+
+#: The role of every tensor a collective (a ``c10d`` operator) is handed: a communication buffer.
+COLLECTIVE_ROLE = "comm_buffers"
+
+_BIRTH = threading.local()
+
+
+@contextlib.contextmanager
+def born_as(role: str) -> Iterator[None]:
+    """Storages the counter meets first inside the block have ``role`` from their birth.
+
+    For buffers an emulation makes and drops before any role could be given after the fact
+    (DDP's flat broadcast of its buffers).
+
+    Example::
+
+        >>> import torch
+        >>> counter = StorageLifeCounter(torch.device("cpu"))
+        >>> counter.start()
+        >>> with born_as("comm_buffers"):
+        ...     flat = torch.zeros(4)
+        >>> counter.stop()
+        >>> counter.lives[-1].roles
+        {'comm_buffers'}
+    """
+    before = getattr(_BIRTH, "role", None)
+    _BIRTH.role = role
+    try:
+        yield
+    finally:
+        _BIRTH.role = before
 
 
 @dataclass
@@ -50,7 +83,9 @@ class Life:
     died: int | None = None
     #: roles learned later: "weights", "gradients", "optimizer_state", "inputs", "activations";
     #: "scratch" for a kernel's own buffer inside one operator (see ``StorageLifeCounter.transient``);
-    #: "regrown" for a storage made again by ``storage.resize_`` (FSDP2's gathered parameters)
+    #: "regrown" for a storage made again by ``storage.resize_`` (FSDP2's gathered parameters);
+    #: "comm_buffers" for a collective's tensors (:data:`COLLECTIVE_ROLE`); the parallel set-up's
+    #: roles (:data:`~.parallel.PARALLEL_ROLES`)
     roles: set[str] = field(default_factory=set)
     #: the module whose forward saved it for backward (the innermost one running)
     saved_by: str | None = None
@@ -68,6 +103,8 @@ class _LifeMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
+        if getattr(func, "namespace", None) == "c10d":
+            self.counter._collective(args)
         kinds = return_kinds(func)
         if kinds is None:
             return out
@@ -173,10 +210,23 @@ class StorageLifeCounter(MemoryCounter):
             return
         self.tick += 1
         life = Life(nbytes, self.tick, self.phase)
+        role = getattr(_BIRTH, "role", None)
+        if role is not None:
+            life.roles.add(role)
         self._live[key] = life
         self.lives.append(life)
         self._storage_refs[key] = weakref.ref(storage, _Death(self, key))
         self._change(nbytes)
+
+    def _collective(self, args: Sequence[Any]) -> None:
+        """A collective's tensors (FSDP2's all-gather output, its reduce-scatter input and
+        output) are communication buffers, whatever else they become."""
+        for arg in args:
+            for tensor in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if isinstance(tensor, torch.Tensor):
+                    life = self.life_of(tensor)
+                    if life is not None:
+                        life.roles.add(COLLECTIVE_ROLE)
 
     def transient(self, blocks: Sequence[int]) -> None:
         """Blocks taken and given back within one operator, on top of what is alive now.

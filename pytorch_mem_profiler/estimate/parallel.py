@@ -12,15 +12,25 @@ rank of ``N``, in one process, with no GPU and no communication:
   ``storage.resize_``, which the counter follows), the unsharded gradients before their
   reduce-scatter, the sharded gradients, the optimizer state of the shards.
 - **DDP**: its reducer is C++ that refuses fake tensors, so what it does to memory is
-  done here as it documents it: one flat gradient bucket per group of parameters (in
-  reverse order, by dtype, the first bucket capped at 1 MiB, the others at
-  ``bucket_cap_mb``), made when the model is wrapped and kept; as a gradient is ready
-  it is copied into its bucket; with ``gradient_as_bucket_view=True`` the gradient then
-  *is* its view of the bucket (autograd's own gradient is dropped).
+  done here as it does it (:class:`_EmulatedReducer`): at wrapping, one flat gradient
+  bucket per dtype holding every trainable parameter (DDP buckets the first iteration as
+  one); as a gradient is ready it is copied into its bucket, and with
+  ``gradient_as_bucket_view=True`` the gradient then *is* its view of the bucket
+  (autograd's own gradient is dropped). Before the second forward the buckets are
+  rebuilt once, in the order the first backward made the gradients ready: the old ones
+  freed, then new ones filled up to 1 MiB for the first and ``bucket_cap_mb`` for the
+  others (each dtype apart), as ``_compute_bucket_assignment_by_size`` assigns them.
+  With ``broadcast_buffers=True`` (DDP's default) and buffers in the model (BatchNorm's
+  running statistics), every forward starts with rank 0's buffers broadcast: a flat
+  copy of each bucket of buffers of one dtype (of 250 MiB at most; a bucket of one
+  tensor is sent as it is), two buckets in flight at a time.
+- **Communication buffers** (FSDP2's all-gather outputs and reduce-scatter inputs, the
+  tensors of every collective; DDP's flat buffer broadcasts) are named at the peak.
 
 The fake process group lives only while the step runs; a process group already up in
 the process is left alone (the estimate then refuses ``fsdp2``: it cannot make a
-second default group).
+second default group). On the CPU the device mesh's rank map (a tensor of ``world_size``
+integers, always on the CPU) counts as the real run counts it.
 
 Example::
 
@@ -36,24 +46,47 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["DDP", "FSDP2", "ParallelPlan", "RankSetup", "parse_parallel", "PARALLEL_ROLES", "fake_process_group"]
+from .counter import COLLECTIVE_ROLE, born_as
+
+__all__ = [
+    "DDP",
+    "FSDP2",
+    "ParallelPlan",
+    "RankSetup",
+    "parse_parallel",
+    "PARALLEL_ROLES",
+    "fake_process_group",
+    "bucket_assignment",
+]
 
 #: Roles the parallel set-up gives storages, and how the report names them: bytes alive
 #: at the peak of each are in ``MemoryEstimate.parallel_parts`` (and in "other" of the breakdown).
+#: A storage with one of the first three roles is "other" whatever else it is (a DDP bucket that
+#: holds the gradients as views); a communication buffer that became a gradient (FSDP2's
+#: reduce-scatter output) is a gradient.
 PARALLEL_ROLES: Mapping[str, str] = {
     "ddp_buckets": "DDP gradient buckets",
     "regrown": "FSDP gathered parameters",
+    "device_mesh": "device mesh",
+    "comm_buffers": "communication buffers",
 }
 
 #: DDP's first bucket's cap (``dist._DEFAULT_FIRST_BUCKET_BYTES``) when ``bucket_cap_mb`` is left at its default.
 FIRST_BUCKET_BYTES = 1024 * 1024
 _MB = 1024 * 1024
+#: DDP's ``broadcast_bucket_size``: the buckets its buffers are broadcast in (250 MiB).
+BROADCAST_BUCKET_BYTES = 250 * _MB
+#: ``BroadcastWork``s in flight at once in ``_broadcast_coalesced``.
+BROADCASTS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -63,10 +96,13 @@ class DDP:
     Attributes:
         bucket_cap_mb: the buckets' cap in MiB (DDP's default 25).
         gradient_as_bucket_view: gradients are views of the buckets (no second copy).
+        broadcast_buffers: rank 0's buffers are broadcast before every forward (DDP's
+            default ``True``): a flat copy of them in flight, where the model has buffers.
     """
 
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
+    broadcast_buffers: bool = True
     name = "ddp"
 
 
@@ -160,11 +196,14 @@ class RankSetup:
     (``model -> (model to train, tensors to count from the start, by role)``).
     """
 
-    def __init__(self, plan: ParallelPlan, world_size: int, rank: int, run_device: torch.device) -> None:
+    def __init__(
+        self, plan: ParallelPlan, world_size: int, rank: int, run_device: torch.device, target: torch.device | None = None
+    ) -> None:
         self.plan = plan
         self.world_size = world_size
         self.rank = rank
         self.run_device = run_device
+        self.target = target or run_device
         self.mesh: Any = None
 
     @contextlib.contextmanager
@@ -181,10 +220,39 @@ class RankSetup:
             finally:
                 self.mesh = None
 
-    def __call__(self, model: nn.Module) -> tuple[nn.Module, dict[str, list[torch.Tensor]]]:
+    def __call__(self, model: nn.Module) -> tuple[nn.Module, dict[str, Callable[[], list[torch.Tensor]]]]:
+        """The model to train and, by role, what holds the tensors of that role now: the step
+        counts them from the start and gives their roles again at its end (DDP's buckets are
+        rebuilt while it runs; FSDP2 pads a rank's uneven shards into new storages at its first forward)."""
         if isinstance(self.plan, FSDP2):
-            return _shard(model, self.plan, self.mesh), {}
-        return _ddp_buckets(model, self.plan)
+            # The mesh's rank map is a real tensor on the CPU whatever the mesh's device: it is
+            # the target's memory only where the target is the CPU.
+            mesh = _mesh_tensors(self.mesh) if self.target.type == "cpu" else []
+            sharded = _shard(model, self.plan, self.mesh)
+            return sharded, {"device_mesh": lambda: mesh, "weights": functools.partial(_sharded_storages, sharded)}
+        reducer = _EmulatedReducer(model, self.plan)
+        return model, {"ddp_buckets": lambda: list(reducer.buckets)}
+
+
+def _sharded_storages(model: nn.Module) -> list[torch.Tensor]:
+    """FSDP2's padded shards (``FSDPParam._sharded_param_data``): a rank whose shard is shorter
+    than the others' keeps it in a padded storage of its own. Empty where torch's internals differ."""
+    found = []
+    for module in model.modules():
+        try:
+            group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        except Exception:  # noqa: BLE001 - not sharded, or another torch's internals: nothing named
+            continue
+        for fsdp_param in getattr(group, "fsdp_params", None) or ():
+            data = getattr(fsdp_param, "_sharded_param_data", None)
+            if isinstance(data, torch.Tensor):
+                found.append(data)
+    return found
+
+
+def _mesh_tensors(mesh: Any) -> list[torch.Tensor]:
+    """The CPU tensors a device mesh holds (its rank map: ``_rank_map``, or ``mesh`` in older torch)."""
+    return [v for v in vars(mesh).values() if isinstance(v, torch.Tensor) and v.device.type == "cpu"]
 
 
 # -- setting the model up --------------------------------------------------------------
@@ -230,59 +298,118 @@ def _shard(model: nn.Module, plan: FSDP2, mesh: Any) -> nn.Module:
     return model
 
 
-def bucket_groups(params: list[torch.Tensor], plan: DDP) -> list[list[torch.Tensor]]:
-    """DDP's buckets: the parameters in reverse order, by dtype, each bucket filled up to its cap
-    (the first at 1 MiB where ``bucket_cap_mb`` is the default 25, as ``DistributedDataParallel`` does)."""
-    cap = int(plan.bucket_cap_mb * _MB)
-    first_cap = FIRST_BUCKET_BYTES if plan.bucket_cap_mb == 25.0 else cap
-    open_buckets: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
-    done: list[list[torch.Tensor]] = []
-    for p in reversed(params):
-        members, size = open_buckets.get(p.dtype, ([], 0))
-        members.append(p)
-        size += p.numel() * p.element_size()
-        limit = first_cap if not done else cap
-        if size >= limit:
-            done.append(members)
+def bucket_assignment(tensors: Sequence[torch.Tensor], limits: Sequence[int]) -> list[list[int]]:
+    """DDP's ``_compute_bucket_assignment_by_size``: the indices of ``tensors`` in each bucket.
+
+    Tensors of one dtype and device fill a bucket, in order, until its bytes reach its
+    limit: each dtype's first bucket takes ``limits[0]``, its next ``limits[1]``, and so
+    on (the last repeats). Buckets closed so, then the ones left open, ordered by the
+    smallest index they hold.
+
+    Example::
+
+        >>> mib = [torch.empty(1024, 256) for _ in range(4)]  # 1 MiB each
+        >>> bucket_assignment(mib, [FIRST_BUCKET_BYTES, 25 * _MB]), bucket_assignment(mib, [sys.maxsize])
+        ([[0], [1, 2, 3]], [[0, 1, 2, 3]])
+    """
+    closed: list[list[int]] = []
+    open_buckets: dict[tuple[torch.dtype, str], tuple[list[int], int]] = {}
+    limit_at: dict[tuple[torch.dtype, str], int] = {}
+    for i, t in enumerate(tensors):
+        key = (t.dtype, str(t.device))
+        members, size = open_buckets.get(key, ([], 0))
+        members.append(i)
+        size += t.numel() * t.element_size()
+        at = limit_at.setdefault(key, 0)
+        if size >= limits[at]:
+            closed.append(members)
             members, size = [], 0
-        open_buckets[p.dtype] = (members, size)
-    done += [members for members, _ in open_buckets.values() if members]
-    return done
+            limit_at[key] = min(at + 1, len(limits) - 1)
+        open_buckets[key] = (members, size)
+    closed += sorted((members for members, _ in open_buckets.values() if members), key=min)
+    return closed
 
 
-def _ddp_buckets(model: nn.Module, plan: DDP) -> tuple[nn.Module, dict[str, list[torch.Tensor]]]:
-    seen: set[int] = set()
-    params = []
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            params.append(p)
-    buckets = []
-    for members in bucket_groups(params, plan):
-        flat = torch.empty(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
-        buckets.append(flat)
-        offset = 0
-        for p in members:
-            view = flat[offset : offset + p.numel()].view(p.shape)
-            offset += p.numel()
-            p.register_post_accumulate_grad_hook(_ReadyGradient(view, plan.gradient_as_bucket_view))
-    return model, {"ddp_buckets": buckets}
+class _EmulatedReducer:
+    """DDP's reducer as it treats memory, on the fake model (its C++ refuses fake tensors).
 
+    ``buckets`` is the list of flat gradient buckets alive now, changed in place when they
+    are rebuilt (the step holds the same list, to give the new ones their role).
+    """
 
-class _ReadyGradient:
-    """DDP's reducer when a gradient is ready: copied into its bucket; with
-    ``gradient_as_bucket_view`` the gradient becomes the bucket's view (autograd's is dropped)."""
+    def __init__(self, model: nn.Module, plan: DDP) -> None:
+        self.plan = plan
+        seen: set[int] = set()
+        self.params: list[torch.Tensor] = []
+        for p in model.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.params.append(p)
+        self.buckets: list[torch.Tensor] = []
+        self.views: dict[int, torch.Tensor] = {}
+        #: parameter indices in the order the first backward made their gradients ready;
+        #: ``None`` once the buckets are rebuilt (DDP rebuilds them once)
+        self.ready: list[int] | None = []
+        self._seen_ready: set[int] = set()
+        # The first iteration's buckets: every parameter of a dtype in one
+        # (``compute_bucket_size_limits``: no bucketing before the gradients' order is known).
+        if self.params:
+            self._make_buckets(list(range(len(self.params))), [sys.maxsize])
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, i))
+        model.register_forward_pre_hook(self._pre_forward)
 
-    def __init__(self, view: torch.Tensor, as_view: bool) -> None:
-        self.view = view
-        self.as_view = as_view
+    def _make_buckets(self, order: list[int], limits: list[int]) -> None:
+        params = [self.params[i] for i in order]
+        for members in bucket_assignment(params, limits):
+            flat = torch.empty(sum(params[m].numel() for m in members), dtype=params[members[0]].dtype, device=params[members[0]].device)
+            self.buckets.append(flat)
+            offset = 0
+            for m in members:
+                p = params[m]
+                self.views[order[m]] = flat[offset : offset + p.numel()].view(p.shape)
+                offset += p.numel()
 
-    def __call__(self, param: torch.Tensor) -> None:
+    def _gradient_ready(self, index: int, param: torch.Tensor) -> None:
+        """A gradient is ready: copied into its bucket; with ``gradient_as_bucket_view`` the
+        gradient becomes the bucket's view (autograd's is dropped)."""
+        if self.ready is not None and index not in self._seen_ready:
+            self._seen_ready.add(index)
+            self.ready.append(index)
         if param.grad is None:
             return
-        self.view.copy_(param.grad)
-        if self.as_view:
-            param.grad = self.view
+        view = self.views[index]
+        view.copy_(param.grad)
+        if self.plan.gradient_as_bucket_view:
+            param.grad = view
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.ready and torch.is_grad_enabled():
+            order, self.ready = self.ready, None
+            order += [i for i in range(len(self.params)) if i not in self._seen_ready]  # parameters without a gradient
+            # ``initialize_buckets``: the old buckets go (their views with them) before the new are made
+            self.buckets.clear()
+            self.views.clear()
+            first = FIRST_BUCKET_BYTES if self.plan.bucket_cap_mb == 25.0 else int(self.plan.bucket_cap_mb * _MB)
+            self._make_buckets(order, [first, int(self.plan.bucket_cap_mb * _MB)])
+        # DDP reads the module's buffers again before each broadcast (they may have been replaced)
+        buffers = [b for b in module.buffers() if b is not None] if self.plan.broadcast_buffers else []
+        if buffers:
+            _broadcast_buffers(buffers)
+
+
+@torch.no_grad()
+def _broadcast_buffers(buffers: list[torch.Tensor]) -> None:
+    """``_broadcast_coalesced`` of DDP's buffers: per bucket, a flat copy (a bucket of one
+    tensor goes as it is), :data:`BROADCASTS_IN_FLIGHT` at a time, each freed as it finishes."""
+    in_flight: deque[torch.Tensor | None] = deque()
+    with born_as(COLLECTIVE_ROLE):
+        for members in bucket_assignment(buffers, [BROADCAST_BUCKET_BYTES]):
+            if len(in_flight) >= BROADCASTS_IN_FLIGHT:
+                in_flight.popleft()
+            tensors = [buffers[m] for m in members]
+            in_flight.append(torch.cat([t.contiguous().view(-1) for t in tensors]) if len(tensors) > 1 else None)
+        in_flight.clear()
 
 
 def what_ifs(spec: str) -> dict[str, dict[str, Any]]:

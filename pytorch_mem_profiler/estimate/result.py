@@ -44,7 +44,12 @@ LINEARITY_TOLERANCE = 0.01
 _WIDTH = 46
 
 #: The parallel parts' names in the report (as :data:`~.parallel.PARALLEL_ROLES`, without importing torch here).
-_PARALLEL_LABELS = {"ddp_buckets": "DDP gradient buckets", "regrown": "FSDP gathered parameters"}
+_PARALLEL_LABELS = {
+    "ddp_buckets": "DDP gradient buckets",
+    "regrown": "FSDP gathered parameters",
+    "device_mesh": "device mesh",
+    "comm_buffers": "communication buffers",
+}
 
 
 def _line(label: str, value: str, width: int = _WIDTH) -> str:
@@ -303,8 +308,12 @@ class MemoryEstimate:
     parallel: str | None = None
     world_size: int = 1
     rank: int = 0
-    #: bytes at the peak of DDP's gradient buckets, FSDP2's gathered parameters (in ``peak_breakdown["other"]``)
+    #: bytes at the peak of DDP's gradient buckets, FSDP2's gathered parameters, the device mesh,
+    #: communication buffers (in ``peak_breakdown["other"]``)
     parallel_parts: Mapping[str, int] = field(default_factory=dict)
+    #: the peak (tensors) of each training step estimated: the first (before any optimizer state;
+    #: DDP's first-iteration buckets) and the next, steady one; ``peak`` is the larger
+    step_peaks: tuple[int, ...] = ()
     autocast: str | None = None
     checkpointing: str | None = None
     checkpointed: tuple[str, ...] | None = None
@@ -370,6 +379,8 @@ class MemoryEstimate:
         times ``1 - margin``, rounded down (Lightning's ``BatchSizeFinder(margin=...)``
         rule). ``outside``: another allowance than :attr:`outside` (0 when the limit
         is the allocator's own, as under ``torch.cuda.set_per_process_memory_fraction``).
+        For an estimate of one rank (:attr:`parallel`) the batch is per rank and every fake
+        step is that rank's (rank 0 holds the largest shards: its answer is every rank's).
 
         Raises:
             ValueError: a bad argument, or no fit (an estimate made without a batch dimension).

@@ -49,7 +49,7 @@ from ..measure.devices import cuda_multiprocessors
 from ..measure.trees import tensors_in
 from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFeatureMaps
 from .allocator import block_size, simulate_reserved
-from .counter import Life, StorageLifeCounter
+from .counter import COLLECTIVE_ROLE, Life, StorageLifeCounter
 from .emulation import cuda_rules
 from .build import build_model
 from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
@@ -92,9 +92,9 @@ class StepPlan:
     checkpointing: bool | Callable[[str, nn.Module], bool] = False
     #: where the fake tensors live: ``device``, or the CPU where ``device`` cannot run autograd here
     run_device: torch.device | None = None
-    #: ``model -> (model, {role: tensors})``: wraps the fake model (DDP, FSDP2; see :mod:`.parallel`)
-    #: and names tensors it made that are counted from the start
-    setup: Callable[[nn.Module], tuple[nn.Module, Mapping[str, list[torch.Tensor]]]] | None = None
+    #: ``model -> (model, {role: () -> tensors})``: wraps the fake model (DDP, FSDP2; see
+    #: :mod:`.parallel`) and says what holds tensors it made, counted from the start with that role
+    setup: Callable[[nn.Module], tuple[nn.Module, Mapping[str, Callable[[], list[torch.Tensor]]]]] | None = None
     #: what the step runs inside (a fake process group)
     context: Callable[[], contextlib.AbstractContextManager] | None = None
 
@@ -124,6 +124,9 @@ class StepMemory:
     error_bounds: Mapping[str, int] = field(default_factory=dict)
     #: bytes at the peak of each parallel role (:data:`.parallel.PARALLEL_ROLES`; in ``breakdown["other"]``)
     parallel_parts: Mapping[str, int] = field(default_factory=dict)
+    #: the peak of each of the two steps run: the first (no optimizer state before its
+    #: optimizer step; DDP's first-iteration buckets) and the steady one
+    step_peaks: tuple[int, ...] = ()
     #: what ``checkpointing`` acted on: the modules wrapped, sorted (``None``: checkpointing off;
     #: empty: asked for, but no module was chosen)
     checkpointed: tuple[str, ...] | None = None
@@ -348,14 +351,31 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- the step ----------------------------------------------------------------------
+#: Parallel roles that make a storage "other" whatever else it is: DDP's buckets (the gradients'
+#: views with ``gradient_as_bucket_view``), FSDP's gathered parameters (saved for backward too).
+_OWNING_PARALLEL_ROLES = frozenset(PARALLEL_ROLES) - {COLLECTIVE_ROLE}
+
+
 def _category(life: Life) -> str:
     roles = life.roles
-    if "scratch" in roles or not roles.isdisjoint(PARALLEL_ROLES):
-        return "other"  # a kernel's own buffer; DDP's buckets, FSDP's gathered parameters
+    if "scratch" in roles or not roles.isdisjoint(_OWNING_PARALLEL_ROLES):
+        return "other"  # a kernel's own buffer; DDP's buckets, FSDP's gathered parameters, the mesh
     for role in ("weights", "gradients", "optimizer_state", "inputs", "activations"):
         if role in roles:
             return role
+    if COLLECTIVE_ROLE in roles:
+        return "other"  # a communication buffer that is nothing else (a reduce-scatter's output is the gradients)
     return "activation_gradients" if life.phase == "backward" else "other"
+
+
+def _parallel_part(life: Life) -> str | None:
+    """The parallel role a storage in "other" is shown under (``None``: none, or not in "other")."""
+    if "scratch" in life.roles:
+        return None
+    for role in PARALLEL_ROLES:
+        if role in life.roles:
+            return role
+    return None
 
 
 def _construct(plan: StepPlan) -> tuple[nn.Module | None, BaseException | None]:
@@ -422,7 +442,7 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
             if build_error is not None:
                 raise err from build_error
             raise
-        set_up: Mapping[str, list[torch.Tensor]] = {}
+        set_up: Mapping[str, Callable[[], list[torch.Tensor]]] = {}
         if plan.setup is not None:
             model, set_up = plan.setup(model)
         params = list(model.parameters())
@@ -434,9 +454,7 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
         try:
             counter.adopt(params, role="weights")
             counter.adopt(buffers, role="weights")
-            for role, tensors in set_up.items():
-                counter.adopt(tensors, role=role)
-            del set_up
+            _adopt_set_up(counter, set_up)
             inputs = fake_inputs(plan.example_inputs, batch_size, run_device)
             targets = fake_inputs(plan.targets, batch_size, run_device) if plan.targets is not None else None
             # Loop variables would keep the last tensor alive past its time: give roles in a call.
@@ -448,9 +466,11 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
             target_args = () if targets is None else (targets if isinstance(targets, tuple) else (targets,))
             attribution = None
             gradients = optimizer_state = 0
+            step_peaks = []
             for _ in range(2):
                 if rnn is not None:
                     rnn.bounds.clear()  # the bounds of one step: the last
+                counter.reset_peak()
                 counter.enter_phase("forward")
                 attribution = _SavedByModule(model, counter)
                 with attribution, _autocast(run_device, plan.autocast):
@@ -467,6 +487,10 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
                     counter.enter_phase("other")
                     optimizer.zero_grad(set_to_none=True)
                 del output, loss
+                step_peaks.append(counter.read().peak_allocated)
+            # what the set-up made while the steps ran (DDP's rebuilt buckets) has its role too
+            for role, holding in set_up.items():
+                _give_role(counter, holding(), role)
             assert attribution is not None
             layers = attribution.result()
         finally:
@@ -474,6 +498,7 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     step = _summarize(counter, batch_size, layers, params, buffers, optimizer_state, gradients, target)
     step = dataclasses.replace(
         step,
+        step_peaks=tuple(step_peaks),
         checkpointed=checkpointed,
         optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
         parameter_dtypes=dtypes,
@@ -491,6 +516,12 @@ def kernel_scratch(target: torch.device) -> KernelScratch | None:
         return None
     found = cuda_multiprocessors(target)
     return KernelScratch(*found) if found is not None else KernelScratch()
+
+
+def _adopt_set_up(counter: StorageLifeCounter, set_up: Mapping[str, Callable[[], list[torch.Tensor]]]) -> None:
+    """Count what the parallel set-up holds now (counted from the start) and give it its role."""
+    for role, holding in set_up.items():
+        counter.adopt(holding(), role=role)
 
 
 def _give_role(counter: StorageLifeCounter, tensors: list[torch.Tensor], role: str) -> int:
@@ -524,14 +555,14 @@ def _summarize(
     at_peak = counter.alive_at(counter.peak_tick)
     breakdown = dict.fromkeys(PEAK_CATEGORIES, 0)
     scratch = sum(life.nbytes for life in at_peak if "scratch" in life.roles)
-    parallel_parts = {
-        role: sum(life.nbytes for life in at_peak if role in life.roles and "scratch" not in life.roles)
-        for role in PARALLEL_ROLES
-    }
+    parallel_parts = dict.fromkeys(PARALLEL_ROLES, 0)
     peak_layers: dict[str, int] = {}
     for life in at_peak:
         category = _category(life)
         breakdown[category] += life.nbytes
+        part = _parallel_part(life) if category == "other" else None
+        if part is not None:
+            parallel_parts[part] += life.nbytes
         if category == "activations" and life.saved_by is not None:
             peak_layers[life.saved_by] = peak_layers.get(life.saved_by, 0) + life.nbytes
     phase_peaks = dict(counter.phase_peaks)
