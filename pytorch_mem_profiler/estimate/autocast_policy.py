@@ -284,7 +284,10 @@ def _map(values: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]
             return type(value)(fn(v) if isinstance(v, torch.Tensor) else v for v in value)
         return value
 
-    return tuple(one(v) for v in values), {k: one(v) for k, v in kwargs.items()}
+    # last argument first, as ATen's kernels cast them (a C++ parameter pack, evaluated right to left by GCC)
+    new_kwargs = {k: one(kwargs[k]) for k in reversed(kwargs)}
+    new_values = [one(v) for v in reversed(values)][::-1]
+    return tuple(new_values), {k: new_kwargs[k] for k in kwargs}
 
 
 class _Kernel:
