@@ -180,7 +180,6 @@ HANDLED_ELSEWHERE = frozenset({"_cudnn_rnn"})
 _KEYS = {"cuda": "AutocastCUDA", "cpu": "AutocastCPU"}
 _TABLES = {"cuda": CUDA_POLICY, "cpu": CPU_POLICY}
 _AUTOCAST_CPU = torch._C.DispatchKey.AutocastCPU
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def listed(name: str, device: str) -> bool:
