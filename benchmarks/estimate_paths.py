@@ -2,6 +2,8 @@
 
     python benchmarks/estimate_paths.py --out results/paths/   # on a GPU: stops starting configurations after --budget (85 s)
     python benchmarks/estimate_paths.py --quick --out /tmp/p   # without a GPU: the emulated path alone, small sizes
+    python benchmarks/estimate_paths.py --zoo gpt2 --against gpt2-bf16.json --out /tmp/p   # without a GPU: the emulated
+                                                               # path against the fake CUDA path a GPU run wrote
 
 For each model (a BERT-style encoder and a T5 encoder-decoder with its loss from
 ``transformers`` configs, a Llama with grouped-query attention, GPT-2), in fp32 and
@@ -184,11 +186,14 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--models", default=None, help="comma-separated subset of bert,t5,llama-gqa,gpt2")
     parser.add_argument("--budget", type=float, default=85.0, help="seconds: no configuration starts after this (default 85)")
     parser.add_argument("--skip-done", action="store_true", help="skip configurations whose JSON is already in --out")
+    parser.add_argument("--against", action="append", default=[], help="a JSON this script wrote on a GPU: without a GPU, its fake CUDA path stands in for the one not run here (repeatable)")
     parser.add_argument("--zoo", default=None, help="comma-separated zoo models (benchmarks/zoo) at their real size, in their own precision, instead of --models")
     args = parser.parse_args(argv)
     out = output_dir(args.out)
     started = time.perf_counter()
     on_gpu = torch.cuda.is_available()
+    # fake CUDA paths recorded on a GPU, by (model, precision), for a machine without one
+    recorded = {(r["model"], r["precision"]): r["cuda"] for r in (json.loads(Path(f).read_text()) for f in args.against) if "cuda" in r}
     configurations = zoo_configurations(args.zoo.split(","), "small" if args.quick else "real") if args.zoo else model_configurations(args.models, args.quick)
     lines = [f"{environment_line(torch.device('cuda' if on_gpu else 'cpu'))}", ""]
     lines.append("| model | precision | fake CUDA peak | emulated peak | emulated vs CUDA | ops similarity |")
@@ -202,8 +207,8 @@ def main(argv: list[str] | None = None) -> str:
             continue
         emulated = run_path(kwargs, batch, autocast, emulate=True)
         result: dict[str, Any] = {"model": name, "precision": precision, "emulated": emulated}
-        if on_gpu:
-            cuda = run_path(kwargs, batch, autocast, emulate=False)
+        if on_gpu or (name, precision) in recorded:
+            cuda = run_path(kwargs, batch, autocast, emulate=False) if on_gpu else recorded[(name, precision)]
             result["cuda"] = cuda
             result["diff"] = d = diff(cuda, emulated)
             change = 100 * (emulated["peak"] - cuda["peak"]) / cuda["peak"]

@@ -13,13 +13,16 @@ and two such places hold most of a transformer's memory:
   mask, where the CPU draws a mask in the input's dtype (``bernoulli_``, ``div_``,
   ``mul``) and saves it: four times the bytes in float32 (the GPU diff of
   ``benchmarks/estimate_paths.py`` showed it in every transformer measured);
-- autocast: CUDA runs ``layer_norm``, ``group_norm`` in float32 and gives
-  ``softmax``/``log_softmax`` a float32 result, where the CPU's autocast keeps
-  half precision.
+- autocast: CUDA's autocast lists other operators, with other policies, than the
+  CPU's (``pow``, ``exp``, ``layer_norm`` in float32, a float32 ``sum`` and
+  ``softmax``, no ``cross_entropy_loss`` as one operator, ...): every operator takes
+  CUDA's policy (:mod:`.autocast_policy`), so that a GELU written with ``pow``
+  runs in float32 and saves float32 tensors, as on CUDA.
 
 :func:`cuda_rules` puts these in place for the length of a step (module
-attributes of ``torch.nn.functional``, for fake tensors only; real tensors take
-the original path), and takes them away after.
+attributes of ``torch.nn.functional`` for the kernels, autocast kernels at
+``AutocastCPU`` for the policy; fake tensors only: real tensors take torch's own
+path), and takes them away after.
 
 Example::
 
@@ -42,6 +45,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
+
+from .autocast_policy import cuda_autocast
 
 __all__ = ["cuda_backend", "cuda_rules"]
 
@@ -204,37 +209,6 @@ def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
     return attention
 
 
-def _in_float32(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``layer_norm``, ``group_norm``: CUDA's autocast runs them on float32 copies."""
-
-    @functools.wraps(original)
-    def in_float32(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if _autocast_dtype() is None or not _fake(*args, *kwargs.values()):
-            return original(*args, **kwargs)
-        cast = lambda v: v.float() if isinstance(v, torch.Tensor) and v.dtype in _HALF else v  # noqa: E731
-        return original(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
-
-    return in_float32
-
-
-def _float32_result(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``softmax``, ``log_softmax``: CUDA's autocast asks them for a float32 result."""
-
-    @functools.wraps(original)
-    def float32_result(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if (
-            _autocast_dtype() is not None
-            and isinstance(input, FakeTensor)
-            and input.dtype in _HALF
-            and kwargs.get("dtype") is None
-            and len(args) < 3
-        ):
-            kwargs["dtype"] = torch.float32
-        return original(input, *args, **kwargs)
-
-    return float32_result
-
-
 def _fused_dropout(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``dropout``: CUDA's fused kernel (a bool mask saved), as ATen picks it for a CUDA input."""
 
@@ -248,62 +222,16 @@ def _fused_dropout(original: Callable[..., torch.Tensor]) -> Callable[..., torch
     return dropout
 
 
-def _cuda_cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``cross_entropy`` under autocast: CUDA's log-softmax in the input's precision, then a float32 ``nll_loss``.
-
-    CPU autocast lists ``cross_entropy_loss`` for float32 and copies the logits
-    to float32 before the log-softmax; CUDA's does not list it, so the composite
-    runs ``log_softmax`` in the input's dtype (it passes the dtype explicitly)
-    and autocast copies that result to float32 for ``nll_loss``, which it lists
-    (t5-bf16 on the H100: ``_log_softmax`` bf16 then ``_to_copy`` float32).
-    Class-index targets without label smoothing; other forms keep the CPU's path.
-    """
-
-    @functools.wraps(original)
-    def cross_entropy(input: torch.Tensor, target: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        params = dict(zip(("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"), args))
-        params.update(kwargs)
-        if (
-            _autocast_dtype() is None
-            or not isinstance(input, FakeTensor)
-            or input.dtype not in _HALF
-            or target.is_floating_point()
-            or params.get("label_smoothing", 0.0) != 0.0
-            or params.get("size_average") is not None
-            or params.get("reduce") is not None
-        ):
-            return original(input, target, *args, **kwargs)
-        weight = params.get("weight")
-        with torch.autocast("cpu", enabled=False):
-            log_probs = torch.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=input.dtype)
-            return F.nll_loss(
-                log_probs.float(),
-                target,
-                weight.float() if weight is not None else None,
-                ignore_index=params.get("ignore_index", -100),
-                reduction=params.get("reduction", "mean"),
-            )
-
-    return cross_entropy
-
-
 @contextlib.contextmanager
 def cuda_rules() -> Iterator[None]:
-    """CUDA's attention kernels and autocast precisions for fake CPU tensors, for the block."""
-    patches = {
-        "scaled_dot_product_attention": _attention,
-        "dropout": _fused_dropout,
-        "layer_norm": _in_float32,
-        "group_norm": _in_float32,
-        "softmax": _float32_result,
-        "log_softmax": _float32_result,
-        "cross_entropy": _cuda_cross_entropy,
-    }
+    """CUDA's attention and dropout kernels and CUDA autocast's policy for fake CPU tensors, for the block."""
+    patches = {"scaled_dot_product_attention": _attention, "dropout": _fused_dropout}
     originals = {name: getattr(F, name) for name in patches}
-    try:
-        for name, wrap in patches.items():
-            setattr(F, name, wrap(originals[name]))
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(F, name, original)
+    with cuda_autocast():
+        try:
+            for name, wrap in patches.items():
+                setattr(F, name, wrap(originals[name]))
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(F, name, original)
