@@ -108,7 +108,8 @@ BENCHMARK_SHAPES = {"unet_dec", "unet_c32", "resnet_stem", "resnet_l1", "c512_s1
                     "dw_3x3", "resnet_l4", "conv1d_seq", "conv3d_mid"}
 NO_TF32_SHAPES = {"unet_dec", "resnet_l1", "c512_s16", "odd_5_17"}
 #: (name, output mask) of the calls measured: a layer's forward, and backward as autograd calls it.
-CALLS = [("forward", None), ("backward", (True, True, True)), ("backward", (False, True, True)), ("backward", (True, False, False))]
+CALLS = [("forward", None), ("backward", (True, True, True)), ("backward", (False, True, True)), ("backward", (True, False, False)),
+         ("backward", (False, False, True))]  # the last: the bias gradient alone (a sum over all but the channels)
 QUICK_SHAPES = {"resnet_l1", "odd_5_17", "dw_3x3", "conv1d_seq", "conv3d_mid", "unet_up"}
 
 
