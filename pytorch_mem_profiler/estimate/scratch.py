@@ -50,6 +50,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .allocator import block_size
+from .conv_workspace import convolution_backward_scratch, convolution_scratch
+from .layout_copies import COPYING_OPERATORS
 
 __all__ = [
     "DEFAULT_MULTIPROCESSORS",
@@ -57,7 +59,12 @@ __all__ = [
     "column_reduction_scratch",
     "embedding_backward_scratch",
     "KernelScratch",
+    "Passes",
 ]
+
+#: How the report names the convolutions' bounds (cuDNN's workspace, by the plan its heuristics pick).
+CONVOLUTION_BOUND = "aten.convolution (cuDNN workspace)"
+CONVOLUTION_BACKWARD_BOUND = "aten.convolution_backward (cuDNN workspace)"
 
 #: Streaming multiprocessors assumed when no CUDA device is present: an H100 SXM's or H200's 132.
 DEFAULT_MULTIPROCESSORS = 132
@@ -169,6 +176,33 @@ def _leading_reduction(tensor: torch.Tensor, dims: Sequence[int] | int | None) -
     return math.prod(shape[d] for d in reduced), math.prod(shape[d] for d in kept)
 
 
+class Passes(tuple):
+    """Blocks an operator takes in passes: ``held`` alive throughout, each of ``passes`` in turn.
+
+    As a tuple it is the held blocks and the largest pass's, what is alive at once at
+    the operator's peak; the counter takes each pass and gives it back before the
+    next, as the kernels do, so the allocator's replay sees each pass's blocks.
+
+    Example::
+
+        >>> blocks = Passes(held=(1024,), passes=((4096,), (8192, 512)))
+        >>> sum(blocks), blocks.passes
+        (9728, ((4096,), (8192, 512)))
+    """
+
+    held: tuple[int, ...]
+    passes: tuple[tuple[int, ...], ...]
+
+    def __new__(cls, held: Sequence[int] = (), passes: Sequence[Sequence[int]] = ()) -> Passes:
+        held = tuple(n for n in held if n > 0)
+        kept = tuple(tuple(n for n in one if n > 0) for one in passes)
+        kept = tuple(one for one in kept if one)
+        largest = max(kept, key=sum, default=())
+        made = super().__new__(cls, held + largest)
+        made.held, made.passes = held, kept
+        return made
+
+
 class KernelScratch:
     """The rules by operator: ``scratch(func, args, kwargs)`` gives the blocks (bytes) it takes.
 
@@ -181,14 +215,24 @@ class KernelScratch:
         self,
         multiprocessors: int = DEFAULT_MULTIPROCESSORS,
         threads_per_multiprocessor: int = DEFAULT_THREADS_PER_MULTIPROCESSOR,
+        *,
+        cudnn_benchmark: bool | None = None,
     ) -> None:
         self.multiprocessors = multiprocessors
         self.threads_per_multiprocessor = threads_per_multiprocessor
+        #: ``torch.backends.cudnn.benchmark`` for the convolutions' rules (``None``: as set when made)
+        self.cudnn_benchmark = bool(torch.backends.cudnn.benchmark) if cudnn_benchmark is None else cudnn_benchmark
+        #: operations whose scratch follows a rule measurements do not pin down: the bytes it may be
+        #: off by, by operation (the largest call's: an operator's scratch is gone when the next one runs)
+        self.bounds: dict[str, int] = {}
         aten = torch.ops.aten
         self._rules: dict[Any, Callable[[tuple, dict], tuple[int, ...]]] = {
             aten.sum.dim_IntList: self._reduction,
             aten.mean.dim: self._reduction,
             aten.embedding_dense_backward.default: self._embedding_backward,
+            aten.convolution.default: self._convolution,
+            aten.convolution_backward.default: self._convolution_backward,
+            **COPYING_OPERATORS,
         }
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> tuple[int, ...]:
@@ -208,6 +252,35 @@ class KernelScratch:
         return column_reduction_scratch(
             *shape, multiprocessors=self.multiprocessors, threads_per_multiprocessor=self.threads_per_multiprocessor
         )
+
+    def _bound(self, operation: str, nbytes: int) -> None:
+        if nbytes > 0:
+            self.bounds[operation] = max(self.bounds.get(operation, 0), nbytes)
+
+    def _convolution(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
+        # (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
+        bound = {**dict(zip(names, args)), **kwargs}
+        found = convolution_scratch(
+            bound["input"], bound["weight"], stride=bound["stride"], padding=bound["padding"], dilation=bound["dilation"],
+            transposed=bool(bound["transposed"]), groups=int(bound["groups"]), output_padding=bound["output_padding"],
+            benchmark=self.cudnn_benchmark,
+        )  # fmt: skip
+        self._bound(CONVOLUTION_BOUND, found.bound)
+        return Passes(found.held, found.passes)
+
+    def _convolution_backward(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
+        names = ("grad_output", "input", "weight", "bias_sizes", "stride", "padding", "dilation", "transposed",
+                 "output_padding", "groups", "output_mask")  # fmt: skip
+        bound = {**dict(zip(names, args)), **kwargs}
+        found = convolution_backward_scratch(
+            bound["grad_output"], bound["input"], bound["weight"], stride=bound["stride"], padding=bound["padding"],
+            dilation=bound["dilation"], transposed=bool(bound["transposed"]), groups=int(bound["groups"]),
+            output_mask=bound["output_mask"], output_padding=bound["output_padding"], benchmark=self.cudnn_benchmark,
+            multiprocessors=self.multiprocessors,
+        )  # fmt: skip
+        self._bound(CONVOLUTION_BACKWARD_BOUND, found.bound)
+        return Passes(found.held, found.passes)
 
     def _embedding_backward(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         grad, indices = args[0], args[1]
