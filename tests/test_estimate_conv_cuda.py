@@ -99,9 +99,22 @@ def _measure(entry, batch: int) -> tuple[int, int]:  # type: ignore[no-untyped-d
     return allocated, reserved
 
 
+def test_the_probe_measures_what_this_process_measures():
+    from pytorch_mem_profiler.estimate.kernel_probe import MEASURED, convolution_key, measure_convolutions
+
+    _fresh()
+    x = torch.randn(8, 96, 64, 64, device=CUDA)
+    w = torch.randn(32, 96, 3, 3, device=CUDA)
+    args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    here = _scratch(lambda: torch.ops.aten.convolution.default(*args))
+    key = convolution_key(torch.ops.aten.convolution.default, args, {})
+    MEASURED.pop(key, None)
+    assert measure_convolutions([key], CUDA) == {key: here}
+
+
 @pytest.mark.parametrize("name", ["unet", "resnet18_bf16", "batchnorm_cnn"])
-@pytest.mark.parametrize("emulate", [False, True], ids=["fake_cuda", "emulated"])
-def test_conv_nets_estimate_within_the_goals_or_the_stated_bound(name, emulate):
+@pytest.mark.parametrize("emulate, measure", [(False, False), (True, False), (False, True)], ids=["fake_cuda", "emulated", "measured"])
+def test_conv_nets_estimate_within_the_goals_or_the_stated_bound(name, emulate, measure):
     from zoo import ZOO
 
     entry = ZOO[name]
@@ -110,7 +123,10 @@ def test_conv_nets_estimate_within_the_goals_or_the_stated_bound(name, emulate):
         pytest.skip(reason)
     batch = entry.batch["real"]
     allocated, reserved = _measure(entry, batch)
-    est = estimate_memory(**entry.estimate_kwargs("real"), batch_size=batch, device=CUDA, fit=False, emulate=emulate)
+    est = estimate_memory(**entry.estimate_kwargs("real"), batch_size=batch, device=CUDA, fit=False, emulate=emulate,
+                          measure_kernels=measure)  # fmt: skip
+    if measure:  # every convolution measured: nothing left to bound
+        assert not any("convolution" in op for op in est.error_bounds)
     detail = (f"{name}: measured {allocated:,} / reserved {reserved:,}; estimated {est.peak:,} / {est.reserved:,} "
               f"(kernel scratch {est.kernel_scratch:,}, bound {est.error_bound:,}: {dict(est.error_bounds)})")  # fmt: skip
     print(detail)

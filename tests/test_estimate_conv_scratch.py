@@ -260,3 +260,40 @@ def test_channels_last_models_take_no_transforms_in_the_estimate():
     # the batch keeps its layout at any batch size; only the expanded scalar gradient is copied (1 MiB)
     assert estimate.kernel_scratch == 4 * 16 * 64 * 64 * 4
     assert estimate.phases["forward"] == 16 * 16 * 9 * 4 + 2 * 4 * 16 * 64 * 64 * 4
+
+
+def test_measured_convolutions_take_their_measured_scratch_and_no_bound(monkeypatch):
+    from pytorch_mem_profiler.estimate import kernel_probe
+
+    monkeypatch.setattr(kernel_probe, "MEASURED", {})
+    monkeypatch.setattr("pytorch_mem_profiler.estimate.scratch.MEASURED", kernel_probe.MEASURED)
+    aten = torch.ops.aten
+    x, w = _meta((8, 64, 128, 128)), _meta((64, 64, 3, 3))
+    args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    rules = KernelScratch(measured=True)
+    # not measured yet: the rule (and its bound), the call kept for measuring
+    assert rules(aten.convolution.default, args, {}) == _forward(x, w, 1).blocks
+    key = kernel_probe.convolution_key(aten.convolution.default, args, {})
+    assert rules.pending == {key} and CONVOLUTION_BOUND in rules.bounds
+    # measured: that figure, one block, no bound added
+    kernel_probe.MEASURED[key] = 12_345_600
+    fresh = KernelScratch(measured=True)
+    assert fresh(aten.convolution.default, args, {}) == (12_345_600,)
+    assert fresh.bounds == {} and fresh.pending == set()
+    # measured as not runnable here (too large): the rule, and not asked again
+    kernel_probe.MEASURED[key] = None
+    again = KernelScratch(measured=True)
+    assert again(aten.convolution.default, args, {}) == _forward(x, w, 1).blocks and again.pending == set()
+    # the key tells apart what the kernel's choice depends on: strides (layout), dtype, geometry, flags
+    cl = kernel_probe.convolution_key(aten.convolution.default, (x.contiguous(memory_format=CL), *args[1:]), {})
+    assert cl != key
+
+
+def test_the_measured_path_is_off_where_the_step_runs_on_fake_cpu_tensors():
+    from pytorch_mem_profiler.estimate.step import kernel_scratch
+
+    model, batch = _conv_step()
+    plan = StepPlan(model=model, example_inputs=batch, optimizer=SGD, device=torch.device("cuda"),
+                    run_device=torch.device("cpu"), measure_kernels=True)  # fmt: skip
+    assert run_step(plan, 4).kernel_scratch == 3_155_456  # the rule's, as without measuring
+    assert kernel_scratch(torch.device("cpu"), measured=True) is None

@@ -51,6 +51,7 @@ import torch
 
 from .allocator import block_size
 from .conv_workspace import convolution_backward_scratch, convolution_scratch
+from .kernel_probe import MEASURED, convolution_key
 from .layout_copies import COPYING_OPERATORS
 
 __all__ = [
@@ -217,6 +218,7 @@ class KernelScratch:
         threads_per_multiprocessor: int = DEFAULT_THREADS_PER_MULTIPROCESSOR,
         *,
         cudnn_benchmark: bool | None = None,
+        measured: bool = False,
     ) -> None:
         self.multiprocessors = multiprocessors
         self.threads_per_multiprocessor = threads_per_multiprocessor
@@ -225,6 +227,10 @@ class KernelScratch:
         #: operations whose scratch follows a rule measurements do not pin down: the bytes it may be
         #: off by, by operation (the largest call's: an operator's scratch is gone when the next one runs)
         self.bounds: dict[str, int] = {}
+        #: take convolutions' scratch from :data:`.kernel_probe.MEASURED` where measured; calls not
+        #: measured yet are kept in ``pending`` (and take the rule) for the caller to measure
+        self.measured = measured
+        self.pending: set[tuple] = set()
         aten = torch.ops.aten
         self._rules: dict[Any, Callable[[tuple, dict], tuple[int, ...]]] = {
             aten.sum.dim_IntList: self._reduction,
@@ -257,7 +263,22 @@ class KernelScratch:
         if nbytes > 0:
             self.bounds[operation] = max(self.bounds.get(operation, 0), nbytes)
 
+    def _measured(self, func: Any, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+        """The call's measured scratch, as one block; ``None`` where there is none (then pending)."""
+        if not self.measured:
+            return None
+        key = convolution_key(func, args, kwargs)
+        value = MEASURED.get(key)
+        if value is None:
+            if key not in MEASURED:
+                self.pending.add(key)
+            return None
+        return Passes((), ((value,),))
+
     def _convolution(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
+        measured = self._measured(torch.ops.aten.convolution.default, args, kwargs)
+        if measured is not None:
+            return measured
         # (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
         names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
         bound = {**dict(zip(names, args)), **kwargs}
@@ -270,6 +291,9 @@ class KernelScratch:
         return Passes(found.held, found.passes)
 
     def _convolution_backward(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
+        measured = self._measured(torch.ops.aten.convolution_backward.default, args, kwargs)
+        if measured is not None:
+            return measured
         names = ("grad_output", "input", "weight", "bias_sizes", "stride", "padding", "dilation", "transposed",
                  "output_padding", "groups", "output_mask")  # fmt: skip
         bound = {**dict(zip(names, args)), **kwargs}

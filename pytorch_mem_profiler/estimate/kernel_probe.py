@@ -1,0 +1,162 @@
+"""Convolutions run once for real on this machine's GPU, for their scratch: what the rules can only bound.
+
+Which plan cuDNN's heuristics pick, and its workspace, is cuDNN's own choice (see
+:mod:`.conv_workspace`): the rule states a bound around it. Where the estimate
+runs on fake CUDA tensors with the GPU at hand, ``estimate_memory(...,
+measure_kernels=True)`` measures instead: each distinct convolution call of the
+step (shapes, strides, dtype, geometry, output mask, cuDNN flags) runs once on the
+GPU, in a separate process (so that this process's allocator, its cache and its
+peak statistics are left as they were), as ``benchmarks/op_scratch.py`` measures:
+a first call, then ``scratch = peak inside the operator - max(allocated before,
+allocated after)``. A call whose tensors would take more than half the GPU's free
+memory is not run (the rule and its bound stand). Results are kept for the
+process's life, by call.
+
+Example::
+
+    >>> import torch
+    >>> with torch.device("meta"):
+    ...     x, w = torch.empty(2, 8, 16, 16), torch.empty(4, 8, 3, 3)
+    >>> key = convolution_key(torch.ops.aten.convolution.default, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {})
+    >>> key[0], key[1][0]
+    ('forward', ((2, 8, 16, 16), (2048, 256, 16, 1), 0))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["MEASURED", "convolution_key", "measure_convolutions"]
+
+#: Scratch measured by call key (bytes; ``None``: not measured, too large for the free memory).
+MEASURED: dict[tuple, int | None] = {}
+#: Seconds a probe process may take before the rules stand in for what it did not measure.
+PROBE_TIMEOUT = 300
+
+
+def _spec(t: Any) -> tuple | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    return (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+
+
+def _ints(values: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in values) if values is not None else ()
+
+
+def convolution_key(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """A hashable, JSON-able description of one convolution call: what the probe runs."""
+    aten = torch.ops.aten
+    flags = (bool(torch.backends.cudnn.benchmark), bool(torch.backends.cudnn.deterministic), bool(torch.backends.cudnn.allow_tf32))
+    if func is aten.convolution.default:
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
+        a = {**dict(zip(names, args)), **kwargs}
+        return ("forward", (_spec(a["input"]), _spec(a["weight"]), _spec(a["bias"])), str(a["input"].dtype).removeprefix("torch."),
+                (_ints(a["stride"]), _ints(a["padding"]), _ints(a["dilation"]), bool(a["transposed"]), _ints(a["output_padding"]),
+                 int(a["groups"])), (), flags)  # fmt: skip
+    names = ("grad_output", "input", "weight", "bias_sizes", "stride", "padding", "dilation", "transposed", "output_padding",
+             "groups", "output_mask")  # fmt: skip
+    a = {**dict(zip(names, args)), **kwargs}
+    return ("backward", (_spec(a["grad_output"]), _spec(a["input"]), _spec(a["weight"]), _ints(a["bias_sizes"])),
+            str(a["input"].dtype).removeprefix("torch."),
+            (_ints(a["stride"]), _ints(a["padding"]), _ints(a["dilation"]), bool(a["transposed"]), _ints(a["output_padding"]),
+             int(a["groups"])), tuple(bool(m) for m in a["output_mask"]), flags)  # fmt: skip
+
+
+def measure_convolutions(keys: Iterable[tuple], device: torch.device) -> dict[tuple, int | None]:
+    """Measure each key's scratch on ``device`` in a child process; records them in :data:`MEASURED` and returns them.
+
+    A child that fails or runs past :data:`PROBE_TIMEOUT` measures nothing (the rules stand).
+    """
+    wanted = [k for k in dict.fromkeys(keys) if k not in MEASURED]
+    if not wanted:
+        return {}
+    request = json.dumps({"device": device.index or 0, "calls": wanted})
+    env = dict(os.environ)
+    try:
+        done = subprocess.run([sys.executable, "-m", __name__], input=request, capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT, env=env, check=False)  # fmt: skip
+        answers = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else None
+    except (subprocess.TimeoutExpired, OSError, ValueError, IndexError):
+        answers = None
+    if not isinstance(answers, list) or len(answers) != len(wanted):
+        return {}
+    found = {}
+    for key, value in zip(wanted, answers):
+        found[key] = MEASURED[key] = value if isinstance(value, int) else None
+    return found
+
+
+# -- the child process -----------------------------------------------------------------
+def _make(spec: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    shape, stride, offset = spec
+    extent = 1 + offset + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
+    base = torch.randn(max(extent, 1), dtype=dtype, device=device)
+    return base.as_strided(shape, stride, offset)
+
+
+def _nbytes(spec: list | None, element: int) -> int:
+    if spec is None:
+        return 0
+    shape, stride, offset = spec
+    return (1 + offset + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)) * element
+
+
+def _run_one(key: list, device: torch.device) -> int | None:
+    kind, tensors, dtype_name, geometry, mask, flags = key
+    dtype = getattr(torch, dtype_name)
+    element = torch.empty((), dtype=dtype).element_size()
+    stride, padding, dilation, transposed, output_padding, groups = geometry
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = flags
+    need = sum(_nbytes(t, element) for t in tensors[:3] if isinstance(t, list) and t and isinstance(t[0], list))
+    # the tensors, their gradients or outputs, and a workspace of transforms: four times them, at most half the free memory
+    if 8 * need > torch.cuda.mem_get_info(device)[0]:
+        return None  # left to the rule
+    aten = torch.ops.aten
+    if kind == "forward":
+        x, w = _make(tensors[0], dtype, device), _make(tensors[1], dtype, device)
+        b = _make(tensors[2], dtype, device) if tensors[2] is not None else None
+
+        def call() -> Any:
+            return aten.convolution.default(x, w, b, stride, padding, dilation, transposed, output_padding, groups)
+    else:
+        go, x, w = (_make(t, dtype, device) for t in tensors[:3])
+        bias_sizes = list(tensors[3]) or None
+
+        def call() -> Any:
+            return aten.convolution_backward.default(go, x, w, bias_sizes, stride, padding, dilation, transposed,
+                                                     output_padding, groups, list(mask))  # fmt: skip
+
+    call()  # the plan is chosen (and cached) on the first call
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = call()
+    torch.cuda.synchronize(device)
+    after = torch.cuda.memory_allocated(device)
+    del out
+    return max(0, torch.cuda.max_memory_allocated(device) - max(before, after))
+
+
+def _child() -> None:
+    request = json.loads(sys.stdin.read())
+    device = torch.device("cuda", request["device"])
+    torch.cuda.set_device(device)
+    answers: list[int | None] = []
+    for key in request["calls"]:
+        try:
+            answers.append(_run_one(key, device))
+        except Exception:  # noqa: BLE001 - one call that cannot run leaves its rule in place
+            answers.append(None)
+        torch.cuda.empty_cache()
+    print(json.dumps(answers))
+
+
+if __name__ == "__main__":
+    _child()
