@@ -79,6 +79,9 @@ def measure_convolutions(keys: Iterable[tuple], device: torch.device) -> dict[tu
         return {}
     request = json.dumps({"device": device.index or 0, "calls": wanted})
     env = dict(os.environ)
+    # the child imports this package from where this process did
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     try:
         done = subprocess.run([sys.executable, "-m", __name__], input=request, capture_output=True, text=True,
                               timeout=PROBE_TIMEOUT, env=env, check=False)  # fmt: skip
