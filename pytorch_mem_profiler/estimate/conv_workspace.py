@@ -1,14 +1,15 @@
 """cuDNN's convolution workspaces on CUDA: the blocks a convolution takes inside its operator, and the bound.
 
 On CUDA, ``aten.convolution`` and ``aten.convolution_backward`` run cuDNN (or, for
-some depthwise convolutions, a kernel of torch's own). Inside the operator, and
-given back before it returns, they take from the caching allocator:
+depthwise convolutions that are not ``channels_last``, a kernel of torch's own,
+which takes none). Inside the operator, and given back before it returns, they
+take from the caching allocator:
 
 - **layout copies** (exact): ATen hands cuDNN its tensors in one memory format,
   ``channels_last`` when the input or the weight is in it, else contiguous
   (``cudnn_conv_suggest_memory_format``), and copies each input, weight or output
   gradient that is not (a channel slice of a concatenation, a ``channels_last``
-  weight with a contiguous input); torch's depthwise kernel wants them contiguous;
+  weight with a contiguous input, the expanded gradient of a ``sum``);
 - **cuDNN's workspace** for each pass (forward; backward data, then backward
   filter): what the execution plan picked by cuDNN's heuristics asks for
   (``plan.getWorkspaceSize()`` in ``Conv_v8.cpp``, allocated from the caching
@@ -16,32 +17,48 @@ given back before it returns, they take from the caching allocator:
   tensors are NHWC kernels wrapped in layout transforms whose workspace holds the
   transformed tensors: the pass's input, output and filter in NHWC, channels
   padded to a multiple of 8 in 16-bit precision, one block of
-  ``sum(align256(part)) + 256`` bytes (measured to the byte on an H100 for
-  UNet's, ResNet's and a VGG's 3x3 and 7x7 convolutions, fp32 and bf16:
-  268,546,560 for (8, 96, 256, 256) -> 32, 822,157,824 for bf16 (64, 64, 224, 224)
-  -> 64, 308,332,032 for the bf16 ResNet stem). Which plan the heuristics pick
-  is cuDNN's and is not documented: a pointwise (1x1, stride 1) forward is a GEMM
-  on NCHW (512 bytes measured for ResNet-50's), some shapes take more than the
-  transforms (split-K partial sums), some fp32 ones none.
-  :func:`cudnn_pass_workspace` gives the transforms as the estimate and the
-  measured spread around them as the pass's error bound;
+  ``sum(align256(part)) + 256`` bytes (:func:`transforms_bytes`; a 1x1 filter is
+  not transformed). ``channels_last`` plans pad only tensors whose channels are
+  not a multiple of 8. Which plan the heuristics pick is cuDNN's own, and not
+  documented: :func:`cudnn_pass_workspace` sorts the calls into the classes the
+  measurements show, gives each its figure, and states the spread measured around
+  it as the pass's error bound;
 - the **bias gradient**: ``grad_output.sum`` over all but the channels, after the
-  passes; where the gradient is ``channels_last`` that is a column reduction
-  (:func:`~.scratch.column_reduction_scratch`).
+  passes: a column reduction (:func:`~.scratch.column_reduction_scratch`) where
+  the gradient is ``channels_last``, a few KiB where it is NCHW (bounded).
+
+Measured on an H100 (torch 2.11, cuDNN 9.19; ``benchmarks/conv_workspace_rules.py``,
+306 calls: 29 shapes of conv1d, conv2d, conv3d and transposed convolutions, kernels
+1 to 7, strides 1 and 2, grouped and depthwise, 1 to 512 channels, fp32 and bf16,
+NCHW and ``channels_last``, forward and backward; the default flags, ``benchmark``
+and no TF32) and in the zoo's training steps (UNet, ResNet-18/50, a VGG-style CNN,
+MobileNet). The sweep's 41 NCHW forwards of kernels 2 to 7 are the transforms to the
+byte in 30, within 8.9 MB in the rest; in the zoo's steps the largest forwards are
+exact (268,546,560 for UNet's fp32 (8, 96, 256, 256) -> 32; 822,157,824 for the
+VGG's bf16 (64, 64, 224, 224) -> 64; 308,332,032 for ResNet-18's bf16 stem, whose 3
+channels are padded to 8), the others within 8.4 MB or the output (which one plan
+writes in NCHW itself). Backward passes take 0.5 to 32 MB above the transforms
+(split-K partial sums). All 306 calls of the sweep are within the rule's bound.
 
 In backward, the data pass runs before the weight gradient exists and the filter
 pass before the bias gradient does, so the operator's scratch above its outputs
 is ``copies + max(ws_data - grad_weight - grad_bias, ws_filter - grad_bias,
-bias reduction)``: :func:`convolution_scratch` gives it as blocks (the copies, then
-one for the largest pass) with the bound, and :class:`~.scratch.KernelScratch`
-hands both to the estimate (the blocks to the counter and the allocator's
-replay, the bound to ``MemoryEstimate.error_bounds``).
+bias reduction)``. :func:`convolution_scratch` and
+:func:`convolution_backward_scratch` give the copies (held through the operator)
+and each pass's blocks (taken in turn) with the bound; :class:`~.scratch.KernelScratch`
+hands the blocks to the counter and the allocator's replay, the bound to
+``MemoryEstimate.error_bounds``. Where the estimate runs on fake CUDA tensors with
+the GPU at hand, ``measure_kernels=True`` measures each call instead
+(:mod:`.kernel_probe`).
 
-Not covered: ``torch.backends.cudnn.benchmark=True``, whose first call of each
-shape times every candidate plan in one workspace as large as the largest
-candidate's (bounded by the device's free memory): its bound is the transforms
-plus :data:`BENCHMARK_SEARCH_BOUND`; ``deterministic`` plans; 64-bit-indexed
-convolutions; MIOpen.
+``torch.backends.cudnn.benchmark=True``: the steady workspace is the heuristics'
+(measured the same), but the first call of each shape times every candidate plan
+in one workspace as large as the largest candidate's that fits the free memory
+(2.34 GB measured for a 3x3 fp32 convolution whose steady workspace is 18 MB): the
+bound adds :data:`BENCHMARK_SEARCH_BOUND` and twice the transforms. Not covered:
+``deterministic`` plans, dilated convolutions (the rule of their undilated
+shape), 64-bit-indexed convolutions, MIOpen, other GPUs and cuDNN versions (the
+classes were measured on Hopper with cuDNN 9.19: run the benchmark on yours).
 
 Example::
 
@@ -52,16 +69,12 @@ Example::
     >>> found.blocks, found.backend                          # UNet's decoder convolution, fp32: 268,546,560 measured
     ((268546560,), 'cudnn')
     >>> with torch.device("meta"):
-    ...     x, w = torch.empty(64, 64, 224, 224, dtype=torch.bfloat16), torch.empty(64, 64, 3, 3, dtype=torch.bfloat16)
-    >>> convolution_scratch(x, w, stride=[1, 1], padding=[1, 1], dilation=[1, 1], transposed=False, groups=1).blocks
-    (822157824,)
-    >>> with torch.device("meta"):
     ...     x, w = torch.empty(128, 3, 224, 224, dtype=torch.bfloat16), torch.empty(64, 3, 7, 7, dtype=torch.bfloat16)
     >>> convolution_scratch(x, w, stride=[2, 2], padding=[3, 3], dilation=[1, 1], transposed=False, groups=1).blocks
     (308332032,)
     >>> x_cl, w_cl = x.contiguous(memory_format=torch.channels_last), w.contiguous(memory_format=torch.channels_last)
     >>> convolution_scratch(x_cl, w_cl, stride=[2, 2], padding=[3, 3], dilation=[1, 1], transposed=False, groups=1).blocks
-    ()
+    (102811136,)
 """
 
 from __future__ import annotations
@@ -81,6 +94,7 @@ __all__ = [
     "memory_format",
     "conv_backend",
     "nhwc_bytes",
+    "transforms_bytes",
     "cudnn_pass_workspace",
     "convolution_scratch",
     "convolution_backward_scratch",
@@ -92,14 +106,31 @@ TRANSFORM_HEADER = 256
 #: Channels are padded to a multiple of this for cuDNN's tensor-core kernels in 16-bit precision.
 HALF_CHANNEL_MULTIPLE = 8
 #: The spread of cuDNN's own workspace around the rule (split-K partial sums, another plan): a pass's
-#: bound is this share of its transformed tensors plus :data:`WORKSPACE_FLOOR`, at least.
-WORKSPACE_SHARE = 1.0
-#: The largest workspace measured where the rule gives none or little (8 MiB above the transforms
-#: for fp32 (8, 256, 32, 32) -> 256 3x3 on an H100).
-WORKSPACE_FLOOR = 8 << 20
+#: bound is :data:`WORKSPACE_FLOOR` plus this share of its transforms. Measured on an H100 (cuDNN
+#: 9.19, 216 calls of ``benchmarks/conv_workspace_rules.py``): backward passes up to 32 MB (6.5%)
+#: above the transforms for ResNet's fp32 stem, 14.4 MB above 19 MB for fp32 (8, 256, 32, 32) -> 256;
+#: forwards up to 8.4 MB; channels_last ones up to 8.4 MB (16-bit) above the rule.
+WORKSPACE_SHARE = 0.1
+WORKSPACE_FLOOR = 16 << 20
+#: A 2-D forward of fewer than 8 input channels takes the transforms only with a kernel this large
+#: (ResNet's 7x7 stem; 3x3 first layers, 3-D and 1-D ones took none).
+STEM_KERNEL_AREA = 49
+#: Up to this many input channels (images, audio) such a forward took no workspace in every call
+#: measured; from there to 8 one did (5 channels, bf16).
+FIRST_LAYER_CHANNELS = 4
+#: fp32 without TF32 (``torch.backends.cudnn.allow_tf32 = False``): the filter pass takes this many
+#: times the transforms (2.25 to 4.2 measured), forward and data passes none on NCHW; bound: twice them.
+NO_TF32_FILTER_SHARE = 2.5
+#: A depthwise convolution on cuDNN (``channels_last``) in fp32: the backward measured 4.1 times its
+#: tensors (7x7, 96 channels): the bound is this many times the transforms.
+FP32_DEPTHWISE_SHARE = 5
+#: The bias gradient's sum over all but the channels of an NCHW gradient: a few KiB measured.
+NCHW_BIAS_REDUCTION_BOUND = 64 << 10
 #: Under ``cudnn.benchmark`` the first call of a shape times every candidate plan in one workspace
-#: as large as the largest candidate's: the bound adds this (a candidate may ask for gigabytes).
-BENCHMARK_SEARCH_BOUND = 1 << 30
+#: as large as the largest candidate's that fits the free memory: measured up to 2.34 GB for a fp32
+#: 3x3 (8, 512, 16, 16) convolution whose steady workspace is 18 MB. The bound adds this and twice
+#: the transforms.
+BENCHMARK_SEARCH_BOUND = 5 << 29
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -231,41 +262,122 @@ def conv_backend(
 
 
 # -- cuDNN's workspace ---------------------------------------------------------------
+def transforms_bytes(
+    x_shape: Sequence[int], y_shape: Sequence[int], w_shape: Sequence[int], dtype: torch.dtype, *, only_unaligned: bool = False
+) -> int:
+    """One block holding a pass's tensors in NHWC: channels padded to 8 in 16-bit precision, each
+    part aligned to 256 bytes, plus :data:`TRANSFORM_HEADER`; a 1x1 filter needs no transform.
+    ``only_unaligned``: only the tensors whose channels are not a multiple of 8 (and the filter
+    with them), what a ``channels_last`` convolution pads; 0 when all are.
+
+    Example::
+
+        >>> transforms_bytes((128, 3, 224, 224), (128, 64, 112, 112), (64, 3, 7, 7), torch.bfloat16)  # ResNet's stem
+        308332032
+        >>> transforms_bytes((128, 3, 224, 224), (128, 64, 112, 112), (64, 3, 7, 7), torch.bfloat16, only_unaligned=True)
+        102811136
+    """
+    element = torch.empty((), dtype=dtype).element_size()
+    pad = HALF_CHANNEL_MULTIPLE if dtype in _HALF else 1
+    x_odd, y_odd = x_shape[1] % HALF_CHANNEL_MULTIPLE != 0, y_shape[1] % HALF_CHANNEL_MULTIPLE != 0
+    parts = []
+    if x_odd or not only_unaligned:
+        parts.append(nhwc_bytes(x_shape, element, pad_channels=pad))
+    if y_odd or not only_unaligned:
+        parts.append(nhwc_bytes(y_shape, element, pad_channels=pad))
+    if any(k != 1 for k in w_shape[2:]) and (x_odd or y_odd or not only_unaligned):
+        parts.append(nhwc_bytes(w_shape, element, pad_channels=pad))
+    if not parts:
+        return 0
+    return block_size(sum(-(-p // 256) * 256 for p in parts) + TRANSFORM_HEADER)
+
+
 def cudnn_pass_workspace(
+    kind: str,
     x_shape: Sequence[int],
     y_shape: Sequence[int],
     w_shape: Sequence[int],
     *,
     dtype: torch.dtype,
     channels_last: bool,
-    pointwise: bool = False,
+    stride: Sequence[int] = (1, 1),
+    padding: Sequence[int] = (0, 0),
+    depthwise: bool = False,
+    allow_tf32: bool = True,
     benchmark: bool = False,
 ) -> tuple[int, int]:
-    """``(bytes, bound)`` of cuDNN's workspace for one pass over ``x -> y`` with filter ``w`` (see the module).
+    """``(bytes, bound)`` of cuDNN's workspace for one pass (``kind``: ``"forward"``, ``"data"``,
+    ``"filter"``) of the convolution ``x -> y`` with filter ``w`` (see the module).
 
     ``x_shape``/``y_shape``/``w_shape`` are the convolution's (N, C, spatial...) input,
-    output and (C_out, C_in / groups, kernel...) filter, whichever pass runs; ``pointwise``:
-    a 1x1 stride-1 unpadded forward, which cuDNN runs as a GEMM on NCHW.
+    output and (C_out, C_in / groups, kernel...) filter, whichever pass runs (a 1-D
+    convolution as 2-D of height 1). ``T`` is :func:`transforms_bytes`, ``spread`` is
+    :data:`WORKSPACE_FLOOR` plus :data:`WORKSPACE_SHARE` of ``T``. The classes, from what
+    was measured on an H100 (cuDNN 9.19):
+
+    - NCHW, forward: ``T`` (exact for most 3x3 and 7x7 convolutions of 8 channels or more,
+      fp32 and bf16), bound ``spread`` (in fp32 at least the floor plus the output: one plan
+      writes the output in NCHW); a first layer of up to 4 channels none (all 7 measured),
+      bound ``spread``, unless a 2-D 7x7 stem (``T``); a pointwise (1x1, stride 1, unpadded)
+      one none (a GEMM on NCHW) and one of 5 to 7 channels none, bound ``T + floor``; a
+      strided 1x1 ``T``, bound ``T + floor`` (measured with and without the transforms);
+    - NCHW, backward passes: ``T``, bound ``spread``; a 2-D fp32 first layer (not a stem)
+      none, and pointwise ones, fp32 ones under 8 input channels and any under 8 output
+      channels ``T``, bound ``T + floor``;
+    - ``channels_last``: the tensors whose channels are not a multiple of 8 padded (exact
+      for the stem and 3-channel first layers), else none; bound ``spread``; in fp32 and for
+      strided 1x1 ones ``T + floor`` (fp32 plans re-lay inputs: 96 channels measured), five
+      times ``T`` for depthwise fp32 backward;
+    - fp32 without TF32: forward none on NCHW (``T`` on ``channels_last``), data none, filter
+      :data:`NO_TF32_FILTER_SHARE` times ``T``; bound twice ``T`` plus the floor.
 
     Example::
 
-        >>> cudnn_pass_workspace((8, 96, 256, 256), (8, 32, 256, 256), (32, 96, 3, 3), dtype=torch.float32, channels_last=False)[0]
+        >>> cudnn_pass_workspace("forward", (8, 96, 256, 256), (8, 32, 256, 256), (32, 96, 3, 3), dtype=torch.float32,
+        ...                      channels_last=False, stride=(1, 1), padding=(1, 1))[0]
         268546560
-        >>> cudnn_pass_workspace((8, 96, 256, 256), (8, 32, 256, 256), (32, 96, 3, 3), dtype=torch.float32, channels_last=True)[0]
+        >>> cudnn_pass_workspace("forward", (8, 96, 256, 256), (8, 32, 256, 256), (32, 96, 3, 3), dtype=torch.bfloat16,
+        ...                      channels_last=True)[0]
         0
     """
-    element = torch.empty((), dtype=dtype).element_size()
-    pad = HALF_CHANNEL_MULTIPLE if dtype in _HALF else 1
-    parts = [nhwc_bytes(x_shape, element, pad_channels=pad), nhwc_bytes(y_shape, element, pad_channels=pad),
-             nhwc_bytes(w_shape, element, pad_channels=pad)]  # fmt: skip
-    transforms = block_size(sum(-(-p // 256) * 256 for p in parts) + TRANSFORM_HEADER)
-    bound = max(WORKSPACE_FLOOR, math.ceil(WORKSPACE_SHARE * transforms))
-    if channels_last or pointwise:
-        estimate = 0
+    transforms = transforms_bytes(x_shape, y_shape, w_shape, dtype)
+    spread = WORKSPACE_FLOOR + math.ceil(WORKSPACE_SHARE * transforms)
+    loose = transforms + WORKSPACE_FLOOR
+    kernel = list(w_shape[2:])
+    pointwise = all(k == 1 for k in kernel) and all(v == 1 for v in stride) and all(v == 0 for v in padding)
+    small_in, small_out = x_shape[1] < HALF_CHANNEL_MULTIPLE, y_shape[1] < HALF_CHANNEL_MULTIPLE
+    fp32 = dtype == torch.float32
+    stem = len(kernel) == 2 and math.prod(kernel) >= STEM_KERNEL_AREA and not small_out
+    if fp32 and not allow_tf32:
+        if kind == "filter":
+            estimate = math.ceil(NO_TF32_FILTER_SHARE * transforms)
+        else:
+            estimate = transforms if (channels_last and kind == "forward") else 0
+        bound = 2 * transforms + WORKSPACE_FLOOR
+    elif channels_last:
+        estimate = transforms_bytes(x_shape, y_shape, w_shape, dtype, only_unaligned=True)
+        bound = spread
+        if fp32 or (all(k == 1 for k in kernel) and not pointwise):  # a strided 1x1 (bf16) re-lays x and y
+            bound = FP32_DEPTHWISE_SHARE * transforms + WORKSPACE_FLOOR if fp32 and depthwise and kind != "forward" else loose
+    elif kind == "forward":
+        if small_in and not stem and x_shape[1] <= FIRST_LAYER_CHANNELS:
+            estimate, bound = 0, spread  # RGB, grey, audio: none in all 7 calls measured
+        elif pointwise or (small_in and not stem):
+            estimate, bound = 0, loose
+        elif all(k == 1 for k in kernel):  # strided 1x1: measured with and without the transforms
+            estimate, bound = transforms, loose
+        elif fp32:  # some fp32 plans write the output in NCHW themselves (UNet's 192 -> 64 3x3): not transformed
+            estimate, bound = transforms, max(spread, WORKSPACE_FLOOR + nhwc_bytes(y_shape, 4))
+        else:
+            estimate, bound = transforms, spread
+    elif fp32 and small_in and not stem and len(kernel) == 2:
+        estimate, bound = 0, loose
+    elif pointwise or small_out or (small_in and fp32):
+        estimate, bound = transforms, loose
     else:
-        estimate = transforms
+        estimate, bound = transforms, spread
     if benchmark:
-        bound += BENCHMARK_SEARCH_BOUND
+        bound += BENCHMARK_SEARCH_BOUND + 2 * transforms
     return estimate, bound
 
 
@@ -298,7 +410,7 @@ def _as_2d(shape: Sequence[int]) -> list[int]:
 
 def _passes(
     input: torch.Tensor, weight: torch.Tensor, out_shape: Sequence[int], *, stride, padding, transposed: bool,
-    channels_last: bool, benchmark: bool,
+    channels_last: bool, benchmark: bool, groups: int = 1,
 ) -> dict[str, tuple[int, int]]:  # fmt: skip
     """The workspace ``(bytes, bound)`` of each cuDNN pass this convolution's forward and backward may run.
 
@@ -307,19 +419,19 @@ def _passes(
     gradient that convolution's forward.
     """
     in_shape, w_shape, out_shape = _as_2d(input.shape), _as_2d(weight.shape), _as_2d(out_shape)
-    kernel = w_shape[2:]
-    pointwise = all(k == 1 for k in kernel) and all(s == 1 for s in stride) and all(p == 0 for p in padding)
+    if input.dim() == 3:
+        stride, padding = [1, *stride], [0, *padding]
     if transposed:  # the convolution it is the gradient of: x = our output, y = our input
         x_shape, y_shape = out_shape, in_shape
     else:
         x_shape, y_shape = in_shape, out_shape
-    common = {"dtype": input.dtype, "channels_last": channels_last, "benchmark": benchmark}
-    forward = cudnn_pass_workspace(x_shape, y_shape, w_shape, pointwise=pointwise, **common)
-    data = cudnn_pass_workspace(x_shape, y_shape, w_shape, **common)
-    filt = cudnn_pass_workspace(x_shape, y_shape, w_shape, **common)
+    common = {"dtype": input.dtype, "channels_last": channels_last, "benchmark": benchmark, "stride": stride,
+              "padding": padding, "allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+              "depthwise": groups > 1 and groups == in_shape[1] and not transposed}  # fmt: skip
+    passes = {kind: cudnn_pass_workspace(kind, x_shape, y_shape, w_shape, **common) for kind in ("forward", "data", "filter")}
     if transposed:
-        return {"forward": data, "data": forward, "filter": filt}
-    return {"forward": forward, "data": data, "filter": filt}
+        passes["forward"], passes["data"] = passes["data"], passes["forward"]
+    return passes
 
 
 def _copies(tensors: Sequence[torch.Tensor], channels_last: bool) -> list[int]:
@@ -353,7 +465,7 @@ def convolution_scratch(
     channels_last = memory_format(input) == "channels_last" or memory_format(weight) == "channels_last"
     out_shape = _output_shape(input.shape, weight.shape, stride, padding, dilation, transposed, output_padding, groups)
     passes = _passes(input, weight, out_shape, stride=stride, padding=padding, transposed=transposed,
-                     channels_last=channels_last, benchmark=_flags(benchmark))  # fmt: skip
+                     channels_last=channels_last, benchmark=_flags(benchmark), groups=groups)  # fmt: skip
     workspace, bound = passes["forward"]
     return ConvScratch(tuple(_copies([input, weight], channels_last)), _nonzero([(workspace,)]), bound, backend)
 
@@ -399,19 +511,20 @@ def convolution_backward_scratch(
     if want_bias and grad_output.dim() >= 3 and memory_format(grad_output) == "channels_last":
         rows = grad_output.numel() // max(channels, 1)
         reduction = column_reduction_scratch(rows, channels, multiprocessors=multiprocessors or DEFAULT_MULTIPROCESSORS)
+    # an NCHW gradient's sum over (0, 2, 3) takes a few KiB of partial sums (not sized here)
+    bias_bound = NCHW_BIAS_REDUCTION_BOUND if want_bias and not reduction else 0
     if backend == "depthwise":
         copies = _copies([t for t, wanted in ((grad_output, True), (input, want_weight), (weight, want_input)) if wanted], False)
-        return ConvScratch(tuple(copies), _nonzero([reduction]), 0, backend)
+        return ConvScratch(tuple(copies), _nonzero([reduction]), bias_bound, backend)
     needed = [grad_output] + ([input] if want_weight else []) + ([weight] if want_input else [])
     copies = _copies(needed, channels_last) if (want_input or want_weight) else []
     passes = _passes(input, weight, grad_output.shape, stride=stride, padding=padding, transposed=transposed,
-                     channels_last=channels_last, benchmark=_flags(benchmark))  # fmt: skip
+                     channels_last=channels_last, benchmark=_flags(benchmark), groups=groups)  # fmt: skip
     # each pass's workspace is taken before the gradients after it exist: above the returned gradients,
     # the data pass counts less the weight's and the bias's gradients, the filter pass less the bias's
-    taken, bound = [], 0
+    taken, bound = [], bias_bound
     if want_input:
-        # a transposed convolution's input gradient is the forward of the convolution it transposes
-        workspace, b = passes["forward"] if transposed else passes["data"]
+        workspace, b = passes["data"]  # for a transposed one: the forward of the convolution it transposes
         taken.append((workspace - grad_weight - grad_bias,))
         bound = max(bound, b)
     if want_weight:

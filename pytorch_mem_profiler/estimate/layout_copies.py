@@ -15,9 +15,16 @@ CUDA code is known to copy so:
 - ``upsample_bilinear2d_backward``, ``upsample_nearest2d_backward``: the
   gradient, into ``channels_last`` where it suggests that layout and has 4
   channels or more (the NHWC kernel), else into contiguous;
-- ``max_pool2d_with_indices_backward``, ``avg_pool2d_backward``: the gradient,
-  the input (and the indices) into the input's suggested layout;
+- ``max_pool2d_with_indices_backward``, ``avg_pool2d_backward``,
+  ``_adaptive_avg_pool2d_backward``: the gradient, the input (and the indices)
+  into the input's suggested layout;
 - ``cudnn_batch_norm_backward``: the gradient into the input's layout.
+
+Measured on an H100 (``benchmarks/conv_workspace_rules.py``, fp32 and bf16, the
+gradient a channel slice): each of the first five operators' scratch is the sliced
+gradient's bytes, to the byte (134,217,728 for bilinear and nearest upsampling of
+(8, 64, 128, 128) fp32, 8,388,608 for max and average pooling, 100,352 for
+adaptive average pooling to 7x7); contiguous and ``channels_last`` gradients take none.
 
 Example::
 
@@ -84,6 +91,8 @@ COPYING_OPERATORS = {
     _aten.max_pool2d_with_indices_backward.default: _by_input_layout(0, 1, (7,)),
     # (grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
     _aten.avg_pool2d_backward.default: _by_input_layout(0, 1),
+    # (grad_output, self)
+    _aten._adaptive_avg_pool2d_backward.default: _by_input_layout(0, 1),
     # (input, grad_output, weight, running_mean, running_var, save_mean, save_var, epsilon, reserve)
     _aten.cudnn_batch_norm_backward.default: _by_input_layout(1, 0),
 }
