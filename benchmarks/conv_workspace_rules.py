@@ -2,6 +2,8 @@
 
     python benchmarks/conv_workspace_rules.py --out results/   # on a GPU: under 90 s on an H100
     python benchmarks/conv_workspace_rules.py --dry-run        # the cases only, no GPU: a smoke test
+    python benchmarks/conv_workspace_rules.py --resume old/conv_workspace_rules.json --parts default --out results/
+                                                               # what a run cut short left, kept with its rows
 
 A fake-tensor estimate sees what an operator returns, never the workspace a
 cuDNN convolution takes from the caching allocator while it runs. For a spread
@@ -108,7 +110,8 @@ BENCHMARK_SHAPES = {"unet_dec", "unet_c32", "resnet_stem", "resnet_l1", "c512_s1
                     "dw_3x3", "resnet_l4", "conv1d_seq", "conv3d_mid"}
 NO_TF32_SHAPES = {"unet_dec", "resnet_l1", "c512_s16", "odd_5_17"}
 #: (name, output mask) of the calls measured: a layer's forward, and backward as autograd calls it.
-CALLS = [("forward", None), ("backward", (True, True, True)), ("backward", (False, True, True)), ("backward", (True, False, False)),
+CALLS = [("forward", None), ("backward", (True, True, True)), ("backward", (True, True, False)), ("backward", (False, True, False)),
+         ("backward", (False, True, True)), ("backward", (True, False, False)),
          ("backward", (False, False, True))]  # the last: the bias gradient alone (a sum over all but the channels)
 QUICK_SHAPES = {"resnet_l1", "odd_5_17", "dw_3x3", "conv1d_seq", "conv3d_mid", "unet_up"}
 
@@ -157,7 +160,7 @@ def conv_cases(quick: bool) -> list[dict[str, Any]]:
         for dtype in dtypes:
             for layout in layouts:
                 for call, mask in CALLS:
-                    if layout in ("noncontig", "weight_channels_last") and mask not in (None, (True, True, True)):
+                    if layout in ("noncontig", "weight_channels_last") and mask not in (None, (True, True, False)):
                         continue
                     padding = 0 if transposed and kernel == 2 else (kernel // 2 if not transposed else (kernel - stride) // 2)
                     cases.append({
@@ -170,7 +173,7 @@ def conv_cases(quick: bool) -> list[dict[str, Any]]:
     def priority(case: dict[str, Any]) -> int:
         if case["dtype"] == "float16" or case["layout"] in ("noncontig", "weight_channels_last"):
             return 2
-        return 0 if case["mask"] in (None, [True, True, True]) else 1
+        return 0 if case["mask"] in (None, [True, True, True], [True, True, False]) else 1
 
     return sorted(cases, key=priority)
 
@@ -236,7 +239,6 @@ def _outputs_bytes(out: Any) -> int:
 
 def measure_call(fn: Callable[[], Any]) -> dict[str, Any]:
     """The first call on a clean cache (reserved growth, scratch), then a steady call's scratch."""
-    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before, reserved = _sync_and_read()
@@ -268,7 +270,15 @@ def _rule_for(case: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any] | N
         return {"error": repr(err)}
 
 
-def run_convolutions(flags: dict[str, Any], quick: bool, deadline: float, rows: list[dict[str, Any]], save: Callable[[], None]) -> None:
+def case_key(case: dict[str, Any], flags_name: str) -> str:
+    """What tells a measured case apart, for ``--resume``."""
+    fields = ("shape_name", "dims", "n", "cin", "cout", "size", "kernel", "stride", "groups", "transposed", "dtype", "layout",
+              "call", "mask", "op", "c")  # fmt: skip
+    return json.dumps([flags_name, *(case.get(f) for f in fields)])
+
+
+def run_convolutions(flags: dict[str, Any], quick: bool, deadline: float, rows: list[dict[str, Any]], save: Callable[[], None],
+                     done: frozenset[str] = frozenset()) -> None:  # fmt: skip
     device = torch.device("cuda")
     torch.backends.cudnn.benchmark = flags["benchmark"]
     torch.backends.cudnn.allow_tf32 = flags["allow_tf32"]
@@ -278,6 +288,7 @@ def run_convolutions(flags: dict[str, Any], quick: bool, deadline: float, rows: 
                  and c["mask"] in (None, [True, True, True])]
     elif not flags["allow_tf32"]:
         cases = [c for c in cases if c["shape_name"] in NO_TF32_SHAPES and c["dtype"] == "float32" and c["layout"] in ("contiguous", "channels_last")]
+    cases = [c for c in cases if case_key(c, flags["name"]) not in done]
     free = torch.cuda.mem_get_info()[0]
     for i, case in enumerate(cases):
         if time.perf_counter() > deadline:
@@ -371,11 +382,13 @@ def _other_forward(case: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
     raise ValueError(op)
 
 
-def run_other_ops(quick: bool, deadline: float, rows: list[dict[str, Any]]) -> None:
+def run_other_ops(quick: bool, deadline: float, rows: list[dict[str, Any]], done: frozenset[str] = frozenset()) -> None:
     """Forward and backward of each op under the meter, the gradient in the case's layout; twice on
     a clean cache, the second run's operators recorded (and the first run's reserved growth)."""
     device = torch.device("cuda")
     for case in _other_op_cases(quick):
+        if case_key(case, "ops") in done:
+            continue
         if time.perf_counter() > deadline:
             rows.append({"part": "ops", "stopped": "deadline"})
             break
@@ -471,7 +484,7 @@ FLAG_SETS = {
 }
 
 
-def run_part(part: str, quick: bool, seconds: float, json_path: Path) -> None:
+def run_part(part: str, quick: bool, seconds: float, json_path: Path, done: frozenset[str] = frozenset()) -> None:
     """One process's share: a flag setting's convolutions (and, for the default, the other ops)."""
     deadline = time.perf_counter() + seconds
     rows: list[dict[str, Any]] = []
@@ -483,10 +496,11 @@ def run_part(part: str, quick: bool, seconds: float, json_path: Path) -> None:
         json_path.write_text(json.dumps(rows))
 
     torch.zeros(1, device="cuda")
-    run_convolutions(flags, quick, deadline - (12 if part == "default" else 0), rows, save)
+    ops_left = sum(case_key(c, "ops") not in done for c in _other_op_cases(quick))
+    run_convolutions(flags, quick, deadline - (min(12, ops_left) if part == "default" else 0), rows, save, done)
     save()
     if part == "default":
-        run_other_ops(quick, deadline, rows)
+        run_other_ops(quick, deadline, rows, done)
     save()
 
 
@@ -496,13 +510,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--quick", action="store_true", help="a few small shapes: seconds")
     parser.add_argument("--dry-run", action="store_true", help="list the cases (and the rule's figures where it exists); no GPU")
     parser.add_argument("--budget", type=float, default=80.0, help="seconds for the whole sweep (default 80)")
+    parser.add_argument("--parts", default="default,benchmark,no_tf32",
+                        help="flag settings to run, in order (default: default,benchmark,no_tf32)")
+    parser.add_argument("--resume", default=None, help="a previous conv_workspace_rules.json: its rows are kept, its cases not run again")
     parser.add_argument("--part", choices=sorted(FLAG_SETS), help=argparse.SUPPRESS)
     parser.add_argument("--part-json", help=argparse.SUPPRESS)
     parser.add_argument("--part-seconds", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--done-json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.part:
-        run_part(args.part, args.quick, args.part_seconds, Path(args.part_json))
+        done = frozenset(json.loads(Path(args.done_json).read_text())) if args.done_json else frozenset()
+        run_part(args.part, args.quick, args.part_seconds, Path(args.part_json), done)
         return []
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - set(FLAG_SETS)
+    if unknown:
+        parser.error(f"--parts: unknown {sorted(unknown)}; choose from {sorted(FLAG_SETS)}")
     started = time.perf_counter()
     env = environment()
     if args.dry_run or not torch.cuda.is_available():
@@ -512,14 +535,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               + ("" if torch.cuda.is_available() else " (no GPU: nothing measured)"))
         return rows
     out = output_dir(args.out) or Path(".")
-    rows = []
+    rows: list[dict[str, Any]] = []
+    if args.resume:  # what a run cut short by its deadline measured: kept, and not measured again
+        previous = json.loads(Path(args.resume).read_text())["rows"]
+        rows = [r for r in previous if "steady" in r or r.get("part") == "ops" and "op" in r]
+    done = sorted(case_key(r, r["flags"]["name"] if r.get("part") == "conv" else "ops") for r in rows)
+    done_json = out / "conv_workspace_rules.done.json"
+    done_json.write_text(json.dumps(done))
     # shares of the budget: the default flags (with the other ops), then cudnn.benchmark, then no TF32;
     # each process spends some seconds importing torch and starting CUDA
-    for part, share in (("default", 0.5), ("benchmark", 0.7), ("no_tf32", 1.0)):
+    shares = {"default": 0.5, "benchmark": 0.7, "no_tf32": 1.0}
+    for i, part in enumerate(parts):
         remaining = args.budget - (time.perf_counter() - started)
+        share = 1.0 if i == len(parts) - 1 else shares[part]
         seconds = max(8.0, share * remaining)
         part_json = out / f"conv_workspace_rules.{part}.json"
-        command = [sys.executable, __file__, "--part", part, "--part-json", str(part_json), "--part-seconds", str(seconds - 7)]
+        command = [sys.executable, __file__, "--part", part, "--part-json", str(part_json), "--part-seconds", str(seconds - 7),
+                   "--done-json", str(done_json)]  # fmt: skip
         if args.quick:
             command.append("--quick")
         done = subprocess.run(command, check=False, timeout=seconds + 60)
@@ -531,6 +563,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         seconds_so_far = time.perf_counter() - started
         (out / "conv_workspace_rules.json").write_text(json.dumps({"environment": env, "seconds": seconds_so_far, "rows": rows}, indent=0))
         (out / "conv_workspace_rules.md").write_text(markdown(env, rows, seconds_so_far))
+    done_json.unlink(missing_ok=True)
     print(markdown(env, rows, time.perf_counter() - started))
     return rows
 
