@@ -539,6 +539,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.resume:  # what a run cut short by its deadline measured: kept, and not measured again
         previous = json.loads(Path(args.resume).read_text())["rows"]
         rows = [r for r in previous if "steady" in r or r.get("part") == "ops" and "op" in r]
+        for row in rows:  # the rule as it is now, under the row's flags
+            if row.get("part") == "conv":
+                tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, row["flags"]["allow_tf32"]
+                rule = _rule_for(row, row["flags"])
+                torch.backends.cudnn.allow_tf32 = tf32
+                if rule is not None:
+                    row["rule"] = rule
     done = sorted(case_key(r, r["flags"]["name"] if r.get("part") == "conv" else "ops") for r in rows)
     done_json = out / "conv_workspace_rules.done.json"
     done_json.write_text(json.dumps(done))
@@ -554,10 +561,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    "--done-json", str(done_json)]  # fmt: skip
         if args.quick:
             command.append("--quick")
-        done = subprocess.run(command, check=False, timeout=seconds + 60)
+        finished = subprocess.run(command, check=False, timeout=seconds + 60)
         part_rows = json.loads(part_json.read_text()) if part_json.exists() else []
-        if done.returncode != 0:
-            part_rows.append({"part": part, "process_exit": done.returncode})
+        if finished.returncode != 0:
+            part_rows.append({"part": part, "process_exit": finished.returncode})
         rows += part_rows
         part_json.unlink(missing_ok=True)
         seconds_so_far = time.perf_counter() - started
