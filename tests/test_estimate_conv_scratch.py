@@ -70,6 +70,185 @@ MEASURED_BACKWARD = [
 ]  # fmt: skip
 
 
+#: Calls of ``benchmarks/conv_workspace_rules.py`` on an H100 (torch 2.11, cuDNN 9.19), the three
+#: farthest from the rule of each class (flags, layout, call, exact or not, dtype): (flags,
+#: (dims, N, C_in, C_out, size, kernel, stride, groups, transposed), dtype, layout ("co"ntiguous or
+#: "ch"annels_last), call ("fwd" or the backward's output mask), steady scratch in bytes).
+SWEEP = [
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "ch", "111", 109_051_392),  # resnet_stem
+    ("benchmark", (2, 128, 64, 64, 56, 3, 1, 1, False), "bflo", "ch", "111", 35_652_096),  # resnet_l1
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "floa", "ch", "111", 520_093_184),  # resnet_stem
+    ("benchmark", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "ch", "111", 35_652_096),  # resnet_l1
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "ch", "111", 8_389_120),  # unet_dec
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "bflo", "ch", "111", 8_389_120),  # unet_c32
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "bflo", "ch", "111", 8_389_120),  # c512_s16
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "111", 8_389_120),  # unet_dec
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "floa", "ch", "111", 8_389_120),  # unet_c32
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "ch", "111", 8_389_120),  # c512_s16
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "ch", "fwd", 512),  # unet_dec
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "bflo", "ch", "fwd", 512),  # unet_c32
+    ("benchmark", (2, 128, 64, 64, 56, 3, 1, 1, False), "bflo", "ch", "fwd", 512),  # resnet_l1
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "floa", "ch", "fwd", 77_594_624),  # resnet_stem
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "fwd", 512),  # unet_dec
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "floa", "ch", "fwd", 512),  # unet_c32
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "ch", "fwd", 102_811_136),  # resnet_stem
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "bflo", "ch", "fwd", 0),  # c512_s16
+    ("benchmark", (2, 8, 256, 256, 32, 3, 1, 1, False), "bflo", "ch", "fwd", 0),  # c256_s32
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "ch", "fwd", 0),  # c512_s16
+    ("benchmark", (2, 8, 256, 256, 32, 3, 1, 1, False), "floa", "ch", "fwd", 0),  # c256_s32
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "co", "111", 314_572_288),  # resnet_stem
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "bflo", "co", "111", 71_302_656),  # unet_c32
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "co", "111", 136_314_368),  # unet_dec
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "floa", "co", "111", 520_093_184),  # resnet_stem
+    ("benchmark", (2, 8, 256, 256, 32, 3, 1, 1, False), "floa", "co", "111", 27_261_952),  # c256_s32
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "co", "111", 25_163_776),  # c512_s16
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "bflo", "co", "111", 8_912_384),  # c512_s16
+    ("benchmark", (2, 8, 256, 256, 32, 3, 1, 1, False), "bflo", "co", "111", 9_568_256),  # c256_s32
+    ("benchmark", (2, 8, 512, 256, 16, 2, 2, 1, True), "floa", "co", "111", 14_679_552),  # unet_up
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "bflo", "co", "fwd", 9_961_472),  # c512_s16
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "co", "fwd", 18_874_368),  # c512_s16
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "floa", "co", "fwd", 488_636_416),  # resnet_stem
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "co", "fwd", 134_273_536),  # unet_dec
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "bflo", "co", "fwd", 67_127_808),  # unet_c32
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "co", "fwd", 308_332_032),  # resnet_stem
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "co", "fwd", 268_546_560),  # unet_dec
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "floa", "co", "fwd", 134_255_104),  # unet_c32
+    ("benchmark", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "co", "fwd", 205_668_864),  # resnet_l1
+    ("default", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "ch", "111", 109_051_392),  # resnet_stem
+    ("default", (2, 16, 24, 100, 56, 3, 2, 1, False), "bflo", "ch", "111", 8_045_568),  # odd_24_100_s2
+    ("default", (2, 4, 33, 33, 128, 7, 1, 1, False), "bflo", "ch", "111", 14_679_552),  # odd_33_k7
+    ("default", (2, 128, 3, 64, 224, 7, 2, 1, False), "floa", "ch", "111", 520_093_184),  # resnet_stem
+    ("default", (2, 32, 96, 96, 56, 7, 1, 96, False), "floa", "ch", "111", 318_766_592),  # dw_7x7
+    ("default", (2, 8, 32, 3, 256, 1, 1, 1, False), "floa", "ch", "111", 73_399_808),  # unet_head
+    ("default", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "ch", "111", 8_389_120),  # unet_dec
+    ("default", (2, 8, 32, 32, 256, 3, 1, 1, False), "bflo", "ch", "111", 8_389_120),  # unet_c32
+    ("default", (2, 8, 32, 3, 256, 1, 1, 1, False), "bflo", "ch", "111", 8_388_608),  # unet_head
+    ("default", (2, 8, 32, 32, 256, 3, 1, 1, False), "floa", "ch", "111", 8_389_120),  # unet_c32
+    ("default", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "ch", "111", 8_389_120),  # c512_s16
+    ("default", (2, 8, 256, 256, 32, 3, 1, 1, False), "floa", "ch", "111", 16_777_728),  # c256_s32
+    ("default", (2, 128, 64, 128, 56, 1, 2, 1, False), "bflo", "ch", "fwd", 77_594_624),  # down_1x1s2
+    ("default", (2, 32, 5, 17, 64, 3, 1, 1, False), "bflo", "ch", "fwd", 0),  # odd_5_17
+    ("default", (2, 8, 32, 3, 256, 1, 1, 1, False), "bflo", "ch", "fwd", 0),  # unet_head
+    ("default", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "fwd", 201_437_696),  # unet_dec
+    ("default", (2, 8, 256, 256, 32, 3, 1, 1, False), "floa", "ch", "fwd", 7_865_344),  # c256_s32
+    ("default", (2, 8, 32, 3, 256, 1, 1, 1, False), "floa", "ch", "fwd", 0),  # unet_head
+    ("default", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "ch", "fwd", 0),  # unet_dec
+    ("default", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "ch", "fwd", 102_811_136),  # resnet_stem
+    ("default", (2, 8, 3, 32, 256, 3, 1, 1, False), "bflo", "ch", "fwd", 8_393_728),  # unet_in3
+    ("default", (2, 128, 512, 512, 7, 3, 1, 1, False), "floa", "ch", "fwd", 0),  # resnet_l4
+    ("default", (2, 128, 32, 32, 112, 3, 1, 32, False), "floa", "ch", "fwd", 0),  # dw_3x3
+    ("default", (2, 64, 144, 144, 56, 3, 2, 144, False), "floa", "ch", "fwd", 0),  # dw_3x3_s2
+    ("default", (2, 8, 32, 3, 256, 1, 1, 1, False), "bflo", "co", "111", 2_560),  # unet_head
+    ("default", (2, 2, 256, 256, 64, 1, 1, 1, False), "bflo", "co", "111", 523_776),  # pointwise
+    ("default", (2, 128, 128, 128, 28, 3, 1, 1, False), "bflo", "co", "111", 59_343_360),  # resnet_l2
+    ("default", (2, 128, 3, 64, 224, 7, 2, 1, False), "floa", "co", "111", 520_093_184),  # resnet_stem
+    ("default", (2, 2, 256, 256, 64, 1, 1, 1, False), "floa", "co", "111", 523_264),  # pointwise
+    ("default", (2, 32, 5, 17, 64, 3, 1, 1, False), "floa", "co", "111", 14_682_624),  # odd_5_17
+    ("default", (2, 8, 512, 512, 16, 3, 1, 1, False), "bflo", "co", "111", 8_912_384),  # c512_s16
+    ("default", (2, 8, 256, 256, 32, 3, 1, 1, False), "bflo", "co", "111", 9_568_256),  # c256_s32
+    ("default", (2, 64, 144, 144, 56, 3, 2, 144, False), "bflo", "co", "111", 0),  # dw_3x3_s2
+    ("default", (2, 8, 512, 256, 16, 2, 2, 1, True), "floa", "co", "111", 14_679_552),  # unet_up
+    ("default", (2, 64, 144, 144, 56, 3, 2, 144, False), "floa", "co", "111", 0),  # dw_3x3_s2
+    ("default", (2, 32, 96, 96, 56, 7, 1, 96, False), "floa", "co", "111", 0),  # dw_7x7
+    ("default", (2, 128, 64, 128, 56, 1, 2, 1, False), "bflo", "co", "fwd", 512),  # down_1x1s2
+    ("default", (2, 32, 5, 17, 64, 3, 1, 1, False), "bflo", "co", "fwd", 8_912_896),  # odd_5_17
+    ("default", (2, 128, 512, 512, 7, 3, 1, 1, False), "bflo", "co", "fwd", 25_952_768),  # resnet_l4
+    ("default", (2, 128, 64, 128, 56, 1, 2, 1, False), "floa", "co", "fwd", 0),  # down_1x1s2
+    ("default", (2, 8, 256, 256, 32, 3, 1, 1, False), "floa", "co", "fwd", 27_262_976),  # c256_s32
+    ("default", (1, 32, 256, 256, 1024, 3, 1, 1, False), "floa", "co", "fwd", 72_090_112),  # conv1d_seq
+    ("default", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "co", "fwd", 134_273_536),  # unet_dec
+    ("default", (2, 8, 32, 32, 256, 3, 1, 1, False), "bflo", "co", "fwd", 67_127_808),  # unet_c32
+    ("default", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "co", "fwd", 308_332_032),  # resnet_stem
+    ("default", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "co", "fwd", 268_546_560),  # unet_dec
+    ("default", (2, 8, 32, 32, 256, 3, 1, 1, False), "floa", "co", "fwd", 134_255_104),  # unet_c32
+    ("default", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "co", "fwd", 205_668_864),  # resnet_l1
+    ("no_tf32", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "ch", "100", 366_100_992),  # resnet_l1
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "100", 268_546_560),  # unet_dec
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "111", 872_968_192),  # unet_dec
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "001", 8_389_120),  # unet_dec
+    ("no_tf32", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "ch", "001", 34_603_520),  # resnet_l1
+    ("no_tf32", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "ch", "001", 8_389_120),  # c512_s16
+    ("no_tf32", (2, 32, 5, 17, 64, 3, 1, 1, False), "floa", "ch", "fwd", 0),  # odd_5_17
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "fwd", 268_546_560),  # unet_dec
+    ("no_tf32", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "ch", "fwd", 205_668_864),  # resnet_l1
+    ("no_tf32", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "ch", "fwd", 17_826_304),  # c512_s16
+    ("no_tf32", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "co", "100", 161_480_704),  # resnet_l1
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "co", "111", 604_421_632),  # unet_dec
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "co", "011", 604_421_632),  # unet_dec
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "co", "100", 0),  # unet_dec
+    ("no_tf32", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "co", "100", 0),  # c512_s16
+    ("no_tf32", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "co", "001", 0),  # c512_s16
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "co", "fwd", 0),  # unet_dec
+    ("no_tf32", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "co", "fwd", 0),  # resnet_l1
+    ("no_tf32", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "co", "fwd", 0),  # c512_s16
+]  # fmt: skip
+
+#: Under ``cudnn.benchmark`` the first call of a shape: the search's workspace (bytes).
+BENCHMARK_FIRST_CALLS = [
+    ((2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "ch", "fwd", 2_344_616_448),
+    ((2, 8, 256, 256, 32, 3, 1, 1, False), "floa", "co", "111", 2_222_980_096),
+    ((2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "ch", "111", 862_076_928),
+    ((2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "co", "fwd", 719_775_232),
+]  # fmt: skip
+
+
+def _sweep_case(geometry, dtype, layout, call):
+    dims, n, cin, cout, size, kernel, stride, groups, transposed = geometry
+    padding = 0 if transposed and kernel == 2 else (kernel // 2 if not transposed else (kernel - stride) // 2)
+    return {
+        "dims": dims, "n": n, "cin": cin, "cout": cout, "size": size, "kernel": kernel, "stride": stride, "padding": padding,
+        "groups": groups, "transposed": transposed, "dtype": {"floa": "float32", "bflo": "bfloat16"}[dtype],
+        "layout": {"co": "contiguous", "ch": "channels_last"}[layout], "call": "forward" if call == "fwd" else "backward",
+        "mask": None if call == "fwd" else [c == "1" for c in call],
+    }  # fmt: skip
+
+
+#: Sweep calls the rule gives to the byte, beyond the zoo's forwards: channels_last padding of
+#: unaligned channels, the bias gradient's column reduction, both backward passes' arithmetic,
+#: transposed, grouped and 1-D convolutions.
+SWEEP_EXACT = [
+    ((2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "ch", "fwd", 102_811_136),  # the stem, channels_last: x and w padded to 8
+    ((2, 8, 3, 32, 256, 3, 1, 1, False), "bflo", "ch", "fwd", 8_393_728),
+    ((2, 8, 3, 32, 256, 3, 1, 1, False), "floa", "ch", "fwd", 6_295_040),  # fp32: not padded
+    ((2, 256, 3, 32, 32, 3, 1, 1, False), "floa", "ch", "fwd", 3_149_312),
+    ((2, 128, 128, 128, 28, 3, 1, 1, False), "floa", "ch", "111", 102_760_960),  # the bias gradient's column sum
+    ((2, 1, 64, 64, 512, 3, 1, 1, False), "bflo", "ch", "111", 33_554_944),
+    ((2, 8, 256, 256, 32, 3, 1, 1, False), "bflo", "co", "111", 9_568_256),  # data pass less the weight's and bias's gradients
+    ((2, 8, 512, 512, 16, 3, 1, 1, False), "bflo", "co", "111", 8_912_384),
+    ((2, 16, 64, 32, 64, 4, 2, 1, True), "floa", "co", "fwd", 50_463_232),  # DCGAN's transposed 4x4
+    ((2, 8, 512, 256, 16, 2, 2, 1, True), "bflo", "co", "fwd", 7_340_544),  # UNet's up-convolution
+    ((2, 32, 256, 256, 28, 3, 1, 32, False), "bflo", "co", "fwd", 25_727_488),  # 32 groups
+    ((1, 32, 256, 256, 1024, 3, 1, 1, False), "bflo", "co", "fwd", 33_948_160),  # conv1d
+    ((2, 32, 96, 96, 56, 7, 1, 96, False), "bflo", "ch", "111", 19_268_096),  # depthwise 7x7 on cuDNN (channels_last)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("geometry, dtype, layout, call, measured", SWEEP_EXACT)
+def test_the_rule_gives_these_sweep_calls_to_the_byte(geometry, dtype, layout, call, measured):
+    from pytorch_mem_profiler.estimate.conv_workspace import rule_for_sweep_case
+
+    assert rule_for_sweep_case(_sweep_case(geometry, dtype, layout, call), {"benchmark": False})["scratch"] == measured
+
+
+@pytest.mark.parametrize("flags, geometry, dtype, layout, call, measured", SWEEP)
+def test_every_class_of_the_sweep_is_within_the_rules_bound(monkeypatch, flags, geometry, dtype, layout, call, measured):
+    from pytorch_mem_profiler.estimate.conv_workspace import rule_for_sweep_case
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", flags != "no_tf32")
+    rule = rule_for_sweep_case(_sweep_case(geometry, dtype, layout, call), {"benchmark": flags == "benchmark"})
+    assert abs(rule["scratch"] - measured) <= rule["bound"], (rule, measured)
+
+
+@pytest.mark.parametrize("geometry, dtype, layout, call, measured", BENCHMARK_FIRST_CALLS)
+def test_the_benchmark_search_is_within_the_bound(geometry, dtype, layout, call, measured):
+    from pytorch_mem_profiler.estimate.conv_workspace import rule_for_sweep_case
+
+    rule = rule_for_sweep_case(_sweep_case(geometry, dtype, layout, call), {"benchmark": True})
+    assert abs(rule["scratch"] - measured) <= rule["bound"]
+    without = rule_for_sweep_case(_sweep_case(geometry, dtype, layout, call), {"benchmark": False})
+    assert abs(without["scratch"] - measured) > without["bound"]  # the search is what the wider bound is for
+
+
 def _meta(shape, dtype=F32, fmt=None):
     t = torch.empty(shape, dtype=dtype, device="meta")
     return t.contiguous(memory_format=fmt) if fmt is not None else t
