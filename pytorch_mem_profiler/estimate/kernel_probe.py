@@ -8,8 +8,8 @@ step (shapes, strides, dtype, geometry, output mask, cuDNN flags) runs once on t
 GPU, in a separate process (so that this process's allocator, its cache and its
 peak statistics are left as they were), as ``benchmarks/op_scratch.py`` measures:
 a first call, then ``scratch = peak inside the operator - max(allocated before,
-allocated after)``. A call whose tensors would take more than half the GPU's free
-memory is not run (the rule and its bound stand). Results are kept for the
+allocated after)``. A call whose tensors would take more than an eighth of the GPU's
+free memory is not run (the rule and its bound stand). Results are kept for the
 process's life, by call.
 
 Example::

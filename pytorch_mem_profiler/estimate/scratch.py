@@ -2,10 +2,10 @@
 
 A fake tensor sees what an operator returns, never the buffers a CUDA kernel
 takes from the caching allocator while it runs and gives back before the
-operator returns. Most kernels take none; two that do were measured on an H200
-(``benchmarks/op_scratch.py``: the allocator's peak inside each operator of real
-training steps, less the larger of what was allocated before and after it), and
-have a rule here giving the bytes of the blocks they take:
+operator returns. Most kernels take none; those that do were measured on an H200
+and an H100 (``benchmarks/op_scratch.py``, ``benchmarks/conv_workspace_rules.py``:
+the allocator's peak inside each operator, less the larger of what was allocated
+before and after it), and have a rule here giving the bytes of the blocks they take:
 
 - **column reductions** (:func:`column_reduction_scratch`): ``aten.sum.dim_IntList``
   and ``aten.mean.dim`` over the leading dimensions of a contiguous fp32, bf16 or
@@ -26,11 +26,27 @@ have a rule here giving the bytes of the blocks they take:
   indices of width ``D``, plus a contiguous copy of the gradient (and of the
   indices) where the operator is handed a non-contiguous one.
 
-Not covered: other kernels' scratch (cuDNN's convolution and attention
-workspaces, sorts, ``index_put`` with accumulation), reductions over inner or
-middle dimensions, float64 reductions, tensors split for 32-bit indexing (over
-2**31 elements), and data-dependent sizes (an embedding's scratch with repeated
-indices is less than the bound).
+- **convolutions** (:mod:`.conv_workspace`): ``aten.convolution`` and
+  ``aten.convolution_backward`` take the layout copies ATen makes for cuDNN
+  (exact) and cuDNN's workspace for each pass, which on Hopper with cuDNN 9 holds
+  the pass's tensors transformed to NHWC (measured to the byte for UNet's, ResNet's
+  and a VGG's 3x3 and 7x7 convolutions: 268,546,560 bytes for fp32 (8, 96, 256,
+  256) -> 32). The passes of a backward are taken in turn (:class:`Passes`). Which
+  plan cuDNN picks is cuDNN's: each call's class carries the spread measured
+  around it as an error bound (``bounds``, by operator, which the estimate reports
+  in ``MemoryEstimate.error_bounds``); ``measure_kernels=True`` measures instead,
+  on the GPU (:mod:`.kernel_probe`);
+- **sliced gradients** (:mod:`.layout_copies`): upsampling, pooling and cuDNN
+  batch norm backward copy a gradient that is not contiguous first (a U-Net's
+  concatenation hands its parts slices of its gradient), exact;
+- **cuDNN's NHWC batch norm**: a workspace of about 1 MB measured, bounded at
+  4 MiB (``BATCH_NORM_WORKSPACE_BOUND``), not estimated.
+
+Not covered: other kernels' scratch (cuDNN's attention workspaces, sorts,
+``index_put`` with accumulation), reductions over inner or middle dimensions,
+float64 reductions, tensors split for 32-bit indexing (over 2**31 elements), and
+data-dependent sizes (an embedding's scratch with repeated indices is less than
+the bound).
 
 Example::
 
