@@ -5,8 +5,9 @@ Which plan cuDNN's heuristics pick, and its workspace, is cuDNN's own choice (se
 runs on fake CUDA tensors with the GPU at hand, ``estimate_memory(...,
 measure_kernels=True)`` measures instead: each distinct convolution call of the
 step (shapes, strides, dtype, geometry, output mask, cuDNN flags) runs once on the
-GPU, in a separate process (so that this process's allocator, its cache and its
-peak statistics are left as they were), as ``benchmarks/op_scratch.py`` measures:
+GPU, in a separate process (:mod:`pytorch_mem_profiler.measure.kernel_scratch`,
+so that this process's allocator, its cache and its peak statistics are left as
+they were), as ``benchmarks/op_scratch.py`` measures:
 a first call, then ``scratch = peak inside the operator - max(allocated before,
 allocated after)``. A call whose tensors would take more than an eighth of the GPU's
 free memory is not run (the rule and its bound stand). Results are kept for the
@@ -83,8 +84,8 @@ def measure_convolutions(keys: Iterable[tuple], device: torch.device) -> dict[tu
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     try:
-        done = subprocess.run([sys.executable, "-m", __name__], input=request, capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT, env=env, check=False)  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "pytorch_mem_profiler.measure.kernel_scratch"], input=request,
+                              capture_output=True, text=True, timeout=PROBE_TIMEOUT, env=env, check=False)  # fmt: skip
         answers = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else None
     except (subprocess.TimeoutExpired, OSError, ValueError, IndexError):
         answers = None
@@ -94,72 +95,3 @@ def measure_convolutions(keys: Iterable[tuple], device: torch.device) -> dict[tu
     for key, value in zip(wanted, answers):
         found[key] = MEASURED[key] = value if isinstance(value, int) else None
     return found
-
-
-# -- the child process -----------------------------------------------------------------
-def _make(spec: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    shape, stride, offset = spec
-    extent = 1 + offset + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
-    base = torch.randn(max(extent, 1), dtype=dtype, device=device)
-    return base.as_strided(shape, stride, offset)
-
-
-def _nbytes(spec: list | None, element: int) -> int:
-    if spec is None:
-        return 0
-    shape, stride, offset = spec
-    return (1 + offset + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)) * element
-
-
-def _run_one(key: list, device: torch.device) -> int | None:
-    kind, tensors, dtype_name, geometry, mask, flags = key
-    dtype = getattr(torch, dtype_name)
-    element = torch.empty((), dtype=dtype).element_size()
-    stride, padding, dilation, transposed, output_padding, groups = geometry
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = flags
-    need = sum(_nbytes(t, element) for t in tensors[:3] if isinstance(t, list) and t and isinstance(t[0], list))
-    # the tensors, their gradients or outputs, and a workspace of transforms: four times them, at most half the free memory
-    if 8 * need > torch.cuda.mem_get_info(device)[0]:
-        return None  # left to the rule
-    aten = torch.ops.aten
-    if kind == "forward":
-        x, w = _make(tensors[0], dtype, device), _make(tensors[1], dtype, device)
-        b = _make(tensors[2], dtype, device) if tensors[2] is not None else None
-
-        def call() -> Any:
-            return aten.convolution.default(x, w, b, stride, padding, dilation, transposed, output_padding, groups)
-    else:
-        go, x, w = (_make(t, dtype, device) for t in tensors[:3])
-        bias_sizes = list(tensors[3]) or None
-
-        def call() -> Any:
-            return aten.convolution_backward.default(go, x, w, bias_sizes, stride, padding, dilation, transposed,
-                                                     output_padding, groups, list(mask))  # fmt: skip
-
-    call()  # the plan is chosen (and cached) on the first call
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    out = call()
-    torch.cuda.synchronize(device)
-    after = torch.cuda.memory_allocated(device)
-    del out
-    return max(0, torch.cuda.max_memory_allocated(device) - max(before, after))
-
-
-def _child() -> None:
-    request = json.loads(sys.stdin.read())
-    device = torch.device("cuda", request["device"])
-    torch.cuda.set_device(device)
-    answers: list[int | None] = []
-    for key in request["calls"]:
-        try:
-            answers.append(_run_one(key, device))
-        except Exception:  # noqa: BLE001 - one call that cannot run leaves its rule in place
-            answers.append(None)
-        torch.cuda.empty_cache()
-    print(json.dumps(answers))
-
-
-if __name__ == "__main__":
-    _child()
