@@ -37,8 +37,12 @@ byte in 30, within 8.9 MB in the rest; in the zoo's steps the largest forwards a
 exact (268,546,560 for UNet's fp32 (8, 96, 256, 256) -> 32; 822,157,824 for the
 VGG's bf16 (64, 64, 224, 224) -> 64; 308,332,032 for ResNet-18's bf16 stem, whose 3
 channels are padded to 8), the others within 8.4 MB or the output (which one plan
-writes in NCHW itself). Backward passes take 0.5 to 32 MB above the transforms
-(split-K partial sums). All 306 calls of the sweep are within the rule's bound.
+writes in NCHW itself). Backward filter passes ask a little more than the
+transforms (split-K partial sums) and, where the data pass or the forward left a
+free block of the transforms rounded up to 2 MiB, are handed that block whole (the
+allocator splits off no rest under 1 MiB): measured as exactly that in 9 of the 24
+large ones, up to 32 MB above it in the rest. All 306 calls of the sweep are within
+the rule's bound.
 
 In backward, the data pass runs before the weight gradient exists and the filter
 pass before the bias gradient does, so the operator's scratch above its outputs
@@ -85,7 +89,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .allocator import block_size
+from .allocator import MIN_LARGE_ALLOC, ROUND_LARGE, block_size
 
 __all__ = [
     "TRANSFORM_HEADER",
@@ -112,6 +116,10 @@ HALF_CHANNEL_MULTIPLE = 8
 #: forwards up to 8.4 MB; channels_last ones up to 8.4 MB (16-bit) above the rule.
 WORKSPACE_SHARE = 0.1
 WORKSPACE_FLOOR = 16 << 20
+#: An fp32 NCHW filter pass asks past the transforms rounded up to 2 MiB by at least this (8 of 9
+#: measured: 115,712 bytes for three 64 -> 64 3x3 shapes, up to 12.6 MB), so it takes a segment of
+#: its own after the data pass's; in 16-bit it fits that block (6 of 11 exactly).
+FP32_FILTER_EXCESS = 115_712
 #: A 2-D forward of fewer than 8 input channels takes the transforms only with a kernel this large
 #: (ResNet's 7x7 stem; 3x3 first layers, 3-D and 1-D ones took none).
 STEM_KERNEL_AREA = 49
@@ -323,9 +331,11 @@ def cudnn_pass_workspace(
       bound ``spread``, unless a 2-D 7x7 stem (``T``); a pointwise (1x1, stride 1, unpadded)
       one none (a GEMM on NCHW) and one of 5 to 7 channels none, bound ``T + floor``; a
       strided 1x1 ``T``, bound ``T + floor`` (measured with and without the transforms);
-    - NCHW, backward passes: ``T``, bound ``spread``; a 2-D fp32 first layer (not a stem)
-      none, and pointwise ones, fp32 ones under 8 input channels and any under 8 output
-      channels ``T``, bound ``T + floor``;
+    - NCHW, backward passes: ``T``, the filter pass ``T`` rounded up to 2 MiB where it is 10 MiB or
+      more (a little more than ``T``, handed the whole block ``T`` left; in fp32
+      :data:`FP32_FILTER_EXCESS` past it), bound ``spread``; a 2-D fp32 first layer (not a stem) none, and
+      pointwise ones, fp32 ones under 8 input channels and any under 8 output channels ``T``,
+      bound ``T + floor``;
     - ``channels_last``: the tensors whose channels are not a multiple of 8 padded (exact
       for the stem and 3-channel first layers), else none; bound ``spread``; in fp32 and for
       strided 1x1 ones ``T + floor`` (fp32 plans re-lay inputs: 96 channels measured), five
@@ -378,6 +388,13 @@ def cudnn_pass_workspace(
         estimate, bound = transforms, loose
     else:
         estimate, bound = transforms, spread
+    if kind == "filter" and estimate and transforms >= MIN_LARGE_ALLOC and not channels_last and allow_tf32:
+        # the filter pass asks a little more than the transforms (split-K partial sums), and where the data
+        # pass's or the forward's workspace left a free block the allocator hands it that block whole (the
+        # rest is under its 1 MiB split threshold): measured as the transforms rounded up to 2 MiB
+        estimate = -(-transforms // ROUND_LARGE) * ROUND_LARGE
+        if fp32:  # in fp32 more, past the block (8 of 9 measured): the smallest excess seen, a segment of its own
+            estimate += FP32_FILTER_EXCESS
     if benchmark:
         bound += BENCHMARK_SEARCH_BOUND + 2 * transforms
     return estimate, bound
