@@ -113,6 +113,7 @@ def estimate_memory(
     parallel: Any = None,
     world_size: int | None = None,
     rank: int = 0,
+    measure_kernels: bool = False,
 ) -> MemoryEstimate:
     """Estimate one training step's memory on ``device`` without allocating it (no GPU needed).
 
@@ -159,6 +160,10 @@ def estimate_memory(
             (see :mod:`~pytorch_mem_profiler.estimate.parallel`). No process group or GPU is needed.
         world_size: the number of ranks (needed with ``parallel``).
         rank: the rank estimated (FSDP2's last ranks may hold smaller shards; default 0).
+        measure_kernels: where the estimate runs on fake CUDA tensors (the GPU is here), run
+            each distinct convolution of the step once on the GPU, in a separate process, and
+            take its measured scratch (cuDNN's workspace) instead of the rule and its bound
+            (see :mod:`~pytorch_mem_profiler.estimate.kernel_probe`); off CUDA, or emulated, the rule stands.
 
     Raises:
         EstimateUnsupported: the step uses an operation the fake mode cannot run
@@ -179,6 +184,8 @@ def estimate_memory(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not (isinstance(model, nn.Module) or callable(model)):
         raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
+    if not isinstance(measure_kernels, bool):
+        raise TypeError(f"measure_kernels must be True or False, got {measure_kernels!r}")
     for name, value in (("outside", outside), ("workspace", workspace)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
@@ -212,6 +219,7 @@ def estimate_memory(
         autocast=dtype,
         checkpointing=checkpointing,
         run_device=run_device,
+        measure_kernels=measure_kernels,
     )
     if parallel_plan is not None:
         rank_setup = RankSetup(parallel_plan, ranks, rank, run_device, target)
@@ -290,6 +298,7 @@ def estimate_memory(
                 workspace=workspace,
                 fit=fit,
                 emulate=emulate,
+                measure_kernels=measure_kernels,
             )
             for name, overrides in compare.items()
         }

@@ -234,17 +234,32 @@ class StorageLifeCounter(MemoryCounter):
         Each is a :class:`Life` with the role ``"scratch"``, born one tick and dead
         the next, all alive together: the peaks see them, and so does the
         allocator's replay (their allocations and frees are events like any other).
+        ``blocks`` with ``held`` and ``passes`` (:class:`~.scratch.Passes`) are a
+        kernel that runs in passes: the held blocks are alive throughout, each
+        pass's blocks taken and given back in turn.
         """
-        blocks = [n for n in blocks if n > 0]
-        if not blocks:
+        passes = getattr(blocks, "passes", None)
+        if passes is not None:  # blocks held throughout, and passes each taken and given back in turn
+            held = self._take(blocks.held)
+            for one in passes:
+                self._give_back(self._take(one))
+            self._give_back(held)
             return
+        self._give_back(self._take(blocks))
+
+    def _take(self, blocks: Sequence[int]) -> list[Life]:
         taken = []
         for nbytes in blocks:
+            if nbytes <= 0:
+                continue
             self.tick += 1
             life = Life(nbytes, self.tick, self.phase, roles={"scratch"})
             self.lives.append(life)
             taken.append(life)
             self._change(nbytes)
+        return taken
+
+    def _give_back(self, taken: list[Life]) -> None:
         for life in taken:
             self.tick += 1
             life.died = self.tick

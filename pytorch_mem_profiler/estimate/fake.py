@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from .conv_workspace import memory_format
+
 __all__ = [
     "fake_mode",
     "fake_model",
@@ -60,11 +62,16 @@ def fake_mode() -> FakeTensorMode:
 def fake_like(tensor: torch.Tensor, device: torch.device, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """A fake tensor (call inside the fake mode) with ``tensor``'s type and strides, on ``device``.
 
-    With ``shape`` given it is contiguous with that shape. Made by a factory, not
-    ``.to()``: moving to a device this machine lacks needs that device's runtime.
+    With ``shape`` given it is dense with that shape, in ``tensor``'s memory format
+    (``channels_last`` images stay so: cuDNN's layout, and what it copies, follow it).
+    Made by a factory, not ``.to()``: moving to a device this machine lacks needs
+    that device's runtime.
     """
     if shape is not None:
-        return torch.empty(shape, dtype=tensor.dtype, device=device)
+        layout = torch.contiguous_format
+        if len(shape) == tensor.dim() in (4, 5) and memory_format(tensor) == "channels_last":
+            layout = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        return torch.empty(shape, dtype=tensor.dtype, device=device, memory_format=layout)
     return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device=device)
 
 

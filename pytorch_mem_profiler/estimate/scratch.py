@@ -2,10 +2,10 @@
 
 A fake tensor sees what an operator returns, never the buffers a CUDA kernel
 takes from the caching allocator while it runs and gives back before the
-operator returns. Most kernels take none; two that do were measured on an H200
-(``benchmarks/op_scratch.py``: the allocator's peak inside each operator of real
-training steps, less the larger of what was allocated before and after it), and
-have a rule here giving the bytes of the blocks they take:
+operator returns. Most kernels take none; those that do were measured on an H200
+and an H100 (``benchmarks/op_scratch.py``, ``benchmarks/conv_workspace_rules.py``:
+the allocator's peak inside each operator, less the larger of what was allocated
+before and after it), and have a rule here giving the bytes of the blocks they take:
 
 - **column reductions** (:func:`column_reduction_scratch`): ``aten.sum.dim_IntList``
   and ``aten.mean.dim`` over the leading dimensions of a contiguous fp32, bf16 or
@@ -26,11 +26,27 @@ have a rule here giving the bytes of the blocks they take:
   indices of width ``D``, plus a contiguous copy of the gradient (and of the
   indices) where the operator is handed a non-contiguous one.
 
-Not covered: other kernels' scratch (cuDNN's convolution and attention
-workspaces, sorts, ``index_put`` with accumulation), reductions over inner or
-middle dimensions, float64 reductions, tensors split for 32-bit indexing (over
-2**31 elements), and data-dependent sizes (an embedding's scratch with repeated
-indices is less than the bound).
+- **convolutions** (:mod:`.conv_workspace`): ``aten.convolution`` and
+  ``aten.convolution_backward`` take the layout copies ATen makes for cuDNN
+  (exact) and cuDNN's workspace for each pass, which on Hopper with cuDNN 9 holds
+  the pass's tensors transformed to NHWC (measured to the byte for UNet's, ResNet's
+  and a VGG's 3x3 and 7x7 convolutions: 268,546,560 bytes for fp32 (8, 96, 256,
+  256) -> 32). The passes of a backward are taken in turn (:class:`Passes`). Which
+  plan cuDNN picks is cuDNN's: each call's class carries the spread measured
+  around it as an error bound (``bounds``, by operator, which the estimate reports
+  in ``MemoryEstimate.error_bounds``); ``measure_kernels=True`` measures instead,
+  on the GPU (:mod:`.kernel_probe`);
+- **sliced gradients** (:mod:`.layout_copies`): upsampling, pooling and cuDNN
+  batch norm backward copy a gradient that is not contiguous first (a U-Net's
+  concatenation hands its parts slices of its gradient), exact;
+- **cuDNN's NHWC batch norm**: a workspace of about 1 MB measured, bounded at
+  4 MiB (``BATCH_NORM_WORKSPACE_BOUND``), not estimated.
+
+Not covered: other kernels' scratch (cuDNN's attention workspaces, sorts,
+``index_put`` with accumulation), reductions over inner or middle dimensions,
+float64 reductions, tensors split for 32-bit indexing (over 2**31 elements), and
+data-dependent sizes (an embedding's scratch with repeated indices is less than
+the bound).
 
 Example::
 
@@ -50,6 +66,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .allocator import block_size
+from .conv_workspace import convolution_backward_scratch, convolution_scratch, memory_format
+from .kernel_probe import MEASURED, convolution_key
+from .layout_copies import COPYING_OPERATORS
 
 __all__ = [
     "DEFAULT_MULTIPROCESSORS",
@@ -57,7 +76,15 @@ __all__ = [
     "column_reduction_scratch",
     "embedding_backward_scratch",
     "KernelScratch",
+    "Passes",
 ]
+
+#: How the report names the convolutions' bounds (cuDNN's workspace, by the plan its heuristics pick).
+CONVOLUTION_BOUND = "aten.convolution (cuDNN workspace)"
+CONVOLUTION_BACKWARD_BOUND = "aten.convolution_backward (cuDNN workspace)"
+BATCH_NORM_BOUND = "batch norm, channels_last (cuDNN workspace)"
+#: The bound for cuDNN's NHWC batch norm workspace: four times the 1.06 MB measured.
+BATCH_NORM_WORKSPACE_BOUND = 4 << 20
 
 #: Streaming multiprocessors assumed when no CUDA device is present: an H100 SXM's or H200's 132.
 DEFAULT_MULTIPROCESSORS = 132
@@ -169,6 +196,33 @@ def _leading_reduction(tensor: torch.Tensor, dims: Sequence[int] | int | None) -
     return math.prod(shape[d] for d in reduced), math.prod(shape[d] for d in kept)
 
 
+class Passes(tuple):
+    """Blocks an operator takes in passes: ``held`` alive throughout, each of ``passes`` in turn.
+
+    As a tuple it is the held blocks and the largest pass's, what is alive at once at
+    the operator's peak; the counter takes each pass and gives it back before the
+    next, as the kernels do, so the allocator's replay sees each pass's blocks.
+
+    Example::
+
+        >>> blocks = Passes(held=(1024,), passes=((4096,), (8192, 512)))
+        >>> sum(blocks), blocks.passes
+        (9728, ((4096,), (8192, 512)))
+    """
+
+    held: tuple[int, ...]
+    passes: tuple[tuple[int, ...], ...]
+
+    def __new__(cls, held: Sequence[int] = (), passes: Sequence[Sequence[int]] = ()) -> Passes:
+        held = tuple(n for n in held if n > 0)
+        kept = tuple(tuple(n for n in one if n > 0) for one in passes)
+        kept = tuple(one for one in kept if one)
+        largest = max(kept, key=sum, default=())
+        made = super().__new__(cls, held + largest)
+        made.held, made.passes = held, kept
+        return made
+
+
 class KernelScratch:
     """The rules by operator: ``scratch(func, args, kwargs)`` gives the blocks (bytes) it takes.
 
@@ -181,15 +235,33 @@ class KernelScratch:
         self,
         multiprocessors: int = DEFAULT_MULTIPROCESSORS,
         threads_per_multiprocessor: int = DEFAULT_THREADS_PER_MULTIPROCESSOR,
+        *,
+        cudnn_benchmark: bool | None = None,
+        measured: bool = False,
     ) -> None:
         self.multiprocessors = multiprocessors
         self.threads_per_multiprocessor = threads_per_multiprocessor
+        #: ``torch.backends.cudnn.benchmark`` for the convolutions' rules (``None``: as set when made)
+        self.cudnn_benchmark = bool(torch.backends.cudnn.benchmark) if cudnn_benchmark is None else cudnn_benchmark
+        #: operations whose scratch follows a rule measurements do not pin down: the bytes it may be
+        #: off by, by operation (the largest call's: an operator's scratch is gone when the next one runs)
+        self.bounds: dict[str, int] = {}
+        #: take convolutions' scratch from :data:`.kernel_probe.MEASURED` where measured; calls not
+        #: measured yet are kept in ``pending`` (and take the rule) for the caller to measure
+        self.measured = measured
+        self.pending: set[tuple] = set()
         aten = torch.ops.aten
         self._rules: dict[Any, Callable[[tuple, dict], tuple[int, ...]]] = {
             aten.sum.dim_IntList: self._reduction,
             aten.mean.dim: self._reduction,
             aten.embedding_dense_backward.default: self._embedding_backward,
+            aten.convolution.default: self._convolution,
+            aten.convolution_backward.default: self._convolution_backward,
+            **COPYING_OPERATORS,
         }
+        for op in (aten.cudnn_batch_norm.default, aten.cudnn_batch_norm_backward.default, aten.native_batch_norm.default,
+                   aten._native_batch_norm_legit.default, aten.native_batch_norm_backward.default):  # fmt: skip
+            self._rules[op] = self._batch_norm_bound(self._rules.get(op))
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> tuple[int, ...]:
         rule = self._rules.get(func)
@@ -208,6 +280,65 @@ class KernelScratch:
         return column_reduction_scratch(
             *shape, multiprocessors=self.multiprocessors, threads_per_multiprocessor=self.threads_per_multiprocessor
         )
+
+    def _batch_norm_bound(self, rule: Callable[[tuple, dict], tuple[int, ...]] | None) -> Callable[[tuple, dict], tuple[int, ...]]:
+        """cuDNN's NHWC batch norm takes a workspace (1.06 MB forward, 0.70 MB backward measured for
+        fp32 (8, 64, 128, 128)), its size otherwise unmeasured: a bound, no estimate."""
+
+        def bounded(args: tuple, kwargs: dict) -> tuple[int, ...]:
+            tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+            if any(t.dim() == 4 and memory_format(t) == "channels_last" for t in tensors):
+                self._bound(BATCH_NORM_BOUND, BATCH_NORM_WORKSPACE_BOUND)
+            return rule(args, kwargs) if rule is not None else ()
+
+        return bounded
+
+    def _bound(self, operation: str, nbytes: int) -> None:
+        if nbytes > 0:
+            self.bounds[operation] = max(self.bounds.get(operation, 0), nbytes)
+
+    def _measured(self, func: Any, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+        """The call's measured scratch, as one block; ``None`` where there is none (then pending)."""
+        if not self.measured:
+            return None
+        key = convolution_key(func, args, kwargs)
+        value = MEASURED.get(key)
+        if value is None:
+            if key not in MEASURED:
+                self.pending.add(key)
+            return None
+        return Passes((), ((value,),))
+
+    def _convolution(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
+        measured = self._measured(torch.ops.aten.convolution.default, args, kwargs)
+        if measured is not None:
+            return measured
+        # (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
+        bound = {**dict(zip(names, args)), **kwargs}
+        found = convolution_scratch(
+            bound["input"], bound["weight"], stride=bound["stride"], padding=bound["padding"], dilation=bound["dilation"],
+            transposed=bool(bound["transposed"]), groups=int(bound["groups"]), output_padding=bound["output_padding"],
+            benchmark=self.cudnn_benchmark,
+        )  # fmt: skip
+        self._bound(CONVOLUTION_BOUND, found.bound)
+        return Passes(found.held, found.passes)
+
+    def _convolution_backward(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
+        measured = self._measured(torch.ops.aten.convolution_backward.default, args, kwargs)
+        if measured is not None:
+            return measured
+        names = ("grad_output", "input", "weight", "bias_sizes", "stride", "padding", "dilation", "transposed",
+                 "output_padding", "groups", "output_mask")  # fmt: skip
+        bound = {**dict(zip(names, args)), **kwargs}
+        found = convolution_backward_scratch(
+            bound["grad_output"], bound["input"], bound["weight"], stride=bound["stride"], padding=bound["padding"],
+            dilation=bound["dilation"], transposed=bool(bound["transposed"]), groups=int(bound["groups"]),
+            output_mask=bound["output_mask"], output_padding=bound["output_padding"], benchmark=self.cudnn_benchmark,
+            multiprocessors=self.multiprocessors,
+        )  # fmt: skip
+        self._bound(CONVOLUTION_BACKWARD_BOUND, found.bound)
+        return Passes(found.held, found.passes)
 
     def _embedding_backward(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         grad, indices = args[0], args[1]

@@ -97,6 +97,8 @@ class StepPlan:
     setup: Callable[[nn.Module], tuple[nn.Module, Mapping[str, Callable[[], list[torch.Tensor]]]]] | None = None
     #: what the step runs inside (a fake process group)
     context: Callable[[], contextlib.AbstractContextManager] | None = None
+    #: on fake CUDA tensors with the GPU here: measure each convolution's scratch on it (:mod:`.kernel_probe`)
+    measure_kernels: bool = False
 
 
 @dataclass
@@ -421,13 +423,31 @@ def _build(
 def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     """Run ``plan``'s training step twice under the fake mode at ``batch_size``; what it would hold.
 
+    With ``plan.measure_kernels`` on fake CUDA tensors, the convolutions the step
+    met that are not measured yet are measured on the GPU and the step run again.
+
     Raises:
         EstimateUnsupported: the step uses an operation the fake mode cannot run.
     """
+    run_device = plan.run_device or plan.device
+    measure = plan.measure_kernels and plan.device.type == "cuda" and run_device.type == "cuda"
+    scratch = kernel_scratch(plan.device, measured=measure)
+    step = _run_step(plan, batch_size, scratch)
+    if scratch is not None and scratch.pending:
+        from .kernel_probe import measure_convolutions
+
+        found = measure_convolutions(scratch.pending, run_device)
+        scratch.pending.clear()
+        if found:
+            step = _run_step(plan, batch_size, scratch)
+    return step
+
+
+def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | None) -> StepMemory:
     target = plan.device
     run_device = plan.run_device or target
     size_of = block_size if target.type == "cuda" else None
-    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=kernel_scratch(target))
+    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch)
     mode = fake_mode()
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
@@ -468,8 +488,9 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
             gradients = optimizer_state = 0
             step_peaks = []
             for _ in range(2):
-                if rnn is not None:
-                    rnn.bounds.clear()  # the bounds of one step: the last
+                for bounded in (rnn, scratch):
+                    if bounded is not None:
+                        bounded.bounds.clear()  # the bounds of one step: the last
                 counter.reset_peak()
                 counter.enter_phase("forward")
                 attribution = _SavedByModule(model, counter)
@@ -503,19 +524,20 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
         optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
         parameter_dtypes=dtypes,
     )
-    if rnn is not None and rnn.bounds:
-        step = dataclasses.replace(step, error_bounds=MappingProxyType(dict(rnn.bounds)))
+    bounds = {**(rnn.bounds if rnn is not None else {}), **(scratch.bounds if scratch is not None else {})}
+    if bounds:
+        step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds))
     return step
 
 
-def kernel_scratch(target: torch.device) -> KernelScratch | None:
+def kernel_scratch(target: torch.device, *, measured: bool = False) -> KernelScratch | None:
     """The kernel scratch rules for ``target``: CUDA's, sized by its multiprocessors where this
     machine has the device (else an H100's or H200's); ``None`` elsewhere (a CPU kernel's
-    scratch is a tensor the counter sees)."""
+    scratch is a tensor the counter sees). ``measured``: convolutions measured on the GPU."""
     if target.type != "cuda":
         return None
     found = cuda_multiprocessors(target)
-    return KernelScratch(*found) if found is not None else KernelScratch()
+    return KernelScratch(*(found or ()), measured=measured)
 
 
 def _adopt_set_up(counter: StorageLifeCounter, set_up: Mapping[str, Callable[[], list[torch.Tensor]]]) -> None:

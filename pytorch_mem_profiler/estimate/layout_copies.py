@@ -1,0 +1,104 @@
+"""Contiguous copies that CUDA kernels make of their arguments inside the operator.
+
+Many CUDA kernels read their tensors in one memory layout and call
+``.contiguous(memory_format)`` on what they are handed first: a copy, from the
+caching allocator, alive until the operator returns, where the argument is not in
+that layout already. Autograd hands such operators non-contiguous gradients
+where a concatenation's backward slices its gradient (a U-Net's skips: the
+gradient reaching ``upsample_bilinear2d_backward`` is a channel slice, and the
+operator's scratch on an H100 is that gradient's bytes, 134,217,728 for
+(8, 64, 256, 256) fp32).
+
+:func:`layout_copies` gives the copies' blocks (bytes) for the operators whose
+CUDA code is known to copy so:
+
+- ``upsample_bilinear2d_backward``, ``upsample_nearest2d_backward``: the
+  gradient, into ``channels_last`` where it suggests that layout and has 4
+  channels or more (the NHWC kernel), else into contiguous;
+- ``max_pool2d_with_indices_backward``, ``avg_pool2d_backward``,
+  ``_adaptive_avg_pool2d_backward``: the gradient, the input (and the indices)
+  into the input's suggested layout;
+- ``cudnn_batch_norm_backward``: the gradient into the input's layout.
+
+Measured on an H100 (``benchmarks/conv_workspace_rules.py``, fp32 and bf16, the
+gradient a channel slice): each of the first five operators' scratch is the sliced
+gradient's bytes, to the byte (134,217,728 for bilinear and nearest upsampling of
+(8, 64, 128, 128) fp32, 8,388,608 for max and average pooling, 100,352 for
+adaptive average pooling to 7x7); contiguous and ``channels_last`` gradients take none.
+
+Example::
+
+    >>> import torch
+    >>> with torch.device("meta"):
+    ...     grad = torch.empty(8, 96, 256, 256)[:, :64]       # a slice of a concatenation's gradient
+    >>> layout_copies(torch.ops.aten.upsample_bilinear2d_backward.default, (grad, [256, 256], [8, 64, 128, 128], False), {})
+    (134217728,)
+    >>> layout_copies(torch.ops.aten.upsample_bilinear2d_backward.default, (grad.contiguous(), [256, 256], [8, 64, 128, 128], False), {})
+    ()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .allocator import block_size
+from .conv_workspace import memory_format
+
+__all__ = ["layout_copies", "COPYING_OPERATORS"]
+
+
+def _format(tensor: torch.Tensor, channels_last: bool) -> bool:
+    if channels_last and tensor.dim() == 4:
+        return tensor.is_contiguous(memory_format=torch.channels_last)
+    if channels_last and tensor.dim() == 5:
+        return tensor.is_contiguous(memory_format=torch.channels_last_3d)
+    return tensor.is_contiguous()
+
+
+def _copy(tensor: Any, channels_last: bool) -> int:
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0 or _format(tensor, channels_last):
+        return 0
+    return block_size(tensor.numel() * tensor.element_size())
+
+
+def _upsample_backward(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
+    grad = args[0] if args else kwargs.get("grad_output")
+    if not isinstance(grad, torch.Tensor) or grad.dim() != 4:
+        return ()
+    nhwc = memory_format(grad) == "channels_last" and grad.shape[1] >= 4
+    return tuple(b for b in (_copy(grad, nhwc),) if b)
+
+
+def _by_input_layout(grad_index: int, input_index: int, others: Sequence[int] = ()):  # type: ignore[no-untyped-def]
+    def rule(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
+        if len(args) <= max(grad_index, input_index, *others) or not isinstance(args[input_index], torch.Tensor):
+            return ()
+        channels_last = memory_format(args[input_index]) == "channels_last"
+        copies = [_copy(args[i], channels_last) for i in (grad_index, input_index, *others)]
+        return tuple(b for b in copies if b)
+
+    return rule
+
+
+_aten = torch.ops.aten
+#: The operators covered, and how each picks the layout it copies into.
+COPYING_OPERATORS = {
+    _aten.upsample_bilinear2d_backward.default: _upsample_backward,
+    _aten.upsample_nearest2d_backward.default: _upsample_backward,
+    # (grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
+    _aten.max_pool2d_with_indices_backward.default: _by_input_layout(0, 1, (7,)),
+    # (grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    _aten.avg_pool2d_backward.default: _by_input_layout(0, 1),
+    # (grad_output, self)
+    _aten._adaptive_avg_pool2d_backward.default: _by_input_layout(0, 1),
+    # (input, grad_output, weight, running_mean, running_var, save_mean, save_var, epsilon, reserve)
+    _aten.cudnn_batch_norm_backward.default: _by_input_layout(1, 0),
+}
+
+
+def layout_copies(func: Any, args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """The blocks (bytes) of the copies ``func`` makes of its arguments on CUDA (``()``: none, or not covered)."""
+    rule = COPYING_OPERATORS.get(func)
+    return rule(args, kwargs) if rule is not None else ()

@@ -1,0 +1,135 @@
+"""On a GPU: cuDNN convolutions' scratch against the rule and its bound, and the estimate of conv nets
+(benchmarks/zoo: a UNet, ResNet-18 under bf16, a VGG-style BatchNorm CNN) against a real step's
+``max_memory_allocated()`` (within 2%) and ``max_memory_reserved()`` (within 5%), or within the
+bound the estimate states."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytorch_mem_profiler import estimate_memory
+from pytorch_mem_profiler.estimate.conv_workspace import convolution_backward_scratch, convolution_scratch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+pytestmark = pytest.mark.cuda
+
+CUDA = torch.device("cuda")
+GOAL_PEAK, GOAL_RESERVED = 0.02, 0.05
+
+
+def _fresh() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _scratch(fn) -> int:  # type: ignore[no-untyped-def]
+    """The allocator's peak inside ``fn()`` above both ends, after a first call (as op_scratch.py measures)."""
+    fn()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    del out
+    return torch.cuda.max_memory_allocated() - max(before, after)
+
+
+#: (input, weight, stride, groups, dtype, channels_last): 3x3, 7x7 and 1x1, odd channels, depthwise.
+CONVOLUTIONS = [
+    ((8, 96, 128, 128), (32, 96, 3, 3), 1, 1, torch.float32, False),
+    ((32, 3, 112, 112), (64, 3, 7, 7), 2, 1, torch.bfloat16, False),
+    ((16, 64, 56, 56), (64, 64, 3, 3), 1, 1, torch.bfloat16, False),
+    ((16, 64, 56, 56), (64, 64, 3, 3), 1, 1, torch.bfloat16, True),
+    ((16, 24, 56, 56), (100, 24, 3, 3), 2, 1, torch.float32, False),
+    ((16, 256, 28, 28), (512, 256, 1, 1), 1, 1, torch.float32, False),
+    ((32, 64, 56, 56), (64, 1, 3, 3), 1, 64, torch.bfloat16, False),
+    ((8, 256, 32, 32), (256, 256, 3, 3), 1, 1, torch.float32, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, groups, dtype, channels_last", CONVOLUTIONS)
+def test_the_rule_is_within_its_bound_of_this_gpus_convolutions(x_shape, w_shape, stride, groups, dtype, channels_last):
+    _fresh()
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(x_shape, device=CUDA, dtype=dtype).contiguous(memory_format=fmt)
+    w = torch.randn(w_shape, device=CUDA, dtype=dtype).contiguous(memory_format=fmt)
+    k = w_shape[-1]
+    geometry = {"stride": [stride] * 2, "padding": [k // 2] * 2, "dilation": [1, 1], "transposed": False, "groups": groups}
+    aten = torch.ops.aten
+    out = aten.convolution.default(x, w, None, geometry["stride"], geometry["padding"], [1, 1], False, [0, 0], groups)
+    go = torch.randn_like(out)
+    measured = _scratch(lambda: aten.convolution.default(x, w, None, geometry["stride"], geometry["padding"], [1, 1], False, [0, 0], groups))
+    rule = convolution_scratch(x, w, **geometry)
+    assert abs(sum(rule.blocks) - measured) <= rule.bound, f"forward: rule {sum(rule.blocks):,} measured {measured:,} bound {rule.bound:,}"
+    for mask in ([True, True, False], [False, True, False]):
+        measured = _scratch(lambda: aten.convolution_backward.default(
+            go, x, w, None, geometry["stride"], geometry["padding"], [1, 1], False, [0, 0], groups, mask))  # fmt: skip
+        rule = convolution_backward_scratch(go, x, w, output_mask=mask, **geometry)
+        assert abs(sum(rule.blocks) - measured) <= rule.bound, f"backward {mask}: rule {sum(rule.blocks):,} measured {measured:,} bound {rule.bound:,}"
+
+
+def _measure(entry, batch: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """As benchmarks/zoo_conformance.py measures: a step at a batch of one dropped, then from an empty
+    cache two steps: the peak allocated above what was allocated before the model, the peak reserved."""
+    from zoo import Training
+
+    warm = Training(entry, "real", CUDA, 1)
+    warm.step()
+    del warm
+    _fresh()
+    base = torch.cuda.memory_allocated()
+    run = Training(entry, "real", CUDA, batch)
+    for _ in range(2):
+        run.step()
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved()
+    del run
+    _fresh()
+    return allocated, reserved
+
+
+def test_the_probe_measures_what_this_process_measures():
+    from pytorch_mem_profiler.estimate.kernel_probe import MEASURED, convolution_key, measure_convolutions
+
+    _fresh()
+    x = torch.randn(8, 96, 64, 64, device=CUDA)
+    w = torch.randn(32, 96, 3, 3, device=CUDA)
+    args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    here = _scratch(lambda: torch.ops.aten.convolution.default(*args))
+    key = convolution_key(torch.ops.aten.convolution.default, args, {})
+    MEASURED.pop(key, None)
+    assert measure_convolutions([key], CUDA) == {key: here}
+
+
+@pytest.mark.parametrize("name", ["unet", "resnet18_bf16", "batchnorm_cnn"])
+@pytest.mark.parametrize("emulate, measure", [(False, False), (True, False), (False, True)], ids=["fake_cuda", "emulated", "measured"])
+def test_conv_nets_estimate_within_the_goals_or_the_stated_bound(name, emulate, measure):
+    from zoo import ZOO
+
+    entry = ZOO[name]
+    reason = entry.unavailable()
+    if reason:
+        pytest.skip(reason)
+    batch = entry.batch["real"]
+    allocated, reserved = _measure(entry, batch)
+    est = estimate_memory(**entry.estimate_kwargs("real"), batch_size=batch, device=CUDA, fit=False, emulate=emulate,
+                          measure_kernels=measure)  # fmt: skip
+    if measure:  # every convolution measured: nothing left to bound
+        assert not any("convolution" in op for op in est.error_bounds)
+    detail = (f"{name}: measured {allocated:,} / reserved {reserved:,}; estimated {est.peak:,} / {est.reserved:,} "
+              f"(kernel scratch {est.kernel_scratch:,}, bound {est.error_bound:,}: {dict(est.error_bounds)})")  # fmt: skip
+    print(detail)
+    assert abs(est.peak - allocated) <= max(GOAL_PEAK * allocated, est.error_bound), detail
+    assert est.reserved is not None
+    assert abs(est.reserved - reserved) <= max(GOAL_RESERVED * reserved, est.error_bound), detail

@@ -1,0 +1,483 @@
+"""cuDNN convolution workspaces and kernels' layout copies in a CUDA estimate: the rules against
+convolutions measured on an H100 (torch 2.11, cuDNN 9), and an estimate on fake CPU tensors
+standing in for CUDA taking them at their operator (CPU estimates take none)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from pytorch_mem_profiler import estimate_memory
+from pytorch_mem_profiler.estimate.allocator import block_size
+from pytorch_mem_profiler.estimate.conv_workspace import (
+    conv_backend,
+    convolution_backward_scratch,
+    convolution_scratch,
+    memory_format,
+)
+from pytorch_mem_profiler.estimate.counter import StorageLifeCounter
+from pytorch_mem_profiler.estimate.layout_copies import layout_copies
+from pytorch_mem_profiler.estimate.scratch import CONVOLUTION_BACKWARD_BOUND, CONVOLUTION_BOUND, KernelScratch, Passes
+from pytorch_mem_profiler.estimate.step import StepPlan, run_step
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+CL = torch.channels_last
+F32, BF16 = torch.float32, torch.bfloat16
+
+#: Forward convolutions of zoo training steps on an H100 (``benchmarks/op_scratch.py --zoo``):
+#: (input shape, weight shape, stride, dtype, scratch in bytes: the allocator's peak inside
+#: ``aten.convolution`` above both ends). All contiguous (NCHW), padding ``kernel // 2``.
+MEASURED_FORWARD = [
+    ((8, 96, 256, 256), (32, 96, 3, 3), 1, F32, 268_546_560),  # UNet's decoder
+    ((8, 32, 256, 256), (32, 32, 3, 3), 1, F32, 134_255_104),
+    ((8, 64, 128, 128), (64, 64, 3, 3), 1, F32, 67_256_832),
+    ((8, 32, 128, 128), (64, 32, 3, 3), 1, F32, 50_405_888),
+    ((64, 3, 224, 224), (64, 3, 7, 7), 2, F32, 244_093_952),  # ResNet-50's stem
+    ((64, 64, 56, 56), (64, 64, 3, 3), 1, F32, 102_908_416),
+    ((128, 3, 224, 224), (64, 3, 7, 7), 2, BF16, 308_332_032),  # ResNet-18's stem under bf16: 3 channels padded to 8
+    ((128, 64, 56, 56), (64, 64, 3, 3), 1, BF16, 102_834_688),
+    ((64, 64, 224, 224), (64, 64, 3, 3), 1, BF16, 822_157_824),  # the VGG-style CNN's largest
+    ((64, 128, 112, 112), (128, 128, 3, 3), 1, BF16, 411_337_216),
+    ((64, 64, 112, 112), (128, 64, 3, 3), 1, BF16, 308_429_312),
+    ((64, 512, 28, 28), (512, 512, 3, 3), 1, BF16, 107_479_552),
+]  # fmt: skip
+
+#: Measured where cuDNN's plan asks more than the transforms (split-K sums) or another plan
+#: runs: (input, weight, stride, dtype, measured). The rule's figure must be within its bound.
+MEASURED_FORWARD_OFF_RULE = [
+    ((8, 256, 32, 32), (256, 256, 3, 3), 1, F32, 27_262_976),
+    ((8, 512, 16, 16), (512, 512, 3, 3), 1, F32, 18_874_368),
+    ((8, 384, 64, 64), (128, 384, 3, 3), 1, F32, 76_219_392),
+    ((128, 512, 7, 7), (512, 512, 3, 3), 1, BF16, 25_952_768),
+    ((128, 128, 28, 28), (128, 128, 3, 3), 1, BF16, 52_428_800),
+    ((64, 256, 14, 14), (256, 256, 3, 3), 1, F32, 36_438_528),
+]  # fmt: skip
+
+#: Backward (``convolution_backward``; no bias, input gradient unless the first layer):
+#: (grad_output, input, weight, output mask, dtype, measured scratch).
+MEASURED_BACKWARD = [
+    ((8, 32, 256, 256), (8, 96, 256, 256), (32, 96, 3, 3), (True, True, False), F32, 272_806_912),
+    ((8, 64, 128, 128), (8, 192, 128, 128), (64, 192, 3, 3), (True, True, False), F32, 138_789_888),
+    ((8, 128, 64, 64), (8, 128, 64, 64), (128, 128, 3, 3), (True, True, False), F32, 42_402_816),
+    ((128, 64, 112, 112), (128, 3, 224, 224), (64, 3, 7, 7), (False, True, False), BF16, 314_572_800),
+    ((64, 64, 224, 224), (64, 64, 224, 224), (64, 64, 3, 3), (True, True, False), BF16, 824_180_736),
+    ((64, 64, 224, 224), (64, 3, 224, 224), (64, 3, 3, 3), (False, True, False), BF16, 464_680_448),
+    ((64, 256, 56, 56), (64, 256, 56, 56), (256, 256, 3, 3), (True, True, False), BF16, 223_216_640),
+    ((128, 256, 14, 14), (128, 256, 14, 14), (256, 256, 3, 3), (True, True, False), BF16, 33_948_672),
+]  # fmt: skip
+
+
+#: Calls of ``benchmarks/conv_workspace_rules.py`` on an H100 (torch 2.11, cuDNN 9.19), the three
+#: farthest from the rule of each class (flags, layout, call, exact or not, dtype): (flags,
+#: (dims, N, C_in, C_out, size, kernel, stride, groups, transposed), dtype, layout ("co"ntiguous or
+#: "ch"annels_last), call ("fwd" or the backward's output mask), steady scratch in bytes).
+SWEEP = [
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "ch", "111", 109_051_392),  # resnet_stem
+    ("benchmark", (2, 128, 64, 64, 56, 3, 1, 1, False), "bflo", "ch", "111", 35_652_096),  # resnet_l1
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "floa", "ch", "111", 520_093_184),  # resnet_stem
+    ("benchmark", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "ch", "111", 35_652_096),  # resnet_l1
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "ch", "111", 8_389_120),  # unet_dec
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "bflo", "ch", "111", 8_389_120),  # unet_c32
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "bflo", "ch", "111", 8_389_120),  # c512_s16
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "111", 8_389_120),  # unet_dec
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "floa", "ch", "111", 8_389_120),  # unet_c32
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "ch", "111", 8_389_120),  # c512_s16
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "ch", "fwd", 512),  # unet_dec
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "bflo", "ch", "fwd", 512),  # unet_c32
+    ("benchmark", (2, 128, 64, 64, 56, 3, 1, 1, False), "bflo", "ch", "fwd", 512),  # resnet_l1
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "floa", "ch", "fwd", 77_594_624),  # resnet_stem
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "fwd", 512),  # unet_dec
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "floa", "ch", "fwd", 512),  # unet_c32
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "ch", "fwd", 102_811_136),  # resnet_stem
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "bflo", "ch", "fwd", 0),  # c512_s16
+    ("benchmark", (2, 8, 256, 256, 32, 3, 1, 1, False), "bflo", "ch", "fwd", 0),  # c256_s32
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "ch", "fwd", 0),  # c512_s16
+    ("benchmark", (2, 8, 256, 256, 32, 3, 1, 1, False), "floa", "ch", "fwd", 0),  # c256_s32
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "co", "111", 314_572_288),  # resnet_stem
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "bflo", "co", "111", 71_302_656),  # unet_c32
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "co", "111", 136_314_368),  # unet_dec
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "floa", "co", "111", 520_093_184),  # resnet_stem
+    ("benchmark", (2, 8, 256, 256, 32, 3, 1, 1, False), "floa", "co", "111", 27_261_952),  # c256_s32
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "co", "111", 25_163_776),  # c512_s16
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "bflo", "co", "111", 8_912_384),  # c512_s16
+    ("benchmark", (2, 8, 256, 256, 32, 3, 1, 1, False), "bflo", "co", "111", 9_568_256),  # c256_s32
+    ("benchmark", (2, 8, 512, 256, 16, 2, 2, 1, True), "floa", "co", "111", 14_679_552),  # unet_up
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "bflo", "co", "fwd", 9_961_472),  # c512_s16
+    ("benchmark", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "co", "fwd", 18_874_368),  # c512_s16
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "floa", "co", "fwd", 488_636_416),  # resnet_stem
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "co", "fwd", 134_273_536),  # unet_dec
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "bflo", "co", "fwd", 67_127_808),  # unet_c32
+    ("benchmark", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "co", "fwd", 308_332_032),  # resnet_stem
+    ("benchmark", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "co", "fwd", 268_546_560),  # unet_dec
+    ("benchmark", (2, 8, 32, 32, 256, 3, 1, 1, False), "floa", "co", "fwd", 134_255_104),  # unet_c32
+    ("benchmark", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "co", "fwd", 205_668_864),  # resnet_l1
+    ("default", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "ch", "111", 109_051_392),  # resnet_stem
+    ("default", (2, 16, 24, 100, 56, 3, 2, 1, False), "bflo", "ch", "111", 8_045_568),  # odd_24_100_s2
+    ("default", (2, 4, 33, 33, 128, 7, 1, 1, False), "bflo", "ch", "111", 14_679_552),  # odd_33_k7
+    ("default", (2, 128, 3, 64, 224, 7, 2, 1, False), "floa", "ch", "111", 520_093_184),  # resnet_stem
+    ("default", (2, 32, 96, 96, 56, 7, 1, 96, False), "floa", "ch", "111", 318_766_592),  # dw_7x7
+    ("default", (2, 8, 32, 3, 256, 1, 1, 1, False), "floa", "ch", "111", 73_399_808),  # unet_head
+    ("default", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "ch", "111", 8_389_120),  # unet_dec
+    ("default", (2, 8, 32, 32, 256, 3, 1, 1, False), "bflo", "ch", "111", 8_389_120),  # unet_c32
+    ("default", (2, 8, 32, 3, 256, 1, 1, 1, False), "bflo", "ch", "111", 8_388_608),  # unet_head
+    ("default", (2, 8, 32, 32, 256, 3, 1, 1, False), "floa", "ch", "111", 8_389_120),  # unet_c32
+    ("default", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "ch", "111", 8_389_120),  # c512_s16
+    ("default", (2, 8, 256, 256, 32, 3, 1, 1, False), "floa", "ch", "111", 16_777_728),  # c256_s32
+    ("default", (2, 128, 64, 128, 56, 1, 2, 1, False), "bflo", "ch", "fwd", 77_594_624),  # down_1x1s2
+    ("default", (2, 32, 5, 17, 64, 3, 1, 1, False), "bflo", "ch", "fwd", 0),  # odd_5_17
+    ("default", (2, 8, 32, 3, 256, 1, 1, 1, False), "bflo", "ch", "fwd", 0),  # unet_head
+    ("default", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "fwd", 201_437_696),  # unet_dec
+    ("default", (2, 8, 256, 256, 32, 3, 1, 1, False), "floa", "ch", "fwd", 7_865_344),  # c256_s32
+    ("default", (2, 8, 32, 3, 256, 1, 1, 1, False), "floa", "ch", "fwd", 0),  # unet_head
+    ("default", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "ch", "fwd", 0),  # unet_dec
+    ("default", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "ch", "fwd", 102_811_136),  # resnet_stem
+    ("default", (2, 8, 3, 32, 256, 3, 1, 1, False), "bflo", "ch", "fwd", 8_393_728),  # unet_in3
+    ("default", (2, 128, 512, 512, 7, 3, 1, 1, False), "floa", "ch", "fwd", 0),  # resnet_l4
+    ("default", (2, 128, 32, 32, 112, 3, 1, 32, False), "floa", "ch", "fwd", 0),  # dw_3x3
+    ("default", (2, 64, 144, 144, 56, 3, 2, 144, False), "floa", "ch", "fwd", 0),  # dw_3x3_s2
+    ("default", (2, 8, 32, 3, 256, 1, 1, 1, False), "bflo", "co", "111", 2_560),  # unet_head
+    ("default", (2, 2, 256, 256, 64, 1, 1, 1, False), "bflo", "co", "111", 523_776),  # pointwise
+    ("default", (2, 128, 128, 128, 28, 3, 1, 1, False), "bflo", "co", "111", 59_343_360),  # resnet_l2
+    ("default", (2, 128, 3, 64, 224, 7, 2, 1, False), "floa", "co", "111", 520_093_184),  # resnet_stem
+    ("default", (2, 2, 256, 256, 64, 1, 1, 1, False), "floa", "co", "111", 523_264),  # pointwise
+    ("default", (2, 32, 5, 17, 64, 3, 1, 1, False), "floa", "co", "111", 14_682_624),  # odd_5_17
+    ("default", (2, 8, 512, 512, 16, 3, 1, 1, False), "bflo", "co", "111", 8_912_384),  # c512_s16
+    ("default", (2, 8, 256, 256, 32, 3, 1, 1, False), "bflo", "co", "111", 9_568_256),  # c256_s32
+    ("default", (2, 64, 144, 144, 56, 3, 2, 144, False), "bflo", "co", "111", 0),  # dw_3x3_s2
+    ("default", (2, 8, 512, 256, 16, 2, 2, 1, True), "floa", "co", "111", 14_679_552),  # unet_up
+    ("default", (2, 64, 144, 144, 56, 3, 2, 144, False), "floa", "co", "111", 0),  # dw_3x3_s2
+    ("default", (2, 32, 96, 96, 56, 7, 1, 96, False), "floa", "co", "111", 0),  # dw_7x7
+    ("default", (2, 128, 64, 128, 56, 1, 2, 1, False), "bflo", "co", "fwd", 512),  # down_1x1s2
+    ("default", (2, 32, 5, 17, 64, 3, 1, 1, False), "bflo", "co", "fwd", 8_912_896),  # odd_5_17
+    ("default", (2, 128, 512, 512, 7, 3, 1, 1, False), "bflo", "co", "fwd", 25_952_768),  # resnet_l4
+    ("default", (2, 128, 64, 128, 56, 1, 2, 1, False), "floa", "co", "fwd", 0),  # down_1x1s2
+    ("default", (2, 8, 256, 256, 32, 3, 1, 1, False), "floa", "co", "fwd", 27_262_976),  # c256_s32
+    ("default", (1, 32, 256, 256, 1024, 3, 1, 1, False), "floa", "co", "fwd", 72_090_112),  # conv1d_seq
+    ("default", (2, 8, 96, 32, 256, 3, 1, 1, False), "bflo", "co", "fwd", 134_273_536),  # unet_dec
+    ("default", (2, 8, 32, 32, 256, 3, 1, 1, False), "bflo", "co", "fwd", 67_127_808),  # unet_c32
+    ("default", (2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "co", "fwd", 308_332_032),  # resnet_stem
+    ("default", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "co", "fwd", 268_546_560),  # unet_dec
+    ("default", (2, 8, 32, 32, 256, 3, 1, 1, False), "floa", "co", "fwd", 134_255_104),  # unet_c32
+    ("default", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "co", "fwd", 205_668_864),  # resnet_l1
+    ("no_tf32", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "ch", "100", 366_100_992),  # resnet_l1
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "100", 268_546_560),  # unet_dec
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "111", 872_968_192),  # unet_dec
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "001", 8_389_120),  # unet_dec
+    ("no_tf32", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "ch", "001", 34_603_520),  # resnet_l1
+    ("no_tf32", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "ch", "001", 8_389_120),  # c512_s16
+    ("no_tf32", (2, 32, 5, 17, 64, 3, 1, 1, False), "floa", "ch", "fwd", 0),  # odd_5_17
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "ch", "fwd", 268_546_560),  # unet_dec
+    ("no_tf32", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "ch", "fwd", 205_668_864),  # resnet_l1
+    ("no_tf32", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "ch", "fwd", 17_826_304),  # c512_s16
+    ("no_tf32", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "co", "100", 161_480_704),  # resnet_l1
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "co", "111", 604_421_632),  # unet_dec
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "co", "011", 604_421_632),  # unet_dec
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "co", "100", 0),  # unet_dec
+    ("no_tf32", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "co", "100", 0),  # c512_s16
+    ("no_tf32", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "co", "001", 0),  # c512_s16
+    ("no_tf32", (2, 8, 96, 32, 256, 3, 1, 1, False), "floa", "co", "fwd", 0),  # unet_dec
+    ("no_tf32", (2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "co", "fwd", 0),  # resnet_l1
+    ("no_tf32", (2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "co", "fwd", 0),  # c512_s16
+]  # fmt: skip
+
+#: Under ``cudnn.benchmark`` the first call of a shape: the search's workspace (bytes).
+BENCHMARK_FIRST_CALLS = [
+    ((2, 8, 512, 512, 16, 3, 1, 1, False), "floa", "ch", "fwd", 2_344_616_448),
+    ((2, 8, 256, 256, 32, 3, 1, 1, False), "floa", "co", "111", 2_222_980_096),
+    ((2, 128, 64, 64, 56, 3, 1, 1, False), "floa", "ch", "111", 862_076_928),
+    ((2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "co", "fwd", 719_775_232),
+]  # fmt: skip
+
+
+def _sweep_case(geometry, dtype, layout, call):
+    dims, n, cin, cout, size, kernel, stride, groups, transposed = geometry
+    padding = 0 if transposed and kernel == 2 else (kernel // 2 if not transposed else (kernel - stride) // 2)
+    return {
+        "dims": dims, "n": n, "cin": cin, "cout": cout, "size": size, "kernel": kernel, "stride": stride, "padding": padding,
+        "groups": groups, "transposed": transposed, "dtype": {"floa": "float32", "bflo": "bfloat16"}[dtype],
+        "layout": {"co": "contiguous", "ch": "channels_last"}[layout], "call": "forward" if call == "fwd" else "backward",
+        "mask": None if call == "fwd" else [c == "1" for c in call],
+    }  # fmt: skip
+
+
+#: Sweep calls the rule gives to the byte, beyond the zoo's forwards: channels_last padding of
+#: unaligned channels, the bias gradient's column reduction, both backward passes' arithmetic,
+#: transposed, grouped and 1-D convolutions.
+SWEEP_EXACT = [
+    ((2, 128, 3, 64, 224, 7, 2, 1, False), "bflo", "ch", "fwd", 102_811_136),  # the stem, channels_last: x and w padded to 8
+    ((2, 8, 3, 32, 256, 3, 1, 1, False), "bflo", "ch", "fwd", 8_393_728),
+    ((2, 8, 3, 32, 256, 3, 1, 1, False), "floa", "ch", "fwd", 6_295_040),  # fp32: not padded
+    ((2, 256, 3, 32, 32, 3, 1, 1, False), "floa", "ch", "fwd", 3_149_312),
+    ((2, 128, 128, 128, 28, 3, 1, 1, False), "floa", "ch", "111", 102_760_960),  # the bias gradient's column sum
+    ((2, 1, 64, 64, 512, 3, 1, 1, False), "bflo", "ch", "111", 33_554_944),
+    ((2, 8, 256, 256, 32, 3, 1, 1, False), "bflo", "co", "111", 9_568_256),  # data pass less the weight's and bias's gradients
+    ((2, 8, 512, 512, 16, 3, 1, 1, False), "bflo", "co", "111", 8_912_384),
+    ((2, 16, 64, 32, 64, 4, 2, 1, True), "floa", "co", "fwd", 50_463_232),  # DCGAN's transposed 4x4
+    ((2, 8, 512, 256, 16, 2, 2, 1, True), "bflo", "co", "fwd", 7_340_544),  # UNet's up-convolution
+    ((2, 32, 256, 256, 28, 3, 1, 32, False), "bflo", "co", "fwd", 25_727_488),  # 32 groups
+    ((1, 32, 256, 256, 1024, 3, 1, 1, False), "bflo", "co", "fwd", 33_948_160),  # conv1d
+    ((2, 32, 96, 96, 56, 7, 1, 96, False), "bflo", "ch", "111", 19_268_096),  # depthwise 7x7 on cuDNN (channels_last)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("geometry, dtype, layout, call, measured", SWEEP_EXACT)
+def test_the_rule_gives_these_sweep_calls_to_the_byte(geometry, dtype, layout, call, measured):
+    from pytorch_mem_profiler.estimate.conv_workspace import rule_for_sweep_case
+
+    assert rule_for_sweep_case(_sweep_case(geometry, dtype, layout, call), {"benchmark": False})["scratch"] == measured
+
+
+@pytest.mark.parametrize("flags, geometry, dtype, layout, call, measured", SWEEP)
+def test_every_class_of_the_sweep_is_within_the_rules_bound(monkeypatch, flags, geometry, dtype, layout, call, measured):
+    from pytorch_mem_profiler.estimate.conv_workspace import rule_for_sweep_case
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", flags != "no_tf32")
+    rule = rule_for_sweep_case(_sweep_case(geometry, dtype, layout, call), {"benchmark": flags == "benchmark"})
+    assert abs(rule["scratch"] - measured) <= rule["bound"], (rule, measured)
+
+
+@pytest.mark.parametrize("geometry, dtype, layout, call, measured", BENCHMARK_FIRST_CALLS)
+def test_the_benchmark_search_is_within_the_bound(geometry, dtype, layout, call, measured):
+    from pytorch_mem_profiler.estimate.conv_workspace import rule_for_sweep_case
+
+    rule = rule_for_sweep_case(_sweep_case(geometry, dtype, layout, call), {"benchmark": True})
+    assert abs(rule["scratch"] - measured) <= rule["bound"]
+    without = rule_for_sweep_case(_sweep_case(geometry, dtype, layout, call), {"benchmark": False})
+    assert abs(without["scratch"] - measured) > without["bound"]  # the search is what the wider bound is for
+
+
+def _meta(shape, dtype=F32, fmt=None):
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    return t.contiguous(memory_format=fmt) if fmt is not None else t
+
+
+def _forward(x, w, stride, **kwargs):
+    k = w.shape[-1]
+    n = w.dim() - 2
+    return convolution_scratch(
+        x, w, stride=[stride] * n, padding=[k // 2] * n, dilation=[1] * n, transposed=False, groups=kwargs.pop("groups", 1),
+        benchmark=False, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("x, w, stride, dtype, measured", MEASURED_FORWARD)
+def test_the_transform_rule_gives_the_measured_forward_workspace_to_the_byte(x, w, stride, dtype, measured):
+    found = _forward(_meta(x, dtype), _meta(w, dtype), stride)
+    assert found.backend == "cudnn"
+    assert sum(found.blocks) == measured
+
+
+@pytest.mark.parametrize("x, w, stride, dtype, measured", MEASURED_FORWARD_OFF_RULE)
+def test_where_cudnn_asks_more_the_measured_workspace_is_within_the_bound(x, w, stride, dtype, measured):
+    found = _forward(_meta(x, dtype), _meta(w, dtype), stride)
+    assert sum(found.blocks) != measured
+    assert abs(sum(found.blocks) - measured) <= found.bound
+
+
+@pytest.mark.parametrize("go, x, w, mask, dtype, measured", MEASURED_BACKWARD)
+def test_the_backward_rule_is_within_its_bound_of_the_measured_scratch(go, x, w, mask, dtype, measured):
+    k = w[-1]
+    stride = x[-1] // go[-1]
+    found = convolution_backward_scratch(
+        _meta(go, dtype), _meta(x, dtype), _meta(w, dtype), stride=[stride] * 2, padding=[k // 2] * 2, dilation=[1, 1],
+        transposed=False, groups=1, output_mask=mask, benchmark=False,
+    )  # fmt: skip
+    assert abs(sum(found.blocks) - measured) <= found.bound, (sum(found.blocks), measured, found.bound)
+
+
+def test_the_backward_passes_are_each_above_the_gradients_made_after_them():
+    go, x, w = _meta((8, 32, 256, 256)), _meta((8, 96, 256, 256)), _meta((32, 96, 3, 3))
+    forward = _forward(x, w, 1)
+    transforms = sum(forward.blocks)  # each pass transforms the same three tensors
+    weight_grad = block_size(32 * 96 * 9 * 4)
+    bias_grad = block_size(32 * 4)
+    geometry = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "transposed": False, "groups": 1, "benchmark": False}
+    both = convolution_backward_scratch(go, x, w, output_mask=(True, True, True), **geometry)
+    # the data pass runs before the weight's and bias's gradients exist, the filter pass before the bias's;
+    # the filter pass asks past the 2 MiB-rounded block the data pass left (fp32), in bf16 it is handed it
+    rounded = -(-transforms // (2 << 20)) * (2 << 20)
+    assert both.passes == ((transforms - weight_grad - bias_grad,), (rounded + 115_712 - bias_grad,))
+    half = convolution_backward_scratch(go.bfloat16(), x.bfloat16(), w.bfloat16(), output_mask=(True, True, False), **geometry)
+    half_transforms = sum(_forward(x.bfloat16(), w.bfloat16(), 1).blocks)
+    assert half.passes[1] == (-(-half_transforms // (2 << 20)) * (2 << 20),)
+    assert both.held == ()
+    only_input = convolution_backward_scratch(go, x, w, output_mask=(True, False, False), **geometry)
+    assert only_input.passes == ((transforms,),)
+    only_bias = convolution_backward_scratch(go, x, w, output_mask=(False, False, True), **geometry)
+    assert only_bias.blocks == ()  # a sum over (0, 2, 3) of NCHW: not a column reduction
+
+
+def test_channels_last_convolutions_take_no_transforms_and_their_bias_gradient_is_a_column_reduction():
+    x, w = _meta((64, 64, 56, 56), BF16, CL), _meta((64, 64, 3, 3), BF16, CL)
+    assert memory_format(x) == "channels_last"
+    assert _forward(x, w, 1).blocks == ()
+    go = _meta((64, 64, 56, 56), BF16, CL)
+    found = convolution_backward_scratch(
+        go, x, w, stride=[1, 1], padding=[1, 1], dilation=[1, 1], transposed=False, groups=1,
+        output_mask=(False, False, True), benchmark=False, multiprocessors=132,
+    )  # fmt: skip
+    from pytorch_mem_profiler.estimate.scratch import column_reduction_scratch
+
+    # rows = N * H * W = 200,704 gradients of each of 64 channels, summed into float partials
+    assert found.blocks == column_reduction_scratch(64 * 56 * 56, 64, multiprocessors=132) != ()
+
+
+def test_aten_copies_what_is_not_in_the_layout_it_hands_cudnn():
+    x, w = _meta((8, 64, 128, 128)), _meta((64, 64, 3, 3))
+    plain = sum(_forward(x, w, 1).blocks)
+    # a channel slice of a concatenation: copied to contiguous first, alive through the operator
+    wide = _meta((8, 128, 128, 128))[:, :64]
+    sliced = _forward(wide, w, 1)
+    assert sliced.held == (8 * 64 * 128 * 128 * 4,) and sum(sliced.blocks) == plain + 8 * 64 * 128 * 128 * 4
+    # a channels_last weight makes the layout channels_last: the contiguous input is copied, no transforms
+    mixed = _forward(x, w.contiguous(memory_format=CL), 1)
+    assert mixed.blocks == (8 * 64 * 128 * 128 * 4,)
+
+
+def test_depthwise_convolutions_run_torchs_own_kernel_without_a_workspace_unless_channels_last():
+    x, w = _meta((128, 72, 56, 56), BF16), _meta((72, 1, 3, 3), BF16)
+    geometry = {"stride": [1, 1], "dilation": [1, 1], "transposed": False, "groups": 72}
+    assert conv_backend(x, w, **geometry) == "depthwise"
+    assert _forward(x, w, 1, groups=72).blocks == ()
+    assert conv_backend(x.contiguous(memory_format=CL), w.contiguous(memory_format=CL), **geometry) == "cudnn"
+    # fp16 at this shape is cuDNN's (ATen's workload table), and so is a grouped non-depthwise convolution
+    assert conv_backend(x.half(), w.half(), **geometry) == "cudnn"
+    assert conv_backend(_meta((8, 64, 32, 32)), _meta((64, 16, 3, 3)), **{**geometry, "groups": 4}) == "cudnn"
+
+
+def test_a_transposed_convolution_is_the_data_pass_of_the_convolution_it_transposes():
+    # UNet's up-convolution: (8, 512, 16, 16) -> 256 channels, 2x2 stride 2, measured 14,680,576
+    x, w = _meta((8, 512, 16, 16)), _meta((512, 256, 2, 2))
+    found = convolution_scratch(x, w, stride=[2, 2], padding=[0, 0], dilation=[1, 1], transposed=True, groups=1, benchmark=False)
+    assert sum(found.blocks) == 14_680_576
+
+
+def test_conv1d_is_a_2d_convolution_of_height_one():
+    x, w = _meta((32, 256, 1024)), _meta((256, 256, 3))
+    x2, w2 = _meta((32, 256, 1, 1024)), _meta((256, 256, 1, 3))
+    one = convolution_scratch(x, w, stride=[1], padding=[1], dilation=[1], transposed=False, groups=1, benchmark=False)
+    two = convolution_scratch(x2, w2, stride=[1, 1], padding=[0, 1], dilation=[1, 1], transposed=False, groups=1, benchmark=False)
+    assert one.blocks == two.blocks != ()
+
+
+def test_cudnn_benchmark_widens_the_bound_by_the_search():
+    x, w = _meta((8, 64, 128, 128)), _meta((64, 64, 3, 3))
+    plain = _forward(x, w, 1)
+    searched = convolution_scratch(x, w, stride=[1, 1], padding=[1, 1], dilation=[1, 1], transposed=False, groups=1, benchmark=True)
+    assert searched.blocks == plain.blocks and searched.bound > plain.bound
+
+
+def test_the_upsample_backward_copies_a_sliced_gradient():
+    aten = torch.ops.aten
+    grad = _meta((8, 96, 256, 256))[:, :64]
+    args = (grad, [256, 256], [8, 64, 128, 128], False)
+    assert layout_copies(aten.upsample_bilinear2d_backward.default, args, {}) == (134_217_728,)  # measured on UNet
+    assert layout_copies(aten.upsample_bilinear2d_backward.default, (grad.contiguous(), *args[1:]), {}) == ()
+    # a channels_last gradient with 4+ channels runs the NHWC kernel: no copy
+    assert layout_copies(aten.upsample_bilinear2d_backward.default, (grad.contiguous(memory_format=CL), *args[1:]), {}) == ()
+    assert KernelScratch()(aten.upsample_bilinear2d_backward.default, args, {}) == (134_217_728,)
+
+
+def test_passes_are_taken_in_turn_by_the_counter():
+    counter = StorageLifeCounter(torch.device("cpu"))
+    counter.transient(Passes(held=(1024,), passes=((4096,), (8192, 512))))
+    assert counter.peak == 1024 + 8192 + 512 and counter.now == 0
+    order = sorted((life.born, life.nbytes) for life in counter.lives)
+    # the held block first; the first pass is given back before the second is taken
+    assert [n for _, n in order] == [1024, 4096, 8192, 512]
+    first, second = counter.lives[1], counter.lives[2]
+    assert first.died < second.born
+
+
+# -- an estimate -------------------------------------------------------------------------
+def _conv_step():
+    """One 3x3 convolution, 16 -> 16 channels, no bias, on a (4, 16, 64, 64) batch; the loss sums the output."""
+    return nn.Conv2d(16, 16, 3, padding=1, bias=False), torch.zeros(4, 16, 64, 64)
+
+
+def test_a_cuda_estimate_takes_the_convolutions_workspace_at_its_operator():
+    model, batch = _conv_step()
+    estimate = estimate_memory(model, batch, optimizer=SGD, device="cuda", emulate=True, fit=False)
+    cpu = estimate_memory(model, batch, optimizer=SGD, device="cpu", fit=False)
+    weight = 16 * 16 * 9 * 4
+    activation = 4 * 16 * 64 * 64 * 4  # the batch, the output: 1 MiB each
+    # forward and backward (the filter pass; the batch wants no gradient) transform the same three tensors
+    workspace = block_size(activation + activation + weight + 256)
+    # the output's gradient is the scalar's, expanded (strides 0): ATen copies it for cuDNN first
+    grad_copy = activation
+    loss = ones = 512  # the scalar loss and its gradient, one block each
+    assert estimate.kernel_scratch == workspace + grad_copy == 3_155_456
+    assert estimate.peak_phase == "backward"
+    assert estimate.peak == weight + activation + activation + loss + ones + weight + grad_copy + workspace
+    assert sum(estimate.peak_breakdown.values()) == estimate.peak
+    assert estimate.peak_breakdown["other"] >= workspace + grad_copy
+    # the forward's peak: the weight, the batch, the output and the forward's workspace
+    assert estimate.phases["forward"] == weight + activation + activation + workspace
+    # the rule's bound is stated, per operator
+    assert set(estimate.error_bounds) == {CONVOLUTION_BOUND, CONVOLUTION_BACKWARD_BOUND}
+    assert estimate.error_bound == sum(estimate.error_bounds.values()) > 0
+    # the CPU's estimate takes none
+    assert cpu.kernel_scratch == 0 and not cpu.error_bounds
+
+
+def test_the_allocator_replay_takes_and_gives_back_the_workspace_around_its_operator():
+    model, batch = _conv_step()
+    plan = StepPlan(model=model, example_inputs=batch, optimizer=SGD, device=torch.device("cuda"), run_device=torch.device("cpu"))
+    step = run_step(plan, 4)
+    events = list(step.events)
+    taken = [i for i, (_, n) in enumerate(events) if n == 2_106_880]
+    assert len(taken) == 4  # forward and backward, in each of the two steps
+    for i in taken:
+        key = events[i][0]
+        assert events[i + 1] == (key, -2_106_880)  # given back before anything else happens
+    # the workspace is a block of the large pool: its own 2 MiB-rounded segment, kept by the cache
+    assert step.reserved >= 2_106_880 + (20 << 20)
+
+
+def test_channels_last_models_take_no_transforms_in_the_estimate():
+    model, batch = _conv_step()
+    model = model.to(memory_format=CL)
+    estimate = estimate_memory(model, batch.contiguous(memory_format=CL), optimizer=SGD, device="cuda", emulate=True, fit=False)
+    # the batch keeps its layout at any batch size; only the expanded scalar gradient is copied (1 MiB)
+    assert estimate.kernel_scratch == 4 * 16 * 64 * 64 * 4
+    assert estimate.phases["forward"] == 16 * 16 * 9 * 4 + 2 * 4 * 16 * 64 * 64 * 4
+
+
+def test_measured_convolutions_take_their_measured_scratch_and_no_bound(monkeypatch):
+    from pytorch_mem_profiler.estimate import kernel_probe
+
+    monkeypatch.setattr(kernel_probe, "MEASURED", {})
+    monkeypatch.setattr("pytorch_mem_profiler.estimate.scratch.MEASURED", kernel_probe.MEASURED)
+    aten = torch.ops.aten
+    x, w = _meta((8, 64, 128, 128)), _meta((64, 64, 3, 3))
+    args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    rules = KernelScratch(measured=True)
+    # not measured yet: the rule (and its bound), the call kept for measuring
+    assert rules(aten.convolution.default, args, {}) == _forward(x, w, 1).blocks
+    key = kernel_probe.convolution_key(aten.convolution.default, args, {})
+    assert rules.pending == {key} and CONVOLUTION_BOUND in rules.bounds
+    # measured: that figure, one block, no bound added
+    kernel_probe.MEASURED[key] = 12_345_600
+    fresh = KernelScratch(measured=True)
+    assert fresh(aten.convolution.default, args, {}) == (12_345_600,)
+    assert fresh.bounds == {} and fresh.pending == set()
+    # measured as not runnable here (too large): the rule, and not asked again
+    kernel_probe.MEASURED[key] = None
+    again = KernelScratch(measured=True)
+    assert again(aten.convolution.default, args, {}) == _forward(x, w, 1).blocks and again.pending == set()
+    # the key tells apart what the kernel's choice depends on: strides (layout), dtype, geometry, flags
+    cl = kernel_probe.convolution_key(aten.convolution.default, (x.contiguous(memory_format=CL), *args[1:]), {})
+    assert cl != key
+
+
+def test_the_measured_path_is_off_where_the_step_runs_on_fake_cpu_tensors():
+    from pytorch_mem_profiler.estimate.step import kernel_scratch
+
+    model, batch = _conv_step()
+    plan = StepPlan(model=model, example_inputs=batch, optimizer=SGD, device=torch.device("cuda"),
+                    run_device=torch.device("cpu"), measure_kernels=True)  # fmt: skip
+    assert run_step(plan, 4).kernel_scratch == 3_155_456  # the rule's, as without measuring
+    assert kernel_scratch(torch.device("cpu"), measured=True) is None
