@@ -11,12 +11,15 @@ not, with float32 or bf16 parameters. The estimate at 4 and 8 ranks is checked a
 one at 2 and the whole model (shards exactly 1/N). Needs two GPUs; two to four minutes::
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 -m pytest tests/test_estimate_parallel_cuda.py -m cuda -q
+    PARALLEL_ESTIMATE_OUT=$OUT/parallel ...   # the benchmark's table and JSON kept there (docs/estimate.md's table)
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,7 +47,9 @@ def _benchmark():
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     bench = _benchmark()
-    out = tmp_path_factory.mktemp("parallel_estimate_cuda")
+    kept = os.environ.get("PARALLEL_ESTIMATE_OUT")  # the run's table kept for the docs
+    out = Path(kept) if kept else tmp_path_factory.mktemp("parallel_estimate_cuda")
+    out.mkdir(parents=True, exist_ok=True)
     found = bench.main(["--out", str(out), "--scenarios", ",".join(SCENARIOS), "--timeout", str(LAUNCH_TIMEOUT_S)])
     return {(row["scenario"], row["rank"]): row for row in found}, bench
 
