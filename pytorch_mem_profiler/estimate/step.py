@@ -50,6 +50,7 @@ from ..measure.trees import tensors_in
 from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFeatureMaps
 from .allocator import block_size, simulate_reserved
 from .counter import Life, StorageLifeCounter
+from .cpu_kernels import CpuKernels
 from .emulation import cuda_rules
 from .build import build_model
 from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
@@ -407,7 +408,9 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     target = plan.device
     run_device = plan.run_device or target
     size_of = block_size if target.type == "cuda" else None
-    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=kernel_scratch(target))
+    # the CPU's kernels where they return other dtypes, strides or buffers than the fake ones
+    outputs = CpuKernels() if target.type == "cpu" else None
+    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=kernel_scratch(target), outputs=outputs)
     mode = fake_mode()
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
@@ -449,8 +452,9 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
             attribution = None
             gradients = optimizer_state = 0
             for _ in range(2):
-                if rnn is not None:
-                    rnn.bounds.clear()  # the bounds of one step: the last
+                for kernels in (rnn, outputs):
+                    if kernels is not None:
+                        kernels.bounds.clear()  # the bounds of one step: the last
                 counter.enter_phase("forward")
                 attribution = _SavedByModule(model, counter)
                 with attribution, _autocast(run_device, plan.autocast):
@@ -478,8 +482,9 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
         optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
         parameter_dtypes=dtypes,
     )
-    if rnn is not None and rnn.bounds:
-        step = dataclasses.replace(step, error_bounds=MappingProxyType(dict(rnn.bounds)))
+    bounds = {**(rnn.bounds if rnn is not None else {}), **(outputs.bounds if outputs is not None else {})}
+    if bounds:
+        step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds))
     return step
 
 
