@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -106,3 +109,33 @@ class ScratchNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(BackwardScratch.apply(self.a(x)).relu())
+
+
+def measured_peak(build, make_input, optimizer, *, autocast=None, loss_fn=None, make_targets=None, steps=2) -> int:
+    """The profiler's CPU peak over the same two steps ``estimate_memory`` runs: the largest
+    ``iteration_peak_allocated`` (the CPU counter counts live storages exactly). The batch (and
+    the targets) are made while profiled, as the estimate counts them; the forward runs under
+    ``autocast``, the loss (``loss_fn(output, *targets)``, default the output's float sum) outside it."""
+    from pytorch_mem_profiler import MemoryProfiler
+
+    model = build()
+    opt = optimizer(model.parameters())
+    gc.collect()
+    peaks = []
+    with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
+        x = make_input()
+        targets = make_targets() if make_targets is not None else ()
+        targets = targets if isinstance(targets, tuple) else (targets,)
+        for _ in range(steps):
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                out = model(x)
+            if loss_fn is not None:
+                loss = loss_fn(out, *targets)
+            else:
+                loss = out.float().sum() if out.dtype != torch.float32 else out.sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out, loss
+            peaks.append(profiler.record_stats().iteration_peak_allocated)
+    return max(peaks)

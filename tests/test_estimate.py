@@ -23,7 +23,7 @@ from pytorch_mem_profiler.estimate.records import max_batch_from_records
 from pytorch_mem_profiler.measure.saved_tensors import can_chain, top_saved_tensors_hooks
 from pytorch_mem_profiler.stats import PEAK_CATEGORIES, WEIGHT_COPIES
 
-from .helpers import nbytes
+from .helpers import measured_peak, nbytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from optimizations import FeedForwardStack  # noqa: E402
@@ -41,27 +41,6 @@ def convnet() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 8, 3), nn.Flatten(), nn.LazyLinear(10)
     )
-
-
-def measured_peak(build, make_input, optimizer, *, autocast=None, checkpointing=False, steps=2) -> int:
-    """The profiler's CPU peak over the same two steps the estimate runs: the largest
-    ``iteration_peak_allocated`` (the CPU counter counts live storages exactly)."""
-    model = build()
-    opt = optimizer(model.parameters())
-    gc.collect()
-    peaks = []
-    with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
-        x = make_input()
-        for _ in range(steps):
-            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                out = model(x)
-            loss = out.float().sum() if out.dtype != torch.float32 else out.sum()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del out, loss
-            peaks.append(profiler.record_stats().iteration_peak_allocated)
-    return max(peaks)
 
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)

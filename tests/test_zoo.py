@@ -45,15 +45,6 @@ ITERATIONS = 3
 #: Where the CPU estimate is known to differ from the measured step (estimated vs measured
 #: peak in bytes, on torch 2.14 and 2.13): each must fail until the estimate is fixed.
 ESTIMATE_GAPS = {
-    "convnext": "ConvNeXt (timm-style LayerNorm and depthwise convolutions, bf16 autocast, AdamW): the "
-    "backward peak is 1,152 B under the measured (estimated 376,504 B, measured 377,656 B)",
-    "lstm_lm": "nn.LSTM on the CPU: the second step's backward peak is under-estimated "
-    "(estimated 461,104 B, measured 485,172 B, -24,068 B, -4.96%; a second counter started apart "
-    "from the profiler measures the same)",
-    "batchnorm_cnn": "BatchNorm under bf16 autocast with SGD momentum: the second step's forward and "
-    "backward are 192 B under the measured (estimated 357,256 B, measured 357,448 B)",
-    "mobilenet": "MobileNetV3 (BatchNorm, bf16 autocast, SGD momentum): the second step's backward "
-    "peak is 6,368 B under the measured (estimated 51,184,296 B, measured 51,190,664 B)",
     "sparse_recommender": "SGD momentum on sparse EmbeddingBag gradients: aten.mul_.Tensor on a sparse "
     "fake tensor has no fake kernel (EstimateUnsupported) although the step runs on the CPU",
 }

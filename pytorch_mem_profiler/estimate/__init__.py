@@ -6,8 +6,9 @@ under ``torch._subclasses.FakeTensorMode``: no memory is allocated and no GPU is
 needed, while the profiler's own storage counter (:mod:`.counter`, a
 :class:`~pytorch_mem_profiler.measure.devices.CpuCounter` that counts fake tensors
 of any device) counts what would be alive. :mod:`.fake` makes the fake model,
-inputs and optimizer; :mod:`.step` runs the step and puts what was alive at the
-peak down to categories and layers; :mod:`.allocator` rounds as the CUDA caching
+inputs and optimizer; :mod:`.cpu_kernels` gives operators the outputs the CPU's
+kernels make where the fake kernels differ; :mod:`.step` runs the step and puts
+what was alive at the peak down to categories and layers; :mod:`.allocator` rounds as the CUDA caching
 allocator does; :mod:`.result` holds the :class:`MemoryEstimate` (report, fit,
 largest batch); :mod:`.records` makes the same prediction from a real run's
 records; :mod:`.cli` is the ``estimate`` command. May import torch, the top-level

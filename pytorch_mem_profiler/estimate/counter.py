@@ -105,6 +105,9 @@ class _LifeMode(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if getattr(func, "namespace", None) == "c10d":
             self.counter._collective(args)
+        if self.counter.outputs is not None:
+            # what the target's kernel returns where the fake kernel returns something else
+            out = self.counter.outputs(func, args, kwargs or {}, out)
         kinds = return_kinds(func)
         if kinds is None:
             return out
@@ -132,6 +135,10 @@ class StorageLifeCounter(MemoryCounter):
         scratch: ``(func, args, kwargs) -> blocks``: the bytes of the blocks an
             operator's kernel takes and gives back before it returns (see
             :class:`~.scratch.KernelScratch`), counted as transients; default: none.
+        outputs: ``(func, args, kwargs, out) -> out``: an operator's outputs as the
+            target's kernel makes them, where the fake kernel differs (see
+            :class:`~.cpu_kernels.CpuKernels`); what it returns is counted, and is
+            what the operator returns; default: the fake kernel's.
     """
 
     shares_peaks = False  # it counts by itself
@@ -141,10 +148,12 @@ class StorageLifeCounter(MemoryCounter):
         device: torch.device,
         size_of: Callable[[int], int] | None = None,
         scratch: Callable[[Any, tuple, dict], Sequence[int]] | None = None,
+        outputs: Callable[[Any, tuple, dict, Any], Any] | None = None,
     ) -> None:
         super().__init__(device)
         self.device = device
         self.scratch = scratch
+        self.outputs = outputs
         self._mode: _LifeMode | None = None
         self._size_of = size_of or (lambda n: n)
         self._live: dict[int, Life] = {}

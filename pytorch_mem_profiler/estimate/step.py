@@ -50,6 +50,7 @@ from ..measure.trees import tensors_in
 from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFeatureMaps
 from .allocator import block_size, simulate_reserved
 from .counter import COLLECTIVE_ROLE, Life, StorageLifeCounter
+from .cpu_kernels import CpuKernels
 from .emulation import cuda_rules
 from .build import build_model
 from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
@@ -447,7 +448,9 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
     target = plan.device
     run_device = plan.run_device or target
     size_of = block_size if target.type == "cuda" else None
-    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch)
+    # the CPU's kernels where they return other dtypes, strides or buffers than the fake ones
+    outputs = CpuKernels() if target.type == "cpu" else None
+    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch, outputs=outputs)
     mode = fake_mode()
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
@@ -488,7 +491,7 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
             gradients = optimizer_state = 0
             step_peaks = []
             for _ in range(2):
-                for bounded in (rnn, scratch):
+                for bounded in (rnn, scratch, outputs):
                     if bounded is not None:
                         bounded.bounds.clear()  # the bounds of one step: the last
                 counter.reset_peak()
@@ -524,7 +527,11 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
         optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
         parameter_dtypes=dtypes,
     )
-    bounds = {**(rnn.bounds if rnn is not None else {}), **(scratch.bounds if scratch is not None else {})}
+    bounds = {
+        **(rnn.bounds if rnn is not None else {}),
+        **(scratch.bounds if scratch is not None else {}),
+        **(outputs.bounds if outputs is not None else {}),
+    }
     if bounds:
         step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds))
     return step
