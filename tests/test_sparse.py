@@ -196,3 +196,30 @@ def test_sgd_momentum_over_sparse_gradients_is_recounted_as_it_grows():
     assert buffer.layout == torch.sparse_coo
     assert sizes[0] < sizes[1] < sizes[2]  # the buffer grew, len(opt.state) did not
     assert [r.optimizer_state for r in records] == sizes
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["loop", "foreach"])
+@pytest.mark.parametrize("bag", [True, False], ids=["EmbeddingBag", "Embedding"])
+def test_the_cpu_counter_counts_sparse_tensors_rewritten_in_place(bag, foreach):
+    """``buf.add_(grad)`` on a sparse momentum buffer (and ``_foreach_add_`` over such buffers)
+    gives it new index and value tensors inside the kernel and returns nothing new: the counter
+    must count the new ones as the old ones die. After each step the live bytes are the weights'
+    and the momentum's storages, counted here by hand."""
+    torch.manual_seed(0)
+    table = nn.EmbeddingBag(1000, 8, mode="sum", sparse=True) if bag else nn.Embedding(1000, 8, sparse=True)
+    opt = torch.optim.SGD(table.parameters(), lr=0.01, momentum=0.9, foreach=foreach)
+    counter = CpuCounter(torch.device("cpu"))
+    counter.start()
+    try:
+        counter.adopt(list(table.parameters()))
+        for step in range(3):
+            x = torch.randint(0, 1000, (16, 4))
+            table(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del x
+            buffer = opt.state[table.weight]["momentum_buffer"]
+            assert buffer.layout == torch.sparse_coo
+            assert counter.read().allocated == held(table.weight) + held(buffer), step
+    finally:
+        counter.stop()
