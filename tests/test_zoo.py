@@ -54,8 +54,6 @@ ESTIMATE_GAPS = {
     "backward are 192 B under the measured (estimated 357,256 B, measured 357,448 B)",
     "mobilenet": "MobileNetV3 (BatchNorm, bf16 autocast, SGD momentum): the second step's backward "
     "peak is 6,368 B under the measured (estimated 51,184,296 B, measured 51,190,664 B)",
-    "sparse_recommender": "SGD momentum on sparse EmbeddingBag gradients: aten.mul_.Tensor on a sparse "
-    "fake tensor has no fake kernel (EstimateUnsupported) although the step runs on the CPU",
 }
 
 
