@@ -395,13 +395,11 @@ class _CountingMode(TorchDispatchMode):
         # every line of bookkeeping is inside one, so a fault there never stops it.
         # This runs for every operator of the step: each line is measured against
         # a mode that only calls the operator (benchmarks/cpu_overhead.py).
-        rewrites = None
         try:
             tallies = self.tallies
-            if self.sparse and tallies:
-                rewrites = layout_rewrites(func, args, kwargs or {})
+            rewrites = layout_rewrites(func, args, kwargs or {}) if self.sparse and tallies else None
         except Exception as exc:  # noqa: BLE001 - never break the user's operator
-            tallies = ()
+            tallies, rewrites = (), None
             self.registry.fail(exc)
         out = func._op(*args, **kwargs) if kwargs else func._op(*args)
         if not tallies:
