@@ -11,15 +11,20 @@ of the branches; so does the estimate.
 
 While the step runs (not while the estimate makes its stand-ins for the inputs,
 weights and buffers, which must stay without values), :class:`Draws` gives a
-real value (FakeTensor's ``constant``) to every tensor of at most
+real value (FakeTensor's ``constant``) to a tensor of at most
 :data:`SMALL_VALUE_NUMEL` elements that
 
-- a factory makes from Python values only (``torch.rand([])``, ``torch.zeros(4)``,
-  ``torch.arange(12)``, ``torch.randint(0, 3, ())``),
-- a ``*_like`` or ``new_*`` factory makes (they read only the shape, dtype and
-  device of their tensor argument: ``x.new_empty(())``),
+- a random factory draws (``torch.rand([])``, ``torch.randint(0, 3, ())``,
+  ``torch.randperm(12)``, ``torch.rand_like(x)``: a ``*_like`` or ``new_*``
+  factory reads only its tensor argument's shape, dtype and device),
 - a random operator makes from, or writes into, tensors that have values
-  (``torch.empty(1).uniform_()``, ``torch.bernoulli(p)`` of such a ``p``).
+  (``torch.bernoulli(p)`` of such a ``p``), or writes into a tensor a factory
+  made that no operator has touched since (``torch.empty(n).uniform_()``,
+  ``x.new_empty(()).bernoulli_(0.5)``: it gets its factory's value first),
+- a factory that is not random makes with one element (``torch.zeros(())``, as
+  torch's own ``torch.tensor(x)`` does). Larger ones (position ids, masks) stay
+  without values unless a random operator writes into them: values cost the fake
+  mode its cache and real computation on every operator that reads them.
 
 The fake mode computes on tensors with values as torch's own constant
 propagation does (up to the same size here, so that a slice of a drawn vector
@@ -109,8 +114,28 @@ def _reads_metadata_only(func: Any) -> bool:
     return name.endswith("_like") or name.startswith("new_")
 
 
-def _fakes(flat: list[Any], mode: Any) -> list[torch.Tensor]:
-    return [v for v in flat if isinstance(v, torch.Tensor) and mode.is_our_fake(v)]
+def _flat(args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments, lists among them opened one level (as operators' schemas nest them)."""
+    out: list[Any] = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, (list, tuple)):
+            out.extend(v)
+        else:
+            out.append(v)
+    return out
+
+
+_RETURNS_TENSORS: dict[int, bool] = {}
+
+
+def _makes_tensors(func: Any) -> bool:
+    """Whether every return of ``func`` is a tensor (or a list of them); decided once per operator."""
+    found = _RETURNS_TENSORS.get(id(func))
+    if found is None:
+        returns = getattr(getattr(func, "_schema", None), "returns", ())
+        found = bool(returns) and all("Tensor" in str(r.type) for r in returns)
+        _RETURNS_TENSORS[id(func)] = found
+    return found
 
 
 def _small(t: Any) -> bool:
@@ -130,6 +155,9 @@ class Draws:
         self.reads: dict[str, int] = {}
         self._state: torch.Tensor | None = None
         self._drawn: dict[int, weakref.ref] = {}
+        #: tensors a factory made, not random, of more than one element, that no operator has
+        #: touched since: (the tensor, the factory, its arguments made real for the CPU)
+        self._fresh: dict[int, tuple[weakref.ref, Any, tuple, dict]] = {}
 
     @contextlib.contextmanager
     def on(self) -> Iterator[Draws]:
@@ -146,22 +174,26 @@ class Draws:
     def dispatch(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any]) -> Any:
         """``func`` under ``mode``: with real values where the rules give them, else ``fallback``'s
         fake result; values read from drawn tensors are noted."""
-        flat, _ = tree_flatten((args, kwargs))
-        fakes = _fakes(flat, mode)
-        if any(isinstance(v, torch.Tensor) and type(v) not in _PLAIN and not mode.is_our_fake(v) for v in flat):
-            return fallback(func, args, kwargs)  # a wrapper subclass (DTensor): its own dispatch unwraps it
-        random = _tag(func, "nondeterministic_seeded")
-        returns = getattr(getattr(func, "_schema", None), "returns", ())
-        makes_tensors = bool(returns) and all("Tensor" in str(r.type) for r in returns)
+        flat = _flat(args, kwargs)
+        fakes = []
+        for v in flat:
+            if isinstance(v, torch.Tensor):
+                if mode.is_our_fake(v):
+                    fakes.append(v)
+                elif type(v) not in _PLAIN:
+                    return fallback(func, args, kwargs)  # a wrapper subclass (DTensor): its own dispatch unwraps it
         out: Any = NotImplemented
-        if makes_tensors and isinstance(func, torch._ops.OpOverload):
+        if isinstance(func, torch._ops.OpOverload) and _makes_tensors(func):
+            random = _tag(func, "nondeterministic_seeded")
             if not fakes or _reads_metadata_only(func):
-                out = self._made(mode, func, args, kwargs, fallback, random, metadata_only=bool(fakes))
-            elif random and all(t.constant is not None for t in fakes):
+                out = self._made(mode, func, args, kwargs, fallback, random)
+            elif random:
                 out = self._redrawn(mode, func, args, kwargs, fallback, fakes)
+        for t in fakes:
+            self._fresh.pop(id(t), None)  # used: no longer untouched since its factory
         if out is NotImplemented:
             out = fallback(func, args, kwargs)
-            if any(self.is_drawn(t) for t in fakes):
+            if self._drawn and any(self.is_drawn(t) for t in fakes):
                 if _tag(func, "data_dependent_output"):  # .item(), a Python `if` on a tensor
                     line = user_line(traceback.extract_stack()) or str(func)
                     self.reads[line] = self.reads.get(line, 0) + 1
@@ -175,22 +207,45 @@ class Draws:
         return ref is not None and ref() is t and getattr(t, "constant", None) is not None
 
     # -- the rules --------------------------------------------------------------------
-    def _made(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any], random: bool, metadata_only: bool) -> Any:
-        """A factory: the fake result first (its shapes), then, if it is small, its real value."""
+    def _made(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any], random: bool) -> Any:
+        """A factory: the fake result first (its shapes), then, if it is small, its real value (a
+        random one); a factory's result that is not random gets its value only when one element
+        (as torch's own ``torch.tensor(x)``) or, else, when a random operator first writes into it."""
         fake = fallback(func, args, kwargs)
-        results, _ = tree_flatten(fake)
+        results = fake if isinstance(fake, (list, tuple)) else [fake]
         if not results or not all(_small(t) for t in results if isinstance(t, torch.Tensor)):
             return fake
-        stand_in = (lambda v: _stand_in(v) if isinstance(v, torch.Tensor) else v) if metadata_only else (lambda v: v)
-        real_args, real_kwargs = tree_map(stand_in, (args, kwargs))
-        real = self._run(func, real_args, _on_cpu(real_kwargs), random)
+        # the factory's arguments with real stand-ins for its tensors: kept, they keep no fake alive
+        real_args, real_kwargs = tree_map(lambda v: _stand_in(func, v) if isinstance(v, torch.Tensor) and mode.is_our_fake(v) else v, (args, kwargs))
+        real_kwargs = _on_cpu(real_kwargs)
+        if not random and not all(t.numel() <= 1 for t in results if isinstance(t, torch.Tensor)):
+            if isinstance(fake, torch.Tensor):
+                self._fresh[id(fake)] = (weakref.ref(fake), func, real_args, real_kwargs)
+            return fake
+        real = self._run(func, real_args, real_kwargs, random)
         return self._as_values(mode, real, fake, random)
 
     def _redrawn(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any], fakes: list[torch.Tensor]) -> Any:
-        """A random operator on tensors with values: drawn for real, in place or into a new tensor."""
+        """A random operator on tensors with values: drawn for real, in place or into a new tensor.
+
+        The tensor written in place may also be one a factory made that no operator has touched
+        since (``torch.empty(n).uniform_()``): it gets its factory's value first.
+        """
         written = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        target = args[written[0]] if written and written[0] < len(args) else None
+        if written and isinstance(target, torch.Tensor) and mode.is_our_fake(target) and target.constant is None:
+            fresh = self._fresh.get(id(target))
+            if fresh is None or fresh[0]() is not target:
+                return NotImplemented
+            _, factory, f_args, f_kwargs = fresh
+            placed = _placed(_dense_like(self._run(factory, f_args, f_kwargs, False), target), target.device)
+            if placed is None or placed.shape != target.shape or placed.stride() != target.stride():
+                return NotImplemented
+            target.constant = placed
+            mode.fake_tensor_converter.add_constant_storage_mapping(target)
+        if not all(t.constant is not None for t in fakes):
+            return NotImplemented
         if written:
-            target = args[written[0]] if written[0] < len(args) else None
             if not isinstance(target, torch.Tensor) or not mode.is_our_fake(target) or not _small(target):
                 return NotImplemented
             real_args, real_kwargs = tree_map(lambda v: _value_on_cpu(v, mode), (args, kwargs))
@@ -200,7 +255,7 @@ class Draws:
             self._drawn[id(target)] = weakref.ref(target)
             return target
         fake = fallback(func, args, kwargs)
-        results, _ = tree_flatten(fake)
+        results = fake if isinstance(fake, (list, tuple)) else [fake]
         if not results or not all(_small(t) for t in results if isinstance(t, torch.Tensor)):
             return fake
         real_args, real_kwargs = tree_map(lambda v: _value_on_cpu(v, mode), (args, kwargs))
@@ -235,7 +290,7 @@ class Draws:
                 continue
             if not isinstance(r, torch.Tensor) or r.shape != f.shape or r.dtype != f.dtype:
                 return fake
-            placed = _placed(r, f.device)
+            placed = _placed(_dense_like(r, f), f.device)
             if placed is None:
                 return fake
             value = mode.fake_tensor_converter.from_real_tensor(mode, placed, make_constant=True)
@@ -262,10 +317,21 @@ def _on_cpu(kwargs: dict) -> dict:
     return out
 
 
-def _stand_in(t: torch.Tensor) -> torch.Tensor:
-    """A real CPU tensor of ``t``'s shape, strides and dtype (a ``*_like`` factory reads no more)."""
+def _stand_in(func: Any, t: torch.Tensor) -> torch.Tensor:
+    """A real CPU tensor standing in for a factory's tensor argument: ``new_*`` read its dtype
+    only (an empty one), ``*_like`` its shape too (as small as their result)."""
     with no_dispatch():
-        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=_CPU)
+        if func._schema.name.split("::")[-1].startswith("new_"):
+            return torch.empty((0,), dtype=t.dtype, device=_CPU)
+        return torch.empty(tuple(t.shape), dtype=t.dtype, device=_CPU)
+
+
+def _dense_like(real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    """``real`` with ``fake``'s strides (a ``*_like`` result follows its argument's layout)."""
+    if real.stride() == fake.stride():
+        return real
+    with no_dispatch():
+        return torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=real.dtype, device=real.device).copy_(real)
 
 
 def _value_on_cpu(v: Any, mode: Any) -> Any:
