@@ -24,11 +24,7 @@ from benchmarks.zoo import ZOO  # noqa: E402
 pytestmark = pytest.mark.cuda
 
 #: Known gaps of the estimate on CUDA, each to be removed when its fix lands (strict).
-KNOWN = {
-    "sparse_recommender": "SGD momentum on sparse gradients on CUDA: the estimate runs (sparse rules, the "
-    "foreach loop) but leaves out what CUDA's sparse kernels take inside the operator (dense += sparse "
-    "scales a copy of the values; a sparse add_ holds the old and the new entries at once): unmeasured",
-}
+KNOWN: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", list(ZOO))
