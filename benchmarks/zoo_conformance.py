@@ -12,9 +12,10 @@ Per zoo model (``benchmarks/zoo``), at its real size and batch:
   on); then, from an empty cache, ``torch.cuda.max_memory_allocated()`` over the model's first
   two steps less what was allocated before the model (the persistent workspaces), and
   ``max_memory_reserved()`` (as ``benchmarks/estimate_accuracy.py`` counts);
-- the profiler: ``memory_profiler(model, print_period=1, by_layer=True)`` on a warmed-up step,
+- the profiler: ``memory_profiler(model, print_period=1, by_layer=True)`` on the fifth step,
   its ``iteration_peak_allocated`` and the sum of its peak breakdown against
-  ``max_memory_allocated()`` over an identical unprofiled step, weights, weight gradients
+  ``max_memory_allocated()`` of the fifth step of an identical unprofiled run (a step's peak can
+  grow from step to step: SGD's momentum over sparse gradients does), weights, weight gradients
   and optimizer state against the unique storages, feature maps by layer against a pack hook;
 - estimated: ``estimate_memory(...).peak`` on fake CUDA tensors, and on fake CPU tensors
   standing in for CUDA (``emulate=True``), each against the measured peak; the estimate's
@@ -106,20 +107,49 @@ def runs_within(entry: ZooModel, batch: int, device: torch.device, fraction: flo
         fresh(device)
 
 
+#: The step the profiler's record is taken at (1-based): two warm-up steps, an unprofiled third,
+#: then two profiled steps, the record of the fifth compared.
+PROFILED_STEP = 5
+
+
+def unprofiled_step_peaks(entry: ZooModel, batch: int, device: torch.device, steps: int = PROFILED_STEP) -> list[int]:
+    """``max_memory_allocated()`` of each of the first ``steps`` steps of a fresh, unprofiled run.
+
+    The cache is emptied before the last step but one, as before the profiled run's first profiled
+    step, so that both fifth steps start from the same cache. The peaks differ from
+    step to step where the optimizer's state grows: SGD's momentum over sparse gradients gains each
+    gradient's entries (CUDA's sparse ``add_`` concatenates), so only the same step of an identical
+    run is the profiled step's reference.
+    """
+    run = Training(entry, "real", device, batch)
+    peaks = []
+    for step in range(1, steps + 1):
+        if step == steps - 1:
+            fresh(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run.step()
+        torch.cuda.synchronize(device)
+        peaks.append(torch.cuda.max_memory_allocated(device))
+    del run
+    fresh(device)
+    return peaks
+
+
 def profiler_check(entry: ZooModel, batch: int, device: torch.device) -> dict[str, Any]:
-    """The profiler's record of a warmed-up step against the allocator and the unique storages."""
+    """The profiler's record of a warmed-up step against the allocator and the unique storages.
+
+    The reference is the same step (:data:`PROFILED_STEP`) of an identical unprofiled run (same
+    seed, model, batch and history of steps), so the two differ only by the profiler.
+    """
     import io
 
     from pytorch_mem_profiler import memory_profiler
 
+    step_peaks = unprofiled_step_peaks(entry, batch, device)
     run = Training(entry, "real", device, batch)
-    run.step()
-    run.step()
+    for _ in range(PROFILED_STEP - 2):
+        run.step()
     fresh(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    run.step()
-    torch.cuda.synchronize(device)
-    reference = torch.cuda.max_memory_allocated(device)
     saved = SavedStorages(run.model)
     # overhead=None: every reported iteration at full detail (the default budget may report some at "light")
     with memory_profiler(
@@ -131,7 +161,10 @@ def profiler_check(entry: ZooModel, batch: int, device: torch.device) -> dict[st
         record = profiler.record_stats()
     layers = None if record.layers is None else sum(record.layers.by_module.values())
     result = {
-        "reference_peak": reference,
+        "reference_peak": step_peaks[-1],
+        "reference_step": PROFILED_STEP,
+        # every unprofiled step's peak: growing optimizer state shows as a rise from step to step
+        "unprofiled_step_peaks": step_peaks,
         "iteration_peak": record.iteration_peak_allocated,
         "breakdown_sum": sum(record.peak_breakdown.values()) if record.peak_breakdown else None,
         "weights": (record.weights, storage_bytes(run.model.parameters())),

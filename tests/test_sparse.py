@@ -6,13 +6,16 @@ A sparse tensor holds its index and value tensors: the bytes expected are
 
 from __future__ import annotations
 
+import functools
 import io
 import types
 import warnings
+import weakref
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytorch_mem_profiler import MemoryProfiler
 from pytorch_mem_profiler.measure.accounting import (
@@ -196,3 +199,110 @@ def test_sgd_momentum_over_sparse_gradients_is_recounted_as_it_grows():
     assert buffer.layout == torch.sparse_coo
     assert sizes[0] < sizes[1] < sizes[2]  # the buffer grew, len(opt.state) did not
     assert [r.optimizer_state for r in records] == sizes
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["loop", "foreach"])
+@pytest.mark.parametrize("bag", [True, False], ids=["EmbeddingBag", "Embedding"])
+def test_the_cpu_counter_counts_sparse_tensors_rewritten_in_place(bag, foreach):
+    """``buf.add_(grad)`` on a sparse momentum buffer (and ``_foreach_add_`` over such buffers)
+    gives it new index and value tensors inside the kernel and returns nothing new: the counter
+    must count the new ones as the old ones die. After each step the live bytes are the weights'
+    and the momentum's storages, counted here by hand."""
+    torch.manual_seed(0)
+    table = nn.EmbeddingBag(1000, 8, mode="sum", sparse=True) if bag else nn.Embedding(1000, 8, sparse=True)
+    opt = torch.optim.SGD(table.parameters(), lr=0.01, momentum=0.9, foreach=foreach)
+    counter = CpuCounter(torch.device("cpu"))
+    counter.start()
+    try:
+        counter.adopt(list(table.parameters()))
+        for step in range(3):
+            x = torch.randint(0, 1000, (16, 4))
+            table(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del x
+            buffer = opt.state[table.weight]["momentum_buffer"]
+            assert buffer.layout == torch.sparse_coo
+            assert counter.read().allocated == held(table.weight) + held(buffer), step
+    finally:
+        counter.stop()
+
+
+class _EveryStorage(TorchDispatchMode):
+    """An independent count: every storage seen in an operator's arguments or results (a sparse
+    tensor's indices and values), summed while alive, read after each operator; the highest sum."""
+
+    def __init__(self, tensors=()) -> None:
+        super().__init__()
+        self.alive: dict[int, tuple[weakref.ref, int]] = {}
+        self.peak = 0
+        self._see(list(tensors))
+
+    def _see(self, values) -> None:
+        for value in values:
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    for part in (t._indices(), t._values()) if t.layout == torch.sparse_coo else (t,):
+                        storage = part.untyped_storage()
+                        known = self.alive.get(id(storage))
+                        if known is None or known[0]() is not storage:
+                            self.alive[id(storage)] = (weakref.ref(storage), storage.nbytes())
+
+    def total(self) -> int:
+        return sum(n for ref, n in self.alive.values() if ref() is not None)
+
+    def reset(self) -> None:
+        self.peak = self.total()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._see([*args, *(kwargs or {}).values(), *(out if isinstance(out, (list, tuple)) else [out])])
+        self.peak = max(self.peak, self.total())
+        return out
+
+
+def _step_peaks(optimizer, profiled: bool, steps: int = 3) -> tuple[list[int], list[int]]:
+    """Each step's peak by the independent count, and the profiler's record peaks (when profiled)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"bag": nn.EmbeddingBag(1000, 8, mode="sum", sparse=True), "head": nn.Linear(8, 1)})
+    opt = optimizer(model.parameters())
+    counted, recorded = [], []
+    profiler = MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, optimizer=opt) if profiled else None
+    # the batch is made while counted (by the profiler too), as a data loader's is
+    x = torch.randint(0, 1000, (16, 4), generator=torch.Generator().manual_seed(1))
+    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]  # Adagrad makes it eagerly
+    with _EveryStorage([*model.parameters(), *state, x]) as every:
+        for _ in range(steps):
+            every.reset()
+            out = model["head"](model["bag"](x)).sum()
+            out.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out
+            counted.append(every.peak)
+            if profiler is not None:
+                recorded.append(profiler.record_stats().iteration_peak_allocated)
+    if profiler is not None:
+        profiler.close()
+    return counted, recorded
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9, foreach=False),
+        functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9, foreach=True),
+        functools.partial(torch.optim.Adagrad, lr=0.01),
+    ],
+    ids=["momentum-loop", "momentum-foreach", "adagrad"],
+)
+def test_profiling_sparse_gradients_leaves_each_steps_peak_as_it_was(optimizer):
+    """The profiler observes: each step's peak, counted apart from it, is the same with and without
+    it, and its own record of each step is that peak. The peaks grow from step to step (the sparse
+    momentum gains the gradient's entries), so a step is compared with the same step only."""
+    unprofiled, _ = _step_peaks(optimizer, profiled=False)
+    profiled, recorded = _step_peaks(optimizer, profiled=True)
+    assert profiled == unprofiled
+    assert recorded == profiled
+    if "momentum" in str(optimizer.keywords):
+        assert unprofiled[0] < unprofiled[2]

@@ -45,8 +45,6 @@ ITERATIONS = 3
 #: Where the CPU estimate is known to differ from the measured step (estimated vs measured
 #: peak in bytes, on torch 2.14 and 2.13): each must fail until the estimate is fixed.
 ESTIMATE_GAPS = {
-    "sparse_recommender": "SGD momentum on sparse EmbeddingBag gradients: aten.mul_.Tensor on a sparse "
-    "fake tensor has no fake kernel (EstimateUnsupported) although the step runs on the CPU",
 }
 
 

@@ -26,9 +26,7 @@ from benchmarks.zoo import ZOO  # noqa: E402
 pytestmark = pytest.mark.cuda
 
 #: Known gaps of the estimate on CUDA, each to be removed when its fix lands (strict).
-KNOWN = {
-    "sparse_recommender": "SGD momentum on sparse gradients: aten.mul_.Tensor on a sparse fake tensor has no fake kernel",
-}
+KNOWN: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", list(ZOO))

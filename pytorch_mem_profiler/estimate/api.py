@@ -275,6 +275,7 @@ def estimate_memory(
         checkpointed=step.checkpointed,
         optimizer=_optimizer_text(optimizer, step.optimizer_name),
         parameter_dtypes=step.parameter_dtypes,
+        random_reads=step.random_reads,
     )
     if compare:
         base = dict(

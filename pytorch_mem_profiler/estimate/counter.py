@@ -4,7 +4,8 @@
 :class:`~pytorch_mem_profiler.measure.devices.CpuCounter` does (the same rules, from
 :func:`~pytorch_mem_profiler.measure.storage_counting.return_kinds`: every storage an
 operator returns counts once, by its bytes, until its last reference dies; views and
-in-place results are no new memory), for the storages of any device, fake tensors
+in-place results are no new memory, but a sparse tensor written in place may hold new index and
+value tensors), for the storages of any device, fake tensors
 included, remembering when each storage was born and died. It has a dispatch mode
 of its own, entered and left around the one step it watches. Roles are learned
 after the fact (a storage that ends up as a ``.grad`` is a gradient from its birth
@@ -37,7 +38,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..measure.accounting import same_device, storage_holder, storage_parts
 from ..measure.devices import MemoryCounter, Reading
-from ..measure.storage_counting import NEW, RESIZED, return_kinds, unwatch_storage_resizes, watch_storage_resizes
+from ..measure.storage_counting import (
+    NEW,
+    RESIZED,
+    layout_rewrites,
+    made_inside,
+    return_kinds,
+    unwatch_storage_resizes,
+    watch_storage_resizes,
+)
 
 __all__ = ["Life", "StorageLifeCounter", "born_as", "COLLECTIVE_ROLE"]
 
@@ -102,7 +111,15 @@ class _LifeMode(TorchDispatchMode):
         self.counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # a sparse tensor written in place gets new index and value tensors inside the kernel
+        rewrites = layout_rewrites(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
+        if rewrites is not None:
+            written, before = rewrites
+            for tensor in written:
+                for part in storage_parts(tensor):
+                    if part is not tensor and made_inside(part, before):
+                        self.counter._track(part)
         if getattr(func, "namespace", None) == "c10d":
             self.counter._collective(args)
         if self.counter.outputs is not None:
@@ -311,9 +328,17 @@ class StorageLifeCounter(MemoryCounter):
             if role is not None:
                 self.give_role(tensor, role)
 
+    def lives_of(self, tensor: torch.Tensor) -> list[Life]:
+        """The lives of the storages holding ``tensor`` (a sparse one's indices and values), counted and alive."""
+        found = []
+        for part in storage_parts(tensor):
+            life = self.life_of(part)
+            if life is not None:
+                found.append(life)
+        return found
+
     def give_role(self, tensor: torch.Tensor, role: str) -> None:
-        life = self.life_of(tensor)
-        if life is not None:
+        for life in self.lives_of(tensor):
             life.roles.add(role)
 
     def enter_phase(self, phase: str) -> None:

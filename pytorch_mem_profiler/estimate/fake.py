@@ -32,8 +32,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .conv_workspace import memory_format
+from .draws import SMALL_VALUE_NUMEL, Draws
+from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rule
 
 __all__ = [
+    "EstimateFakeMode",
     "fake_mode",
     "fake_model",
     "fake_like",
@@ -48,15 +51,57 @@ __all__ = [
 FOREACH_DEVICES = ("cuda", "xpu")
 
 
-def fake_mode() -> FakeTensorMode:
-    """A fake mode that refuses to run an operator's real kernel on made-up data.
+class EstimateFakeMode(FakeTensorMode):
+    """torch's fake mode, with the estimate's rules for what it lacks.
+
+    - Sparse tensors and ``_foreach_*`` operators over them hold the memory their real
+      kernels do (:mod:`.layouts`).
+    - While :attr:`draws` is on (the step, see :mod:`.draws`), tiny tensors made from
+      nothing get real values, so a branch on a random draw (LayerDrop) is taken as a
+      real step takes it; the values read are noted in ``draws.reads``.
 
     ``allow_fallback_kernels=False``: an operator without a fake implementation
-    raises instead of running its real kernel on zeros (which would allocate real
-    memory, on the GPU for a CUDA extension). Real tensors met inside (a constant
-    kept in a closure) are converted.
+    raises instead of running its real kernel on made-up data (which would allocate
+    real memory, on the GPU for a CUDA extension). Real tensors met inside (a
+    constant kept in a closure) are converted.
     """
-    return FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+
+    def __init__(self) -> None:
+        super().__init__(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+        self.draws = Draws()
+
+    def may_turn_const(self, t: torch.Tensor) -> bool:
+        # while the step runs, values computed from values stay up to the size draws get them
+        if self.draws.active:
+            return (
+                t.numel() <= SMALL_VALUE_NUMEL
+                and t.layout is torch.strided
+                and not self.is_our_fake(t)
+                and t.device.type != "meta"
+            )
+        return super().may_turn_const(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in MAKES_SPARSE or has_other_layout(args) or has_other_layout(kwargs.values()):
+            name = getattr(getattr(func, "_schema", None), "name", "")
+            rule = sparse_rule(func) or (
+                (lambda a, k: foreach_as_loop(func, a, k)) if name.startswith("aten::_foreach_") else None
+            )
+            if rule is not None:
+                with self:
+                    out = rule(args, kwargs)
+                if out is not NotImplemented:
+                    return out
+        fallback = super().__torch_dispatch__
+        if self.draws.active:
+            return self.draws.dispatch(self, func, args, kwargs, lambda f, a, k: fallback(f, types, a, k))
+        return fallback(func, types, args, kwargs)
+
+
+def fake_mode() -> EstimateFakeMode:
+    """A fake mode for the estimate's step (:class:`EstimateFakeMode`)."""
+    return EstimateFakeMode()
 
 
 def fake_like(tensor: torch.Tensor, device: torch.device, shape: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -279,6 +279,10 @@ class MemoryEstimate:
         optimizer: the optimizer, as made (``"Adam"``, ``"SGD(lr=0.1, momentum=0.9)"``, ``"none
             (nothing to train)"``; ``None``: unknown).
         parameter_dtypes: the dtypes of the model's floating-point parameters (``"float32"``).
+        random_reads: the lines of the step that read a value drawn at random (``torch.rand([])``
+            compared in Python: LayerDrop, stochastic depth), with how often, over the two steps:
+            the figures are of the step those draws give (the estimate's own seeded draws, see
+            :mod:`~pytorch_mem_profiler.estimate.draws`); empty when the step read none.
     """
 
     device: str
@@ -319,6 +323,29 @@ class MemoryEstimate:
     checkpointed: tuple[str, ...] | None = None
     optimizer: str | None = None
     parameter_dtypes: tuple[str, ...] = ()
+    random_reads: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def notes(self) -> list[str]:
+        """What the figures rest on besides the step itself, one sentence each (the report's notes).
+
+        Example::
+
+            >>> est = MemoryEstimate("cpu", 8, 0, "forward", {}, {}, {}, LayerFeatureMaps({}, {}, 0, 0, 0), 0, 0, 0, 0, 0,
+            ...                      random_reads={"modeling_bart.py:537: if dropout_probability < self.layerdrop:": 8})
+            >>> print(est.notes[0])  # doctest: +ELLIPSIS
+            The step read 8 values drawn at random (modeling_bart.py:537: ...): the figures are of the step ...
+        """
+        out = []
+        if self.random_reads:
+            lines = "; ".join(self.random_reads)
+            n = sum(self.random_reads.values())
+            out.append(
+                f"The step read {n} value{'s' if n != 1 else ''} drawn at random ({lines}): the figures are of "
+                f"the step those draws give (the estimate's own seeded draws, the same at every batch size); "
+                f"with LayerDrop or stochastic depth at p > 0 the largest step skips no layer: estimate it with p = 0"
+            )
+        return out
 
     @property
     def peak_allocated(self) -> int:
@@ -533,6 +560,8 @@ class MemoryEstimate:
             out.append(f"Per sample: {fmt(self.fit.per_sample)} (linear over batch {a} and {b}{check})")
             if self.fit.peak_moves:
                 out.append(f"The peak moves with the batch: {self.fit.peak_moves}")
+        for note in self.notes:
+            out.append(f"Note: {note}")
         if self.alternatives:
             out += ["", self.format_comparison(unit)]
         out.append(f"({unit} = {UNITS[unit]:,} bytes)")

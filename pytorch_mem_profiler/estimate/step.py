@@ -27,8 +27,6 @@ import contextlib
 import dataclasses
 import functools
 import re
-import sys
-from pathlib import Path
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping
@@ -53,6 +51,7 @@ from .counter import COLLECTIVE_ROLE, Life, StorageLifeCounter
 from .cpu_kernels import CpuKernels
 from .emulation import cuda_rules
 from .build import build_model
+from .draws import user_line
 from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
 from .rnn import CudnnRNNRules
@@ -137,6 +136,9 @@ class StepMemory:
     optimizer_name: str | None = None
     #: the dtypes of the model's floating-point parameters, by name (``"float32"``), once each
     parameter_dtypes: tuple[str, ...] = ()
+    #: the lines that read a value drawn at random (a branch a draw decided: LayerDrop), and how
+    #: often, over the two steps (see :mod:`.draws`); empty when the step read none
+    random_reads: Mapping[str, int] = field(default_factory=dict)
 
 
 # -- errors ----------------------------------------------------------------------
@@ -148,19 +150,12 @@ class _NotInThisTorch(Exception):
 #: plain RuntimeError, which reaches the user as it is).
 _DEVICE_MISMATCH: type[BaseException] = getattr(_fake, "FakeTensorDeviceMismatchError", _NotInThisTorch)
 def _reading_line(err: BaseException) -> str:
-    """`` (at file:line: code)`` for the innermost frame of ``err``'s traceback outside torch and this package.
-
-    That is the line in the user's or a library's code (``modeling_bart.py``, say) whose call read a
-    value: what a user needs to change or to report.
-    """
+    """`` (at file:line: code)`` for the innermost frame of ``err``'s traceback outside torch and
+    this package (see :func:`~.draws.user_line`)."""
     import traceback
 
-    skip = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, sys.modules[__name__.split(".")[0]]))
-    for frame in reversed(traceback.extract_tb(err.__traceback__)):
-        if frame.filename and not str(Path(frame.filename).resolve()).startswith(skip):
-            code = f": {frame.line.strip()}" if frame.line else ""
-            return f" (at {frame.filename}:{frame.lineno}{code})"
-    return ""
+    line = user_line(traceback.extract_tb(err.__traceback__))
+    return f" (at {line})" if line else ""
 
 
 @contextlib.contextmanager
@@ -490,28 +485,30 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
             attribution = None
             gradients = optimizer_state = 0
             step_peaks = []
-            for _ in range(2):
-                for bounded in (rnn, scratch, outputs):
-                    if bounded is not None:
-                        bounded.bounds.clear()  # the bounds of one step: the last
-                counter.reset_peak()
-                counter.enter_phase("forward")
-                attribution = _SavedByModule(model, counter)
-                with attribution, _autocast(run_device, plan.autocast):
-                    output = model(*args, **kwargs)
-                counter.enter_phase("other")
-                loss = plan.loss_fn(output, *target_args) if plan.loss_fn is not None else _default_loss(output)
-                counter.enter_phase("backward")
-                loss.backward()
-                gradients = _give_role(counter, [p.grad for p in params if p.grad is not None], "gradients")
-                if optimizer is not None:
-                    counter.enter_phase("optimizer")
-                    optimizer.step()
-                    optimizer_state = _give_role(counter, list(optimizer_state_tensors([optimizer])), "optimizer_state")
+            # tiny tensors the step makes from nothing get values (a LayerDrop draw read in Python)
+            with mode.draws.on():
+                for _ in range(2):
+                    for bounded in (rnn, scratch, outputs):
+                        if bounded is not None:
+                            bounded.bounds.clear()  # the bounds of one step: the last
+                    counter.reset_peak()
+                    counter.enter_phase("forward")
+                    attribution = _SavedByModule(model, counter)
+                    with attribution, _autocast(run_device, plan.autocast):
+                        output = model(*args, **kwargs)
                     counter.enter_phase("other")
-                    optimizer.zero_grad(set_to_none=True)
-                del output, loss
-                step_peaks.append(counter.read().peak_allocated)
+                    loss = plan.loss_fn(output, *target_args) if plan.loss_fn is not None else _default_loss(output)
+                    counter.enter_phase("backward")
+                    loss.backward()
+                    gradients = _give_role(counter, [p.grad for p in params if p.grad is not None], "gradients")
+                    if optimizer is not None:
+                        counter.enter_phase("optimizer")
+                        optimizer.step()
+                        optimizer_state = _give_role(counter, list(optimizer_state_tensors([optimizer])), "optimizer_state")
+                        counter.enter_phase("other")
+                        optimizer.zero_grad(set_to_none=True)
+                    del output, loss
+                    step_peaks.append(counter.read().peak_allocated)
             # what the set-up made while the steps ran (DDP's rebuilt buckets) has its role too
             for role, holding in set_up.items():
                 _give_role(counter, holding(), role)
@@ -526,6 +523,7 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
         checkpointed=checkpointed,
         optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
         parameter_dtypes=dtypes,
+        random_reads=MappingProxyType(dict(mode.draws.reads)),
     )
     bounds = {
         **(rnn.bounds if rnn is not None else {}),
@@ -628,10 +626,10 @@ def _bytes_of(counter: StorageLifeCounter, tensors: list[torch.Tensor]) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        life = counter.life_of(t)
-        if life is not None and id(life) not in seen:
-            seen.add(id(life))
-            total += life.nbytes
+        for life in counter.lives_of(t):  # a sparse tensor: its indices and values
+            if id(life) not in seen:
+                seen.add(id(life))
+                total += life.nbytes
     return total
 
 

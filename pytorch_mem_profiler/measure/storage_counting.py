@@ -19,6 +19,14 @@ holds what all CPU counters share:
   leaves at the first chance: the next module forward or optimizer step that
   finds it back on top, or the next start or stop of a counter.
 
+An operator that writes a sparse tensor in place (``buf.add_(grad)`` on SGD's momentum over
+sparse gradients, a ``_foreach_add_`` over such buffers) gives it new index and value tensors
+inside its kernel, which no dispatch mode sees being made, and returns nothing new (or nothing
+at all): the old ones die while it runs. So once the counters have seen a sparse tensor, the
+arguments an operator writes (``Tensor(a!)`` in its schema) are looked at: the parts of a
+non-strided one that were no input's before the call are new storages
+(:func:`layout_rewrites`). Until a sparse tensor is seen this costs one attribute look-up.
+
 The per-operator cost is kept small: whether an operator's returns can be new
 storages (not views, not in-place results) is decided once per operator, so a
 view or an in-place result costs one dictionary look-up; one new result, and a
@@ -66,6 +74,9 @@ __all__ = [
     "SKIP",
     "watch_storage_resizes",
     "unwatch_storage_resizes",
+    "written_arguments",
+    "layout_rewrites",
+    "made_inside",
 ]
 
 _log = logging.getLogger("pytorch_mem_profiler")
@@ -275,6 +286,90 @@ def return_kinds(func: Any) -> tuple[int, ...] | None:
     return _plan(func) if plan is _UNPLANNED else plan
 
 
+
+#: Per operator, by ``id``: the arguments it writes in place, as ``(position, name)`` pairs.
+_WRITES: dict[int, tuple[tuple[int, str], ...]] = {}
+_WRITERS: list[Any] = []  # keeps the operators whose ids key _WRITES
+
+
+def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    """The arguments the operator ``func`` writes in place (``Tensor(a!)``, ``Tensor(a!)[]``),
+    as ``(position, name)`` pairs; ``()`` for none. Decided once per operator.
+
+    Example::
+
+        >>> import torch
+        >>> written_arguments(torch.ops.aten.add_.Tensor), written_arguments(torch.ops.aten.add.Tensor)
+        (((0, 'self'),), ())
+        >>> written_arguments(torch.ops.aten._foreach_mul_.Scalar)
+        ((0, 'self'),)
+    """
+    found = _WRITES.get(id(func))
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        found = tuple(
+            (i, arg.name)
+            for i, arg in enumerate(getattr(schema, "arguments", ()))
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        _WRITERS.append(func)
+        _WRITES[id(func)] = found
+    return found
+
+
+def _written_non_strided(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for position, name in written_arguments(func):
+        value = args[position] if position < len(args) else kwargs.get(name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor) and t.layout is not _STRIDED:
+                out.append(t)
+    return out
+
+
+def layout_rewrites(func: Any, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], dict[int, weakref.ref]] | None:
+    """Before ``func(*args, **kwargs)`` runs: the non-strided tensors it writes in place, and
+    every input's storages now, as weak references by ``id`` (``None`` when it writes none).
+
+    After the call, a part (:func:`~.accounting.storage_parts`) of a written tensor whose
+    storage is not one of those (:func:`made_inside`) was made inside the kernel: a sparse
+    ``add_`` on the CPU merges into new index and value tensors, on CUDA it concatenates them.
+    The references are weak: the old parts die inside the kernel, as they do without a
+    counter, and a new storage may take a dead one's ``id``.
+
+    Example::
+
+        >>> import torch
+        >>> buf = torch.eye(3).to_sparse()
+        >>> args = (buf, torch.eye(3).to_sparse())
+        >>> written, before = layout_rewrites(torch.ops.aten.add_.Tensor, args, {})
+        >>> _ = buf.add_(args[1])
+        >>> [made_inside(p, before) for p in storage_parts(buf)]
+        [True, True]
+    """
+    written = _written_non_strided(func, args, kwargs)
+    if not written:
+        return None
+    before: dict[int, weakref.ref] = {}
+    for value in (*args, *kwargs.values()):
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                for part in storage_parts(t):
+                    try:
+                        storage = part.untyped_storage()
+                    except (RuntimeError, NotImplementedError, TypeError):
+                        continue
+                    before[id(storage)] = weakref.ref(storage)
+    return written, before
+
+
+def made_inside(part: torch.Tensor, before: dict[int, weakref.ref]) -> bool:
+    """Whether ``part``'s storage is none of ``before``'s (see :func:`layout_rewrites`)."""
+    storage = part.untyped_storage()
+    ref = before.get(id(storage))
+    return ref is None or ref() is not storage
+
+
 class _CountingMode(TorchDispatchMode):
     """Hands every tensor an operator returns on its thread to the registry, for its thread's tallies."""
 
@@ -292,6 +387,8 @@ class _CountingMode(TorchDispatchMode):
         self.live = registry.live
         #: the running counters started on this mode's thread; empty: switched off
         self.tallies: tuple[Tally, ...] = ()
+        #: a non-strided tensor was counted: operators writing one in place are looked at
+        self.sparse = registry.sparse
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # The operator runs exactly once, outside any try (its errors are the user's);
@@ -300,13 +397,16 @@ class _CountingMode(TorchDispatchMode):
         # a mode that only calls the operator (benchmarks/cpu_overhead.py).
         try:
             tallies = self.tallies
+            rewrites = layout_rewrites(func, args, kwargs or {}) if self.sparse and tallies else None
         except Exception as exc:  # noqa: BLE001 - never break the user's operator
-            tallies = ()
+            tallies, rewrites = (), None
             self.registry.fail(exc)
         out = func._op(*args, **kwargs) if kwargs else func._op(*args)
         if not tallies:
             return out
         try:
+            if rewrites is not None:
+                self.registry.rewritten(*rewrites, tallies)
             plan = _PLANS.get(id(func), _UNPLANNED)
             if plan is None:
                 # Views, in-place results, numbers: most operators of an optimizer step.
@@ -364,6 +464,8 @@ class StorageRegistry:
         self._hooks: list[Any] = []
         self._died = self._storage_died  # one bound method for every weak reference
         self._failed = False
+        #: a non-strided tensor (sparse) was counted since the first counter started
+        self.sparse = False
 
     # -- lifecycle ----------------------------------------------------------
     def start(self, tally: Tally) -> None:
@@ -376,6 +478,7 @@ class StorageRegistry:
             if mode is None or not _on_stack(mode):
                 mode = _CountingMode(self)
                 mode.__enter__()
+            mode.sparse = self.sparse
             # A mode still on the stack, switched off, is switched on again: nothing is pushed.
             self._modes[ident] = mode
             mode.tallies = (*mode.tallies, tally)
@@ -406,6 +509,7 @@ class StorageRegistry:
                 unwatch_storage_resizes(self._storage_resized)
                 self.live.clear()  # drops the weak references: no callback will run
                 self._failed = False
+                self.sparse = False
             self._leave_where_possible()
             if self._waiting and not self._hooks:
                 self._wait_for_a_chance()
@@ -473,6 +577,7 @@ class StorageRegistry:
         of the operator (embedding backward wraps its input as the indices) are no new memory."""
         if not tensor.is_cpu:
             return
+        self._saw_sparse()
         given = {
             id(part.untyped_storage())
             for t in inputs
@@ -486,6 +591,26 @@ class StorageRegistry:
             key = id(storage)
             if key not in given and key not in self.live:
                 self.add(storage, key, tallies)
+
+    def _saw_sparse(self) -> None:
+        if not self.sparse:
+            self.sparse = True
+            for mode in (*self._modes.values(), *self._waiting.values()):
+                mode.sparse = True
+
+    def rewritten(self, written: list[torch.Tensor], before: dict[int, weakref.ref], tallies: tuple[Tally, ...]) -> None:
+        """Count the parts of ``written`` (non-strided tensors an operator wrote in place) that
+        are new: no input's storage before the call (:func:`layout_rewrites`), not counted yet."""
+        for tensor in written:
+            if not tensor.is_cpu:
+                continue
+            for part in storage_parts(tensor):
+                if part is tensor:
+                    continue
+                storage = part.untyped_storage()
+                key = id(storage)
+                if key not in self.live and made_inside(part, before):
+                    self.add(storage, key, tallies)
 
     def add(self, storage: torch.UntypedStorage, key: int, tallies: tuple[Tally, ...]) -> None:
         """Count a storage not counted yet into ``tallies``."""
@@ -506,6 +631,8 @@ class StorageRegistry:
         for whole in tensors:
             if not isinstance(whole, torch.Tensor) or not whole.is_cpu:
                 continue
+            if whole.layout is not _STRIDED:
+                self._saw_sparse()
             for tensor in storage_parts(whole):  # a sparse tensor: its indices and values
                 self._adopt_one(tensor, tally)
 

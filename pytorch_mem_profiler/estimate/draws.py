@@ -1,0 +1,353 @@
+"""Tiny tensors a step makes from nothing get real values in the fake mode, as a real step draws them.
+
+A fake tensor has a shape and no values, so a step that reads a value refuses to
+run fake (``.item()``, a Python ``if`` on a tensor). Some of the values a step
+reads do not depend on its inputs or weights at all: LayerDrop (BART, mBART,
+Whisper, wav2vec2, fairseq's ``LayerDropModuleList``) draws a number per layer
+and compares it in Python (``if torch.rand([]) < self.layerdrop:``), a
+stochastic-depth block may skip itself on ``torch.rand(1).item() < p``, a model
+may pick a branch with ``torch.randint(0, 3, ()).item()``. A real step takes one
+of the branches; so does the estimate.
+
+While the step runs (not while the estimate makes its stand-ins for the inputs,
+weights and buffers, which must stay without values), :class:`Draws` gives a
+real value (FakeTensor's ``constant``) to a tensor of at most
+:data:`SMALL_VALUE_NUMEL` elements that
+
+- a random factory draws (``torch.rand([])``, ``torch.randint(0, 3, ())``,
+  ``torch.randperm(12)``, ``torch.rand_like(x)``: a ``*_like`` or ``new_*``
+  factory reads only its tensor argument's shape, dtype and device),
+- a random operator makes from, or writes into, tensors that have values
+  (``torch.bernoulli(p)`` of such a ``p``), or writes into a tensor a factory
+  made that no operator has touched since (``torch.empty(n).uniform_()``,
+  ``x.new_empty(()).bernoulli_(0.5)``: it gets its factory's value first),
+- a factory that is not random makes with one element (``torch.zeros(())``, as
+  torch's own ``torch.tensor(x)`` does). Larger ones (position ids, masks) stay
+  without values unless a random operator writes into them: values cost the fake
+  mode its cache and real computation on every operator that reads them.
+
+The fake mode computes on tensors with values as torch's own constant
+propagation does (up to the same size here, so that a slice of a drawn vector
+keeps its values), and a Python number read from one of them is the real one.
+Everything computed from an input, a weight, or anything else without a value
+stays without one: reading it is refused as before, naming the operator and
+the line.
+
+Random operators draw from a generator of the estimate's own, seeded with
+:data:`SEED` at each fake step: every step an estimate runs (one per batch size
+it fits) makes the same draws, the same as another estimate of the same model,
+and the process's random-number state is left as it was (a ``generator=``
+argument is not used). Each read of a drawn value is remembered with its line
+(:attr:`Draws.reads`): the estimate is of the step those draws give. With
+LayerDrop at ``p > 0`` that is a step that may skip layers, and the step that
+needs the most memory is the one that skips none: estimate that one with
+``p = 0`` (``config.encoder_layerdrop = config.decoder_layerdrop = 0``).
+
+Example::
+
+    >>> import torch
+    >>> from pytorch_mem_profiler.estimate.fake import fake_mode
+    >>> mode = fake_mode()
+    >>> with mode:
+    ...     x = torch.empty(4, 8)                                  # a stand-in for an input: no values
+    ...     with mode.draws.on():
+    ...         skipped = bool(torch.rand([]) < 0.5)              # LayerDrop's draw, read in Python
+    ...         try:
+    ...             bool(x.sum() > 0)                              # the input's value: there is none
+    ...         except Exception as err:
+    ...             refused = type(err).__name__
+    >>> refused, list(mode.draws.reads.values())
+    ('DataDependentOutputException', [1])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._mode_utils import no_dispatch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = ["SMALL_VALUE_NUMEL", "SEED", "Draws", "user_line"]
+
+#: Tensors of at most this many elements that a step makes from nothing get real values.
+SMALL_VALUE_NUMEL = 256
+#: The seed of the estimate's own generator, at the start of each fake step.
+SEED = 0
+
+_CPU = torch.device("cpu")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def user_line(frames: list[traceback.FrameSummary]) -> str:
+    """``file:line: code`` of the innermost frame outside torch and this package (``""``: none).
+
+    That is the line in the user's or a library's code (``modeling_bart.py``, say) whose call
+    read a value: what a user needs to change or to report. Where every frame is torch's or this
+    package's (an optimizer's step), the innermost one in ``torch.optim`` or ``torch.nn``.
+    """
+    torch_dir = Path(torch.__file__).resolve().parent
+    ours = Path(sys.modules[__name__.split(".")[0]].__file__).resolve().parent
+    skip = (str(torch_dir), str(ours))
+    public = (str(torch_dir / "optim"), str(torch_dir / "nn"))
+    for wanted in (lambda f: not f.startswith(skip), lambda f: f.startswith(public)):
+        for frame in reversed(frames):
+            if frame.filename and wanted(str(Path(frame.filename).resolve())):
+                code = f": {frame.line.strip()}" if frame.line else ""
+                return f"{frame.filename}:{frame.lineno}{code}"
+    return ""
+
+
+def _tag(func: Any, name: str) -> bool:
+    tag = getattr(torch.Tag, name, None)
+    return tag is not None and tag in getattr(func, "tags", ())
+
+
+def _reads_metadata_only(func: Any) -> bool:
+    """``*_like`` and ``new_*`` factories: their tensor argument gives a shape, dtype and device."""
+    name = getattr(getattr(func, "_schema", None), "name", "").split("::")[-1]
+    return name.endswith("_like") or name.startswith("new_")
+
+
+def _flat(args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments, lists among them opened one level (as operators' schemas nest them)."""
+    out: list[Any] = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, (list, tuple)):
+            out.extend(v)
+        else:
+            out.append(v)
+    return out
+
+
+_RETURNS_TENSORS: dict[int, bool] = {}
+
+
+def _makes_tensors(func: Any) -> bool:
+    """Whether every return of ``func`` is a tensor (or a list of them); decided once per operator."""
+    found = _RETURNS_TENSORS.get(id(func))
+    if found is None:
+        returns = getattr(getattr(func, "_schema", None), "returns", ())
+        found = bool(returns) and all("Tensor" in str(r.type) for r in returns)
+        _RETURNS_TENSORS[id(func)] = found
+    return found
+
+
+def _small(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout is torch.strided and t.numel() <= SMALL_VALUE_NUMEL
+
+
+class Draws:
+    """One fake mode's real values for tiny tensors made from nothing, and the reads of drawn ones.
+
+    Attributes:
+        reads: ``file:line: code`` of each line that read a value drawn at random, and how often.
+    """
+
+    def __init__(self, seed: int = SEED) -> None:
+        self.seed = seed
+        self.active = False
+        self.reads: dict[str, int] = {}
+        self._state: torch.Tensor | None = None
+        self._drawn: dict[int, weakref.ref] = {}
+        #: tensors a factory made, not random, of more than one element, that no operator has
+        #: touched since: (the tensor, the factory, its arguments made real for the CPU)
+        self._fresh: dict[int, tuple[weakref.ref, Any, tuple, dict]] = {}
+
+    @contextlib.contextmanager
+    def on(self) -> Iterator[Draws]:
+        """Give values for the length of a step; the generator starts from :attr:`seed`."""
+        with no_dispatch():
+            self._state = torch.Generator().manual_seed(self.seed).get_state()
+        self.active = True
+        try:
+            yield self
+        finally:
+            self.active = False
+
+    # -- what the fake mode asks ----------------------------------------------------
+    def dispatch(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any]) -> Any:
+        """``func`` under ``mode``: with real values where the rules give them, else ``fallback``'s
+        fake result; values read from drawn tensors are noted."""
+        flat = _flat(args, kwargs)
+        fakes = []
+        for v in flat:
+            if isinstance(v, torch.Tensor):
+                if mode.is_our_fake(v):
+                    fakes.append(v)
+                elif type(v) not in _PLAIN:
+                    return fallback(func, args, kwargs)  # a wrapper subclass (DTensor): its own dispatch unwraps it
+        out: Any = NotImplemented
+        if isinstance(func, torch._ops.OpOverload) and _makes_tensors(func):
+            random = _tag(func, "nondeterministic_seeded")
+            if not fakes or _reads_metadata_only(func):
+                out = self._made(mode, func, args, kwargs, fallback, random)
+            elif random:
+                out = self._redrawn(mode, func, args, kwargs, fallback, fakes)
+        for t in fakes:
+            self._fresh.pop(id(t), None)  # used: no longer untouched since its factory
+        if out is NotImplemented:
+            out = fallback(func, args, kwargs)
+            if self._drawn and any(self.is_drawn(t) for t in fakes):
+                if _tag(func, "data_dependent_output"):  # .item(), a Python `if` on a tensor
+                    line = user_line(traceback.extract_stack()) or str(func)
+                    self.reads[line] = self.reads.get(line, 0) + 1
+                else:
+                    self._mark(out, mode)
+        return out
+
+    def is_drawn(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s value came from a random draw (and it still holds it)."""
+        ref = self._drawn.get(id(t))
+        return ref is not None and ref() is t and getattr(t, "constant", None) is not None
+
+    # -- the rules --------------------------------------------------------------------
+    def _made(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any], random: bool) -> Any:
+        """A factory: the fake result first (its shapes), then, if it is small, its real value (a
+        random one); a factory's result that is not random gets its value only when one element
+        (as torch's own ``torch.tensor(x)``) or, else, when a random operator first writes into it."""
+        fake = fallback(func, args, kwargs)
+        results = fake if isinstance(fake, (list, tuple)) else [fake]
+        if not results or not all(_small(t) for t in results if isinstance(t, torch.Tensor)):
+            return fake
+        # the factory's arguments with real stand-ins for its tensors: kept, they keep no fake alive
+        real_args, real_kwargs = tree_map(lambda v: _stand_in(func, v) if isinstance(v, torch.Tensor) and mode.is_our_fake(v) else v, (args, kwargs))
+        real_kwargs = _on_cpu(real_kwargs)
+        if not random and not all(t.numel() <= 1 for t in results if isinstance(t, torch.Tensor)):
+            if isinstance(fake, torch.Tensor):
+                self._fresh[id(fake)] = (weakref.ref(fake), func, real_args, real_kwargs)
+            return fake
+        real = self._run(func, real_args, real_kwargs, random)
+        return self._as_values(mode, real, fake, random)
+
+    def _redrawn(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any], fakes: list[torch.Tensor]) -> Any:
+        """A random operator on tensors with values: drawn for real, in place or into a new tensor.
+
+        The tensor written in place may also be one a factory made that no operator has touched
+        since (``torch.empty(n).uniform_()``): it gets its factory's value first.
+        """
+        written = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        target = args[written[0]] if written and written[0] < len(args) else None
+        if written and isinstance(target, torch.Tensor) and mode.is_our_fake(target) and target.constant is None:
+            fresh = self._fresh.get(id(target))
+            if fresh is None or fresh[0]() is not target:
+                return NotImplemented
+            _, factory, f_args, f_kwargs = fresh
+            placed = _placed(_dense_like(self._run(factory, f_args, f_kwargs, False), target), target.device)
+            if placed is None or placed.shape != target.shape or placed.stride() != target.stride():
+                return NotImplemented
+            target.constant = placed
+            mode.fake_tensor_converter.add_constant_storage_mapping(target)
+        if not all(t.constant is not None for t in fakes):
+            return NotImplemented
+        if written:
+            if not isinstance(target, torch.Tensor) or not mode.is_our_fake(target) or not _small(target):
+                return NotImplemented
+            real_args, real_kwargs = tree_map(lambda v: _value_on_cpu(v, mode), (args, kwargs))
+            self._run(func, real_args, _on_cpu(real_kwargs), True)
+            with no_dispatch():
+                target.constant.copy_(real_args[written[0]])  # the value aliases of it share
+            self._drawn[id(target)] = weakref.ref(target)
+            return target
+        fake = fallback(func, args, kwargs)
+        results = fake if isinstance(fake, (list, tuple)) else [fake]
+        if not results or not all(_small(t) for t in results if isinstance(t, torch.Tensor)):
+            return fake
+        real_args, real_kwargs = tree_map(lambda v: _value_on_cpu(v, mode), (args, kwargs))
+        real = self._run(func, real_args, _on_cpu(real_kwargs), True)
+        return self._as_values(mode, real, fake, True)
+
+    def _run(self, func: Any, args: tuple, kwargs: dict, random: bool) -> Any:
+        """``func`` for real on the CPU, drawing from the estimate's generator if ``random``."""
+        with no_dispatch():
+            if not random:
+                return func(*args, **kwargs)
+            saved = torch.random.get_rng_state()
+            assert self._state is not None
+            torch.random.set_rng_state(self._state)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self._state = torch.random.get_rng_state()
+                torch.random.set_rng_state(saved)
+
+    def _as_values(self, mode: Any, real: Any, fake: Any, drawn: bool) -> Any:
+        """``real``'s tensors as fake tensors with those values, on ``fake``'s devices (``fake`` where
+        a value cannot live on its device here, or the shapes differ)."""
+        real_flat, _ = tree_flatten(real)
+        fake_flat, spec = tree_flatten(fake)
+        if len(real_flat) != len(fake_flat):
+            return fake
+        made = []
+        for r, f in zip(real_flat, fake_flat):
+            if not isinstance(f, torch.Tensor):
+                made.append(f)
+                continue
+            if not isinstance(r, torch.Tensor) or r.shape != f.shape or r.dtype != f.dtype:
+                return fake
+            placed = _placed(_dense_like(r, f), f.device)
+            if placed is None:
+                return fake
+            value = mode.fake_tensor_converter.from_real_tensor(mode, placed, make_constant=True)
+            if drawn:
+                self._drawn[id(value)] = weakref.ref(value)
+            made.append(value)
+        return tree_unflatten(made, spec)
+
+    def _mark(self, out: Any, mode: Any) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and mode.is_our_fake(t) and t.constant is not None:
+                self._drawn[id(t)] = weakref.ref(t)
+
+
+def _on_cpu(kwargs: dict) -> dict:
+    """Keyword arguments of a factory made for the CPU, without the caller's generator."""
+    out = dict(kwargs)
+    if "device" in out:
+        out["device"] = _CPU
+    if "generator" in out:
+        out["generator"] = None
+    if out.get("pin_memory"):
+        out["pin_memory"] = False
+    return out
+
+
+def _stand_in(func: Any, t: torch.Tensor) -> torch.Tensor:
+    """A real CPU tensor standing in for a factory's tensor argument: ``new_*`` read its dtype
+    only (an empty one), ``*_like`` its shape too (as small as their result)."""
+    with no_dispatch():
+        if func._schema.name.split("::")[-1].startswith("new_"):
+            return torch.empty((0,), dtype=t.dtype, device=_CPU)
+        return torch.empty(tuple(t.shape), dtype=t.dtype, device=_CPU)
+
+
+def _dense_like(real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    """``real`` with ``fake``'s strides (a ``*_like`` result follows its argument's layout)."""
+    if real.stride() == fake.stride():
+        return real
+    with no_dispatch():
+        return torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=real.dtype, device=real.device).copy_(real)
+
+
+def _value_on_cpu(v: Any, mode: Any) -> Any:
+    if isinstance(v, torch.Tensor) and mode.is_our_fake(v):
+        with no_dispatch():
+            return v.constant if v.constant.device.type == "cpu" else v.constant.cpu()
+    return v
+
+
+def _placed(real: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """``real`` on ``device``, or ``None`` where that device has no runtime here."""
+    if device.type == "cpu":
+        return real
+    module = getattr(torch, device.type, None)
+    available = getattr(module, "is_available", None)
+    if available is None or not available():
+        return None
+    with no_dispatch():
+        return real.to(device)

@@ -1,0 +1,247 @@
+"""``estimate_memory`` on steps that read the value of a random draw (LayerDrop, stochastic depth, a
+random per-step choice), against the CPU counter's measurement of the same step with the same draws.
+
+The estimate draws from its own generator, seeded with ``draws.SEED`` at each fake step. A real step
+seeded the same way (``torch.manual_seed(SEED)`` before its two steps, nothing else drawing) makes
+the same draws in the same order, so it takes the same branches: its peak, measured by the
+profiler's CPU counter, is the truth. Reads of values that depend on the inputs or the weights stay
+refused, naming the operation and the line.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import inspect
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from pytorch_mem_profiler import MemoryProfiler, estimate_memory
+from pytorch_mem_profiler.estimate import EstimateUnsupported
+from pytorch_mem_profiler.estimate.draws import SEED
+
+CPU = torch.device("cpu")
+ADAM = torch.optim.Adam
+
+
+class LayerDrop(nn.Module):
+    """A stack of wide layers, each skipped in training when ``torch.rand([]) < p`` (BART's LayerDrop),
+    and a head that always runs."""
+
+    def __init__(self, p: float, layers: int = 6, width: int = 256) -> None:
+        super().__init__()
+        self.p = p
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(layers))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.p:  # the line a read is noted at
+                continue
+            x = x + layer(x)
+        return self.head(x)
+
+
+class VectorDrop(LayerDrop):
+    """fairseq's ``LayerDropModuleList``: one vector of draws per forward, indexed per layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        draws = torch.empty(len(self.layers)).uniform_()
+        for i, layer in enumerate(self.layers):
+            if draws[i] > self.p:
+                x = x + layer(x)
+        return self.head(x)
+
+
+class RandomChoices(nn.Module):
+    """Per-step choices made with torch: ``randint(...).item()``, ``rand(1).item()``, a Bernoulli
+    draw into a new tensor, a random permutation's slice read as a list."""
+
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.branches[int(torch.randint(0, 3, ()).item())](x)
+        if torch.rand(1).item() < 0.5:
+            x = x * 2
+        if bool(x.new_empty(()).bernoulli_(0.5)):
+            x = torch.relu(x)
+        for i in torch.randperm(3)[:2].tolist():
+            x = self.branches[i](x)
+        return x
+
+
+def measured(build, x_shape, optimizer=ADAM, steps: int = 2) -> int:
+    """The profiler's largest iteration peak over ``steps`` real steps drawing from ``SEED``."""
+    model = build()
+    opt = optimizer(model.parameters())
+    gc.collect()
+    peaks = []
+    with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
+        x = torch.zeros(x_shape)
+        torch.manual_seed(SEED)  # the estimate's draws, in the same order
+        for _ in range(steps):
+            out = model(x)
+            loss = out.sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out, loss
+            peaks.append(profiler.record_stats().iteration_peak_allocated)
+    return max(peaks)
+
+
+def line_of(cls, text: str) -> str:
+    source, first = inspect.getsourcelines(cls)
+    number = first + next(i for i, line in enumerate(source) if text in line)
+    return f"{inspect.getsourcefile(cls)}:{number}"
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0])
+def test_layerdrop_takes_the_branches_a_real_step_drawing_the_same_numbers_takes(p):
+    build = functools.partial(LayerDrop, p)
+    est = estimate_memory(build, torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False)
+    assert est.peak == measured(build, (64, 256))
+    # one read per layer and step, noted at the line that compares the draw
+    (line, reads), = est.random_reads.items()
+    assert line.startswith(line_of(LayerDrop, "torch.rand([]) < self.p")) and reads == 2 * 6
+    assert any("drawn at random" in note and line in note for note in est.notes)
+    assert "Note: The step read 12 values drawn at random" in str(est)
+
+
+def test_the_draws_decide_the_memory_and_are_the_same_at_every_batch_size():
+    kept = estimate_memory(functools.partial(LayerDrop, 0.0), torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False)
+    dropped = estimate_memory(functools.partial(LayerDrop, 1.0), torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False)
+    half = estimate_memory(functools.partial(LayerDrop, 0.5), torch.zeros(64, 256), optimizer=ADAM, device=CPU)
+    assert dropped.peak < half.peak < kept.peak  # some layers skipped, not all
+    again = estimate_memory(functools.partial(LayerDrop, 0.5), torch.zeros(64, 256), optimizer=ADAM, device=CPU)
+    assert again.peak == half.peak and again.fit == half.fit
+    # the same layers are skipped at twice and three times the batch: the fit's lines hold
+    assert half.fit is not None and half.fit.error is not None and half.fit.error < 1e-9
+
+
+def test_a_vector_of_draws_indexed_per_layer():
+    build = functools.partial(VectorDrop, 0.5)
+    est = estimate_memory(build, torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False)
+    assert est.peak == measured(build, (64, 256))
+    assert sum(est.random_reads.values()) == 2 * 6
+
+
+def test_random_choices_made_with_torch():
+    est = estimate_memory(RandomChoices, torch.zeros(32, 128), optimizer=ADAM, device=CPU, fit=False)
+    assert est.peak == measured(RandomChoices, (32, 128))
+    assert len(est.random_reads) == 4  # randint().item(), rand(1).item(), bool(bernoulli_), tolist()
+
+
+def test_the_process_generator_and_a_given_one_are_left_as_they_were():
+    given = torch.Generator().manual_seed(123)
+
+    class Seeded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(x) * (1.0 if torch.rand([], generator=given) < 0.5 else 2.0)
+
+    state, given_state = torch.get_rng_state(), given.get_state()
+    est = estimate_memory(Seeded, torch.zeros(4, 8), optimizer=ADAM, device=CPU, fit=False)
+    assert torch.equal(torch.get_rng_state(), state) and torch.equal(given.get_state(), given_state)
+    assert sum(est.random_reads.values()) == 2
+
+
+class ReadsItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:  # an input's value
+            return self.fc(x)
+        return x
+
+
+class DrawTimesInput(ReadsItsInput):
+    def forward(self, x):
+        if torch.rand([]) * x.mean() > 0:  # a draw mixed with an input: the input's value decides
+            return self.fc(x)
+        return self.fc(-x)
+
+
+class ReadsAWeight(ReadsItsInput):
+    def forward(self, x):
+        return self.fc(x) * self.fc.weight.abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "model,text",
+    [(ReadsItsInput, "if x.sum() > 0"), (DrawTimesInput, "torch.rand([]) * x.mean() > 0"), (ReadsAWeight, ".item()")],
+    ids=["input", "draw-times-input", "weight"],
+)
+def test_values_that_depend_on_inputs_or_weights_stay_refused_naming_the_line(model, text):
+    with pytest.raises(EstimateUnsupported, match="_local_scalar_dense") as caught:
+        estimate_memory(model, torch.zeros(4, 8), optimizer=ADAM, device=CPU, fit=False)
+    assert line_of(model, text) in str(caught.value)
+
+
+def test_reading_the_loss_stays_refused():
+    def loss_fn(out):
+        loss = out.sum()
+        print(loss.item(), file=io.StringIO())  # a log line reading the loss
+        return loss
+
+    with pytest.raises(EstimateUnsupported, match="_local_scalar_dense") as caught:
+        estimate_memory(nn.Linear(8, 8), torch.zeros(4, 8), loss_fn=loss_fn, device=CPU, fit=False)
+    assert "loss.item()" in str(caught.value)
+
+
+def _bart(layerdrop: float):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=512, d_model=64, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+        encoder_layerdrop=layerdrop, decoder_layerdrop=layerdrop,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,  # nothing else draws
+    )  # fmt: skip
+    return BartForConditionalGeneration(config)
+
+
+def _transformers_missing() -> str | None:
+    try:
+        import transformers  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any failure to import means "not here"
+        return f"transformers cannot be imported here ({type(err).__name__})"
+    return None
+
+
+@pytest.mark.skipif(_transformers_missing() is not None, reason=str(_transformers_missing()))
+def test_bart_with_layerdrop_is_estimated_as_a_real_step_with_the_same_draws():
+    inputs = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "decoder_input_ids": torch.zeros(2, 8, dtype=torch.long)}
+
+    def loss_fn(out):
+        return out.logits.float().sum()
+
+    est = estimate_memory(functools.partial(_bart, 0.5), inputs, optimizer=ADAM, loss_fn=loss_fn, device=CPU, fit=False)
+    assert {line.split(":")[0].rsplit("/", 1)[-1] for line in est.random_reads} == {"modeling_bart.py"}
+    assert sum(est.random_reads.values()) == 2 * (3 + 3)  # one draw per layer, encoder and decoder, two steps
+
+    model = _bart(0.5)
+    opt = ADAM(model.parameters())
+    peaks = []
+    with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
+        real = {k: v.clone() for k, v in inputs.items()}
+        torch.manual_seed(SEED)
+        for _ in range(2):
+            out = model(**real)
+            loss = loss_fn(out)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out, loss
+            peaks.append(profiler.record_stats().iteration_peak_allocated)
+    assert est.peak == max(peaks)
