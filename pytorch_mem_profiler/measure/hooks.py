@@ -151,7 +151,8 @@ class StepHooks:
         #: read backward's end only after callbacks queued later during backward
         #: (DDP and FSDP finish their gradient reduction in one)
         self.defer_backward_end = _queues_own_callbacks(model)
-        self._asleep = False
+        #: whether the hooks are off for iterations that are not watched (:meth:`sleep`)
+        self.asleep = False
         # parts whose hooks are taken off for good, a fault having switched them off
         self._backward_off = False
         self._optimizer_off = False
@@ -186,11 +187,6 @@ class StepHooks:
                 self._handles.append(opt.register_step_post_hook(post))
 
     @property
-    def asleep(self) -> bool:
-        """Whether the hooks are off for iterations that are not watched (:meth:`sleep`)."""
-        return self._asleep
-
-    @property
     def model_running(self) -> bool:
         """Whether a module of the model runs now (entered and not left)."""
         return self._entries.depth > 0
@@ -205,7 +201,7 @@ class StepHooks:
         awaiting its backward, a backward, a step, a phase marked by hand).
         """
         machine = self._machine
-        if self._asleep or machine is None or self._compiled or not machine.at_rest():
+        if self.asleep or machine is None or self._compiled or not machine.at_rest():
             return False
         if not self._entries.pause():
             return False
@@ -214,15 +210,15 @@ class StepHooks:
             # Still told of an optimizer newly seen stepping the model: its state counts
             # from the iteration it appears on (one dictionary lookup per step).
             self._handles.append(register_optimizer_step_post_hook(self._optimizer_seen))
-        self._asleep = True
+        self.asleep = True
         machine.rest()
         return True
 
     def wake(self) -> None:
         """Put the hooks back after :meth:`sleep` (before an iteration that will be watched)."""
-        if not self._asleep:
+        if not self.asleep:
             return
-        self._asleep = False
+        self.asleep = False
         self._remove_handles()
         self._entries.resume()
         self._install_step_hooks()
@@ -277,7 +273,7 @@ class StepHooks:
         """Remove every hook this object installed (each in its own try: see ``FaultGuard.clean_up``)."""
         if self._machine is not None:
             self._machine.hooks_removed()
-        self._asleep = False
+        self.asleep = False
         self.guard.clean_up("close", self._entries.remove, self._remove_handles)
 
     def _remove_handles(self) -> None:

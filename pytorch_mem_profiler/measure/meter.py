@@ -72,6 +72,8 @@ _log = logging.getLogger("pytorch_mem_profiler")
 _LIGHT = "hooks off between reports"
 #: the pass and step counts of an iteration the hooks slept through: unknown
 _UNCOUNTED: tuple[None, None, None] = (None, None, None)
+#: the key of the plan at "full" with forward split by module (the other plans': their level)
+_SPLIT_FULL = "full, forward split"
 #: the phase intervals' figures of an iteration not watched (so far: none)
 _NOT_WATCHED = IntervalFigures(None, None, None, None, MappingProxyType({}), MappingProxyType({}), 0, None)
 
@@ -158,7 +160,7 @@ class Meter:
         self._attribution: LayerAttribution | None = None
         # the running iteration's plan, and those made, by (level, split_forward)
         self._plan = IterationPlan.make("light")
-        self._plans: dict[tuple[str, bool], IterationPlan] = {}
+        self._plans: dict[str, IterationPlan] = {}
         # per-layer mode reads the counters at every tracked module's end in forward only while
         # forward is where the iterations peak (the first watched one always): one read per
         # module saved otherwise. Backward's module boundaries are always read (the
@@ -315,15 +317,17 @@ class Meter:
             return
         if self.guard.disabled:
             self._drop_switched_off(hooks)
-        plan = self._plans.get(self._plan_key(level))
+        # where forward is split matters at "full" only: one plan for every light iteration
+        plan = self._plans.get(_SPLIT_FULL if level == "full" and self._split_forward else level)
         if plan is None:
             plan = self._make_plan(level)
-        self._watch(hooks, plan.watched)
-        if plan.watched or plan is not self._plan:
+        watched = plan.watched
+        self._watch(hooks, watched)
+        if watched or plan is not self._plan:
             # Consecutive light iterations share one plan: nothing to tell anyone.
             plan = self._begin(plan)
-        self._plan = plan
-        machine.begin_iteration(plan)
+            self._plan = plan
+            machine.begin_iteration(plan)
 
     def _make_plan(self, level: str) -> IterationPlan:
         """The plan for ``level`` with the observers there are (kept until they change)."""
@@ -339,12 +343,8 @@ class Meter:
         if self._fsdp is not None:
             observers.append(self._fsdp)
         plan = IterationPlan.make(level, tuple(observers), per_layer, self._split_forward)
-        self._plans[self._plan_key(level)] = plan
+        self._plans[_SPLIT_FULL if level == "full" and self._split_forward else level] = plan
         return plan
-
-    def _plan_key(self, level: str) -> tuple[str, bool]:
-        # where forward is split matters at "full" only: one plan for every light iteration
-        return level, self._split_forward and level == "full"
 
     def _begin(self, plan: IterationPlan) -> IterationPlan:
         """Tell each observer of ``plan`` that its iteration comes; the plan it runs under (less the
@@ -548,7 +548,13 @@ class Meter:
             # Slept through (the common case at print_period > 1): one read, nothing else.
             final = self.counter.mark()
             self.idle = False
-            self._read_peaks(final.peak_allocated, final.peak_reserved)
+            # _read_peaks, inline (every iteration that is not watched comes here)
+            peak = final.peak_allocated
+            if peak is not None and (self._max_allocated is None or peak > self._max_allocated):
+                self._max_allocated = peak
+            peak = final.peak_reserved
+            if peak is not None and (self._max_reserved is None or peak > self._max_reserved):
+                self._max_reserved = peak
             now = time.perf_counter()
             elapsed, self._last_time = now - self._last_time, now
             self._last_allocated = final.allocated
