@@ -638,7 +638,7 @@ class Meter:
             peak_cached=self._max_reserved if has_peak else None,
             current_cached=final.reserved,
             feature_maps=figures.feature_maps,
-            intermediate_gradients=peak.backward_activation_gradients if peak is not None else None,
+            intermediate_gradients=peak.backward_intermediate_gradients if peak is not None else None,
             weights=shared.weights,
             weights_by_name=shared.weights_by_name,
             gradients=sum(sizes),

@@ -5,9 +5,10 @@ puts it on then, and nothing of it runs on the others): each storage alive at th
 of :data:`~pytorch_mem_profiler.stats.PEAK_CATEGORIES`, by identity, in this
 order: ``weights`` (parameters and buffers), ``gradients`` (a parameter's
 ``.grad``), ``optimizer_state``, ``inputs`` (the tensors the model was entered
-with), ``activations`` (saved for backward during the model's forward, seen
+with), ``activations`` (the feature maps: saved for backward during the model's forward, seen
 by a ``saved_tensors_hooks`` pack hook chained to the user's), then
-``activation_gradients`` (made during backward) and ``other``. The values sum
+``activation_gradients`` (the intermediate gradients: made during backward) and ``other``
+(the keys are the CSV's: see :mod:`pytorch_mem_profiler.stats`). The values sum
 to the iteration's peak exactly.
 
 Two ways, by what the device lets one see:
@@ -90,9 +91,10 @@ class PeakResult(NamedTuple):
 
     #: bytes alive at the peak by category; the values sum to the peak
     breakdown: dict[str, int]
-    #: the ``activation_gradients`` part at backward's own peak (``None``: no backward seen)
-    backward_activation_gradients: int | None
-    #: bytes of each module's saved activations alive at the peak (per-layer mode), largest first
+    #: the ``activation_gradients`` part at backward's own peak: the intermediate gradients
+    #: (``None``: no backward seen)
+    backward_intermediate_gradients: int | None
+    #: bytes of each module's feature maps alive at the peak (per-layer mode), largest first
     peak_layers: dict[str, int] | None
     #: bytes of the peak made and freed between two boundaries (not seen by identity; 0 on the CPU)
     transient: int
@@ -355,7 +357,7 @@ class CpuPeakBreakdown(PeakBreakdown):
     def _categorize(
         self, alive: dict[Any, int], weights: set[Any]
     ) -> tuple[dict[str, int], dict[str, int], int, int]:
-        """(bytes by category, saved activations by module, ``other`` alive before the
+        """(bytes by category, feature maps by module, ``other`` alive before the
         iteration, ``other`` the optimizer step made)."""
         out = _empty()
         layers: dict[str, int] = {}
@@ -481,7 +483,7 @@ class _Alive:
         if key in items:
             return False  # the first category given wins
         # Only the weights' and the state's lives can be remembered (``static``): the others'
-        # deaths need not look there (most deaths are activations', during backward).
+        # deaths need not look there (most deaths are feature maps', during backward).
         life = _StorageLife(storage, self._died if category in _REMEMBERED else self._died_unremembered)
         nbytes = storage.nbytes()
         life.key, life.nbytes, life.category, life.module = key, nbytes, category, module
