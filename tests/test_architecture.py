@@ -463,3 +463,22 @@ def test_the_field_check_finds_a_foreign_field(tmp_path):
         "meter.py:9: hooks.breakdown",
         "meter.py:9: hooks.detailed",
     ]
+
+
+def test_the_machine_hands_every_event_to_the_observers_that_handle_it():
+    """Each event of ``observers.EVENTS`` has its tuple of listeners in the machine (a new event
+    without one would never be delivered), holding exactly the observers that override it."""
+    from pytorch_mem_profiler.measure.observers import EVENTS, Observer
+    from pytorch_mem_profiler.measure.phases import PhaseMachine
+    from pytorch_mem_profiler.measure.plan import IterationPlan
+
+    class Everything(Observer):
+        pass
+
+    for event in EVENTS:
+        setattr(Everything, event, lambda self, *args: None)
+    everything, nothing = Everything(), Observer()
+    machine = PhaseMachine(lambda: None, object, lambda: False)
+    machine.begin_iteration(IterationPlan.make("phases", (everything, nothing)))
+    for event in EVENTS:
+        assert [o for o, _ in getattr(machine, f"_on_{event}")] == [everything], event

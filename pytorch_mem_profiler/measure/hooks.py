@@ -58,7 +58,7 @@ from torch.optim.optimizer import (
 from ..faults import FaultGuard
 from .accounting import optimizer_holds_any
 from .entries import FORWARD_PART, EntryWatch
-from .phases import EXPLICIT_PHASES, PhaseMachine, _check_phase
+from .phases import EXPLICIT_PHASES, PhaseMachine, check_phase_name
 from .trees import is_compiled, output_grad_nodes
 
 __all__ = [
@@ -450,7 +450,7 @@ class PhaseBlock:
     __slots__ = ("machine", "phase", "guard", "_token")
 
     def __init__(self, machine: PhaseMachine | None, phase: str, guard: FaultGuard | None = None) -> None:
-        _check_phase(phase)
+        check_phase_name(phase)
         self.machine = machine
         self.phase = phase
         self.guard = guard or FaultGuard()

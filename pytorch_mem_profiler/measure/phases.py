@@ -58,10 +58,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..faults import FaultGuard
-from .observers import EVENTS, Observer
+from .observers import Observer
 from .plan import IterationPlan
 
-__all__ = ["PhaseMachine", "ForwardPass", "EXPLICIT_PHASES"]
+__all__ = ["PhaseMachine", "ForwardPass", "EXPLICIT_PHASES", "check_phase_name"]
 
 #: The phases a framework can mark itself (``MemoryProfiler.phase(name)``).
 EXPLICIT_PHASES = ("forward", "backward", "optimizer")
@@ -92,7 +92,8 @@ class ForwardPass:
         return self.end_allocated - self.start.allocated
 
 
-def _check_phase(phase: str) -> None:
+def check_phase_name(phase: str) -> None:
+    """``ValueError`` for a phase a framework cannot mark (one not in :data:`EXPLICIT_PHASES`)."""
     if phase not in EXPLICIT_PHASES:
         raise ValueError(f"phase name must be one of {', '.join(map(repr, EXPLICIT_PHASES))}: name={phase!r}")
 
@@ -171,8 +172,9 @@ class PhaseMachine:
         self._listen(plan.observers if plan.watched else ())
 
     def _listen(self, observers: tuple[Observer, ...]) -> None:
-        """Who receives each event: ``(observer, its bound method)`` pairs, made once per plan
-        (no lookup per event), only for observers that handle the event."""
+        """Who receives each event (one tuple per event of :data:`~.observers.EVENTS`):
+        ``(observer, its bound method)`` pairs, made once per plan (no lookup per event), only
+        for observers that handle the event."""
 
         def listeners(event: str) -> tuple[tuple[Observer, Callable[..., None]], ...]:
             return tuple((o, getattr(o, event)) for o in observers if o.overrides(event))
@@ -187,7 +189,6 @@ class PhaseMachine:
         self._on_forward_closed = listeners("forward_closed")
         self._on_backward_started = listeners("backward_started")
         self._on_backward_finished = listeners("backward_finished")
-        assert len(EVENTS) == 8  # one tuple per event above
 
     def _tell(self, listeners: tuple[tuple[Observer, Callable[..., None]], ...], *args: Any) -> None:
         for observer, event in listeners:
@@ -411,7 +412,7 @@ class PhaseMachine:
         running (the inner mark is then ignored). The automatic hooks that fire inside
         the phase do not open a second one.
         """
-        _check_phase(phase)
+        check_phase_name(phase)
         if phase in self._explicit:
             return None
         if self._backward_unsettled:
