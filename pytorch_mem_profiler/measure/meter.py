@@ -540,11 +540,9 @@ class Meter:
         are included. An iteration whose plan (:meth:`prepare`) was not watched
         gets the light record of :meth:`_light_record`.
         """
-        hooks, machine, intervals = self._hooks, self._machine, self._intervals
-        assert hooks is not None and machine is not None and intervals is not None, "Meter.start() was not called"
-        watched = self._plan.watched
-        asleep = hooks.asleep
-        if asleep and not watched and machine.quiet():
+        hooks, machine = self._hooks, self._machine
+        assert hooks is not None and machine is not None, "Meter.start() was not called"
+        if hooks.asleep and not self._plan.watched and machine.quiet():
             # Slept through (the common case at print_period > 1): one read, nothing else.
             final = self.counter.mark()
             self.idle = False
@@ -559,6 +557,15 @@ class Meter:
             elapsed, self._last_time = now - self._last_time, now
             self._last_allocated = final.allocated
             return self._light_record(position, final, final.peak_allocated, _UNCOUNTED, elapsed, reported)
+        return self._closed_record(position, reported)
+
+    def _closed_record(self, position: Position, reported: bool) -> IterationRecord:
+        """:meth:`finish` for an iteration the hooks watched or something happened in: the machine
+        closes it, and the observers of its plan give their parts."""
+        hooks, machine, intervals = self._hooks, self._machine, self._intervals
+        assert hooks is not None and machine is not None and intervals is not None
+        watched = self._plan.watched
+        asleep = hooks.asleep
         machine.close_iteration(hooks.model_running)
         final = machine.last_read()
         counts = machine.counts()
