@@ -25,7 +25,7 @@ For each workload, after a few warm-up steps:
 - peak breakdown (sum): the sum of ``record.peak_breakdown`` against
   ``max_memory_allocated()`` over an identical unprofiled step (on the CPU,
   against the profiler's own iteration peak: the sum must be exact);
-- activations at the peak: ``peak_breakdown["activations"]`` against the bytes
+- feature maps at the peak: ``peak_breakdown["activations"]`` against the bytes
   this script's pack hook saw (equal where the peak is reached before backward
   has freed any of them, as where backward begins; smaller otherwise).
 
@@ -67,7 +67,7 @@ FIGURES = (
     "allocated",
     "categories + other",
     "peak breakdown (sum)",
-    "activations at the peak",
+    "feature maps at the peak",
 )
 
 
@@ -301,7 +301,7 @@ def compare(work: Workload, device: torch.device, warmup: int) -> list[Compariso
         )
     rows.append(
         row(
-            "activations at the peak",
+            "feature maps at the peak",
             breakdown["activations"] if breakdown is not None else None,
             saved.saved_bytes,
             saved_method + f"; peak in {record.peak_phase}",

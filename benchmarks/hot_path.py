@@ -38,7 +38,8 @@ from workloads import WORKLOADS, median  # noqa: E402
 import pytorch_mem_profiler.measure.meter as meter_module  # noqa: E402
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
 from pytorch_mem_profiler.measure.devices import MemoryCounter, Reading  # noqa: E402
-from pytorch_mem_profiler.measure.hooks import TrainingStepHooks  # noqa: E402
+from pytorch_mem_profiler.measure.hooks import StepHooks  # noqa: E402
+from pytorch_mem_profiler.measure.phases import PhaseMachine  # noqa: E402
 from pytorch_mem_profiler.measure.layers import ATTRIBUTION_PART  # noqa: E402
 from pytorch_mem_profiler.measure.peak_breakdown import BREAKDOWN_PART  # noqa: E402
 
@@ -423,14 +424,15 @@ def run(work, steps: int, profiler: MemoryProfiler | None, device: torch.device)
     return (time.perf_counter() - start) / steps * 1e6
 
 
+#: (class, method): what torch calls (the hook set's hooks; the entry hook calls the machine directly)
 _TIMED = (
-    "_entered",
-    "_exited",
-    "_backward_started",
-    "_backward_finishing",
-    "_backward_finished",
-    "_optimizer_pre",
-    "_optimizer_post",
+    (PhaseMachine, "entered"),
+    (StepHooks, "_exited"),
+    (StepHooks, "_backward_started"),
+    (StepHooks, "_backward_finishing"),
+    (StepHooks, "_backward_finished"),
+    (StepHooks, "_optimizer_pre"),
+    (StepHooks, "_optimizer_post"),
 )
 
 
@@ -443,7 +445,7 @@ def print_time_inside_hooks(work, args, device: torch.device, sink, null_counter
     ``null_counter``: the counter reads nothing, so the hooks' time is their Python alone.
     """
     spent: dict[str, float] = {}
-    originals = {name: getattr(TrainingStepHooks, name) for name in _TIMED}
+    originals = {(cls, name): getattr(cls, name) for cls, name in _TIMED}
     original_record = MemoryProfiler._record_stats
     real_make_counter = meter_module.make_counter
 
@@ -462,8 +464,8 @@ def print_time_inside_hooks(work, args, device: torch.device, sink, null_counter
         counter.mark = timed("  of which counter.mark", counter.mark)
         return counter
 
-    for name, fn in originals.items():
-        setattr(TrainingStepHooks, name, timed(name, fn))
+    for (cls, name), fn in originals.items():
+        setattr(cls, name, timed(name, fn))
     MemoryProfiler._record_stats = timed("record_stats", original_record)
     meter_module.make_counter = make_timed_counter
     try:
@@ -474,8 +476,8 @@ def print_time_inside_hooks(work, args, device: torch.device, sink, null_counter
         with_prof = run(work, args.steps, prof, device)
         prof.close()
     finally:
-        for name, fn in originals.items():
-            setattr(TrainingStepHooks, name, fn)
+        for (cls, name), fn in originals.items():
+            setattr(cls, name, fn)
         MemoryProfiler._record_stats = original_record
         meter_module.make_counter = real_make_counter
     marks = spent.pop("  of which counter.mark", 0.0)
@@ -527,7 +529,7 @@ def main() -> None:
         work.step()
     sink = open(os.devnull, "w")
     real_make_counter = meter_module.make_counter
-    real_backward_started = TrainingStepHooks._backward_started
+    real_backward_started = StepHooks._backward_started
     if args.profile_only:
         print_profile(work, args, device, sink)
         return
@@ -559,14 +561,14 @@ def main() -> None:
         for name, parts in variants.items():
             before = run(work, args.steps, None, device)
             meter_module.make_counter = (lambda d: NullCounter(d)) if parts.get("counter") else real_make_counter
-            TrainingStepHooks._backward_started = (lambda self, g: None) if parts.get("backward") else real_backward_started
+            StepHooks._backward_started = (lambda self, g: None) if parts.get("backward") else real_backward_started
             prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer)
             if parts.get("outputs"):
                 prof._sinks = []
             with_ = run(work, args.steps, prof, device)
             prof.close()
             meter_module.make_counter = real_make_counter
-            TrainingStepHooks._backward_started = real_backward_started
+            StepHooks._backward_started = real_backward_started
             after = run(work, args.steps, None, device)
             base_times += [before, after]
             added[name].append(with_ - (before + after) / 2)

@@ -5,8 +5,9 @@ The module map (one level of subpackages; dependencies point one way, down this 
 - top level: :mod:`.stats` (the record and the shared vocabulary), :mod:`.units`
   (bytes to text), :mod:`.faults` (fault containment), :mod:`.options` (the
   profiler's validated settings), :mod:`.profiler` (``MemoryProfiler``: lifecycle and wiring only);
-- :mod:`.measure`: every device-memory read, the phase hooks, per-layer
-  attribution and the per-iteration meter;
+- :mod:`.measure`: every device-memory read (the readers), the hook set, the
+  phase machine, the observers (phase intervals, peak breakdown, per-layer
+  attribution, FSDP tracking) and the meter that plans each iteration;
 - :mod:`.distributed`: rank identity and the cross-rank exchange;
 - :mod:`.outputs`: sinks for finished records: the text report, CSV files,
   TensorBoard, leak warnings, the cross-rank table;

@@ -1,8 +1,26 @@
-"""One iteration's memory figures, in bytes: the record every output is made from.
+"""One iteration's memory figures, in bytes: the record every output is made from, and its vocabulary.
 
 ``MemoryProfiler.record_stats()`` returns an :class:`IterationRecord`; the
 printed report and the CSV row are views of that same record. A figure the
 device cannot know (MPS keeps no peak) is ``None``, shown as "n/a".
+
+One name per concept, in code, docs and report text:
+
+- *feature maps*: the tensors forward keeps for backward (``saved_tensors_hooks``
+  sees them); by layer, the per-layer figures;
+- *intermediate gradients*: gradients with respect to the feature maps, and
+  backward's temporaries;
+- *reserved*: what the caching allocator holds from the device, *allocated* what
+  tensors use of it (torch's words: ``memory_reserved``, ``memory_allocated``; the
+  seed's "cached" is its older name for reserved).
+
+Names that are stored keep their spelling, as the CSV keeps the seed's columns: the
+seed's ``peak_cached`` and ``current_cached`` (reserved), its full report's "Peak
+cached" and "Current cached" lines, and the keys whose CSV columns the files have
+always had: the peak categories ``activations`` (feature maps alive at the peak,
+column ``peak_activations``) and ``activation_gradients`` (intermediate gradients,
+``peak_activation_gradients``), and the per-layer file's category
+:data:`ACTIVATIONS` (feature maps).
 
 Example::
 
@@ -61,10 +79,11 @@ CATEGORIES: Mapping[str, str] = MappingProxyType(
 )
 
 #: What is alive at an iteration's peak, by category (:attr:`IterationRecord.peak_breakdown`):
-#: the values sum to the iteration's peak. ``activations`` are tensors saved for backward
-#: and still alive; ``activation_gradients`` gradients with respect to activations and
-#: backward's temporaries; ``inputs`` the batch; ``other`` the rest (the loss, outputs,
-#: what a kernel holds between two module boundaries).
+#: the values sum to the iteration's peak. ``activations`` are the feature maps (tensors saved
+#: for backward) still alive; ``activation_gradients`` the intermediate gradients (gradients
+#: with respect to the feature maps, and backward's temporaries); ``inputs`` the batch;
+#: ``other`` the rest (the loss, outputs, what a kernel holds between two module boundaries).
+#: Each key is its CSV column's name less ``peak_`` (see the module's text).
 PEAK_CATEGORIES = (
     "weights",
     "gradients",
@@ -81,8 +100,8 @@ PEAK_CATEGORY_LABELS: Mapping[str, str] = MappingProxyType(
         "weights": "weights",
         "gradients": "weight gradients",
         "optimizer_state": "optimizer state",
-        "activations": "activations (saved for backward)",
-        "activation_gradients": "activation gradients",
+        "activations": "feature maps (saved for backward)",
+        "activation_gradients": "intermediate gradients",
         "inputs": "input batch",
         "other": "other",
     }
@@ -99,7 +118,8 @@ DETAIL_LEVELS = ("light", "phases", "full")
 
 #: The module name under which the model's inputs are counted in per-layer figures.
 INPUT = "(input)"
-#: Per-layer categories of saved memory: activations, and autocast's copies of weights.
+#: Per-layer categories of saved memory (the per-layer file's codes): feature maps, and
+#: autocast's copies of weights.
 ACTIVATIONS = "activations"
 WEIGHT_COPIES = "weight copies"
 
@@ -127,7 +147,7 @@ class LayerFeatureMaps:
     """What one forward saved for backward, by the module that saved it, in bytes.
 
     ``by_module`` maps ``(module name, category)`` to bytes; categories are
-    ``"activations"`` and ``"weight copies"`` (autocast's casts of weights);
+    :data:`ACTIVATIONS` (feature maps) and ``"weight copies"`` (autocast's casts of weights);
     the model's inputs are under the module name ``"(input)"``. ``total`` is
     what modules saved (inputs not included); ``unattributed`` what the
     allocator shows kept by forward beyond that (outputs, temporaries still
@@ -188,7 +208,7 @@ class IterationRecord:
         feature_maps: allocated when forward ended minus when it started (the
             largest forward of the iteration).
         intermediate_gradients: the ``activation_gradients`` part of what was alive at
-            backward's peak (gradients with respect to activations and backward's
+            backward's peak (gradients with respect to the feature maps and backward's
             temporaries; see :attr:`peak_breakdown`), at the ``"phases"`` and ``"full"``
             levels (:attr:`detail`); ``None`` where it was not measured.
         weights: bytes of the model's parameters (unique storages).
@@ -220,7 +240,7 @@ class IterationRecord:
         peak_breakdown: bytes alive at this iteration's peak by category (keys
             :data:`PEAK_CATEGORIES`, summing to ``iteration_peak_allocated``), at the
             ``"phases"`` and ``"full"`` levels; ``None`` where it was not measured.
-        peak_layers: per-layer mode: bytes of each module's saved activations still
+        peak_layers: per-layer mode: bytes of each module's feature maps still
             alive at the peak, by module name (``None`` where the module names are unknown).
         peak_transient: bytes of the peak that were made and freed between two
             boundaries the profiler read (CUDA and other allocators: module and phase
@@ -241,7 +261,7 @@ class IterationRecord:
             less the optimizer state it made): its temporaries. 0 when the peak is not in
             the step; ``None`` where no breakdown was measured.
         model_name: the model's class name (the root module, whose own forward's saved
-            activations are under the module name ``""``); ``None`` where unknown.
+            feature maps are under the module name ``""``); ``None`` where unknown.
         ddp_gradient_buckets: bytes of DDP's gradient buckets held apart from the
             gradients (0 with ``gradient_as_bucket_view=True``); ``None`` without DDP.
         fsdp_gathered_parameters: most bytes of FSDP2's gathered (unsharded)

@@ -154,7 +154,7 @@ def test_checkpointing_names_the_blocks_and_saves_their_activations_less_the_lar
     assert advice.kind == "checkpointing" and advice.subject == "blocks.[0-3]"
     assert advice.saves == sum(expected_blocks.values()) - max(expected_blocks.values())
     line = format_advice(advice, "B")
-    assert line.startswith(f"activation checkpointing of blocks.[0-3] would save up to {advice.saves} B: ")
+    assert line.startswith(f"checkpointing blocks.[0-3] would save up to {advice.saves} B: ")
     assert f"{sum(expected_blocks.values())} B" in line and f"{max(expected_blocks.values())} B" in line
 
 

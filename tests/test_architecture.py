@@ -292,3 +292,193 @@ def test_import_of_the_package_loads_nothing_heavy():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=60
     )
     assert done.stdout.strip() == "[]", done.stderr
+
+
+# -- measure/: readers, the hook set, the phase machine, observers, the meter's plan -------------------
+
+MEASURE = PACKAGE / "measure"
+
+#: The readers: the only modules of measure/ that call a device's memory API. They know nothing of
+#: iterations (no plan, no phase, no observer), so they hold no per-iteration state.
+READERS = {"devices", "allocator", "outside"}
+#: What makes an iteration's events: the hook set (torch's hooks) and the phase machine.
+EVENT_SOURCES = {"hooks", "entries", "phases"}
+#: The observers of an iteration (each a subclass of ``observers.Observer``).
+OBSERVERS = {"intervals", "peak_breakdown", "layers", "data_parallel"}
+#: Modules with no torch in them: the phase machine, its events and the plan.
+TORCHLESS = {"phases", "observers", "plan"}
+
+
+def _measure_imports(path: Path) -> set[str]:
+    """The modules of measure/ that ``path`` imports (relatively, or by the package's name)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1 and node.module:
+                found.add(node.module.split(".")[0])
+            elif node.level == 1:
+                found.update(alias.name for alias in node.names)
+            elif node.level == 0 and (node.module or "").startswith(f"{PACKAGE.name}.measure."):
+                found.add(node.module.split(".")[2])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(f"{PACKAGE.name}.measure."):
+                    found.add(alias.name.split(".")[2])
+    return found
+
+
+def _imports_torch(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
+            return True
+    return False
+
+
+def test_only_the_readers_call_device_memory_apis():
+    callers = {p.stem for p in MEASURE.glob("*.py") if _device_calls(p)}
+    assert callers <= READERS, callers - READERS
+
+
+def test_readers_know_nothing_of_iterations():
+    """The readers import no plan, phase machine, hook set, observer or meter, and handle no event."""
+    from pytorch_mem_profiler.measure.observers import EVENTS
+
+    stateful = EVENT_SOURCES | OBSERVERS | {"plan", "observers", "meter"}
+    for name in READERS:
+        path = MEASURE / f"{name}.py"
+        assert _measure_imports(path) & stateful == set(), name
+        methods = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+        assert methods & {*EVENTS, "begin_iteration", "finish_iteration"} == set(), name
+
+
+def test_the_phase_machine_the_events_and_the_plan_have_no_torch():
+    for name in TORCHLESS:
+        path = MEASURE / f"{name}.py"
+        assert not _imports_torch(path), name
+        assert _measure_imports(path) <= TORCHLESS | {"faults"}, name
+
+
+def test_observers_import_no_event_source_and_no_meter():
+    """Events reach observers as calls: an observer imports neither the hook set, nor the phase
+    machine, nor the meter that wires them; and every one is an ``Observer``."""
+    from pytorch_mem_profiler.measure import data_parallel, intervals, layers, peak_breakdown
+    from pytorch_mem_profiler.measure.observers import Observer
+
+    for name in OBSERVERS:
+        assert _measure_imports(MEASURE / f"{name}.py") & (EVENT_SOURCES | {"meter"}) == set(), name
+    for cls in (intervals.PhaseIntervals, peak_breakdown.PeakBreakdown, layers.LayerAttribution,
+                data_parallel.FsdpGatherTracker):  # fmt: skip
+        assert issubclass(cls, Observer), cls
+
+
+def test_the_hook_set_imports_no_observer():
+    """The hook set installs, removes, sleeps and wakes hooks; what they see goes to the machine."""
+    for name in ("hooks", "entries"):
+        assert _measure_imports(MEASURE / f"{name}.py") & (OBSERVERS | {"meter", "plan"}) == set(), name
+
+
+def _own_fields(tree: ast.Module) -> set[str]:
+    """Every field the classes of a module declare (class-level names, ``__slots__``) or set on
+    ``self``: what code of that module may set on objects it holds."""
+    fields: set[str] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for item in cls.body:
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                fields.add(item.target.id)
+            elif isinstance(item, ast.Assign):
+                for target in item.targets:
+                    if isinstance(target, ast.Name):
+                        fields.add(target.id)
+                        if target.id == "__slots__" and isinstance(item.value, (ast.Tuple, ast.List)):
+                            fields.update(e.value for e in item.value.elts if isinstance(e, ast.Constant))
+        for node in ast.walk(cls):
+            for target in _assigned(node):
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                    fields.add(target.attr)
+    return fields
+
+
+def _assigned(node: ast.AST) -> list[ast.expr]:
+    targets: list[ast.expr] = []
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    flat: list[ast.expr] = []
+    for target in targets:
+        flat.extend(target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target])
+    return flat
+
+
+def _foreign_field_sets(path: Path) -> list[str]:
+    """Assignments in ``path`` to a field of an object that is not one of the module's own classes:
+    ``hooks.reported = ...``, ``self._fsdp.active = ...``. Patching torch (``torch.X.y = ...``) is
+    not a measure object's field."""
+    tree = ast.parse(path.read_text())
+    fields = _own_fields(tree)
+    found = []
+    for node in ast.walk(tree):
+        for target in _assigned(node):
+            if not isinstance(target, ast.Attribute):
+                continue
+            base = target.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue
+            root = base
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id == "torch":
+                continue
+            if target.attr not in fields:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(target)}")
+    return found
+
+
+def test_no_measure_object_sets_another_ones_fields():
+    """The meter tells the hook set, the machine and the observers what to do through a plan or a
+    method call: nothing in measure/ sets a field of an object of another module."""
+    offenders = [hit for path in sorted(MEASURE.glob("*.py")) for hit in _foreign_field_sets(path)]
+    assert offenders == []
+
+
+def test_the_field_check_finds_a_foreign_field(tmp_path):
+    module = tmp_path / "meter.py"
+    module.write_text(
+        "class Meter:\n"
+        "    def __init__(self, hooks):\n"
+        "        self._hooks = hooks\n"
+        "        self._alive = _Alive()\n"
+        "    def prepare(self):\n"
+        "        self._hooks.reported = True\n"
+        "        self._alive.static = {}\n"
+        "        hooks = self._hooks\n"
+        "        hooks.breakdown, hooks.detailed = None, False\n"
+        "class _Alive:\n"
+        "    static = None\n"
+    )
+    assert _foreign_field_sets(module) == [
+        "meter.py:6: self._hooks.reported",
+        "meter.py:9: hooks.breakdown",
+        "meter.py:9: hooks.detailed",
+    ]
+
+
+def test_the_machine_hands_every_event_to_the_observers_that_handle_it():
+    """Each event of ``observers.EVENTS`` has its tuple of listeners in the machine (a new event
+    without one would never be delivered), holding exactly the observers that override it."""
+    from pytorch_mem_profiler.measure.observers import EVENTS, Observer
+    from pytorch_mem_profiler.measure.phases import PhaseMachine
+    from pytorch_mem_profiler.measure.plan import IterationPlan
+
+    class Everything(Observer):
+        pass
+
+    for event in EVENTS:
+        setattr(Everything, event, lambda self, *args: None)
+    everything, nothing = Everything(), Observer()
+    machine = PhaseMachine(lambda: None, object, lambda: False)
+    machine.begin_iteration(IterationPlan.make("phases", (everything, nothing)))
+    for event in EVENTS:
+        assert [o for o, _ in getattr(machine, f"_on_{event}")] == [everything], event

@@ -47,7 +47,7 @@ class Harness:
         params, buffers = self.params(), list(self.model.buffers())
         allocated = self.counter.mark().allocated  # the moment both begin at
         for t in trackers:
-            t.begin(params, buffers, opts, allocated)
+            t.start(params, buffers, opts, allocated)
         peak = 0
 
         def mark(ended: str, following: str) -> None:
@@ -55,7 +55,7 @@ class Harness:
             reading = self.counter.mark()
             peak = max(peak, reading.peak_allocated)
             for t in trackers:
-                t.marked(reading, ended, following, None)
+                t.boundary(reading, ended, following, None)
 
         mark("other", "forward")
         for t in trackers:
@@ -207,21 +207,21 @@ def test_gradients_made_in_backward_are_found_at_its_boundaries_without_a_hook(m
     seen = []
     try:
         for _ in range(2):
-            tracker.begin(params, list(mlp.buffers()), [], counter.mark().allocated)
+            tracker.start(params, list(mlp.buffers()), [], counter.mark().allocated)
             assert hooks_on(params) == 0
-            tracker.marked(counter.mark(), "other", "forward", None)
+            tracker.boundary(counter.mark(), "other", "forward", None)
             hidden = mlp[0](x)
             out = mlp[2](mlp[1](hidden))
-            tracker.marked(counter.mark(), "forward", "backward", None)
+            tracker.boundary(counter.mark(), "forward", "backward", None)
 
             def boundary(grad_outputs):
-                tracker.marked(counter.mark(), "backward", "backward", None)
+                tracker.boundary(counter.mark(), "backward", "backward", None)
                 made = [p.grad for p in params if p.grad is not None]
                 seen.append((len(made), tracker._alive.totals["gradients"], unique_storage_bytes(*made)))
 
             hidden.grad_fn.register_prehook(boundary)
             out.sum().backward()
-            tracker.marked(counter.mark(), "backward", "other", None)
+            tracker.boundary(counter.mark(), "backward", "other", None)
             assert tracker._alive.totals["gradients"] == unique_storage_bytes(*(p.grad for p in params))
             assert hooks_on(params) == 0
             tracker.result(None, params, [])  # ends the iteration (no peak asked: none given)
@@ -331,9 +331,9 @@ def test_a_gradient_reassigned_after_backward_found_it_is_tracked_and_a_view_of_
     tracker = BoundaryPeakBreakdown(counter)
     params = list(mlp.parameters())
     try:
-        tracker.begin(params, list(mlp.buffers()), [], 0)
+        tracker.start(params, list(mlp.buffers()), [], 0)
         mlp(torch.randn(4, 8)).sum().backward()
-        tracker.marked(counter.mark(), "backward", "other", None)  # backward's end: each one found
+        tracker.boundary(counter.mark(), "backward", "other", None)  # backward's end: each one found
         seen = [p.grad for p in params]
         assert tracker._alive.totals["gradients"] == unique_storage_bytes(*seen)
         replaced = mlp[0].weight.grad

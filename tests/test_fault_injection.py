@@ -244,12 +244,13 @@ def called(tmp_path_factory, reference) -> list[CodeType]:
 
 
 def test_the_loop_calls_many_functions_of_the_package(called):
-    # hooks, the dispatch mode, the per-layer watcher, the record, each output, close():
-    # a loop that reached only a few would make the test below say little
+    # the hook set, the phase machine, each observer, the dispatch mode, the record, each output,
+    # close(): a loop that reached only a few would make the test below say little
     files = {Path(code.co_filename).name for code in called}
     assert len(called) > 100, len(called)
-    for expected in ("hooks.py", "meter.py", "storage_counting.py", "layers.py", "saved_tensors.py",
-                     "export.py", "report.py", "sinks.py", "profiler.py", "faults.py"):  # fmt: skip
+    for expected in ("hooks.py", "entries.py", "phases.py", "intervals.py", "peak_breakdown.py", "layers.py",
+                     "meter.py", "storage_counting.py", "saved_tensors.py", "export.py", "report.py",
+                     "sinks.py", "profiler.py", "faults.py"):  # fmt: skip
         assert expected in files, sorted(files)
 
 
@@ -406,8 +407,9 @@ def train_two(tmp_path: Path, close_first: int, around: Callable[[], Any]) -> li
 
 
 #: the first faults: functions called by torch or the user, and the clean-up's own steps
-_FIRST_FAULT_FILES = ("hooks.py", "storage_counting.py", "saved_tensors.py", "meter.py", "profiler.py",
-                      "sinks.py", "layers.py", "peak_breakdown.py", "entries.py")  # fmt: skip
+_FIRST_FAULT_FILES = ("hooks.py", "phases.py", "intervals.py", "storage_counting.py", "saved_tensors.py",
+                      "meter.py", "profiler.py", "sinks.py", "layers.py", "peak_breakdown.py",
+                      "entries.py")  # fmt: skip
 
 
 def test_a_fault_in_the_guards_own_handling_leaves_nothing_installed(called, tmp_path, caplog):

@@ -334,7 +334,7 @@ def test_the_peak_section(broken_down):
 
     epochs = page.tables["epoch-table"]
     assert epochs[0][-2:] == ["Peak of device", "Largest at the peak"]
-    assert epochs[1][-2:] == ["40%", f"activations (saved for backward) {_percent(record['activations'] / record['peak'])}"]
+    assert epochs[1][-2:] == ["40%", f"feature maps (saved for backward) {_percent(record['activations'] / record['peak'])}"]
     second = expected.iloc[2]
     assert epochs[2][-2:] == [
         _percent(second["peak"] / total),

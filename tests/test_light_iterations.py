@@ -391,12 +391,12 @@ def test_a_compiled_model_keeps_its_hooks(counting):
 def test_a_fault_while_taking_the_hooks_off_leaves_them_on(counting, monkeypatch):
     """The sleeping is the smallest part: a fault there switches it off alone, and every
     iteration is then watched as before."""
-    from pytorch_mem_profiler.measure.hooks import TrainingStepHooks
+    from pytorch_mem_profiler.measure.hooks import StepHooks
 
     def broken(self):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(TrainingStepHooks, "sleep", broken)
+    monkeypatch.setattr(StepHooks, "sleep", broken)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(8, 16), torch.randn(8, 4)

@@ -472,10 +472,10 @@ def test_at_the_peak_block_follows_the_peak_line():
     block = lines[start + 2 : start + 8]
     expected = [
         ("optimizer state", "1000 MB", "40.0%"),
-        ("activations (saved for backward)", "600 MB", "24.0%"),
+        ("feature maps (saved for backward)", "600 MB", "24.0%"),
         ("weights", "500 MB", "20.0%"),
         ("weight gradients", "250 MB", "10.0%"),
-        ("activation gradients", "125 MB", " 5.0%"),
+        ("intermediate gradients", "125 MB", " 5.0%"),
         ("other", "25 MB", " 1.0%"),
     ]
     for line, (label, amount, share) in zip(block, expected):
@@ -485,7 +485,7 @@ def test_at_the_peak_block_follows_the_peak_line():
     # the report's unit
     assert "At the peak (2 GiB):" in format_report(record, "GiB").splitlines()
     assert any(re.fullmatch(r"  weights\.+0\.47 GiB 20\.0%", line) for line in format_report(record, "GiB").splitlines())
-    assert "  at the peak: optimizer state 1000 MB (40.0%), activations (saved for backward) 600 MB (24.0%)" in format_compact(record)
+    assert "  at the peak: optimizer state 1000 MB (40.0%), feature maps (saved for backward) 600 MB (24.0%)" in format_compact(record)
     assert "largest at the peak: optimizer state 40.0%" in format_line(record)
     assert "At the peak" not in format_report(_record())  # no breakdown measured: no block
 

@@ -323,9 +323,9 @@ def test_a_fault_is_logged_once_and_training_goes_on(monkeypatch, caplog, stream
 
 
 def test_a_fault_inside_backward_does_not_break_backward(monkeypatch, stream):
-    import pytorch_mem_profiler.measure.hooks as hooks_module
+    import pytorch_mem_profiler.measure.peak_breakdown as breakdown_module
 
-    monkeypatch.setattr(hooks_module, "allocation_bytes", lambda t: 1 / 0)
+    monkeypatch.setattr(breakdown_module, "allocation_bytes", lambda t: 1 / 0)
     model = mlp()
     profiler = MemoryProfiler(model, stream=stream)
     model(torch.randn(4, 32)).sum().backward()

@@ -179,7 +179,7 @@ def test_summary_headroom_and_largest_category_per_epoch(broken_down):
     assert list(table["device_share"]) == [first["peak"] / total, second["peak"] / total]
     assert epoch_header(table)[-2:] == ("Peak of device", "Largest at the peak")
     rows = epoch_rows(table, kb)
-    assert rows[0][-2:] == ("48%", f"activations (saved for backward) {_share(first['activations'] / first['peak'])}")
+    assert rows[0][-2:] == ("48%", f"feature maps (saved for backward) {_share(first['activations'] / first['peak'])}")
     assert rows[1][-2:] == (
         _share(second["peak"] / total),
         f"optimizer state {_share(second['optimizer_state'] / second['peak'])}",
@@ -187,7 +187,7 @@ def test_summary_headroom_and_largest_category_per_epoch(broken_down):
     # the text table shows the same cells
     at = next(i for i, line in enumerate(lines) if line.startswith("Epoch "))
     assert lines[at].split("  ")[-1] == "Largest at the peak"
-    assert lines[at + 2].endswith("48%  activations (saved for backward) 45%")
+    assert lines[at + 2].endswith("48%  feature maps (saved for backward) 45%")
     assert lines[at + 3].endswith(f"{_share(second['peak'] / total)}  optimizer state 50%")
 
 
@@ -280,9 +280,9 @@ def test_compare_categories_are_the_runs_figures(pair, broken_down):
     assert feature_line.split(" | ")[2] == (
         f"{b(fm_big)} (+{b(fm_big - fm_small)}, {(fm_big - fm_small) / fm_small * 100:+.1f}%)"
     )
-    activations = next(line for line in lines if "at the peak: activations" in line)
+    activations = next(line for line in lines if "at the peak: feature maps" in line)
     assert activations == (
-        f"| at the peak: activations (saved for backward) | n/a | n/a | {b(record['activations'])} |"
+        f"| at the peak: feature maps (saved for backward) | n/a | n/a | {b(record['activations'])} |"
     )
 
     frame = comparison_frame(rows, "KB")

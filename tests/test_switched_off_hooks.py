@@ -25,7 +25,8 @@ from torch import nn
 
 from pytorch_mem_profiler import MemoryProfiler
 from pytorch_mem_profiler.measure.entries import FORWARD_PART
-from pytorch_mem_profiler.measure.hooks import BACKWARD_PART, OPTIMIZER_PART, TrainingStepHooks
+from pytorch_mem_profiler.measure.hooks import BACKWARD_PART, OPTIMIZER_PART
+from pytorch_mem_profiler.measure.meter import Meter
 
 from .helpers import SavedBytes, nbytes
 
@@ -36,19 +37,19 @@ def _raise(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError("injected")
 
 
-def _in_forward(hooks: TrainingStepHooks) -> None:
-    hooks._entries.on_enter = _raise  # raised entering the model: the forward is never left
+def _in_forward(meter: Meter) -> None:
+    meter._hooks._entries.on_enter = _raise  # raised entering the model: the forward is never left
 
 
-def _in_backward(hooks: TrainingStepHooks) -> None:
-    hooks._backward_end_callbacks = _raise  # raised after backward began: its end is never seen
+def _in_backward(meter: Meter) -> None:
+    meter._hooks._backward_end_callbacks = _raise  # raised after backward began: its end is never seen
 
 
-def _in_step(hooks: TrainingStepHooks) -> None:
-    hooks._step_ended = _raise  # raised in the step's post-hook: the step never ends
+def _in_step(meter: Meter) -> None:
+    meter._machine.step_ended = _raise  # raised in the step's post-hook: the step never ends
 
 
-FAULTS: dict[str, tuple[str, Callable[[TrainingStepHooks], None]]] = {
+FAULTS: dict[str, tuple[str, Callable[[Meter], None]]] = {
     "forward": (FORWARD_PART, _in_forward),
     "backward": (BACKWARD_PART, _in_backward),
     "optimizer": (OPTIMIZER_PART, _in_step),
@@ -78,7 +79,7 @@ def run_with_fault(device: str, fault: str | None) -> tuple[list[torch.Tensor], 
         hooks = profiler._meter._hooks
         for i in range(1, ITERATIONS + 1):
             if i == FAULTED and fault is not None:
-                FAULTS[fault][1](hooks)
+                FAULTS[fault][1](profiler._meter)
             x = torch.randn(16, 64, generator=data).to(device)
             model(x).square().mean().backward()
             opt.step()
@@ -134,7 +135,7 @@ def test_a_forward_marked_by_hand_is_still_measured_once_the_forward_hooks_are_o
     with MemoryProfiler(model, 1, stream=io.StringIO()) as profiler:
         for i in range(3):
             if i == 1:
-                _in_forward(profiler._meter._hooks)
+                _in_forward(profiler._meter)
             x = torch.randn(16, 64)
             saved = SavedBytes(model, (x,))
             with profiler.phase("forward"), saved.hooks():

@@ -2,7 +2,7 @@
 
 Files that record the peak's breakdown have a ``peak_<category>`` column per
 :data:`~pytorch_mem_profiler.stats.PEAK_CATEGORIES` (weights, weight gradients,
-optimizer state, activations saved for backward, activation gradients, the
+optimizer state, feature maps saved for backward, intermediate gradients, the
 input batch, other), summing to the iteration's ``iteration_peak_allocated``.
 The summary, the HTML report and the plot show the breakdown of the record
 whose iteration peak is the highest (of the run, or of an epoch); files
@@ -135,7 +135,8 @@ def epoch_breakdowns(run: Run) -> dict[int, PeakBreakdown]:
 
 
 def peak_label(category: str) -> str:
-    """How a peak category is named for people (``"activations (saved for backward)"``)."""
+    """How a peak category is named for people (``"feature maps (saved for backward)"`` for
+    ``"activations"``)."""
     return PEAK_CATEGORY_LABELS.get(category, category.replace("_", " "))
 
 

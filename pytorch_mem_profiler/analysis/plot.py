@@ -304,7 +304,7 @@ def _draw_peak_bar(ax: Any, breakdown: PeakBreakdown, unit: str, device_total: f
             left=left,
             height=0.6,
             color=PEAK_COLOURS[category],
-            # the short name ("activations", not "activations (saved for backward)"): it fits
+            # the short name ("feature maps", not "feature maps (saved for backward)"): it fits
             label=f"{peak_label(category).split(' (')[0]}: {amount} ({format_share(breakdown.share(category))})",
             gid=f"peak-{category}",
         )

@@ -12,7 +12,7 @@ within the budget:
   alive at the peak (its make-up, and the intermediate gradients at backward's
   own peak);
 - ``"full"``: ``"phases"`` and the per-layer figures (feature maps by layer,
-  where the peak was reached, the peak's activations by layer), with
+  where the peak was reached, the peak's feature maps by layer), with
   ``by_layer=True`` only.
 
 How the cost is measured, with nothing but a clock (no torch here):

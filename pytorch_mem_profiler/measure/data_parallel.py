@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .accounting import same_device
+from .observers import Observer
 
 __all__ = ["ddp_gradient_bucket_bytes", "ddp_bucket_bytes", "fsdp_units", "FsdpGatherTracker"]
 
@@ -148,7 +149,7 @@ class _Unit:
 FSDP_PART = "fsdp tracking"
 
 
-class FsdpGatherTracker:
+class FsdpGatherTracker(Observer):
     """Measures FSDP2's gathered (unsharded) parameters: the largest amount alive at once.
 
     FSDP2 swaps the sharded parameter registered on a module for the gathered
@@ -157,7 +158,9 @@ class FsdpGatherTracker:
     the storage bytes of every unit's parameters that are gathered at that
     moment (the root's stay gathered through the forward); the iteration's
     figure is the largest such sum. A unit prefetched but not yet swapped in
-    is not counted.
+    is not counted. An observer (:mod:`.observers`) with hooks of its own: it
+    samples on watched iterations only (each sample looks at every unit, at every
+    unit's forward), as the plan it is given says.
 
     Args:
         model: the root module, with ``fully_shard`` applied to it or its submodules.
@@ -169,6 +172,8 @@ class FsdpGatherTracker:
         True
     """
 
+    part = FSDP_PART
+
     def __init__(self, model: torch.nn.Module, units: list[torch.nn.Module], wrap: Any = None) -> None:
         self.model = model
         wrap = wrap or (lambda name, fn: fn)
@@ -176,10 +181,13 @@ class FsdpGatherTracker:
         self._handles: list = []
         self._units: list[_Unit] = []
         self.iteration_max: int | None = None
-        #: whether the units' forwards are sampled (reported iterations only: each sample
-        #: looks at every unit, at every unit's forward)
+        #: whether the units' forwards are sampled (set by the plan: :meth:`begin`)
         self.active = True
         self.refresh(units)
+
+    def begin(self, plan: Any) -> None:
+        """Sample the units' forwards on a watched iteration only."""
+        self.active = plan.watched
 
     @classmethod
     def attach(cls, model: torch.nn.Module, wrap: Any = None) -> FsdpGatherTracker | None:
@@ -231,9 +239,13 @@ class FsdpGatherTracker:
         return value
 
     def remove(self) -> None:
+        """Take the sampling hooks off the units (:meth:`refresh` puts them back)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def close(self) -> None:
+        self.remove()
 
 
 class _SampleHook:

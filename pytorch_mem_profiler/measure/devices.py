@@ -1,8 +1,9 @@
-"""Device memory counters: the only module that calls a device's memory API.
+"""Device memory counters: a reader (with :mod:`.allocator` and :mod:`.outside`, the only
+modules that call a device's memory API; they know nothing of iterations).
 
 Every backend answers the same four questions through :class:`MemoryCounter`:
 bytes allocated to tensors now, the most allocated since the previous mark,
-bytes the caching allocator holds (reserved, "cached"), and its peak since
+bytes the caching allocator holds (reserved; the seed's "cached"), and its peak since
 the previous mark. Where a backend has no such counter the answer is ``None``
 (shown as "n/a"), never a made-up zero.
 

@@ -33,7 +33,7 @@ Example::
     >>> import torch
     >>> wrapper = torch.nn.Module(); wrapper.net = torch.nn.Linear(4, 4)
     >>> seen = []
-    >>> watch = EntryWatch(wrapper, lambda m, a: seen.append(m) or True, lambda m, a, o: None)
+    >>> watch = EntryWatch(wrapper, lambda grad, a, m: seen.append(m) or grad, lambda m, a, o: None)
     >>> watch.install()
     >>> _ = wrapper.net(torch.randn(2, 4))       # the root's forward is never called
     >>> seen == [wrapper.net]
@@ -50,15 +50,12 @@ from typing import Any, Callable
 import torch
 
 from ..faults import FaultGuard
+from .trees import is_compiled_module
 
 __all__ = ["EntryWatch", "FORWARD_PART"]
 
 #: The part of the profiler a fault in these hooks switches off.
 FORWARD_PART = "forward hooks"
-
-
-def _is_compiled(module: torch.nn.Module) -> bool:
-    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
 
 
 def _hookable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -72,12 +69,12 @@ def _hookable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             continue
         seen.add(id(module))
         found.append(module)
-        if not _is_compiled(module) and not isinstance(module, torch.jit.ScriptModule):
+        if not is_compiled_module(module) and not isinstance(module, torch.jit.ScriptModule):
             stack.extend(reversed(list(module.children())))
     return found
 
 
-def _refuse(module: torch.nn.Module, args: Any) -> bool:
+def _refuse(grad_enabled: bool, args: Any, module: torch.nn.Module) -> bool:
     return False
 
 
@@ -90,9 +87,9 @@ class EntryWatch:
 
     Args:
         model: the root module.
-        on_enter: called as ``on_enter(module, args)`` when a call enters the model
-            from outside it; returns whether that call is a training forward
-            (only those teach which modules are entries).
+        on_enter: called as ``on_enter(grad_enabled, args, module)`` when a call enters the
+            model from outside it (``grad_enabled``: ``torch.is_grad_enabled()`` then); returns
+            whether that call is a training forward (only those teach which modules are entries).
         on_exit: called as ``on_exit(module, args, output)`` when such a call,
             one ``on_enter`` accepted, returns (or raises).
         guard: contains faults of the hooks.
@@ -107,7 +104,7 @@ class EntryWatch:
     def __init__(
         self,
         model: torch.nn.Module,
-        on_enter: Callable[[torch.nn.Module, Any], bool],
+        on_enter: Callable[[bool, Any, torch.nn.Module], bool],
         on_exit: Callable[[torch.nn.Module, Any, Any], None],
         guard: FaultGuard | None = None,
     ) -> None:
@@ -226,7 +223,7 @@ class EntryWatch:
                 return None
             self.depth += 1
             if self.depth == 1:
-                accepted = self._accepted = bool(self.on_enter(module, args))
+                accepted = self._accepted = bool(self.on_enter(torch.is_grad_enabled(), args, module))
                 if accepted and self.learning:
                     self._entries[id(module)] = module
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it

@@ -25,11 +25,18 @@ below still work.
 - checkpointed blocks (``torch.utils.checkpoint``) save nothing through these
   hooks: what they keep (their inputs) shows in what no module saved.
 
-The same module hooks mark where a few modules (those at the depth where
-there are at most ``MAX_LOCATIONS`` of them) end their forward, and where
-backward reaches their outputs, so the profiler can tell in which module an
-iteration's peak was reached: a forward interval ending with a module's
-forward is put down to that module.
+The same module hooks tell the phase machine (``on_exit``, ``on_backward_enter``)
+where a few modules (those at the depth where there are at most
+``MAX_LOCATIONS`` of them) end their forward, and where backward reaches their
+outputs, so the profiler can tell in which module an iteration's peak was
+reached: a forward interval ending with a module's forward is put down to that
+module.
+
+:class:`LayerAttribution` is an observer (:mod:`.observers`) of the iterations
+whose plan is at the ``"full"`` level: it attributes each forward pass from its
+start (:meth:`LayerAttribution.forward_began`) to its exits from the model, and
+gives the record the breakdown of the pass that kept the most
+(:meth:`LayerAttribution.finish`).
 
 Example::
 
@@ -53,11 +60,14 @@ from typing import Any, Callable
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from types import MappingProxyType
+
 from ..faults import FaultGuard
-from ..stats import ACTIVATIONS, INPUT, WEIGHT_COPIES
-from .accounting import PLAIN_TENSORS, same_device, storage_parts
+from ..stats import ACTIVATIONS, INPUT, WEIGHT_COPIES, LayerFeatureMaps
+from .accounting import PLAIN_TENSORS, storage_parts
+from .observers import Observer
 from .saved_tensors import ChainedSavedTensorsHooks, can_chain
-from .trees import output_grad_nodes, tensors_in
+from .trees import is_compiled, output_grad_nodes, tensors_in
 
 __all__ = [
     "LayerAttribution",
@@ -99,13 +109,6 @@ class LayerBreakdown:
         return sum(n for (module, _), n in self.by_module.items() if module == INPUT)
 
 
-def is_compiled(model: torch.nn.Module) -> bool:
-    """True when ``model`` or one of its submodules runs through ``torch.compile``."""
-    if type(model).__name__ == "OptimizedModule":
-        return True
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
-
-
 def _tracked_modules(model: torch.nn.Module, limit: int) -> dict[int, str]:
     """Modules whose boundaries mark peak locations: every module down to the deepest
     level that keeps them at most ``limit`` (the root excluded)."""
@@ -123,7 +126,7 @@ def _tracked_modules(model: torch.nn.Module, limit: int) -> dict[int, str]:
     return chosen
 
 
-class LayerAttribution:
+class LayerAttribution(Observer):
     """Attributes saved tensors to modules during one forward at a time.
 
     Args:
@@ -134,6 +137,8 @@ class LayerAttribution:
         on_backward_enter: called with a module name when backward reaches the
             outputs of a tracked module.
     """
+
+    part = ATTRIBUTION_PART
 
     def __init__(
         self,
@@ -159,6 +164,7 @@ class LayerAttribution:
         self._seen: set[tuple[int, int]] = set()
         self._inputs: set[tuple[int, int]] = set()
         self._current = LayerBreakdown()
+        self.begin(None)
 
     def refresh(self) -> None:
         """Learn the model's module names, parameters and buffers again (after it changed)."""
@@ -242,6 +248,75 @@ class LayerAttribution:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    # -- the observer's events (iterations at the "full" level) --------------------------
+    def begin(self, plan: Any) -> None:
+        # whether the running pass is attributed; the breakdown of the pass that kept the most
+        # (and what it kept), and the most any pass kept
+        self._attributed = False
+        self._largest: LayerBreakdown | None = None
+        self._largest_kept = 0
+        self._most_kept = 0
+
+    def forward_began(self, args: Any, entry: Any) -> None:
+        self._attributed = False
+        if ATTRIBUTION_PART in self.guard.disabled:
+            return
+        try:
+            self.start(args, entry=entry)
+        except Exception:
+            self.close()
+            raise
+        self._attributed = True
+
+    def forward_resumed(self, args: Any, entry: Any) -> None:
+        if not self._attributed or ATTRIBUTION_PART in self.guard.disabled:
+            return
+        try:
+            self.resume(args, entry=entry)
+        except Exception:
+            self._attributed = False
+            self.close()
+            raise
+
+    def inputs_seen(self, args: Any) -> None:
+        if self._attributed:
+            self.add_inputs(args)
+
+    def forward_left(self) -> None:
+        if self._attributed:
+            # Skipped once a fault switched it off: the meter then closes it between iterations
+            # (a pop here can run inside backward, whose saved-tensor stack is not the thread's).
+            self.guard.call(ATTRIBUTION_PART, self.close)
+
+    def forward_closed(self, kept: int | None) -> None:
+        attributed, self._attributed = self._attributed, False
+        if kept is None:
+            return
+        if (
+            attributed
+            and self.watching_saved_tensors
+            # switched off by a fault during this forward: what it put down so far may be partial
+            and ATTRIBUTION_PART not in self.guard.disabled
+            and (kept > self._most_kept or self._largest is None)
+        ):
+            self._largest, self._largest_kept = self._current, kept
+        self._most_kept = max(self._most_kept, kept)
+
+    def finish(self) -> LayerFeatureMaps | None:
+        """The iteration's part: what the forward pass that kept the most saved, by module
+        (``None``: no pass was attributed); what it kept beyond that is ``unattributed``."""
+        breakdown = self._largest
+        if breakdown is None:
+            return None
+        total = breakdown.total
+        return LayerFeatureMaps(
+            by_module=MappingProxyType(dict(breakdown.by_module)),
+            calls=MappingProxyType(dict(breakdown.calls)),
+            total=total,
+            inputs=breakdown.inputs,
+            unattributed=self._largest_kept - total,
+        )
 
     # -- hooks -------------------------------------------------------------
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:

@@ -1,12 +1,21 @@
-"""The meter: owns everything measured about one training iteration, and makes its record.
+"""The meter: wires the measuring parts, plans each iteration, and makes its record.
 
-A :class:`Meter` knows the profiled device and its counter, the model's
-parameters, weights and buffers, the optimizers' state, the phase hooks and the
-per-layer attribution. The profiler calls :meth:`Meter.start` once,
-:meth:`Meter.prepare` before each iteration (is it one that will be reported?),
-:meth:`Meter.finish` at each ``record_stats()`` (which hands back the frozen
-:class:`~pytorch_mem_profiler.stats.IterationRecord`), :meth:`Meter.refresh` at
-each epoch end and :meth:`Meter.close` at the end. Nobody else writes its state.
+A :class:`Meter` knows the profiled device and its counter (the reader), the
+model's parameters, weights and buffers, and the optimizers' state. It makes the
+hook set (:mod:`.hooks`), the phase machine it reports to (:mod:`.phases`) and
+the observers (:mod:`.observers`: the phase intervals, the peak breakdown, the
+per-layer attribution, FSDP tracking). Before each iteration it hands the
+machine and the observers an immutable :class:`~.plan.IterationPlan` (the level
+of detail, which observers are on); when the iteration ends it asks each
+observer on for its part and builds the frozen
+:class:`~pytorch_mem_profiler.stats.IterationRecord` with its constructor. It
+sets no field of another object: everything it tells them goes through a plan
+or a method call.
+
+The profiler calls :meth:`Meter.start` once, :meth:`Meter.prepare` before each
+iteration (at which level will it be measured?), :meth:`Meter.finish` at each
+``record_stats()``, :meth:`Meter.refresh` at each epoch end and
+:meth:`Meter.close` at the end.
 
 Example::
 
@@ -32,7 +41,7 @@ from typing import Any, Iterable, NamedTuple
 import torch
 
 from ..faults import FaultGuard
-from ..stats import DETAIL_LEVELS, PHASES, IterationRecord, LayerFeatureMaps, PhaseStats
+from ..stats import DETAIL_LEVELS, PHASES, IterationRecord, PhaseStats
 from .accounting import (
     buffer_bytes,
     gradient_bytes,
@@ -44,11 +53,16 @@ from .accounting import (
 )
 from .data_parallel import FSDP_PART, FsdpGatherTracker, ddp_gradient_bucket_bytes
 from .devices import MemoryCounter, Reading, device_capacity, make_counter, rank_device, resolve_device
-from .hooks import PhaseBlock, StepMeasurements, TrainingStepHooks
-from .layers import ATTRIBUTION_PART, LayerAttribution, LayerBreakdown, is_compiled
-from .saved_tensors import can_chain
+from .hooks import PhaseBlock, StepHooks, backward_running
+from .intervals import IntervalFigures, PhaseIntervals
+from .layers import ATTRIBUTION_PART, LayerAttribution
+from .observers import Observer
 from .outside import DeviceMemoryReader
 from .peak_breakdown import BREAKDOWN_PART, PeakBreakdown, PeakResult, make_peak_breakdown
+from .phases import PhaseMachine
+from .plan import IterationPlan
+from .saved_tensors import can_chain
+from .trees import is_compiled
 
 __all__ = ["Meter", "Position"]
 
@@ -58,6 +72,10 @@ _log = logging.getLogger("pytorch_mem_profiler")
 _LIGHT = "hooks off between reports"
 #: the pass and step counts of an iteration the hooks slept through: unknown
 _UNCOUNTED: tuple[None, None, None] = (None, None, None)
+#: the key of the plan at "full" with forward split by module (the other plans': their level)
+_SPLIT_FULL = "full, forward split"
+#: the phase intervals' figures of an iteration not watched (so far: none)
+_NOT_WATCHED = IntervalFigures(None, None, None, None, MappingProxyType({}), MappingProxyType({}), 0, None)
 
 
 class Position(NamedTuple):
@@ -133,8 +151,24 @@ class Meter:
         self._known_optimizers: list[list[Any]] = []
         for opt in self._optimizers or ():
             self._know_optimizer(opt)
-        self._hooks: TrainingStepHooks | None = None
+        self._hooks: StepHooks | None = None
+        self._machine: PhaseMachine | None = None
+        # the observers (those there are: the breakdown needs a peak counter, the attribution
+        # by_layer=True, FSDP tracking an FSDP unit)
+        self._intervals: PhaseIntervals | None = None
         self._peak: PeakBreakdown | None = None
+        self._attribution: LayerAttribution | None = None
+        # the running iteration's plan, and those made, by (level, split_forward)
+        self._plan = IterationPlan.make("light")
+        self._plans: dict[str, IterationPlan] = {}
+        # per-layer mode reads the counters at every tracked module's end in forward only while
+        # forward is where the iterations peak (the first watched one always): one read per
+        # module saved otherwise. Backward's module boundaries are always read (the
+        # intermediate gradients at backward's peak are measured from them).
+        self._split_forward = True
+        # the highest peaks read since the profiler started
+        self._max_allocated: int | None = None
+        self._max_reserved: int | None = None
         # allocated at the last read (the end of the last iteration): a reported one starts there
         self._last_allocated: int | None = None
         self._last_time = time.perf_counter()
@@ -151,17 +185,30 @@ class Meter:
     @property
     def phase(self) -> str | None:
         """The phase running now (``"forward"``, ``"backward"``, ``"optimizer"``, ``"other"``)."""
-        return self._hooks.phase if self._hooks is not None else None
+        return self._machine.phase if self._machine is not None else None
 
     def phase_block(self, phase: str) -> PhaseBlock:
         """A ``with`` block in which ``phase`` runs, as a framework that knows it says
         (``ValueError`` for a phase that is not forward, backward or optimizer)."""
-        return PhaseBlock(self._hooks, phase, self.guard)
+        return PhaseBlock(self._machine, phase, self.guard)
 
     @property
-    def current(self) -> StepMeasurements | None:
-        """What the running iteration has measured so far."""
-        return self._hooks.current if self._hooks is not None else None
+    def current(self) -> dict[str, Any] | None:
+        """What the running iteration has measured so far: its counts, and the phase intervals'
+        figures (``feature_maps`` is known from forward's end on a watched iteration)."""
+        machine = self._machine
+        if machine is None:
+            return None
+        intervals = self._intervals
+        figures = intervals.figures() if intervals is not None and self._plan.watched else _NOT_WATCHED
+        return {
+            "forward_passes": machine.forward_passes,
+            "backward_passes": machine.backward_passes,
+            "optimizer_steps": machine.optimizer_steps,
+            "model_calls": machine.model_calls,
+            "phase_count": dict(machine.phase_count),
+            **figures._asdict(),
+        }
 
     def _model_device(self) -> torch.device:
         if self.rank_info is not None:
@@ -199,15 +246,21 @@ class Meter:
         # A profiler made mid-training: the given optimizers' state exists already.
         counter.adopt(optimizer_state_tensors(self._optimizers or ()))
         wrap = self.guard.wrap
-        self._hooks = TrainingStepHooks(
+        hooks = self._hooks = StepHooks(
             self.model,
-            counter,
             self._params,
             self._optimizers,
             self.guard,
             on_optimizer_step=wrap("optimizer state", self._optimizer_stepped),
-            on_forward_first_call=wrap("device check", self._check_device_once),
         )
+        machine = self._machine = PhaseMachine(
+            counter.mark,
+            hooks.new_pending,
+            backward_running,
+            on_first_forward=wrap("device check", self._check_device_once),
+            guard=self.guard,
+        )
+        self._intervals = PhaseIntervals(self._params)
         if self.by_layer:
             if is_compiled(self.model):
                 _log.warning(
@@ -222,30 +275,28 @@ class Meter:
                         "where each iteration peaked is still found",
                         torch.__version__,
                     )
-                hooks = self._hooks
-                hooks.attribution = LayerAttribution(
+                self._attribution = LayerAttribution(
                     self.model,
                     self.device,
                     # No guard wrapper: the attribution calls these inside its own try, for the same part.
-                    on_exit=hooks.forward_location,
-                    on_backward_enter=hooks.backward_location,
+                    on_exit=machine.module_left,
+                    on_backward_enter=machine.backward_reached,
                     guard=self.guard,
                 )
-        self._hooks.install()
-        self._peak = self._make_peak_breakdown()
+        # Until the first prepare(), every iteration is watched (a Meter used on its own).
+        plan = self._plan = IterationPlan.make("phases", (self._intervals,))
+        self._intervals.begin(plan)
+        machine.begin_iteration(plan)
+        hooks.install(machine)
+        # The counters' starting point: peaks are measured from here on.
+        first = counter.mark()
+        self._max_reserved = first.reserved
+        self._max_allocated = first.allocated
+        self._peak = make_peak_breakdown(counter, self.guard)
         if self.rank_info is not None:
             self._fsdp = FsdpGatherTracker.attach(self.model, wrap)
+        self._plans.clear()
         self._last_time = time.perf_counter()
-
-    def _make_peak_breakdown(self) -> PeakBreakdown | None:
-        tracker = make_peak_breakdown(self.counter)
-        if tracker is not None:
-            guard = self.guard
-            tracker.on_fault = lambda exc: guard.fault(BREAKDOWN_PART, exc)
-        hooks = self._hooks
-        if tracker is not None and hooks is not None and hooks.attribution is not None:
-            tracker.module_name = hooks.attribution.current_module
-        return tracker
 
     def prepare(self, level: str | bool) -> None:
         """The level of detail the coming iteration is measured at (:data:`~..stats.DETAIL_LEVELS`;
@@ -261,60 +312,92 @@ class Meter:
         if level not in DETAIL_LEVELS:
             raise ValueError(f"level must be one of {DETAIL_LEVELS}, got {level!r}")
         self.level = level
-        detailed = level != "light"
-        hooks = self._hooks
-        if hooks is not None:
-            if self.guard.disabled:
-                self._drop_switched_off(hooks)
-            hooks.reported = detailed
-            hooks.detailed = hooks.attribution is not None and level == "full"
-            if self._fsdp is not None:
-                self._fsdp.active = detailed
-            hooks.breakdown = None
-            self._watch(hooks, detailed)
-            tracker = self._peak
-            # The breakdown watches every saved tensor from Python and looks for gradients at
-            # backward's boundaries: what a host-bound step at print_period=1 pays for (GPT-2:
-            # 1.25x), and what the cost budget weighs against the step.
-            if detailed and tracker is not None:
-                # Inline rather than through guard.call: this runs at the end of the
-                # iteration before a reported one, which stays on the light path.
-                try:
-                    params = [p for _, p in self._params]
-                    tracker.begin(params, self._buffers(), self._optimizer_list(), self._last_allocated)
-                except Exception as exc:  # noqa: BLE001 - the breakdown switches off, the rest goes on
-                    self.guard.fault(BREAKDOWN_PART, exc)
-                else:
-                    hooks.breakdown = tracker
+        hooks, machine = self._hooks, self._machine
+        if hooks is None or machine is None:
+            return
+        if self.guard.disabled:
+            self._drop_switched_off(hooks)
+        # where forward is split matters at "full" only: one plan for every light iteration
+        plan = self._plans.get(_SPLIT_FULL if level == "full" and self._split_forward else level)
+        if plan is None:
+            plan = self._make_plan(level)
+        watched = plan.watched
+        self._watch(hooks, watched)
+        if watched or plan is not self._plan:
+            # Consecutive light iterations share one plan: nothing to tell anyone.
+            plan = self._begin(plan)
+            self._plan = plan
+            machine.begin_iteration(plan)
 
-    def _drop_switched_off(self, hooks: TrainingStepHooks) -> None:
+    def _make_plan(self, level: str) -> IterationPlan:
+        """The plan for ``level`` with the observers there are (kept until they change)."""
+        observers: list[Observer] = []
+        per_layer = self._attribution is not None
+        if level != "light":
+            assert self._intervals is not None
+            observers.append(self._intervals)
+            if self._peak is not None:
+                observers.append(self._peak)  # pushes its saved-tensor hooks before the attribution's
+            if per_layer and level == "full":
+                observers.append(self._attribution)  # type: ignore[arg-type]
+        if self._fsdp is not None:
+            observers.append(self._fsdp)
+        plan = IterationPlan.make(level, tuple(observers), per_layer, self._split_forward)
+        self._plans[_SPLIT_FULL if level == "full" and self._split_forward else level] = plan
+        return plan
+
+    def _begin(self, plan: IterationPlan) -> IterationPlan:
+        """Tell each observer of ``plan`` that its iteration comes; the plan it runs under (less the
+        peak breakdown, should it fail to start)."""
+        for observer in plan.observers:
+            observer.begin(plan)
+        tracker = self._peak
+        # The breakdown watches every saved tensor from Python and looks for gradients at
+        # backward's boundaries: what a host-bound step at print_period=1 pays for (GPT-2:
+        # 1.25x), and what the cost budget weighs against the step.
+        if plan.watched and tracker is not None and tracker in plan.observers:
+            # Inline rather than through guard.call: this runs at the end of the
+            # iteration before a watched one, which stays on the light path.
+            try:
+                attribution = self._attribution
+                tracker.start(
+                    [p for _, p in self._params],
+                    self._buffers(),
+                    self._optimizer_list(),
+                    self._last_allocated,
+                    attribution.current_module if attribution is not None else None,
+                )
+            except Exception as exc:  # noqa: BLE001 - the breakdown switches off, the rest goes on
+                self.guard.fault(BREAKDOWN_PART, exc)
+                plan = plan.without(tracker)
+        return plan
+
+    def _drop_switched_off(self, hooks: StepHooks) -> None:
         """Parts a fault switched off stop running, not only reporting: their hooks and what they
         hold go here, between iterations, not at close() (inside backward a pop of autograd's
-        saved-tensor stack would act on the engine's copy of it and be lost)."""
+        saved-tensor stack would act on the engine's copy of it and be lost), and the plans
+        that follow leave their observers out."""
         disabled = self.guard.disabled
         self.guard.call("phase hooks", hooks.drop_switched_off)
-        if hooks.attribution is not None and ATTRIBUTION_PART in disabled:
-            self._drop_attribution(hooks)
+        attribution = self._attribution
+        if attribution is not None and ATTRIBUTION_PART in disabled:
+            # What a forward left of it installed (its hooks on every module, its saved-tensor
+            # pair) goes now, and nothing asks it for module names again (no locations: None).
+            self._attribution = None
+            self._plans.clear()
+            self.guard.clean_up(ATTRIBUTION_PART, attribution.close)
         tracker = self._peak
         if tracker is not None and BREAKDOWN_PART in disabled:
             # what it holds: tracked storages, the static walk
             self._peak = None
+            self._plans.clear()
             self.guard.clean_up(BREAKDOWN_PART, tracker.close)
         fsdp = self._fsdp
         if fsdp is not None and FSDP_PART in disabled:
             # its pre-hook on every unit would go on being called (and return at once)
             self._fsdp = None
+            self._plans.clear()
             self.guard.clean_up(FSDP_PART, fsdp.remove)
-
-    def _drop_attribution(self, hooks: TrainingStepHooks) -> None:
-        """A fault switched the per-layer attribution off: what a forward left of it installed
-        (its hooks on every module, its saved-tensor pair) goes now, between iterations, and
-        nothing asks it for module names again (no locations: ``None``, unknown)."""
-        attribution, hooks.attribution = hooks.attribution, None
-        assert attribution is not None  # called only while there is one
-        if self._peak is not None:
-            self._peak.module_name = None
-        self.guard.clean_up(ATTRIBUTION_PART, attribution.close)
 
     def _buffers(self) -> list[torch.Tensor]:
         # The model's modules are listed at each refresh; their buffers are read now (a buffer
@@ -333,23 +416,29 @@ class Meter:
         self._refresh_model_state()
         if self._hooks is not None:
             self._hooks.set_params(self._params)
-            if self._hooks.attribution is not None:
-                self._hooks.attribution.refresh()
+        if self._intervals is not None:
+            self._intervals.set_params(self._params)
+        if self._attribution is not None:
+            self._attribution.refresh()
         self._known_optimizers = [entry for entry in self._known_optimizers if entry[0]() is not None]
         self._optimizer_state(recount=True)
 
     def close(self) -> None:
         """Remove every hook and stop counting (each in its own try: see ``FaultGuard.clean_up``)."""
-        hooks, fsdp, peak = self._hooks, self._fsdp, self._peak
-        self._peak = None
+        hooks, machine, peak, attribution = self._hooks, self._machine, self._peak, self._attribution
+        self._peak = self._attribution = None
+        self._plans.clear()
         steps = []
         if peak is not None:
             steps.append(peak.close)
         if hooks is not None:
-            hooks.breakdown = None
             steps.append(hooks.release)
-        if fsdp is not None:
-            steps.append(fsdp.remove)
+        if attribution is not None:
+            steps.append(attribution.close)
+        if machine is not None:
+            steps.append(machine.release)
+        if self._fsdp is not None:
+            steps.append(self._fsdp.close)
         steps.append(self.counter.stop)
         self.guard.clean_up("close", *steps)
 
@@ -372,13 +461,20 @@ class Meter:
         self.counter.start()
         self._outside = DeviceMemoryReader(now)
         self._refresh_model_state()
-        assert self._hooks is not None
-        self._hooks.retarget(self.counter, self._params)
+        hooks, machine, intervals = self._hooks, self._machine, self._intervals
+        assert hooks is not None and machine is not None and intervals is not None
+        hooks.set_params(self._params)
+        intervals.set_params(self._params)
+        machine.read_from(self.counter.mark)
+        self.counter.mark()
         # This iteration's breakdown followed the old device: none for it.
-        self._hooks.breakdown = None
-        if self._peak is not None:
-            self._peak.close()
-        self._peak = self._make_peak_breakdown()
+        old = self._peak
+        self._plans.clear()
+        if old is not None:
+            old.close()
+            self._plan = self._plan.without(old)
+            machine.begin_iteration(self._plan)
+        self._peak = make_peak_breakdown(self.counter, self.guard)
 
     def _know_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
         """Add ``optimizer`` to those known; False if it was known already."""
@@ -418,8 +514,8 @@ class Meter:
         return total if alive else None
 
     # -- the record --------------------------------------------------------------
-    def _watch(self, hooks: TrainingStepHooks, detailed: bool) -> None:
-        """Hooks on for an iteration that will be reported, off for the others.
+    def _watch(self, hooks: StepHooks, detailed: bool) -> None:
+        """Hooks on for an iteration that will be watched, off for the others.
 
         Inline rather than through ``guard.call``: it runs on the light path. A
         fault leaves the hooks on (every iteration then watched, as before) and
@@ -441,29 +537,59 @@ class Meter:
 
         ``reported``: the iteration is one that will be reported, so the figures
         that cost a driver call (memory outside PyTorch) and the per-layer ones
-        are included. An iteration that was not prepared as reported
-        (:meth:`prepare`) gets the light record of :meth:`_light_record`.
+        are included. An iteration whose plan (:meth:`prepare`) was not watched
+        gets the light record of :meth:`_light_record`.
         """
-        hooks = self._hooks
-        assert hooks is not None, "Meter.start() was not called"
-        measured = hooks.reported
-        # Slept through (the common case at print_period > 1): one read, nothing else.
-        final = None if measured else hooks.finish_asleep()
-        m = None
-        if final is None:
-            m = hooks.finish_iteration()
-            final = m.final
-            assert final is not None
-        self.idle = m is not None and m.counted and m.model_calls == 0 and m.counts == (0, 0, 0)
+        hooks, machine = self._hooks, self._machine
+        assert hooks is not None and machine is not None, "Meter.start() was not called"
+        if hooks.asleep and not self._plan.watched and machine.quiet():
+            # Slept through (the common case at print_period > 1): one read, nothing else.
+            final = self.counter.mark()
+            self.idle = False
+            # _read_peaks, inline (every iteration that is not watched comes here)
+            peak = final.peak_allocated
+            if peak is not None and (self._max_allocated is None or peak > self._max_allocated):
+                self._max_allocated = peak
+            peak = final.peak_reserved
+            if peak is not None and (self._max_reserved is None or peak > self._max_reserved):
+                self._max_reserved = peak
+            now = time.perf_counter()
+            elapsed, self._last_time = now - self._last_time, now
+            self._last_allocated = final.allocated
+            return self._light_record(position, final, final.peak_allocated, _UNCOUNTED, elapsed, reported)
+        return self._closed_record(position, reported)
+
+    def _closed_record(self, position: Position, reported: bool) -> IterationRecord:
+        """:meth:`finish` for an iteration the hooks watched or something happened in: the machine
+        closes it, and the observers of its plan give their parts."""
+        hooks, machine, intervals = self._hooks, self._machine, self._intervals
+        assert hooks is not None and machine is not None and intervals is not None
+        watched = self._plan.watched
+        asleep = hooks.asleep
+        machine.close_iteration(hooks.model_running)
+        final = machine.last_read()
+        counts = machine.counts()
+        phase_count, model_calls = machine.phase_count, machine.model_calls
+        machine.next_iteration()
+        if asleep:
+            counts = _UNCOUNTED  # nothing watched the iteration: its passes are unknown
+        else:
+            hooks.learn(counts[0], counts[2])
+        self.idle = not asleep and model_calls == 0 and counts == (0, 0, 0)
         now = time.perf_counter()
         elapsed, self._last_time = now - self._last_time, now
         self._last_allocated = final.allocated
-        if m is None:
-            return self._light_record(position, final, final.peak_allocated, _UNCOUNTED, elapsed, reported)
-        if not measured:
-            return self._light_record(position, final, m.iteration_peak, m.counts, elapsed, reported)
-        peak = self._peak_result(m.iteration_peak)
-        sizes = m.gradient_sizes
+        if not watched:
+            self._read_peaks(final.peak_allocated, final.peak_reserved)
+            return self._light_record(position, final, final.peak_allocated, counts, elapsed, reported)
+        figures = intervals.finish()
+        self._read_peaks(figures.iteration_peak, figures.peak_reserved)
+        if self._plan.per_layer and figures.peak_phase is not None:
+            # A peak in a forward not split by module has no location (None, not a guess):
+            # the next watched iteration splits it.
+            self._split_forward = figures.peak_phase == "forward"
+        peak = self._peak_result(figures.iteration_peak)
+        sizes = figures.gradient_sizes
         if sizes is None or len(sizes) != len(self._params):
             # No backward reached the model this iteration: take the gradients as they are.
             sizes = gradient_bytes(self._params)
@@ -476,13 +602,12 @@ class Meter:
                     if trainable or n
                 }
             )
+        phase_end, phase_peak = figures.phase_end_allocated, figures.phase_peak
         phases = MappingProxyType(
             {
-                phase: PhaseStats(
-                    m.phase_end_allocated.get(phase), m.phase_peak.get(phase), m.phase_count[phase]
-                )
+                phase: PhaseStats(phase_end.get(phase), phase_peak.get(phase), phase_count[phase])
                 for phase in PHASES
-                if phase in m.phase_count
+                if phase in phase_count
             }
         )
         has_peak = self.counter.has_peak
@@ -497,7 +622,7 @@ class Meter:
         if peak is not None:
             breakdown = MappingProxyType(peak.breakdown)
             other_before = peak.other_before
-            step_temporaries = peak.step_temporaries if m.peak_phase == "optimizer" else 0
+            step_temporaries = peak.step_temporaries if figures.peak_phase == "optimizer" else 0
             if peak.peak_layers is not None and located and self.level == "full":
                 peak_layers = MappingProxyType(peak.peak_layers)
             if peak.transient_in is not None:
@@ -505,20 +630,22 @@ class Meter:
             transient_in = peak.transient_in if located or peak.transient_in in PHASES else None
         shared = self._shared()
         epoch, iteration, step = position
-        forward_passes, backward_passes, optimizer_steps = m.counts
+        forward_passes, backward_passes, optimizer_steps = counts
+        attribution = self._attribution
+        layers = attribution.finish() if reported and attribution is not None and self._plan.per_layer else None
         return IterationRecord(
             epoch=epoch,
             iteration=iteration,
             step=step,
             device=shared.device,
             allocated=final.allocated,
-            peak_allocated=hooks.max_allocated if has_peak else None,
-            iteration_peak_allocated=m.iteration_peak,
-            peak_phase=m.peak_phase,
-            peak_cached=hooks.max_reserved if has_peak else None,
+            peak_allocated=self._max_allocated if has_peak else None,
+            iteration_peak_allocated=figures.iteration_peak,
+            peak_phase=figures.peak_phase,
+            peak_cached=self._max_reserved if has_peak else None,
             current_cached=final.reserved,
-            feature_maps=m.feature_maps,
-            intermediate_gradients=peak.backward_activation_gradients if peak is not None else None,
+            feature_maps=figures.feature_maps,
+            intermediate_gradients=peak.backward_intermediate_gradients if peak is not None else None,
             weights=shared.weights,
             weights_by_name=shared.weights_by_name,
             gradients=sum(sizes),
@@ -530,8 +657,8 @@ class Meter:
             optimizer_steps=optimizer_steps,
             iteration_time_s=elapsed,
             phases=phases,
-            peak_location=m.peak_location if located else None,
-            layers=_feature_maps_by_layer(m.layers, m.layers_kept) if reported else None,
+            peak_location=figures.peak_location if located else None,
+            layers=layers,
             device_used=usage.device_used if usage is not None else None,
             process_used=usage.process_used if usage is not None else None,
             outside_pytorch=outside,
@@ -580,8 +707,6 @@ class Meter:
         the pass counts and the sizes known already give; what needs the phase
         boundaries (phases, feature maps, gradients, intermediate gradients, the
         peak's phase) is ``None``."""
-        hooks = self._hooks
-        assert hooks is not None
         shared = self._shared()
         epoch, iteration, step = position
         has_peak = self.counter.has_peak
@@ -593,9 +718,9 @@ class Meter:
             step=step,
             device=shared.device,
             allocated=final.allocated,
-            peak_allocated=hooks.max_allocated if has_peak else None,
+            peak_allocated=self._max_allocated if has_peak else None,
             iteration_peak_allocated=iteration_peak,
-            peak_cached=hooks.max_reserved if has_peak else None,
+            peak_cached=self._max_reserved if has_peak else None,
             current_cached=final.reserved,
             feature_maps=None,
             intermediate_gradients=None,
@@ -618,12 +743,18 @@ class Meter:
             model_name=shared.model_name,
         )
 
+    def _read_peaks(self, allocated: int | None, reserved: int | None) -> None:
+        """Fold an iteration's highest peaks into those since the profiler started."""
+        if allocated is not None and (self._max_allocated is None or allocated > self._max_allocated):
+            self._max_allocated = allocated
+        if reserved is not None and (self._max_reserved is None or reserved > self._max_reserved):
+            self._max_reserved = reserved
+
     def _peak_result(self, iteration_peak: int | None) -> PeakResult | None:
-        """What the iteration's peak held, where the breakdown watched it (reported iterations)."""
-        hooks = self._hooks
-        assert hooks is not None
-        tracker, hooks.breakdown = hooks.breakdown, None
-        if tracker is None:
+        """What the iteration's peak held, where the breakdown watched it (watched iterations,
+        the breakdown on in their plan)."""
+        tracker = self._peak
+        if tracker is None or tracker not in self._plan.observers:
             return None
         params = [p for _, p in self._params]
         return self.guard.call(BREAKDOWN_PART, tracker.result, iteration_peak, params, self._optimizer_list())
@@ -648,15 +779,3 @@ def _check_optimizers_step(optimizers: list[torch.optim.Optimizer] | None, model
                 "trains this model, or leave optimizer=None to find it"
             )
 
-
-def _feature_maps_by_layer(breakdown: LayerBreakdown | None, kept: int) -> LayerFeatureMaps | None:
-    if breakdown is None:
-        return None
-    total = breakdown.total
-    return LayerFeatureMaps(
-        by_module=MappingProxyType(dict(breakdown.by_module)),
-        calls=MappingProxyType(dict(breakdown.calls)),
-        total=total,
-        inputs=breakdown.inputs,
-        unattributed=kept - total,
-    )

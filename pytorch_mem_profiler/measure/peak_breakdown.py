@@ -1,13 +1,14 @@
 """What is alive at an iteration's peak, by category: the measure side of ``peak_breakdown``.
 
-On reported iterations only (the hooks hold a tracker then, and nothing on the
-others), each storage alive at the iteration's peak is put in one category
+An observer (:mod:`.observers`) of watched iterations only (the iteration's plan
+puts it on then, and nothing of it runs on the others): each storage alive at the iteration's peak is put in one category
 of :data:`~pytorch_mem_profiler.stats.PEAK_CATEGORIES`, by identity, in this
 order: ``weights`` (parameters and buffers), ``gradients`` (a parameter's
 ``.grad``), ``optimizer_state``, ``inputs`` (the tensors the model was entered
-with), ``activations`` (saved for backward during the model's forward, seen
+with), ``activations`` (the feature maps: saved for backward during the model's forward, seen
 by a ``saved_tensors_hooks`` pack hook chained to the user's), then
-``activation_gradients`` (made during backward) and ``other``. The values sum
+``activation_gradients`` (the intermediate gradients: made during backward) and ``other``
+(the keys are the CSV's: see :mod:`pytorch_mem_profiler.stats`). The values sum
 to the iteration's peak exactly.
 
 Two ways, by what the device lets one see:
@@ -20,7 +21,7 @@ Two ways, by what the device lets one see:
 - :class:`BoundaryPeakBreakdown` (CUDA and other devices with a peak counter):
   the allocator gives no per-allocation view, so the categories are tracked by
   identity (weak references to the storages) and read at each boundary the
-  hooks mark (phases; modules in per-layer mode) together with the allocator.
+  phase machine reads (phases; modules in per-layer mode) together with the allocator.
   The weight gradients backward made are looked for at each of its boundaries
   (a parameter whose ``.grad`` appeared since), in C-level passes over the
   parameters still without one: no hook is put on the user's parameters, and
@@ -45,8 +46,8 @@ Example::
     >>> model = torch.nn.Linear(4, 4)
     >>> counter.adopt(model.parameters())
     >>> tracker = CpuPeakBreakdown(counter)
-    >>> tracker.begin(list(model.parameters()), [], [])
-    >>> _ = counter.mark(); tracker.marked(counter.read(), "other", "forward", None)
+    >>> tracker.start(list(model.parameters()), [], [])
+    >>> _ = counter.mark(); tracker.boundary(counter.read(), "other", "forward", None)
     >>> x = torch.randn(2, 4)
     >>> result = tracker.result(counter.mark().peak_allocated, list(model.parameters()), [])
     >>> result.breakdown["weights"], result.breakdown["other"]
@@ -64,9 +65,11 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
+from ..faults import FaultGuard
 from ..stats import PEAK_CATEGORIES
-from .accounting import PLAIN_TENSORS, optimizer_state_tensors, parts_on
+from .accounting import PLAIN_TENSORS, allocation_bytes, optimizer_state_tensors, parts_on, same_device
 from .devices import CpuCounter, MemoryCounter, Reading
+from .observers import Observer
 from .saved_tensors import ChainedSavedTensorsHooks, can_chain
 from .trees import tensors_in
 
@@ -88,9 +91,10 @@ class PeakResult(NamedTuple):
 
     #: bytes alive at the peak by category; the values sum to the peak
     breakdown: dict[str, int]
-    #: the ``activation_gradients`` part at backward's own peak (``None``: no backward seen)
-    backward_activation_gradients: int | None
-    #: bytes of each module's saved activations alive at the peak (per-layer mode), largest first
+    #: the ``activation_gradients`` part at backward's own peak: the intermediate gradients
+    #: (``None``: no backward seen)
+    backward_intermediate_gradients: int | None
+    #: bytes of each module's feature maps alive at the peak (per-layer mode), largest first
     peak_layers: dict[str, int] | None
     #: bytes of the peak made and freed between two boundaries (not seen by identity; 0 on the CPU)
     transient: int
@@ -108,22 +112,63 @@ def _empty() -> dict[str, int]:
     return dict.fromkeys(PEAK_CATEGORIES, 0)
 
 
-class PeakBreakdown:
-    """What both ways share: watching saved tensors and the model's inputs during forward.
+class PeakBreakdown(Observer):
+    """What both ways share: watching saved tensors and the model's inputs during forward, and the
+    iteration's events, as an observer (:mod:`.observers`).
 
     Args:
         device: the profiled device.
-        module_name: tells the module running now (per-layer mode), or ``None``.
+        guard: contains its faults, those of its saved-tensor hook included (part
+            :data:`BREAKDOWN_PART`).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    part = BREAKDOWN_PART
+
+    def __init__(self, device: torch.device, guard: FaultGuard | None = None) -> None:
         self.device = device
         # The device compared without a helper call per tensor (see ``accounting.same_device``).
         self._device_type, self._device_index = device.type, device.index
-        #: the module running now (set by the hooks in per-layer mode), for ``peak_layers``
+        self._guard = guard or FaultGuard()
+        #: the module running now (per-layer mode, given at :meth:`start`), for ``peak_layers``
         self.module_name: Callable[[], str] | None = None
-        self._saved_hooks = ChainedSavedTensorsHooks(self._observe_saved)
-        self.on_fault: Callable[[BaseException], None] | None = None
+        self._saved_hooks = ChainedSavedTensorsHooks(self._observe_saved, self._saved_hook_failed)
+        # the parameters of the running iteration (given at :meth:`start`)
+        self._params: Sequence[torch.Tensor] = ()
+
+    def _saved_hook_failed(self, exc: BaseException) -> None:
+        self._guard.fault(BREAKDOWN_PART, exc)
+
+    # -- the observer's events ---------------------------------------------------
+    def forward_began(self, args: Any, entry: Any) -> None:
+        # before the per-layer attribution pushes its own hooks: they pop in reverse
+        self.watch_forward(args)
+
+    def forward_resumed(self, args: Any, entry: Any) -> None:
+        self.watch_forward(args)
+
+    def inputs_seen(self, args: Any) -> None:
+        self.add_inputs(args)
+
+    def forward_left(self) -> None:
+        self.unwatch_forward()
+
+    def backward_started(self, grad_outputs: Any) -> None:
+        # The gradients of the outputs are already allocated when the gradient reaches the
+        # model: they belong to backward.
+        device = self.device
+        self.output_gradients_made(
+            sum(
+                allocation_bytes(g)
+                for g in grad_outputs
+                if isinstance(g, torch.Tensor) and same_device(g, device)
+            )
+        )
+
+    def backward_finished(self) -> None:
+        self.gradients_ready(self._params)
+
+    def on_fault(self) -> None:
+        self.close()
 
     # -- forward -------------------------------------------------------------
     def add_inputs(self, inputs: Any) -> None:
@@ -136,7 +181,6 @@ class PeakBreakdown:
         (call before the per-layer attribution pushes its own hooks: they pop in reverse)."""
         self.add_inputs(inputs)
         if can_chain():
-            self._saved_hooks.on_fault = self.on_fault
             self._saved_hooks.push()
 
     def unwatch_forward(self) -> None:
@@ -158,8 +202,8 @@ class PeakBreakdown:
     def close(self) -> None:
         """Drop everything held (the hooks are removed, the storages forgotten)."""
         self._saved_hooks.pop()
-        self.module_name = None  # refers back to the hooks through the attribution
-        self.on_fault = None
+        self.module_name = None  # refers back to the per-layer attribution
+        self._params = ()
 
     # -- for the two ways -------------------------------------------------------
     def _input(self, tensor: torch.Tensor) -> None:
@@ -168,22 +212,36 @@ class PeakBreakdown:
     def _saved(self, tensor: torch.Tensor, module: str | None) -> None:
         raise NotImplementedError
 
-    def begin(
+    def start(
         self,
         params: Sequence[torch.Tensor],
         buffers: Iterable[torch.Tensor],
         optimizers: Iterable[Any],
         allocated: int | None = None,
+        module_name: Callable[[], str] | None = None,
     ) -> None:
-        """A reported iteration starts."""
+        """A watched iteration starts: the model's ``params``, ``buffers`` and ``optimizers`` now,
+        ``allocated`` at its start (``None``: read it), and ``module_name`` the module running now
+        (per-layer mode; ``None``: no ``peak_layers``)."""
+        self._params = params
+        self.module_name = module_name
+        self._start(params, buffers, optimizers, allocated)
+
+    def _start(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Iterable[torch.Tensor],
+        optimizers: Iterable[Any],
+        allocated: int | None,
+    ) -> None:
         raise NotImplementedError
 
-    def marked(self, reading: Reading, ended: str, following: str, location: str | None) -> None:
-        """The hooks marked a boundary: ``reading`` closed an interval of phase ``ended`` run in
-        ``location`` (a module name, or ``None``) and opened one of phase ``following``."""
+    def boundary(self, reading: Reading, ended: str, following: str, where: str | None) -> None:
+        """The counters were read at a boundary: ``reading`` closed an interval of phase ``ended`` run
+        in ``where`` (a module name, or ``None``) and opened one of phase ``following``."""
         raise NotImplementedError
 
-    def backward_started(self, output_gradients: int) -> None:
+    def output_gradients_made(self, output_gradients: int) -> None:
         """Backward reached the model, whose outputs' gradients (``output_gradients`` bytes) exist."""
 
     def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
@@ -198,8 +256,8 @@ class PeakBreakdown:
 class CpuPeakBreakdown(PeakBreakdown):
     """Exact breakdown from the CPU counter's storage changes (see the module's text)."""
 
-    def __init__(self, counter: CpuCounter) -> None:
-        super().__init__(counter.device)
+    def __init__(self, counter: CpuCounter, guard: FaultGuard | None = None) -> None:
+        super().__init__(counter.device, guard)
         self.counter = counter
         self._reset()
 
@@ -217,7 +275,7 @@ class CpuPeakBreakdown(PeakBreakdown):
         self._gradients: set[Any] = set()
         self._state: set[Any] = set()
 
-    def begin(
+    def _start(
         self,
         params: Sequence[torch.Tensor],
         buffers: Iterable[torch.Tensor],
@@ -254,7 +312,7 @@ class CpuPeakBreakdown(PeakBreakdown):
     def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
         self._add_refs(self._gradients, (p.grad for p in params if p.grad is not None))
 
-    def marked(self, reading: Reading, ended: str, following: str, location: str | None) -> None:
+    def boundary(self, reading: Reading, ended: str, following: str, where: str | None) -> None:
         events = self._events
         if events is None:
             return
@@ -299,7 +357,7 @@ class CpuPeakBreakdown(PeakBreakdown):
     def _categorize(
         self, alive: dict[Any, int], weights: set[Any]
     ) -> tuple[dict[str, int], dict[str, int], int, int]:
-        """(bytes by category, saved activations by module, ``other`` alive before the
+        """(bytes by category, feature maps by module, ``other`` alive before the
         iteration, ``other`` the optimizer step made)."""
         out = _empty()
         layers: dict[str, int] = {}
@@ -425,7 +483,7 @@ class _Alive:
         if key in items:
             return False  # the first category given wins
         # Only the weights' and the state's lives can be remembered (``static``): the others'
-        # deaths need not look there (most deaths are activations', during backward).
+        # deaths need not look there (most deaths are feature maps', during backward).
         life = _StorageLife(storage, self._died if category in _REMEMBERED else self._died_unremembered)
         nbytes = storage.nbytes()
         life.key, life.nbytes, life.category, life.module = key, nbytes, category, module
@@ -460,7 +518,7 @@ class _Alive:
 class _StaticStorages:
     """The storages of the weights and the optimizer state, found by walking them once and
     remembered while they stay the same: a reported iteration then puts their tracked lives back
-    instead of making them again (this is most of :meth:`BoundaryPeakBreakdown.begin`).
+    instead of making them again (this is most of :meth:`BoundaryPeakBreakdown.start`).
 
     They stay the same while the walk (parameters, buffers, then each optimizer state tensor)
     meets the same storages, of the same sizes, in the same order, and none of them died: a
@@ -507,14 +565,15 @@ _new_boundary = functools.partial(tuple.__new__, _Boundary)
 
 
 class BoundaryPeakBreakdown(PeakBreakdown):
-    """Breakdown from the allocator read at the hooks' boundaries (see the module's text).
+    """Breakdown from the allocator read at the phase machine's boundaries (see the module's text).
 
     Args:
-        counter: the device counter (read at :meth:`begin`; the hooks read it at boundaries).
+        counter: the device counter (read at :meth:`start`; the machine reads it at boundaries).
+        guard: contains its faults.
     """
 
-    def __init__(self, counter: MemoryCounter) -> None:
-        super().__init__(counter.device)
+    def __init__(self, counter: MemoryCounter, guard: FaultGuard | None = None) -> None:
+        super().__init__(counter.device, guard)
         self.counter = counter
         self._alive = _Alive()
         self._static = _StaticStorages()
@@ -532,7 +591,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         # the parameters that may get a gradient and had none yet: looked at in backward
         self._awaiting: list[torch.Tensor] = []
 
-    def begin(
+    def _start(
         self,
         params: Sequence[torch.Tensor],
         buffers: Iterable[torch.Tensor],
@@ -696,7 +755,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         floor = self._floor = max(0, parts["other"] if floor is None else min(floor, parts["other"]))
         return _new_boundary((allocated, parts, layers, floor))
 
-    def marked(self, reading: Reading, ended: str, following: str, location: str | None) -> None:
+    def boundary(self, reading: Reading, ended: str, following: str, where: str | None) -> None:
         if not self._started:
             return
         if ended == "backward" and self._awaiting:
@@ -707,8 +766,8 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             new_best = best is None or peak > best[0]
             new_backward_best = ended == "backward" and (backward_best is None or peak > backward_best[0])
             if new_best or new_backward_best:  # most boundaries set neither: no tuple made for them
-                where = location if location is not None else ended
-                interval = (peak, opened, ended, where, self._alive.totals["gradients"])
+                ran_in = where if where is not None else ended
+                interval = (peak, opened, ended, ran_in, self._alive.totals["gradients"])
                 if new_best:
                     self._best = interval
                 if new_backward_best:
@@ -718,7 +777,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             self._unclaimed_before_backward = reading.allocated - self._alive.tracked
         self._open = self._boundary(reading.allocated, following == "backward" and ended == "backward")
 
-    def backward_started(self, output_gradients: int) -> None:
+    def output_gradients_made(self, output_gradients: int) -> None:
         # The outputs' gradients existed when backward reached the model: they are backward's.
         opened = self._open
         if opened is None or output_gradients <= 0:
@@ -815,10 +874,10 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         self._alive.static, self._alive.static_valid = {}, False
 
 
-def make_peak_breakdown(counter: MemoryCounter) -> PeakBreakdown | None:
+def make_peak_breakdown(counter: MemoryCounter, guard: FaultGuard | None = None) -> PeakBreakdown | None:
     """The tracker for ``counter``'s device; ``None`` where the device keeps no peak (MPS)."""
     if isinstance(counter, CpuCounter):
-        return CpuPeakBreakdown(counter)
+        return CpuPeakBreakdown(counter, guard)
     if counter.has_peak:
-        return BoundaryPeakBreakdown(counter)
+        return BoundaryPeakBreakdown(counter, guard)
     return None

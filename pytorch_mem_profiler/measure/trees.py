@@ -1,4 +1,5 @@
-"""Finding the tensors inside a module's inputs or outputs (tensors, tuples, lists, dicts).
+"""Walking what a model hands around: the tensors inside a module's inputs or outputs (tensors,
+tuples, lists, dicts), the autograd nodes of its outputs, whether it runs through ``torch.compile``.
 
 Example::
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["tensors_in", "output_grad_nodes"]
+__all__ = ["tensors_in", "output_grad_nodes", "is_compiled", "is_compiled_module"]
 
 
 def tensors_in(obj: Any, limit: int = 64) -> list[torch.Tensor]:
@@ -45,3 +46,15 @@ def output_grad_nodes(output: Any, limit: int = 64) -> list[torch.autograd.graph
             seen.add(id(node))
             nodes.append(node)
     return nodes
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """True when ``module`` itself runs through ``torch.compile`` (its submodules not looked at)."""
+    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """True when ``model`` or one of its submodules runs through ``torch.compile``."""
+    if type(model).__name__ == "OptimizedModule":
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())

@@ -4,7 +4,7 @@ Each rule looks at one record's :attr:`~pytorch_mem_profiler.stats.IterationReco
 (what was alive at the iteration's peak, by category) and, when it applies,
 gives one :class:`Advice` whose ``saves`` is computed from the record's own
 figures, each a measurement tied to what the advice names (the named blocks'
-saved activations, the optimizer's state, the step's temporaries, the
+feature maps, the optimizer's state, the step's temporaries, the
 gradients): never a remainder. A rule whose figures are missing gives nothing,
 never a generic tip.
 At most :data:`MAX_ADVICE` pieces are given, the largest saving first, and only
@@ -12,17 +12,17 @@ those that save at least :data:`MIN_SAVING_SHARE` of the peak.
 
 The rules (``a`` is a category's bytes at the peak, ``P`` the iteration's peak):
 
-- **checkpointing**: activations (saved for backward) ``>= DOMINANT_SHARE * P``
-  and per-layer figures are known. Each module's saved activations (those alive
+- **checkpointing**: feature maps (saved for backward) ``>= DOMINANT_SHARE * P``
+  and per-layer figures are known. Each module's feature maps (those alive
   at the peak, :attr:`~pytorch_mem_profiler.stats.IterationRecord.peak_layers`;
   else what each module saved in the forward, :attr:`~pytorch_mem_profiler.stats.IterationRecord.layers`)
   are summed per block: a name up to its first numeric part (``h.3`` for
   ``h.3.attn.c_attn``, ``layer2.1`` for ``layer2.1.conv1``), else its first part
   (``encoder`` for ``encoder.fc``); blocks that differ only in their last number
   (``h.0`` ... ``h.11``) are one family. The largest families are named, as many
-  as it takes to cover :data:`CHECKPOINT_COVER` of the attributed activations. Saving:
+  as it takes to cover :data:`CHECKPOINT_COVER` of the attributed feature maps. Saving:
   ``sum(blocks) - max(blocks)``: checkpointed blocks keep only their inputs,
-  and backward recomputes one block at a time, whose activations are alive again
+  and backward recomputes one block at a time, whose feature maps are alive again
   then. The blocks' inputs, which checkpointing keeps, are not in the record:
   the figure is an upper bound, off by those inputs (a block's input is usually
   a few percent of what it saves).
@@ -91,7 +91,7 @@ FOREACH_SHARE = 0.10
 #: Advice that would save less than this share of the peak is not given.
 MIN_SAVING_SHARE = 0.05
 #: The checkpointing advice names the largest blocks until they hold this share of the
-#: activations attributed to blocks.
+#: feature maps attributed to blocks.
 CHECKPOINT_COVER = 0.80
 #: At most this many pieces of advice per record, the largest saving first.
 MAX_ADVICE = 2
@@ -131,8 +131,8 @@ def block_of(module: str) -> str:
     return parts[0]
 
 
-def _module_activations(record: IterationRecord) -> dict[str, int]:
-    """Saved activations by module: those alive at the peak where known, else those the forward saved."""
+def _module_feature_maps(record: IterationRecord) -> dict[str, int]:
+    """Feature maps by module: those alive at the peak where known, else those the forward saved."""
     if record.peak_layers:
         return {m: n for m, n in record.peak_layers.items() if m not in ("", INPUT) and n > 0}
     if record.layers is None:
@@ -160,7 +160,7 @@ def _fold_names(blocks: list[str]) -> list[str]:
 
 
 def _checkpointing(record: IterationRecord) -> Advice | None:
-    modules = _module_activations(record)
+    modules = _module_feature_maps(record)
     blocks: dict[str, int] = {}
     for module, nbytes in modules.items():
         block = block_of(module)
@@ -188,7 +188,7 @@ def _checkpointing(record: IterationRecord) -> Advice | None:
         "checkpointing",
         saved - largest,
         subject,
-        {"blocks": len(chosen), "blocks_activations": saved, "largest_block": largest},
+        {"blocks": len(chosen), "blocks_feature_maps": saved, "largest_block": largest},
     )
 
 
@@ -239,8 +239,8 @@ def format_advice(advice: Advice, unit: str = "MB") -> str:
     if advice.kind == "checkpointing":
         blocks = basis["blocks"]
         return (
-            f"activation checkpointing of {advice.subject} would save up to {fmt(advice.saves)}: "
-            f"the {'blocks' if blocks > 1 else 'block'}' saved activations, {fmt(basis['blocks_activations'])}, "
+            f"checkpointing {advice.subject} would save up to {fmt(advice.saves)}: "
+            f"the {'blocks' if blocks > 1 else 'block'}' feature maps, {fmt(basis['blocks_feature_maps'])}, "
             f"less the largest block's, {fmt(basis['largest_block'])}, recomputed in backward "
             "(less each block's input, which it keeps)"
         )

@@ -6,7 +6,7 @@ record_shapes=True, with_stack=True``, :func:`save_memory_timeline` writes
 - ``<host>_<time>.json.gz``: the Chrome trace (open it at https://ui.perfetto.dev
   or ``chrome://tracing``);
 - ``<host>_<time>.html``: the memory timeline, memory over time stacked by
-  category (parameters, optimizer state, activations, gradients...), drawn
+  category (torch's own: parameter, optimizer state, activation, gradient...), drawn
   with matplotlib (``pip install 'pytorch_mem_profiler[plot]'``).
 
 :func:`memory_timeline_handler` gives the same as an ``on_trace_ready``

@@ -1,0 +1,538 @@
+"""The phases of a training iteration, as a state machine with no torch in it.
+
+The hook set (:mod:`.hooks`) turns what torch calls (module hooks, the
+autograd engine, optimizer step hooks) into events here; a framework that knows
+its phases says so with :meth:`PhaseMachine.begin` and :meth:`PhaseMachine.end`
+(``MemoryProfiler.phase(name)``). From them the machine decides where the
+iteration is:
+
+- forward: the first module *of this model* entered with grad enabled from
+  outside the model's other modules (the hook set's :mod:`.entries`). Entries one
+  after the other before a backward (``self.encoder``, then ``self.decoder``) make
+  one forward pass. Forwards under ``no_grad`` and checkpoint recomputation during
+  backward are not a forward phase;
+- backward: from when the gradient reaches a forward's outputs to when the
+  autograd engine has finished the whole pass;
+- optimizer step: the steps of optimizers that step this model's parameters. A
+  step that runs a closure (``optimizer.step(closure)``: Lightning's automatic
+  optimization, ``torch.optim.LBFGS``) holds forwards and backwards: they count as
+  such, and the optimizer phase is the update, what runs after a closure's
+  backward. What runs from the step's start to the closure's first forward is
+  "other", and a step run from a gradient hook inside backward is backward's.
+
+It counts passes and steps on every iteration. On a *watched* one (the
+iteration's :class:`~.plan.IterationPlan` says so) it reads the counters at every
+boundary (``read``, injected: the only device call it makes, through the meter's
+counter) and hands the events to the plan's observers (:mod:`.observers`), each
+behind its own fault-guard part; on the others it only follows the phase
+(a backward's end is then noticed at the next forward, step or iteration end,
+since nothing is queued on autograd's engine). In per-layer mode the
+attribution's module hooks tell it where forward leaves and backward reaches a
+tracked module (:meth:`PhaseMachine.module_left`,
+:meth:`PhaseMachine.backward_reached`): more boundaries, so that each
+interval's module is known.
+
+Example::
+
+    >>> from collections import namedtuple
+    >>> from pytorch_mem_profiler.measure.plan import IterationPlan
+    >>> Reading = namedtuple("Reading", "allocated peak_allocated reserved peak_reserved")
+    >>> allocated = [0]
+    >>> read = lambda: Reading(allocated[0], allocated[0], None, None)
+    >>> class Pending:  # what the hook set puts on a forward's outputs: it tells when backward reaches them
+    ...     started = False
+    >>> machine = PhaseMachine(read, Pending, lambda: False)
+    >>> machine.begin_iteration(IterationPlan.make("phases"))
+    >>> machine.entered(True, (), None)           # a module of the model entered, grad enabled
+    True
+    >>> allocated[0] = 100; machine.left(machine.forward_pass)
+    >>> machine.backward_started(()), machine.phase
+    (True, 'backward')
+    >>> machine.backward_finished(); machine.step_began(); machine.step_ended()
+    >>> machine.close_iteration(model_running=False); machine.counts()
+    (1, 1, 1)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..faults import FaultGuard
+from .observers import Observer
+from .plan import IterationPlan
+
+__all__ = ["PhaseMachine", "ForwardPass", "EXPLICIT_PHASES", "check_phase_name"]
+
+#: The phases a framework can mark itself (``MemoryProfiler.phase(name)``).
+EXPLICIT_PHASES = ("forward", "backward", "optimizer")
+
+_NOBODY: tuple = ()
+
+
+class ForwardPass:
+    """A forward pass: from its first entry into the model to its last exit before a backward."""
+
+    __slots__ = ("start", "end_allocated", "pending", "explicit")
+
+    def __init__(self, start: Any, pending: Any, explicit: bool) -> None:
+        #: the reading when it began; ``None`` on an iteration that is not watched
+        self.start = start
+        #: allocated at the last exit from the model (``None`` while none happened or not watched)
+        self.end_allocated: int | None = None
+        #: the hook set's token on its outputs: its ``started`` tells whether backward reached them
+        self.pending = pending
+        #: whether a framework marked it by hand
+        self.explicit = explicit
+
+    @property
+    def kept(self) -> int | None:
+        """What the pass left allocated, from its start to its last exit (``None``: not measured)."""
+        if self.start is None or self.end_allocated is None:
+            return None
+        return self.end_allocated - self.start.allocated
+
+
+def check_phase_name(phase: str) -> None:
+    """``ValueError`` for a phase a framework cannot mark (one not in :data:`EXPLICIT_PHASES`)."""
+    if phase not in EXPLICIT_PHASES:
+        raise ValueError(f"phase name must be one of {', '.join(map(repr, EXPLICIT_PHASES))}: name={phase!r}")
+
+
+class PhaseMachine:
+    """Where the running iteration is, from the events the hook set reports; no torch in it.
+
+    Args:
+        read: reads the counters and starts a new peak interval (the counter's ``mark``).
+        new_pending: makes the token the hook set puts on a forward's outputs (an object with
+            a ``started`` flag, set once backward reaches them).
+        backward_running: whether this thread runs inside a backward pass now.
+        on_first_forward: called once, at the first forward.
+        guard: contains the observers' faults (each under its own part).
+    """
+
+    def __init__(
+        self,
+        read: Callable[[], Any],
+        new_pending: Callable[[], Any],
+        backward_running: Callable[[], bool],
+        on_first_forward: Callable[[], None] | None = None,
+        guard: FaultGuard | None = None,
+    ) -> None:
+        self._read = read
+        self._new_pending = new_pending
+        self._backward_running = backward_running
+        self._on_first_forward = on_first_forward
+        self._guard = guard or FaultGuard()
+        #: the phase running now: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"``
+        self.phase = "other"
+        #: the forward pass running (``None`` between passes)
+        self.forward_pass: ForwardPass | None = None
+        # the last forward pass's pending backward, until the next forward
+        self._awaiting: Any = None
+        # optimizer steps running (nested steps count once), forwards begun in the running
+        # step, and whether the running step began inside backward
+        self._step_depth = 0
+        self._step_forwards = 0
+        self._step_in_backward = False
+        # phases a framework marked itself (begin/end)
+        self._explicit: set[str] = set()
+        # the module the running interval runs in (per-layer mode; "": the model's own code)
+        self._location: str | None = None
+        # a backward began on an iteration not watched and its end is not noticed yet
+        self._backward_unsettled = False
+        # the hook set's backward hooks are off for good (a fault): no backward is looked for
+        self._backward_off = False
+        #: passes and steps of the running iteration (counted whether watched or not)
+        self.forward_passes = 0
+        self.backward_passes = 0
+        self.optimizer_steps = 0
+        #: calls that entered the model from outside it, no-grad ones too (0: the model never ran)
+        self.model_calls = 0
+        #: occurrences of each phase on a watched iteration
+        self.phase_count: dict[str, int] = {}
+        self._plan: IterationPlan | None = None
+        self._watched = False
+        self._per_layer = False
+        self._split_forward = False
+        self._listen(())
+
+    def read_from(self, read: Callable[[], Any]) -> None:
+        """Read the counters with ``read`` from now on (the model moved to another device)."""
+        self._read = read
+
+    # -- the plan ------------------------------------------------------------------------------
+    def begin_iteration(self, plan: IterationPlan) -> None:
+        """The coming iteration follows ``plan`` (handed by the meter before it starts)."""
+        if plan is self._plan:
+            return
+        self._plan = plan
+        self._watched = plan.watched
+        self._per_layer = plan.per_layer
+        self._split_forward = plan.split_forward
+        self._listen(plan.observers if plan.watched else ())
+
+    def _listen(self, observers: tuple[Observer, ...]) -> None:
+        """Who receives each event (one tuple per event of :data:`~.observers.EVENTS`):
+        ``(observer, its bound method)`` pairs, made once per plan (no lookup per event), only
+        for observers that handle the event."""
+
+        def listeners(event: str) -> tuple[tuple[Observer, Callable[..., None]], ...]:
+            return tuple((o, getattr(o, event)) for o in observers if o.overrides(event))
+
+        self._observers = observers
+        self._on_boundary = listeners("boundary")
+        self._on_forward_began = listeners("forward_began")
+        self._on_forward_resumed = listeners("forward_resumed")
+        self._on_inputs_seen = listeners("inputs_seen")
+        # popped in the reverse of the order they were pushed in
+        self._on_forward_left = listeners("forward_left")[::-1]
+        self._on_forward_closed = listeners("forward_closed")
+        self._on_backward_started = listeners("backward_started")
+        self._on_backward_finished = listeners("backward_finished")
+
+    def _tell(self, listeners: tuple[tuple[Observer, Callable[..., None]], ...], *args: Any) -> None:
+        for observer, event in listeners:
+            try:
+                event(*args)
+            except Exception as exc:  # noqa: BLE001 - the observer switches off, the rest goes on
+                self._failed(observer, exc)
+
+    def _failed(self, observer: Observer, exc: Exception) -> None:
+        """An observer's event raised: it switches off (the others go on); one without a part of
+        its own (the phase intervals) passes the fault on to the hook that fired."""
+        part = observer.part
+        if part is None:
+            raise exc
+        self._listen(tuple(o for o in self._observers if o is not observer))
+        try:
+            observer.on_fault()
+        finally:
+            self._guard.fault(part, exc)
+
+    # -- boundaries ----------------------------------------------------------------------------
+    def _mark(self, following: str, location: str | None = None) -> Any:
+        """Read the counters, close the running interval and open one of phase ``following``
+        (equal to the running phase: split at a module boundary) run in ``location``."""
+        reading = self._read()
+        ended, where = self.phase, self._location
+        for observer, boundary in self._on_boundary:
+            try:
+                boundary(reading, ended, following, where)
+            except Exception as exc:  # noqa: BLE001 - the observer switches off, the rest goes on
+                self._failed(observer, exc)
+        self.phase = following
+        self._location = location
+        return reading
+
+    def _switch(self, following: str, location: str | None = None) -> Any:
+        """A phase boundary: read it (:meth:`_mark`) on a watched iteration; on the others only
+        note the phase, and give ``None``."""
+        if self._watched:
+            return self._mark(following, location)
+        self.phase = following
+        return None
+
+    def _count(self, phase: str) -> None:
+        counts = self.phase_count
+        counts[phase] = counts.get(phase, 0) + 1
+
+    def module_left(self, ended_in: str, now_in: str) -> None:
+        """A tracked module's forward ended (per-layer mode): what ran since the last boundary is
+        put down to ``ended_in``; the code runs in ``now_in`` from here."""
+        if self.phase == "forward" and self._split_forward:
+            self._location = ended_in
+            self._mark("forward", now_in)
+
+    def backward_reached(self, name: str) -> None:
+        """Backward reached the outputs of the tracked module ``name`` (per-layer mode)."""
+        if self.phase == "backward" and self._watched:
+            self._mark("backward", name)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def entered(self, grad_enabled: bool, args: Any, entry: Any) -> bool:
+        """A call entered the model from outside it (through module ``entry``, with ``args``): is
+        it (part of) a training forward? No-grad forwards (evaluation) and recomputation inside
+        backward leave nothing for a later backward: they are not a forward phase."""
+        self.model_calls += 1
+        if self._backward_unsettled:
+            self._settle_backward()
+        if not grad_enabled or self.phase == "backward":
+            return False
+        if "forward" in self._explicit:
+            # The framework marked this forward: only learn the inputs.
+            if self._on_inputs_seen:
+                self._tell(self._on_inputs_seen, args)
+            return True
+        self._begin_forward(args, entry)
+        return True
+
+    def left(self, pass_: ForwardPass) -> None:
+        """A training forward's call into the model returned (``pass_``: the running pass)."""
+        if "forward" not in self._explicit:
+            self._leave(pass_)
+
+    def _begin_forward(self, args: Any, entry: Any, explicit: bool = False) -> None:
+        pass_ = self.forward_pass
+        location = "" if self._split_forward else None
+        if pass_ is not None and not explicit and not pass_.explicit and not pass_.pending.started:
+            # Entered again before any backward (self.decoder after self.encoder): the same pass.
+            self._switch("forward", location)
+            if self._on_forward_resumed:
+                self._tell(self._on_forward_resumed, args, entry)
+        else:
+            if pass_ is not None:
+                self._close_forward()
+            if self._step_depth and not self._step_forwards and self.phase == "optimizer":
+                # From the step's start to its closure's first forward is not the update.
+                self.phase = "other"
+            if self._on_first_forward is not None:
+                callback, self._on_first_forward = self._on_first_forward, None
+                callback()
+            if self._watched:
+                start = self._mark("forward", location)
+                self._count("forward")
+            else:  # the light path: only the phase and the count
+                self.phase, start = "forward", None
+            self.forward_pass = ForwardPass(start, self._new_pending(), explicit)
+            self.forward_passes += 1
+            if self._on_forward_began:
+                self._tell(self._on_forward_began, args, entry)
+        if self._step_depth:
+            self._step_forwards += 1
+
+    def _leave(self, pass_: ForwardPass) -> None:
+        """The model was left: the pass may go on (another entry) or end (backward, a step)."""
+        if self._on_forward_left:
+            self._tell(self._on_forward_left)
+        if self.phase == "forward":
+            reading = self._switch("other")
+            if reading is not None and pass_.start is not None:
+                pass_.end_allocated = reading.allocated
+
+    def _close_forward(self) -> None:
+        """End the forward pass for good."""
+        pass_, self.forward_pass = self.forward_pass, None
+        if pass_ is None:
+            return
+        self._awaiting = pass_.pending
+        self._leave(pass_)  # still inside it when a phase marked by hand ends it
+        if self._on_forward_closed:
+            self._tell(self._on_forward_closed, pass_.kept)
+
+    # -- backward ----------------------------------------------------------------------------------
+    def backward_started(self, grad_outputs: Any) -> bool:
+        """The gradient reached a forward's outputs; whether the hook set must queue backward's
+        end on autograd's engine (a watched iteration: :meth:`backward_finished`)."""
+        if "backward" in self._explicit or self.phase == "backward":
+            return False  # marked by the framework, or a second forward's outputs in the same backward
+        pass_ = self.forward_pass
+        if pass_ is not None and pass_.start is None and self.phase != "forward":
+            self.forward_pass, self._awaiting = None, pass_.pending  # as _close_forward does, the pass left already
+        else:
+            self._close_forward()
+        if not self._watched:
+            # Counted and left when noticed ended (_settle_backward): nothing queued on the
+            # engine, no gradient sizes, no hand-over to autograd's device thread.
+            self.phase = "backward"
+            self._backward_unsettled = True
+            return False
+        self._mark("backward", "" if self._per_layer else None)
+        self._count("backward")
+        if self._on_backward_started:
+            self._tell(self._on_backward_started, grad_outputs)
+        return True
+
+    def backward_finished(self) -> None:
+        """The whole backward pass is done (autograd's engine ran the callback queued at its start)."""
+        # Inside an optimizer step (a closure), what follows backward is the update.
+        end = self._switch("optimizer" if self._step_depth and not self._step_in_backward else "other")
+        self.backward_passes += 1
+        if end is not None and self._on_backward_finished:
+            self._tell(self._on_backward_finished)
+
+    def _settle_backward(self) -> None:
+        """On an iteration not watched, a backward whose start was seen has ended once this
+        thread is outside every backward graph: count it and leave its phase."""
+        if not self._backward_unsettled or self._backward_running():
+            return
+        self._backward_unsettled = False
+        self.backward_passes += 1
+        if self.phase == "backward":
+            self.phase = "optimizer" if self._step_depth and not self._step_in_backward else "other"
+
+    # -- optimizer step ------------------------------------------------------------------------------
+    def step_began(self) -> None:
+        """An optimizer step over the model's parameters began (its pre-hook)."""
+        if "optimizer" not in self._explicit:
+            self._step_began()
+
+    def step_ended(self) -> None:
+        """An optimizer step over the model's parameters ended (its post-hook)."""
+        if "optimizer" not in self._explicit:
+            self._step_ended()
+
+    def _step_began(self) -> None:
+        if self._backward_unsettled:
+            self._settle_backward()
+        self._step_depth += 1
+        if self._step_depth > 1:
+            return
+        self._step_forwards = 0
+        # A step run from a gradient hook inside backward (per-parameter steps) is part of backward.
+        self._step_in_backward = self.phase == "backward"
+        if not self._step_in_backward:
+            if self.forward_pass is not None:
+                self._close_forward()
+            if self._watched:
+                self._mark("optimizer")
+            else:
+                self.phase = "optimizer"
+
+    def _step_ended(self) -> None:
+        if self._step_depth == 0:
+            return
+        self._step_depth -= 1
+        if self._step_depth:
+            return
+        self.optimizer_steps += 1
+        if self._step_in_backward:
+            self._step_in_backward = False
+            return
+        if self._watched:
+            self._mark("other")
+            self._count("optimizer")
+        else:
+            self.phase = "other"
+
+    # -- phases a framework marks itself -----------------------------------------------------------------
+    def begin(self, phase: str) -> str | None:
+        """A framework says ``phase`` (``"forward"``, ``"backward"`` or ``"optimizer"``) starts now.
+
+        Returns a token for :meth:`end`; ``None`` when that phase was already marked as
+        running (the inner mark is then ignored). The automatic hooks that fire inside
+        the phase do not open a second one.
+        """
+        check_phase_name(phase)
+        if phase in self._explicit:
+            return None
+        if self._backward_unsettled:
+            self._settle_backward()
+        if phase == "forward":
+            self._begin_forward((), None, explicit=True)
+        elif phase == "backward":
+            self._close_forward()
+            self._switch("backward", "" if self._per_layer else None)
+            self._count("backward")
+        else:
+            self._step_began()
+        self._explicit.add(phase)
+        return phase
+
+    def end(self, token: str | None) -> None:
+        """The phase :meth:`begin` returned ``token`` for has ended."""
+        if token is None or token not in self._explicit:
+            return
+        self._explicit.discard(token)
+        if token == "forward":
+            self._close_forward()
+        elif token == "backward":
+            if self.phase == "backward":
+                self.backward_finished()
+        else:
+            self._step_ended()
+
+    # -- between iterations ----------------------------------------------------------------------------
+    def at_rest(self) -> bool:
+        """Whether nothing is open that the hooks must see end: no forward awaiting its
+        backward, no backward, no step, no phase marked by hand (the hooks may sleep)."""
+        if self.forward_pass is not None or self._step_depth or self._explicit:
+            return False
+        awaiting = self._awaiting
+        if awaiting is not None and not awaiting.started and not self._backward_off:
+            return False  # the last forward's backward is still to come: it must be found
+        return not self._backward_unsettled and self.phase != "backward"
+
+    def rest(self) -> None:
+        """The hooks went to sleep: nothing runs until they wake."""
+        self.phase = "other"
+
+    def quiet(self) -> bool:
+        """Whether no event came in this iteration (the hooks slept through it, and no phase was
+        marked by hand): it is closed by one read, and nothing else."""
+        return not (
+            self._explicit
+            or self.forward_pass is not None
+            or self._step_depth
+            or self.forward_passes
+            or self.backward_passes
+            or self.optimizer_steps
+        )
+
+    def close_iteration(self, model_running: bool) -> None:
+        """``record_stats()`` closes the iteration: a backward not watched is counted, and a forward
+        left for good (unless a framework marked it, or the model still runs) is closed."""
+        if self._backward_unsettled:
+            self._settle_backward()
+        pass_ = self.forward_pass
+        if pass_ is not None and not pass_.explicit and not model_running:
+            self._close_forward()
+
+    def last_read(self) -> Any:
+        """The iteration's last read: its last boundary on a watched iteration (the running phase
+        goes on), its one read on the others."""
+        if self._watched:
+            return self._mark(self.phase)
+        return self._read()
+
+    def counts(self) -> tuple[int, int, int]:
+        """(forward passes, backward passes, optimizer steps) of the running iteration."""
+        return self.forward_passes, self.backward_passes, self.optimizer_steps
+
+    def next_iteration(self) -> None:
+        """Start counting the next iteration."""
+        self.forward_passes = self.backward_passes = self.optimizer_steps = self.model_calls = 0
+        if self.phase_count:
+            self.phase_count = {}
+
+    # -- parts switched off --------------------------------------------------------------------------------
+    def forward_switched_off(self) -> None:
+        """The forward hooks are off for good: the running pass never closes now, and its
+        backward is never looked for."""
+        self.forward_pass = self._awaiting = None
+        if self.phase == "forward":
+            self.phase = "other"
+
+    def steps_switched_off(self) -> None:
+        """The optimizer-step hooks are off for good: a step begun is never ended."""
+        self._step_depth = self._step_forwards = 0
+        self._step_in_backward = False
+        if self.phase == "optimizer":
+            self.phase = "other"
+
+    def backward_switched_off(self) -> None:
+        """The backward hooks are off for good: no backward is looked for or awaited."""
+        self._backward_off = True
+        self._awaiting = None
+        self._backward_unsettled = False
+        if self.phase == "backward":
+            self.phase = "other"
+
+    def hooks_removed(self) -> None:
+        """Every hook is off (``remove()``): nothing of a forward is awaited any more."""
+        self.forward_pass = self._awaiting = None
+
+    def release(self) -> None:
+        """Drop every callable and observer given (a closed profiler is freed at once)."""
+        self._on_first_forward = None
+        self._new_pending = _no_pending
+        self._plan = None
+        self._listen(())
+        self.forward_pass = self._awaiting = None
+
+
+class _NoPending:
+    started = True
+
+
+def _no_pending() -> Any:
+    return _NoPending()
