@@ -266,6 +266,7 @@ def estimate_memory(
         checkpointed=step.checkpointed,
         optimizer=_optimizer_text(optimizer, step.optimizer_name),
         parameter_dtypes=step.parameter_dtypes,
+        notes=step.notes,
     )
     if compare:
         base = dict(

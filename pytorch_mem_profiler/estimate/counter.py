@@ -25,9 +25,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -68,6 +69,8 @@ class _LifeMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
+        if self.counter.paused_depth:
+            return out
         kinds = return_kinds(func)
         if kinds is None:
             return out
@@ -121,6 +124,8 @@ class StorageLifeCounter(MemoryCounter):
         #: the phase new storages are born in, and the largest total reached in each
         self.phase = "other"
         self.phase_peaks: dict[str, int] = {}
+        #: while above 0 operators are not counted (see :meth:`paused`)
+        self.paused_depth = 0
 
     def start(self) -> None:
         if self._mode is None:
@@ -152,6 +157,17 @@ class StorageLifeCounter(MemoryCounter):
         self._live[key] = reborn
         self.lives.append(reborn)
         self._change(nbytes)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Operators inside are not counted: work that is not the step's (tracing a compiled
+        module's graphs), or values the step would not allocate (what a fused kernel computes
+        in registers). Storages counted before keep dying as they die."""
+        self.paused_depth += 1
+        try:
+            yield
+        finally:
+            self.paused_depth -= 1
 
     # -- what the dispatch mode hands over ---------------------------------------
     def _track(self, tensor: torch.Tensor, alias: bool = False) -> None:

@@ -52,7 +52,19 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _fake(*values: Any) -> bool:
-    return any(isinstance(v, FakeTensor) for v in values)
+    return any(_is_fake(v) for v in values)
+
+
+def _is_fake(value: Any) -> bool:
+    """A fake tensor, or one functionalized over a fake tensor (a compiled module's graph being traced)."""
+    if isinstance(value, FakeTensor):
+        return True
+    if type(value).__name__ != "FunctionalTensor":
+        return False
+    try:
+        return isinstance(torch._from_functional_tensor(value.elem), FakeTensor)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 def _autocast_dtype() -> torch.dtype | None:
@@ -224,7 +236,7 @@ def _float32_result(original: Callable[..., torch.Tensor]) -> Callable[..., torc
     def float32_result(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if (
             _autocast_dtype() is not None
-            and isinstance(input, FakeTensor)
+            and _is_fake(input)
             and input.dtype in _HALF
             and kwargs.get("dtype") is None
             and len(args) < 3
@@ -241,7 +253,7 @@ def _fused_dropout(original: Callable[..., torch.Tensor]) -> Callable[..., torch
     @functools.wraps(original)
     def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
         # ATen's dropout takes the fused kernel for a CUDA input with 0 < p < 1 that is not in place
-        if not isinstance(input, FakeTensor) or inplace or not training or not 0 < p < 1 or input.numel() == 0:
+        if not _is_fake(input) or inplace or not training or not 0 < p < 1 or input.numel() == 0:
             return original(input, p, training, inplace)
         return torch.ops.aten.native_dropout(input, p, True)[0]
 
@@ -265,7 +277,7 @@ def _cuda_cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., 
         params.update(kwargs)
         if (
             _autocast_dtype() is None
-            or not isinstance(input, FakeTensor)
+            or not _is_fake(input)
             or input.dtype not in _HALF
             or target.is_floating_point()
             or params.get("label_smoothing", 0.0) != 0.0

@@ -274,6 +274,9 @@ class MemoryEstimate:
         optimizer: the optimizer, as made (``"Adam"``, ``"SGD(lr=0.1, momentum=0.9)"``, ``"none
             (nothing to train)"``; ``None``: unknown).
         parameter_dtypes: the dtypes of the model's floating-point parameters (``"float32"``).
+        notes: how parts of the step were estimated where that is not plain, one line each (a
+            ``torch.compile``'d module estimated as Inductor runs it, or uncompiled and why: see
+            :mod:`~pytorch_mem_profiler.estimate.compiled`).
     """
 
     device: str
@@ -310,6 +313,7 @@ class MemoryEstimate:
     checkpointed: tuple[str, ...] | None = None
     optimizer: str | None = None
     parameter_dtypes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def peak_allocated(self) -> int:
@@ -522,6 +526,7 @@ class MemoryEstimate:
             out.append(f"Per sample: {fmt(self.fit.per_sample)} (linear over batch {a} and {b}{check})")
             if self.fit.peak_moves:
                 out.append(f"The peak moves with the batch: {self.fit.peak_moves}")
+        out += [f"Note: {note}" for note in self.notes]
         if self.alternatives:
             out += ["", self.format_comparison(unit)]
         out.append(f"({unit} = {UNITS[unit]:,} bytes)")

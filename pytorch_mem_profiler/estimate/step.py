@@ -52,6 +52,7 @@ from .allocator import block_size, simulate_reserved
 from .counter import Life, StorageLifeCounter
 from .emulation import cuda_rules
 from .build import build_model
+from .compiled import CompiledModules
 from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
 from .rnn import CudnnRNNRules
@@ -131,6 +132,8 @@ class StepMemory:
     optimizer_name: str | None = None
     #: the dtypes of the model's floating-point parameters, by name (``"float32"``), once each
     parameter_dtypes: tuple[str, ...] = ()
+    #: how the step was estimated where it is not plain (compiled modules, see :mod:`.compiled`)
+    notes: tuple[str, ...] = ()
 
 
 # -- errors ----------------------------------------------------------------------
@@ -290,8 +293,8 @@ class _SavedByModule:
             handle.remove()
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if id(module) == self.root:
-            return
+        if id(module) == self.root or self.counter.paused_depth:
+            return  # the root, or a compiled module's trace
         name = self.names.get(id(module), self.stack[-1])
         if id(module) in self.names:
             self.calls[name] = self.calls.get(name, 0) + 1
@@ -299,11 +302,13 @@ class _SavedByModule:
         self.keys.append(id(module))
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.keys and self.keys[-1] == id(module):
+        if self.keys and self.keys[-1] == id(module) and not self.counter.paused_depth:
             self.keys.pop()
             self.stack.pop()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.counter.paused_depth:
+            return t
         life = self.counter.life_of(t)
         if life is None or id(life) in self.seen:
             return t
@@ -422,6 +427,8 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
             if build_error is not None:
                 raise err from build_error
             raise
+        compiled = CompiledModules(counter, target, key=plan.model)
+        model = compiled.install(model, source=made if made is not None else plan.model if isinstance(plan.model, nn.Module) else None)
         set_up: Mapping[str, list[torch.Tensor]] = {}
         if plan.setup is not None:
             model, set_up = plan.setup(model)
@@ -478,9 +485,10 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
         optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
         parameter_dtypes=dtypes,
     )
-    if rnn is not None and rnn.bounds:
-        step = dataclasses.replace(step, error_bounds=MappingProxyType(dict(rnn.bounds)))
-    return step
+    bounds = {**(rnn.bounds if rnn is not None else {}), **compiled.bounds(step.peak_layers, step.breakdown)}
+    if bounds:
+        step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds))
+    return dataclasses.replace(step, notes=compiled.notes())
 
 
 def kernel_scratch(target: torch.device) -> KernelScratch | None:
