@@ -124,12 +124,13 @@ class GraphRun:
         args = _map_nodes(node.args, env)
         kwargs = _map_nodes(node.kwargs, env)
         in_place = i in self.plan.in_place
-        if kind in ("kernel", "reduction") or (kind == "scatter" and not in_place):
-            return node.target(*args, **kwargs)
+        if kind == "kernel" or (kind == "scatter" and not in_place):
+            return node.target(*args, **kwargs)  # ATen's kernel, with the scratch it takes on CUDA
         with self.counter.paused():
             value = node.target(*args, **kwargs)
-        if kind not in ("realized", "scatter"):
+        if kind not in ("realized", "scatter", "reduction"):
             return value
+        # Inductor's own kernel: its output, and none of the scratch ATen's kernel would take
         if in_place:
             # written over an input that dies here: what dies here goes before the output is born
             del args, kwargs
@@ -234,7 +235,6 @@ class Outcome:
     reason: str | None = None
     #: no error bound: the uncompiled run is what the backend runs (``backend="eager"``)
     exact: bool = False
-    graphs: int = 0
 
 
 class CompiledModule(nn.Module):
@@ -286,7 +286,6 @@ class CompiledModule(nn.Module):
                 outcome.reason = f"the trace failed under the fake mode ({type(err).__name__}: {_first_line(err)})"
                 return None
         outcome.compiled = True
-        outcome.graphs += 1
         return runner
 
 
