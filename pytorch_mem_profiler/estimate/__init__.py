@@ -8,8 +8,9 @@ needed, while the profiler's own storage counter (:mod:`.counter`, a
 of any device) counts what would be alive. :mod:`.fake` makes the fake model,
 inputs and optimizer; :mod:`.cpu_kernels` gives operators the outputs the CPU's
 kernels make where the fake kernels differ; :mod:`.step` runs the step and puts
-what was alive at the peak down to categories and layers; :mod:`.allocator` rounds as the CUDA caching
-allocator does; :mod:`.result` holds the :class:`MemoryEstimate` (report, fit,
+what was alive at the peak down to categories and layers; :mod:`.compiled` runs a ``torch.compile``'d module as
+Inductor would (its graphs planned by :mod:`.inductor_plan`, graph breaks found by
+:mod:`.graph_breaks`); :mod:`.allocator` rounds as the CUDA caching allocator does; :mod:`.result` holds the :class:`MemoryEstimate` (report, fit,
 largest batch); :mod:`.records` makes the same prediction from a real run's
 records; :mod:`.cli` is the ``estimate`` command. May import torch, the top-level
 modules (:mod:`~pytorch_mem_profiler.stats`, :mod:`~pytorch_mem_profiler.units`)

@@ -276,6 +276,7 @@ def estimate_memory(
         optimizer=_optimizer_text(optimizer, step.optimizer_name),
         parameter_dtypes=step.parameter_dtypes,
         random_reads=step.random_reads,
+        step_notes=step.notes,
     )
     if compare:
         base = dict(

@@ -114,6 +114,8 @@ class _LifeMode(TorchDispatchMode):
         # a sparse tensor written in place gets new index and value tensors inside the kernel
         rewrites = layout_rewrites(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
+        if self.counter.paused_depth:
+            return out
         if rewrites is not None:
             written, before = rewrites
             for tensor in written:
@@ -184,6 +186,8 @@ class StorageLifeCounter(MemoryCounter):
         #: the phase new storages are born in, and the largest total reached in each
         self.phase = "other"
         self.phase_peaks: dict[str, int] = {}
+        #: while above 0 operators are not counted (see :meth:`paused`)
+        self.paused_depth = 0
 
     def start(self) -> None:
         if self._mode is None:
@@ -215,6 +219,17 @@ class StorageLifeCounter(MemoryCounter):
         self._live[key] = reborn
         self.lives.append(reborn)
         self._change(nbytes)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Operators inside are not counted: work that is not the step's (tracing a compiled
+        module's graphs), or values the step would not allocate (what a fused kernel computes
+        in registers). Storages counted before keep dying as they die."""
+        self.paused_depth += 1
+        try:
+            yield
+        finally:
+            self.paused_depth -= 1
 
     # -- what the dispatch mode hands over ---------------------------------------
     def _track(self, tensor: torch.Tensor, alias: bool = False) -> None:

@@ -57,7 +57,19 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _fake(*values: Any) -> bool:
-    return any(isinstance(v, FakeTensor) for v in values)
+    return any(_is_fake(v) for v in values)
+
+
+def _is_fake(value: Any) -> bool:
+    """A fake tensor, or one functionalized over a fake tensor (a compiled module's graph being traced)."""
+    if isinstance(value, FakeTensor):
+        return True
+    if type(value).__name__ != "FunctionalTensor":
+        return False
+    try:
+        return isinstance(torch._from_functional_tensor(value.elem), FakeTensor)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 def _autocast_dtype() -> torch.dtype | None:
@@ -215,7 +227,7 @@ def _fused_dropout(original: Callable[..., torch.Tensor]) -> Callable[..., torch
     @functools.wraps(original)
     def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
         # ATen's dropout takes the fused kernel for a CUDA input with 0 < p < 1 that is not in place
-        if not isinstance(input, FakeTensor) or inplace or not training or not 0 < p < 1 or input.numel() == 0:
+        if not _is_fake(input) or inplace or not training or not 0 < p < 1 or input.numel() == 0:
             return original(input, p, training, inplace)
         return torch.ops.aten.native_dropout(input, p, True)[0]
 

@@ -283,6 +283,9 @@ class MemoryEstimate:
             compared in Python: LayerDrop, stochastic depth), with how often, over the two steps:
             the figures are of the step those draws give (the estimate's own seeded draws, see
             :mod:`~pytorch_mem_profiler.estimate.draws`); empty when the step read none.
+        step_notes: how parts of the step were estimated where that is not plain, one line each (a
+            ``torch.compile``'d module estimated as Inductor runs it, or uncompiled and why: see
+            :mod:`~pytorch_mem_profiler.estimate.compiled`).
     """
 
     device: str
@@ -324,6 +327,7 @@ class MemoryEstimate:
     optimizer: str | None = None
     parameter_dtypes: tuple[str, ...] = ()
     random_reads: Mapping[str, int] = field(default_factory=dict)
+    step_notes: tuple[str, ...] = ()
 
     @property
     def notes(self) -> list[str]:
@@ -336,7 +340,7 @@ class MemoryEstimate:
             >>> print(est.notes[0])  # doctest: +ELLIPSIS
             The step read 8 values drawn at random (modeling_bart.py:537: ...): the figures are of the step ...
         """
-        out = []
+        out = list(self.step_notes)
         if self.random_reads:
             lines = "; ".join(self.random_reads)
             n = sum(self.random_reads.values())

@@ -52,6 +52,7 @@ from .cpu_kernels import CpuKernels
 from .emulation import cuda_rules
 from .build import build_model
 from .draws import user_line
+from .compiled import CompiledModules
 from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
 from .rnn import CudnnRNNRules
@@ -139,6 +140,8 @@ class StepMemory:
     #: the lines that read a value drawn at random (a branch a draw decided: LayerDrop), and how
     #: often, over the two steps (see :mod:`.draws`); empty when the step read none
     random_reads: Mapping[str, int] = field(default_factory=dict)
+    #: how the step was estimated where it is not plain (compiled modules, see :mod:`.compiled`)
+    notes: tuple[str, ...] = ()
 
 
 # -- errors ----------------------------------------------------------------------
@@ -291,8 +294,8 @@ class _SavedByModule:
             handle.remove()
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if id(module) == self.root:
-            return
+        if id(module) == self.root or self.counter.paused_depth:
+            return  # the root, or a compiled module's trace
         name = self.names.get(id(module), self.stack[-1])
         if id(module) in self.names:
             self.calls[name] = self.calls.get(name, 0) + 1
@@ -300,11 +303,13 @@ class _SavedByModule:
         self.keys.append(id(module))
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.keys and self.keys[-1] == id(module):
+        if self.keys and self.keys[-1] == id(module) and not self.counter.paused_depth:
             self.keys.pop()
             self.stack.pop()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.counter.paused_depth:
+            return t
         life = self.counter.life_of(t)
         if life is None or id(life) in self.seen:
             return t
@@ -460,6 +465,8 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
             if build_error is not None:
                 raise err from build_error
             raise
+        compiled = CompiledModules(counter, target, key=plan.model)
+        model = compiled.install(model, source=made if made is not None else plan.model if isinstance(plan.model, nn.Module) else None)
         set_up: Mapping[str, Callable[[], list[torch.Tensor]]] = {}
         if plan.setup is not None:
             model, set_up = plan.setup(model)
@@ -529,10 +536,11 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
         **(rnn.bounds if rnn is not None else {}),
         **(scratch.bounds if scratch is not None else {}),
         **(outputs.bounds if outputs is not None else {}),
+        **compiled.bounds(step.peak_layers, step.breakdown),
     }
     if bounds:
         step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds))
-    return step
+    return dataclasses.replace(step, notes=compiled.notes())
 
 
 def kernel_scratch(target: torch.device, *, measured: bool = False) -> KernelScratch | None:
