@@ -330,7 +330,7 @@ class MemoryEstimate:
     step_notes: tuple[str, ...] = ()
 
     @property
-    def notes(self) -> list[str]:
+    def notes(self) -> tuple[str, ...]:
         """What the figures rest on besides the step itself, one sentence each (the report's notes).
 
         Example::
@@ -349,7 +349,7 @@ class MemoryEstimate:
                 f"the step those draws give (the estimate's own seeded draws, the same at every batch size); "
                 f"with LayerDrop or stochastic depth at p > 0 the largest step skips no layer: estimate it with p = 0"
             )
-        return out
+        return tuple(out)
 
     @property
     def peak_allocated(self) -> int:
