@@ -342,12 +342,7 @@ def _value_on_cpu(v: Any, mode: Any) -> Any:
 
 
 def _placed(real: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """``real`` on ``device``, or ``None`` where that device has no runtime here."""
-    if device.type == "cpu":
-        return real
-    module = getattr(torch, device.type, None)
-    available = getattr(module, "is_available", None)
-    if available is None or not available():
-        return None
-    with no_dispatch():
-        return real.to(device)
+    """``real`` where it can stand for a tensor on ``device``: on the CPU only. A value on another
+    device would be a real allocation there, and an estimate takes not one byte of the device
+    (a draw made on the GPU's device then gets no value, and reading it is refused by name)."""
+    return real if device.type == "cpu" else None
