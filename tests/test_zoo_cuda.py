@@ -25,8 +25,20 @@ from benchmarks.zoo import ZOO  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
-#: Known gaps of the estimate on CUDA, each to be removed when its fix lands (strict).
-KNOWN: dict[str, str] = {}
+#: Known misses on the GPU (two H200s and one, torch 2.11, 2026-11-25: the table in docs/benchmarks.md),
+#: each to be removed when its fix lands (strict).
+KNOWN: dict[str, str] = {
+    "vit": "largest batch: the predicted 152 runs out of memory on the card",
+    "mobilenet": "reserved +10.3% (the convolution workspaces' bound counted into the replay); the predicted largest batch (331) runs out of memory",
+    "gru_lm": "reserved -9.3% (cuDNN's RNN workspaces); the predicted largest batch (97) runs out of memory",
+    "lstm_lm": "reserved -11.2% (cuDNN's RNN workspaces)",
+    "resnet18_bf16": "reserved -8.3% (the first step's convolution workspaces leave segments the replay does not)",
+    "efficientnet": "reserved +18.4% (the depthwise convolutions' workspace rule, over)",
+    "neumf": "largest batch: the predicted 329,065 runs out of memory (reserved -3.1%)",
+    "sparse_recommender": "largest batch: the predicted 46,332 runs out of memory",
+    "compiled_mlp": "fake CUDA +3.2% (the last blocks' outputs kept to the end of forward); the predicted largest batch runs out of memory",
+    "moe": "the profiled step's peak is 0.28% under the unprofiled one's (data-dependent routing through nonzero and index_add)",
+}
 
 
 @pytest.mark.parametrize("name", list(ZOO))
