@@ -59,10 +59,10 @@ class Harness:
 
         mark("other", "forward")
         for t in trackers:
-            t.watch_forward((self.x,))
+            t.forward_began((self.x,))
         loss = self.model(self.x).square().sum()
         for t in reversed(trackers):
-            t.unwatch_forward()
+            t.forward_left()
         mark("forward", "backward")
         loss.backward()
         del loss

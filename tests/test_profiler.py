@@ -323,13 +323,18 @@ def test_a_fault_is_logged_once_and_training_goes_on(monkeypatch, caplog, stream
 
 
 def test_a_fault_inside_backward_does_not_break_backward(monkeypatch, stream):
-    import pytorch_mem_profiler.measure.peak_breakdown as breakdown_module
+    from pytorch_mem_profiler.measure.phases import PhaseMachine
 
-    monkeypatch.setattr(breakdown_module, "allocation_bytes", lambda t: 1 / 0)
+    def broken(self, grad_outputs):
+        return 1 / 0
+
+    # what the backward hook calls, from inside autograd's engine
+    monkeypatch.setattr(PhaseMachine, "backward_started", broken)
     model = mlp()
     profiler = MemoryProfiler(model, stream=stream)
     model(torch.randn(4, 32)).sum().backward()
     assert model[0].weight.grad is not None
+    assert "backward hooks" in profiler._guard.disabled
     profiler.close()
 
 

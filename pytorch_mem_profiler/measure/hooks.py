@@ -39,8 +39,9 @@ Example::
     >>> machine.begin_iteration(IterationPlan.make("phases"))
     >>> hooks.install(machine)
     >>> model(torch.randn(4, 8)).sum().backward()
-    >>> machine.close_iteration(hooks.model_running); machine.counts()
-    (1, 1, 0)
+    >>> final, counts, phase_count, model_calls = machine.finish_iteration(hooks.model_running)
+    >>> counts, model_calls
+    ((1, 1, 0), 1)
     >>> hooks.release(); machine.release(); counter.stop()
 """
 
@@ -442,7 +443,7 @@ class PhaseBlock:
         ...     y = model(torch.randn(2, 4))          # the automatic hooks do not count it twice
         >>> with PhaseBlock(machine, "backward"):
         ...     y.sum().backward()
-        >>> machine.counts(), machine.phase_count
+        >>> machine.finish_iteration(hooks.model_running)[1:3]
         ((1, 1, 0), {'forward': 1, 'backward': 1})
         >>> hooks.release(); machine.release(); counter.stop()
     """

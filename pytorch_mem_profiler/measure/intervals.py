@@ -25,13 +25,14 @@ Example::
     >>> intervals.boundary(Reading(100, 100, None, None), "other", "forward", None)
     >>> intervals.forward_began((), None)
     >>> intervals.boundary(Reading(160, 220, None, None), "forward", "other", None)
-    >>> f = intervals.finish()
+    >>> f = intervals.figures()
     >>> f.iteration_peak, f.peak_phase, f.feature_maps, f.phase_end_allocated["forward"]
     (220, 'forward', 60, 160)
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
@@ -61,6 +62,10 @@ class IntervalFigures(NamedTuple):
     feature_maps: int
     #: gradient bytes per parameter when the last backward ended (``None``: no backward seen)
     gradient_sizes: list[int] | None
+
+
+#: ``IntervalFigures(*fields)`` made in C, without the Python ``__new__`` a NamedTuple has
+_new_figures = functools.partial(tuple.__new__, IntervalFigures)
 
 
 class PhaseIntervals(Observer):
@@ -120,18 +125,17 @@ class PhaseIntervals(Observer):
         self._gradients = self._gradient_sizes()
 
     def figures(self) -> IntervalFigures:
-        """What the running iteration has measured so far."""
-        return IntervalFigures(
-            self._iteration_peak,
-            self._peak_phase,
-            self._peak_location,
-            self._peak_reserved,
-            self._phase_peak,
-            self._phase_end,
-            self._feature_maps,
-            self._gradients,
+        """The iteration's part of the record: what it has measured so far (all of it once its
+        last boundary is read)."""
+        return _new_figures(
+            (
+                self._iteration_peak,
+                self._peak_phase,
+                self._peak_location,
+                self._peak_reserved,
+                self._phase_peak,
+                self._phase_end,
+                self._feature_maps,
+                self._gradients,
+            )
         )
-
-    def finish(self) -> IntervalFigures:
-        """The iteration's figures (its last boundary read)."""
-        return self.figures()

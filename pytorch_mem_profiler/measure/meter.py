@@ -158,9 +158,11 @@ class Meter:
         self._intervals: PhaseIntervals | None = None
         self._peak: PeakBreakdown | None = None
         self._attribution: LayerAttribution | None = None
-        # the running iteration's plan, and those made, by (level, split_forward)
+        # the running iteration's plan, and those made, by level (at "full", and whether forward is split)
         self._plan = IterationPlan.make("light")
         self._plans: dict[str, IterationPlan] = {}
+        # the last plan begun, and its observers that handle ``begin``
+        self._begins: tuple[IterationPlan | None, tuple[Observer, ...]] = (None, ())
         # per-layer mode reads the counters at every tracked module's end in forward only while
         # forward is where the iterations peak (the first watched one always): one read per
         # module saved otherwise. Backward's module boundaries are always read (the
@@ -349,7 +351,10 @@ class Meter:
     def _begin(self, plan: IterationPlan) -> IterationPlan:
         """Tell each observer of ``plan`` that its iteration comes; the plan it runs under (less the
         peak breakdown, should it fail to start)."""
-        for observer in plan.observers:
+        begins = self._begins
+        if begins[0] is not plan:  # those that handle begin (none is told twice in a row for nothing)
+            begins = self._begins = (plan, tuple(o for o in plan.observers if o.overrides("begin")))
+        for observer in begins[1]:
             observer.begin(plan)
         tracker = self._peak
         # The breakdown watches every saved tensor from Python and looks for gradients at
@@ -566,11 +571,7 @@ class Meter:
         assert hooks is not None and machine is not None and intervals is not None
         watched = self._plan.watched
         asleep = hooks.asleep
-        machine.close_iteration(hooks.model_running)
-        final = machine.last_read()
-        counts = machine.counts()
-        phase_count, model_calls = machine.phase_count, machine.model_calls
-        machine.next_iteration()
+        final, counts, phase_count, model_calls = machine.finish_iteration(hooks.model_running)
         if asleep:
             counts = _UNCOUNTED  # nothing watched the iteration: its passes are unknown
         else:
@@ -582,7 +583,7 @@ class Meter:
         if not watched:
             self._read_peaks(final.peak_allocated, final.peak_reserved)
             return self._light_record(position, final, final.peak_allocated, counts, elapsed, reported)
-        figures = intervals.finish()
+        figures = intervals.figures()
         self._read_peaks(figures.iteration_peak, figures.peak_reserved)
         if self._plan.per_layer and figures.peak_phase is not None:
             # A peak in a forward not split by module has no location (None, not a guess):

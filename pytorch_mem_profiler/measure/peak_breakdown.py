@@ -138,54 +138,31 @@ class PeakBreakdown(Observer):
     def _saved_hook_failed(self, exc: BaseException) -> None:
         self._guard.fault(BREAKDOWN_PART, exc)
 
-    # -- the observer's events ---------------------------------------------------
-    def forward_began(self, args: Any, entry: Any) -> None:
-        # before the per-layer attribution pushes its own hooks: they pop in reverse
-        self.watch_forward(args)
-
-    def forward_resumed(self, args: Any, entry: Any) -> None:
-        self.watch_forward(args)
-
+    # -- the observer's events: forward -----------------------------------------------
     def inputs_seen(self, args: Any) -> None:
-        self.add_inputs(args)
+        """The model was entered with ``args``: their storages are the ``inputs``."""
+        for part in parts_on(tensors_in(args), self.device):
+            self._input(part)
+
+    def forward_began(self, args: Any, entry: Any = None) -> None:
+        """The model was entered with ``args``: count them, and watch what autograd saves
+        (called before the per-layer attribution pushes its own hooks: they pop in reverse)."""
+        self.inputs_seen(args)
+        if can_chain():
+            self._saved_hooks.push()
+
+    #: entered again within the same pass: the same as a pass beginning
+    forward_resumed = forward_began
 
     def forward_left(self) -> None:
-        self.unwatch_forward()
-
-    def backward_started(self, grad_outputs: Any) -> None:
-        # The gradients of the outputs are already allocated when the gradient reaches the
-        # model: they belong to backward.
-        device = self.device
-        self.output_gradients_made(
-            sum(
-                allocation_bytes(g)
-                for g in grad_outputs
-                if isinstance(g, torch.Tensor) and same_device(g, device)
-            )
-        )
+        """The model was left: stop watching saved tensors."""
+        self._saved_hooks.pop()
 
     def backward_finished(self) -> None:
         self.gradients_ready(self._params)
 
     def on_fault(self) -> None:
         self.close()
-
-    # -- forward -------------------------------------------------------------
-    def add_inputs(self, inputs: Any) -> None:
-        """The model was entered with ``inputs``: their storages are the ``inputs``."""
-        for part in parts_on(tensors_in(inputs), self.device):
-            self._input(part)
-
-    def watch_forward(self, inputs: Any) -> None:
-        """The model was entered with ``inputs``: count them, and watch what autograd saves
-        (call before the per-layer attribution pushes its own hooks: they pop in reverse)."""
-        self.add_inputs(inputs)
-        if can_chain():
-            self._saved_hooks.push()
-
-    def unwatch_forward(self) -> None:
-        """The model was left: stop watching saved tensors."""
-        self._saved_hooks.pop()
 
     def _observe_saved(self, kept: Any) -> None:
         module = self.module_name() if self.module_name is not None else None
@@ -223,17 +200,6 @@ class PeakBreakdown(Observer):
         """A watched iteration starts: the model's ``params``, ``buffers`` and ``optimizers`` now,
         ``allocated`` at its start (``None``: read it), and ``module_name`` the module running now
         (per-layer mode; ``None``: no ``peak_layers``)."""
-        self._params = params
-        self.module_name = module_name
-        self._start(params, buffers, optimizers, allocated)
-
-    def _start(
-        self,
-        params: Sequence[torch.Tensor],
-        buffers: Iterable[torch.Tensor],
-        optimizers: Iterable[Any],
-        allocated: int | None,
-    ) -> None:
         raise NotImplementedError
 
     def boundary(self, reading: Reading, ended: str, following: str, where: str | None) -> None:
@@ -241,8 +207,6 @@ class PeakBreakdown(Observer):
         in ``where`` (a module name, or ``None``) and opened one of phase ``following``."""
         raise NotImplementedError
 
-    def output_gradients_made(self, output_gradients: int) -> None:
-        """Backward reached the model, whose outputs' gradients (``output_gradients`` bytes) exist."""
 
     def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
         """A backward ended: the parameters' ``.grad`` are the weight gradients."""
@@ -275,13 +239,15 @@ class CpuPeakBreakdown(PeakBreakdown):
         self._gradients: set[Any] = set()
         self._state: set[Any] = set()
 
-    def _start(
+    def start(
         self,
         params: Sequence[torch.Tensor],
         buffers: Iterable[torch.Tensor],
         optimizers: Iterable[Any],
         allocated: int | None = None,
+        module_name: Callable[[], str] | None = None,
     ) -> None:
+        self._params, self.module_name = params, module_name
         self.counter.unwatch_storages()
         self._reset()
         self._buffers = list(buffers)
@@ -591,13 +557,15 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         # the parameters that may get a gradient and had none yet: looked at in backward
         self._awaiting: list[torch.Tensor] = []
 
-    def _start(
+    def start(
         self,
         params: Sequence[torch.Tensor],
         buffers: Iterable[torch.Tensor],
         optimizers: Iterable[Any],
         allocated: int | None = None,
+        module_name: Callable[[], str] | None = None,
     ) -> None:
+        self._params, self.module_name = params, module_name
         self._reset()
         buffers = list(buffers)
         optimizers = list(optimizers)
@@ -777,8 +745,14 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             self._unclaimed_before_backward = reading.allocated - self._alive.tracked
         self._open = self._boundary(reading.allocated, following == "backward" and ended == "backward")
 
-    def output_gradients_made(self, output_gradients: int) -> None:
-        # The outputs' gradients existed when backward reached the model: they are backward's.
+    def backward_started(self, grad_outputs: Any) -> None:
+        # The gradients of the outputs are already allocated when the gradient reaches the model:
+        # they belong to backward. (On the CPU every storage is seen: nothing to move.)
+        output_gradients = 0
+        device = self.device
+        for g in grad_outputs:
+            if isinstance(g, torch.Tensor) and same_device(g, device):
+                output_gradients += allocation_bytes(g)
         opened = self._open
         if opened is None or output_gradients <= 0:
             return

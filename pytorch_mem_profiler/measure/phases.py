@@ -49,8 +49,9 @@ Example::
     >>> machine.backward_started(()), machine.phase
     (True, 'backward')
     >>> machine.backward_finished(); machine.step_began(); machine.step_ended()
-    >>> machine.close_iteration(model_running=False); machine.counts()
-    (1, 1, 1)
+    >>> final, counts, phase_count, model_calls = machine.finish_iteration(model_running=False)
+    >>> counts, phase_count, final.allocated
+    ((1, 1, 1), {'forward': 1, 'backward': 1, 'optimizer': 1}, 100)
 """
 
 from __future__ import annotations
@@ -362,16 +363,9 @@ class PhaseMachine:
 
     # -- optimizer step ------------------------------------------------------------------------------
     def step_began(self) -> None:
-        """An optimizer step over the model's parameters began (its pre-hook)."""
-        if "optimizer" not in self._explicit:
-            self._step_began()
-
-    def step_ended(self) -> None:
-        """An optimizer step over the model's parameters ended (its post-hook)."""
-        if "optimizer" not in self._explicit:
-            self._step_ended()
-
-    def _step_began(self) -> None:
+        """An optimizer step over the model's parameters began (its pre-hook, or a framework's mark)."""
+        if "optimizer" in self._explicit:
+            return  # the framework marked this step
         if self._backward_unsettled:
             self._settle_backward()
         self._step_depth += 1
@@ -388,8 +382,9 @@ class PhaseMachine:
             else:
                 self.phase = "optimizer"
 
-    def _step_ended(self) -> None:
-        if self._step_depth == 0:
+    def step_ended(self) -> None:
+        """An optimizer step over the model's parameters ended (its post-hook, or a framework's mark)."""
+        if "optimizer" in self._explicit or self._step_depth == 0:
             return
         self._step_depth -= 1
         if self._step_depth:
@@ -424,7 +419,7 @@ class PhaseMachine:
             self._switch("backward", "" if self._per_layer else None)
             self._count("backward")
         else:
-            self._step_began()
+            self.step_began()
         self._explicit.add(phase)
         return phase
 
@@ -439,7 +434,7 @@ class PhaseMachine:
             if self.phase == "backward":
                 self.backward_finished()
         else:
-            self._step_ended()
+            self.step_ended()  # no longer marked: it ends
 
     # -- between iterations ----------------------------------------------------------------------------
     def at_rest(self) -> bool:
@@ -468,31 +463,24 @@ class PhaseMachine:
             or self.optimizer_steps
         )
 
-    def close_iteration(self, model_running: bool) -> None:
-        """``record_stats()`` closes the iteration: a backward not watched is counted, and a forward
-        left for good (unless a framework marked it, or the model still runs) is closed."""
+    def finish_iteration(self, model_running: bool) -> tuple[Any, tuple[int, int, int], dict[str, int], int]:
+        """``record_stats()`` closes the iteration: a backward not watched is counted, a forward left
+        for good (unless a framework marked it, or the model still runs) is closed, and the
+        counters are read once more: the last boundary of a watched iteration (the running
+        phase goes on), the one read of the others. Gives (that reading, (forward passes,
+        backward passes, optimizer steps), occurrences of each phase, calls into the model),
+        and starts counting the next iteration."""
         if self._backward_unsettled:
             self._settle_backward()
         pass_ = self.forward_pass
         if pass_ is not None and not pass_.explicit and not model_running:
             self._close_forward()
-
-    def last_read(self) -> Any:
-        """The iteration's last read: its last boundary on a watched iteration (the running phase
-        goes on), its one read on the others."""
-        if self._watched:
-            return self._mark(self.phase)
-        return self._read()
-
-    def counts(self) -> tuple[int, int, int]:
-        """(forward passes, backward passes, optimizer steps) of the running iteration."""
-        return self.forward_passes, self.backward_passes, self.optimizer_steps
-
-    def next_iteration(self) -> None:
-        """Start counting the next iteration."""
+        final = self._mark(self.phase) if self._watched else self._read()
+        done = final, (self.forward_passes, self.backward_passes, self.optimizer_steps), self.phase_count, self.model_calls
         self.forward_passes = self.backward_passes = self.optimizer_steps = self.model_calls = 0
         if self.phase_count:
             self.phase_count = {}
+        return done
 
     # -- parts switched off --------------------------------------------------------------------------------
     def forward_switched_off(self) -> None:
