@@ -28,8 +28,10 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.utils._python_dispatch
 
 __all__ = [
+    "COMPILE_YIELDS_TO_DISPATCH_MODES",
     "FSDP2_ON_CPU",
     "SDPA_ENABLE_GQA",
     "TORCH_VERSION",
@@ -58,6 +60,15 @@ SDPA_ENABLE_GQA = any(
 #: FSDP2 (``fully_shard``) on CPU tensors: torch 2.6 and later. Torch 2.4 and 2.5 make CUDA
 #: streams for it whatever the device, which fails where CUDA's driver is missing.
 FSDP2_ON_CPU = TORCH_VERSION >= (2, 6)
+
+#: ``torch.compile`` runs a frame eagerly while a ``TorchDispatchMode`` is active (2.13 does), so
+#: a mode that counts tensors (the CPU counter) sees every operator of a compiled model. Torch 2.4
+#: runs the compiled code there, whose tensors no mode sees (inductor allocates its buffers past
+#: the dispatcher).
+COMPILE_YIELDS_TO_DISPATCH_MODES = hasattr(
+    torch.utils._python_dispatch, "is_in_any_mode_without_ignore_compile_internals"
+)
+
 
 # ATen's math attention normalises with ``_safe_softmax`` from torch 2.5 on (a row masked
 # out entirely gives zeros, not NaN); torch 2.4 runs ``softmax``.

@@ -52,7 +52,7 @@ from .allocator import block_size, simulate_reserved
 from .counter import COLLECTIVE_ROLE, Life, StorageLifeCounter
 from .emulation import cuda_rules
 from .build import build_model
-from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
+from .fake import eager_modules, fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
 from .rnn import CudnnRNNRules
 from .scratch import KernelScratch
@@ -410,6 +410,8 @@ def _build(
         built = fake_model(made, run_device, mode, owned=True)
     else:
         raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
+    if built is not model:  # the step's own copy (or a model built for it): torch.compile taken off
+        built = eager_modules(built)
     checkpointed = None
     if plan.checkpointing:
         if built is model:

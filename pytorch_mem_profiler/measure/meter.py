@@ -33,6 +33,7 @@ import torch
 
 from ..faults import FaultGuard
 from ..stats import DETAIL_LEVELS, PHASES, IterationRecord, LayerFeatureMaps, PhaseStats
+from ..torch_versions import COMPILE_YIELDS_TO_DISPATCH_MODES
 from .accounting import (
     buffer_bytes,
     gradient_bytes,
@@ -208,6 +209,14 @@ class Meter:
             on_optimizer_step=wrap("optimizer state", self._optimizer_stepped),
             on_forward_first_call=wrap("device check", self._check_device_once),
         )
+        if self.device.type == "cpu" and not COMPILE_YIELDS_TO_DISPATCH_MODES and is_compiled(self.model):
+            _log.warning(
+                "pytorch_mem_profiler: torch %s runs a compiled model's code past the CPU counter "
+                "(inductor allocates outside the dispatcher): the tensors it makes are missing from the "
+                "figures; profile the model uncompiled, on a GPU, or with a newer torch (2.13 runs "
+                "compiled code eagerly while the counter counts)",
+                torch.__version__,
+            )
         if self.by_layer:
             if is_compiled(self.model):
                 _log.warning(
