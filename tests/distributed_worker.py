@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.distributed_overhead import Block  # noqa: E402
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
+from pytorch_mem_profiler.torch_versions import FSDP2_ON_CPU  # noqa: E402
 
 EPOCHS = 2
 ITERATIONS = 4
@@ -331,11 +332,6 @@ def scenario_pipeline(args, device, counter) -> dict:
     }
 
 
-def _version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -360,7 +356,7 @@ def main() -> None:
                 results[name] = scenario_ddp(args, device, counter, False, 0)
             elif name == "ddp_view":
                 results[name] = scenario_ddp(args, device, counter, True, "all")
-            elif name == "fsdp" and device.type == "cpu" and _version() < (2, 6):
+            elif name == "fsdp" and device.type == "cpu" and not FSDP2_ON_CPU:
                 results[name] = {"skipped": f"FSDP2 on the CPU needs torch >= 2.6, not {torch.__version__}"}
             elif name == "fsdp":
                 results[name] = scenario_fsdp(args, device, counter)

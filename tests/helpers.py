@@ -17,6 +17,18 @@ needs_saved_tensor_watch = pytest.mark.skipif(
 )
 
 
+def transformers_or_skip():  # type: ignore[no-untyped-def]
+    """Hugging Face ``transformers``, or a skip naming why not: it does not import, or it refuses
+    this torch (transformers 5 builds no models on torch < 2.6)."""
+    try:
+        import transformers
+    except Exception as err:  # noqa: BLE001 - any failure to import means: not here
+        pytest.skip(f"transformers is not importable: {type(err).__name__}: {err}")
+    if not transformers.utils.is_torch_available():
+        pytest.skip(f"transformers {transformers.__version__} refuses torch {torch.__version__}: it builds no models")
+    return transformers
+
+
 def nbytes(t: torch.Tensor) -> int:
     """The independent byte count the tests compare against."""
     return t.numel() * t.element_size()

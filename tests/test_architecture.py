@@ -32,6 +32,7 @@ LAYERS = {
     "units": 0,  # bytes to text
     "stats": 0,  # the record and the vocabulary
     "faults": 0,  # the fault guard
+    "torch_versions": 0,  # what the installed torch offers, where releases differ
     "grouping": 1,  # repeated layers' names (formats with units)
     "measure": 2,  # the only device reads
     "estimate": 3,

@@ -19,10 +19,10 @@ from pytorch_mem_profiler.measure.accounting import storage_parts
 from pytorch_mem_profiler.measure import storage_counting
 from pytorch_mem_profiler.measure.devices import CpuCounter
 from pytorch_mem_profiler.measure.storage_counting import unwatch_storage_resizes, watch_storage_resizes
+from pytorch_mem_profiler.torch_versions import FSDP2_ON_CPU
 
 from .helpers import local_storage_bytes
 
-TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2])
 
 
 @pytest.fixture
@@ -96,7 +96,10 @@ def test_a_resize_wrapper_installed_before_the_counter_is_put_back():
 
 def test_a_dtensor_counts_its_local_shard(fake_two_ranks, counter):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    try:
+        from torch.distributed.tensor import Shard, distribute_tensor
+    except ImportError:  # torch < 2.5: DTensor's private home
+        from torch.distributed._tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (fake_two_ranks,))
     base = counter.read().allocated
@@ -109,7 +112,7 @@ def test_a_dtensor_counts_its_local_shard(fake_two_ranks, counter):
     assert counter.read().allocated - base == local_storage_bytes([sharded, doubled]) == 2 * 512 * 256 * 4
 
 
-@pytest.mark.skipif(TORCH < (2, 6), reason="FSDP2 on the CPU needs torch >= 2.6")
+@pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 on the CPU needs torch >= 2.6")
 def test_fsdp2_step_counts_the_ranks_shards_state_and_gathered_parameters(fake_two_ranks):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -32,6 +32,7 @@ from pytorch_mem_profiler.distributed import (
 )
 from pytorch_mem_profiler.outputs.rank_table import format_cross_rank
 from pytorch_mem_profiler.measure.devices import rank_device
+from pytorch_mem_profiler.torch_versions import FSDP2_ON_CPU
 from .torchrun_helper import run_worker
 
 pytestmark = pytest.mark.distributed
@@ -400,8 +401,6 @@ def fsdp_sampling_with_a_fault(device: torch.device, monkeypatch, stream) -> Non
     assert all(r.weights == records[0].weights for r in records)  # training measured on
 
 
-@pytest.mark.skipif(
-    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6), reason="FSDP2 on the CPU needs torch >= 2.6"
-)
+@pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 on the CPU needs torch >= 2.6")
 def test_fsdp_tracking_switched_off_by_a_fault_takes_its_hooks_off(one_rank_group, stream, monkeypatch):
     fsdp_sampling_with_a_fault(torch.device("cpu"), monkeypatch, stream)

@@ -12,7 +12,7 @@ from torch import nn
 from pytorch_mem_profiler import estimate_memory
 from pytorch_mem_profiler.estimate.build import SMALL_TENSOR_BYTES, build_model
 
-from .helpers import nbytes
+from .helpers import nbytes, transformers_or_skip
 
 
 def _optional(name: str):
@@ -112,7 +112,7 @@ def test_timm_models_with_stochastic_depth_build_by_function_as_they_are_handed_
 
 
 def test_transformers_and_torchvision_models_build_by_function_with_their_weights_on_meta():
-    transformers = _optional("transformers")
+    transformers = transformers_or_skip()
     config = transformers.LlamaConfig(
         hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, vocab_size=32000
     )

@@ -10,16 +10,26 @@ these tests assert, where the emulation ran something else.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
+import pytest
 import torch
 from torch import nn
 from torch._subclasses import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytorch_mem_profiler.estimate.emulation import cuda_backend, cuda_rules
+from pytorch_mem_profiler.torch_versions import SDPA_ENABLE_GQA, attention_softmax, math_attention_upcasts
 
 B, H, L, D = 2, 4, 32, 16
+
+#: The autograd node of the math path's softmax on this torch: ``SafeSoftmaxBackward0`` from 2.5 on.
+SOFTMAX_NODE = type(attention_softmax(torch.zeros(2, requires_grad=True)).grad_fn).__name__
+
+needs_enable_gqa = pytest.mark.skipif(
+    not SDPA_ENABLE_GQA, reason=f"scaled_dot_product_attention(enable_gqa=) needs torch >= 2.5, not {torch.__version__}"
+)
 
 
 class _Ops(TorchDispatchMode):
@@ -35,9 +45,8 @@ class _Ops(TorchDispatchMode):
         return out
 
 
-def _saved(run):  # type: ignore[no-untyped-def]
-    """(node that made it, dtype) -> storage bytes of every tensor autograd saved while ``run`` ran."""
-    seen: Counter[tuple[str, str]] = Counter()
+def _pack_into(seen: Counter[tuple[str, str]]):  # type: ignore[no-untyped-def]
+    """A (pack, unpack) pair that adds each saved tensor's storage bytes to ``seen[(node that made it, dtype)]``."""
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._is_view() and t._base is not None else t
@@ -45,12 +54,19 @@ def _saved(run):  # type: ignore[no-untyped-def]
         seen[(node, str(t.dtype).replace("torch.", ""))] += t.untyped_storage().nbytes()
         return t
 
+    return pack, lambda t: t
+
+
+def _saved(run):  # type: ignore[no-untyped-def]
+    """(node that made it, dtype) -> storage bytes of every tensor autograd saved while ``run`` ran."""
+    seen: Counter[tuple[str, str]] = Counter()
     ops = _Ops()
-    with FakeTensorMode(), cuda_rules(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ops:
+    with FakeTensorMode(), cuda_rules(), torch.autograd.graph.saved_tensors_hooks(*_pack_into(seen)), ops:
         out = run()
     return seen, ops.ops, out
 
 
+@needs_enable_gqa
 def test_grouped_query_attention_in_float32_runs_the_math_path_with_the_whole_matrix():
     # llama-gqa-fp32 on the H100: enable_gqa=True and is_causal without a mask; flash and cuDNN want half
     # precision and torch 2.11's efficient kernel no grouped heads, so CUDA ran the math path: _safe_softmax
@@ -91,8 +107,11 @@ def test_a_strided_mask_that_needs_gradients_runs_the_math_path_with_cudas_fused
 
         saved, ops, out = _saved(run)
         matrix = B * H * L * L
-        assert saved[("SafeSoftmaxBackward0", "float32")] == matrix * 4, (autocast, saved)
-        assert saved[("NativeDropoutBackward0", "float32")] == matrix * 4, (autocast, saved)
+        # torch 2.4's math path computes bf16 in bf16, with softmax (no float32 copies, no _safe_softmax)
+        wide = autocast is None or math_attention_upcasts()
+        dtype, size = ("float32", 4) if wide else ("bfloat16", 2)
+        assert saved[(SOFTMAX_NODE, dtype)] == matrix * size, (autocast, saved)
+        assert saved[("NativeDropoutBackward0", dtype)] == matrix * size, (autocast, saved)
         assert saved[("leaf", "bool")] == matrix, (autocast, saved)  # the fused kernel's mask
         assert not any("bernoulli" in name for name, _, _ in ops)
         assert out.dtype == (autocast or torch.float32)
@@ -152,9 +171,61 @@ def test_cross_entropy_under_autocast_runs_cudas_log_softmax_in_half_precision()
 
 def test_real_tensors_keep_torchs_own_path():
     torch.manual_seed(0)
+    q, k = torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+    expected = nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
+    with cuda_rules():
+        got = nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
+    assert torch.equal(got, expected)
+
+
+@needs_enable_gqa
+def test_real_tensors_keep_torchs_own_grouped_query_attention():
+    torch.manual_seed(0)
     q = torch.randn(B, H, L, D)
     kv = torch.randn(B, 1, L, D)
     expected = nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
     with cuda_rules():
         got = nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(SDPA_ENABLE_GQA, reason="this torch has scaled_dot_product_attention(enable_gqa=)")
+def test_grouped_query_attention_on_a_torch_without_it_is_refused_by_name():
+    # as torch 2.4 refuses the argument itself: the emulation does not make up a kernel it lacks
+    q, kv = torch.empty(B, H, L, D), torch.empty(B, 1, L, D)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'enable_gqa'"):
+        nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    for fake in (False, True):
+        with FakeTensorMode() if fake else contextlib.nullcontext(), cuda_rules():
+            q, kv = torch.empty(B, H, L, D), torch.empty(B, 1, L, D)
+            with pytest.raises(TypeError, match=r"enable_gqa=True\) needs torch 2\.5 or later \(this is torch 2\.4"):
+                nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        # and without the argument, the emulation runs as before
+        with FakeTensorMode() if fake else contextlib.nullcontext(), cuda_rules():
+            q = torch.empty(B, H, L, D)
+            assert nn.functional.scaled_dot_product_attention(q, q, q).shape == (B, H, L, D)
+
+
+def test_the_math_path_saves_what_atens_math_attention_saves_on_this_torch():
+    # Without dropout (whose mask the composite draws by the CPU's route) the emulated math path is
+    # ATen's composite step by step: the same tensors saved, by the same nodes, in the same dtypes, on
+    # every supported torch (float32 copies and _safe_softmax from 2.5 on, neither in 2.4).
+    for dtype in (torch.float32, torch.bfloat16):
+
+        def emulated():  # type: ignore[no-untyped-def]
+            q = torch.empty(B, H, L, D, dtype=dtype, requires_grad=True)
+            bias = torch.empty(L, L, H, dtype=dtype, requires_grad=True).permute(2, 0, 1).unsqueeze(0)
+            assert cuda_backend(q, q, q, bias) == "math"  # the strided mask
+            return nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=bias)
+
+        def composite():  # type: ignore[no-untyped-def]
+            q = torch.empty(B, H, L, D, dtype=dtype, requires_grad=True)
+            bias = torch.empty(L, L, H, dtype=dtype, requires_grad=True).permute(2, 0, 1).unsqueeze(0)
+            return torch.ops.aten._scaled_dot_product_attention_math(q, q, q, bias, 0.0, False)[0]
+
+        saved, _, out = _saved(emulated)
+        with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(*_pack_into(expected := Counter())):
+            reference = composite()
+        assert saved == expected, (dtype, saved, expected)
+        assert sum(saved.values()) >= 2 * B * H * L * L * torch.finfo(dtype).bits // 8
+        assert out.dtype == reference.dtype == dtype

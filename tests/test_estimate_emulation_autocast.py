@@ -39,6 +39,8 @@ from pytorch_mem_profiler.estimate.autocast_policy import (
 )
 from pytorch_mem_profiler.estimate.emulation import cuda_rules
 
+from .helpers import transformers_or_skip
+
 BF16 = torch.bfloat16
 
 
@@ -395,11 +397,7 @@ def test_einsum_with_a_weight_casts_it_once_per_autocast_region_and_keeps_the_co
 
 
 def _transformers():  # type: ignore[no-untyped-def]
-    try:
-        import transformers
-    except Exception as err:  # noqa: BLE001 - any failure to import means: not here
-        pytest.skip(f"transformers is not importable: {err}")
-    return transformers
+    return transformers_or_skip()
 
 
 def test_gpt2_forward_runs_every_operator_in_the_dtypes_cuda_autocast_gives():

@@ -22,16 +22,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pytorch_mem_profiler.estimate import estimate_memory
+from pytorch_mem_profiler.estimate import EstimateUnsupported, estimate_memory
+from pytorch_mem_profiler.torch_versions import FSDP2_ON_CPU
 from pytorch_mem_profiler.estimate.parallel import DDP, FIRST_BUCKET_BYTES, FSDP2, _EmulatedReducer, bucket_assignment, parse_parallel
 
 from .parallel_estimate_worker import BATCH, SCENARIOS, SEQ, VOCAB, build, loss_fn
 from .torchrun_helper import ROOT, run_command
 
-TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2])
-needs_fsdp2_cpu = pytest.mark.skipif(TORCH < (2, 6), reason="FSDP2 on the CPU needs torch >= 2.6")
+needs_fsdp2_cpu = pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 on the CPU needs torch >= 2.6")
 #: the scenarios this torch runs for real on the CPU
-RUN = [name for name, scenario in SCENARIOS.items() if scenario.parallel == "ddp" or TORCH >= (2, 6)]
+RUN = [name for name, scenario in SCENARIOS.items() if scenario.parallel == "ddp" or FSDP2_ON_CPU]
 
 
 def tokens(batch: int) -> torch.Tensor:
@@ -263,6 +263,20 @@ def test_no_process_group_is_left_and_a_users_group_is_refused():
         assert est.parallel_parts["ddp_buckets"] == 4 * (64 * 64 + 64) * 4
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(FSDP2_ON_CPU, reason="this torch runs FSDP2 on the CPU")
+def test_fsdp2_on_fake_cpu_tensors_is_refused_by_name_before_torch_2_6():
+    # torch 2.4 and 2.5 make CUDA streams for FSDP2 whatever the device: refused before anything runs
+    for device in ("cpu", "cuda"):  # emulated CUDA runs on fake CPU tensors too
+        with pytest.raises(EstimateUnsupported, match=r"parallel='fsdp2' .* needs torch 2\.6 or later: torch 2\.[45]"):
+            estimate_memory(
+                wide_model(), torch.zeros(8, 64), device=device, emulate=True if device == "cuda" else None, fit=False,
+                parallel="fsdp2", world_size=2,
+            )
+    assert not dist.is_initialized()
+    est = estimate_memory(wide_model(), torch.zeros(8, 64), device="cpu", fit=False, parallel="ddp", world_size=2)
+    assert est.parallel_parts["ddp_buckets"] == 4 * (64 * 64 + 64) * 4  # every gradient, in one flat bucket
 
 
 def test_bad_parallel_arguments_are_named():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pytorch_mem_profiler.measure.saved_tensors import can_chain
 from pytorch_mem_profiler.outputs.advice import advise
 
 from .foreign_memory import KINDS, SETUPS, check_no_wrong_advice, run
@@ -25,7 +26,8 @@ def test_the_setups_get_advice_of_their_own(baselines):
     # the checks below mean something only if the model alone gets advice to compare with
     assert {"8-bit optimizer", "foreach-free step"} <= {a.kind for a in advise(baselines["optimizer-heavy"])}
     assert baselines["optimizer-heavy"].peak_phase == "optimizer"
-    assert "checkpointing" in {a.kind for a in advise(baselines["activation-heavy"])}
+    # checkpointing names blocks by their feature maps, which torch tells by layer from 2.8 on
+    assert ("checkpointing" in {a.kind for a in advise(baselines["activation-heavy"])}) == can_chain()
     for record in baselines.values():
         assert record.peak_other_before == 0  # nothing foreign: nothing in 'other' from before
 

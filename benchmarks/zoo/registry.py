@@ -54,10 +54,13 @@ def missing_package(package: str) -> str | None:
     imports torchvision.
     """
     try:
-        importlib.import_module(package)
+        module = importlib.import_module(package)
     except Exception as err:  # noqa: BLE001 - any failure to import means "not here"
         why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         return f"{package} cannot be imported here ({why}; pip install 'pytorch_mem_profiler[zoo]')"
+    if package == "transformers" and not module.utils.is_torch_available():
+        # transformers 5 imports beside torch < 2.6, with stand-ins for its models
+        return f"transformers {module.__version__} refuses torch {torch.__version__} (pip install 'transformers<5')"
     return None
 
 

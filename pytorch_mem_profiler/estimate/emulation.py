@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..torch_versions import SDPA_ENABLE_GQA, attention_softmax, math_attention_upcasts
 from .autocast_policy import cuda_autocast
 
 __all__ = ["cuda_backend", "cuda_rules"]
@@ -152,16 +153,18 @@ def _math_attention(
     scale: float | None,
     enable_gqa: bool,
 ) -> torch.Tensor:
-    """ATen's math attention as it runs on CUDA: the whole matrix in float32, ``_safe_softmax``, fused dropout.
+    """ATen's math attention as it runs on CUDA: the whole matrix (in float32), ``_safe_softmax``, fused dropout.
 
     The composite ``_scaled_dot_product_attention_math`` would draw its dropout
     mask by the CPU's route (in the matrix's dtype); on CUDA ``at::dropout``
     takes the fused kernel and saves a bool mask, so the steps are spelled out
-    here, in the order ATen runs them, with ``native_dropout``.
+    here, in the order ATen runs them, with ``native_dropout``. Torch 2.4's
+    composite computes half precision in its own dtype and runs ``softmax``
+    (:mod:`~pytorch_mem_profiler.torch_versions` tells which).
     """
     origin = query.dtype
-    # half precision is computed in float32 for accuracy
-    query, key, value = (t.float() if t.dtype in _HALF else t for t in (query, key, value))
+    if math_attention_upcasts():  # half precision is computed in float32 for accuracy
+        query, key, value = (t.float() if t.dtype in _HALF else t for t in (query, key, value))
     root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.size(-1)))
     query = torch.ops.aten.mul.Scalar(query, root)  # ATen scales by a scalar (a Python float would wrap a tensor)
     if is_causal:
@@ -173,7 +176,7 @@ def _math_attention(
     attn = torch.matmul(query, torch.ops.aten.mul.Scalar(key.transpose(-2, -1), root))
     if attn_mask is not None:
         attn = attn.add(attn_mask)  # out of place, as ATen does for tensor subclasses (fake tensors)
-    attn = torch.ops.aten._safe_softmax(attn, -1)
+    attn = attention_softmax(attn)
     if dropout_p > 0.0:
         attn = torch.ops.aten.native_dropout(attn, dropout_p, True)[0]
     return torch.matmul(attn, value).to(origin)
@@ -191,8 +194,15 @@ def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> torch.Tensor:
+        # enable_gqa is passed on only when set: torch 2.4's attention has no such argument
+        gqa = {"enable_gqa": True} if enable_gqa else {}
+        if enable_gqa and not SDPA_ENABLE_GQA:
+            raise TypeError(
+                f"scaled_dot_product_attention(enable_gqa=True) needs torch 2.5 or later (this is torch "
+                f"{torch.__version__}): repeat key and value to every query head instead"
+            )
         if not _fake(query, key, value) or query.is_nested:
-            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **gqa)
         dtype = _autocast_dtype()
         with torch.autocast("cpu", enabled=False):
             if dtype is not None:  # attention is on autocast's half-precision list on CUDA: every float argument
@@ -203,7 +213,7 @@ def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
             if backend == "flash" and not query.size(1) == key.size(1) == value.size(1):
                 # grouped-query attention in half precision: the CPU's flash kernel takes it and saves
                 # what CUDA's does (llama-gqa-bf16 on the H100: 16 KB apart in 2.5 GB)
-                return original(query, key, value, None, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+                return original(query, key, value, None, dropout_p, is_causal, scale=scale, **gqa)
             if backend == "flash":
                 return torch.ops.aten._scaled_dot_product_flash_attention(
                     query, key, value, dropout_p, is_causal, False, scale=scale

@@ -37,6 +37,7 @@ from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rul
 
 __all__ = [
     "EstimateFakeMode",
+    "eager_modules",
     "fake_mode",
     "fake_model",
     "fake_like",
@@ -160,6 +161,44 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
                     fake = nn.Parameter(fake, requires_grad=t.requires_grad)
                 memo[id(t)] = fake
     return copy.deepcopy(model, memo)
+
+
+def _compile_wrapped(module: nn.Module) -> nn.Module | None:
+    """The module a ``torch.compile(module)`` wrapper (Dynamo's ``OptimizedModule``) holds, else ``None``."""
+    return module._modules.get("_orig_mod") if type(module).__name__ == "OptimizedModule" else None
+
+
+def eager_modules(model: nn.Module) -> nn.Module:
+    """The step's own copy of a model with every ``torch.compile`` taken off, in place: its eager forward.
+
+    Under the estimate's counting mode torch 2.14 runs compiled frames eagerly by itself,
+    so the figures are those of the eager step either way. Taken off here, Dynamo stays out
+    of the fake step on every torch: torch 2.4 would compile the fake step with a fake mode
+    of its own and fail, and torch 2.13 marks a frame it skipped under a dispatch mode to be
+    skipped for good, so the user's own compiled model would run eagerly ever after.
+
+    Example::
+
+        >>> inner = torch.nn.Linear(2, 2)
+        >>> model = torch.nn.Sequential(torch.compile(inner))
+        >>> model.compile()
+        >>> eager = eager_modules(model)
+        >>> eager[0] is inner, eager._compiled_call_impl is None
+        (True, True)
+    """
+    while (inner := _compile_wrapped(model)) is not None:
+        model = inner
+    pending = [model]
+    while pending:
+        module = pending.pop()
+        if getattr(module, "_compiled_call_impl", None) is not None:  # nn.Module.compile()
+            module._compiled_call_impl = None
+        for name, child in module._modules.items():
+            while child is not None and (inner := _compile_wrapped(child)) is not None:
+                child = module._modules[name] = inner
+            if child is not None:
+                pending.append(child)
+    return model
 
 
 def _storage_identity(t: torch.Tensor) -> Any:

@@ -30,7 +30,9 @@ rank of ``N``, in one process, with no GPU and no communication:
 The fake process group lives only while the step runs; a process group already up in
 the process is left alone (the estimate then refuses ``fsdp2``: it cannot make a
 second default group). On the CPU the device mesh's rank map (a tensor of ``world_size``
-integers, always on the CPU) counts as the real run counts it.
+integers, always on the CPU) counts as the real run counts it. FSDP2 on fake CPU tensors
+(an estimate on a machine without a GPU) needs torch 2.6 or later: torch 2.4 and 2.5 make
+CUDA streams for it on any device, and the estimate refuses it there by name.
 
 Example::
 
@@ -38,9 +40,13 @@ Example::
     >>> from pytorch_mem_profiler.estimate import estimate_memory
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
     >>> one = estimate_memory(model, torch.zeros(8, 256), device="cpu", fit=False)
-    >>> two = estimate_memory(model, torch.zeros(8, 256), device="cpu", fit=False, parallel="fsdp2", world_size=2)
-    >>> two.weights * 2 == one.weights, two.gradients * 2 == one.gradients
+    >>> two = estimate_memory(model, torch.zeros(8, 256), device="cpu", fit=False, parallel="ddp", world_size=2)
+    >>> two.weights == one.weights, two.parallel_parts["ddp_buckets"] == one.gradients  # a flat copy of each gradient
     (True, True)
+    >>> from pytorch_mem_profiler.torch_versions import FSDP2_ON_CPU
+    >>> if FSDP2_ON_CPU:  # torch 2.6 or later: each rank keeps half the weights and gradients
+    ...     two = estimate_memory(model, torch.zeros(8, 256), device="cpu", fit=False, parallel="fsdp2", world_size=2)
+    ...     assert two.weights * 2 == one.weights and two.gradients * 2 == one.gradients
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..torch_versions import FSDP2_ON_CPU
 from .counter import COLLECTIVE_ROLE, born_as
 
 __all__ = [
@@ -199,6 +206,14 @@ class RankSetup:
     def __init__(
         self, plan: ParallelPlan, world_size: int, rank: int, run_device: torch.device, target: torch.device | None = None
     ) -> None:
+        if isinstance(plan, FSDP2) and run_device.type == "cpu" and not FSDP2_ON_CPU:
+            from .step import EstimateUnsupported  # here: step imports this module
+
+            raise EstimateUnsupported(
+                f"parallel='fsdp2' runs torch's fully_shard on fake CPU tensors here (no GPU), which needs torch "
+                f"2.6 or later: torch {torch.__version__}'s FSDP2 makes CUDA streams on any device. Estimate with "
+                "torch 2.6 or later, on a machine with a GPU, or with parallel='ddp'"
+            )
         self.plan = plan
         self.world_size = world_size
         self.rank = rank

@@ -41,6 +41,7 @@ from typing import Any, Iterable, NamedTuple
 import torch
 
 from ..faults import FaultGuard
+from ..torch_versions import COMPILE_YIELDS_TO_DISPATCH_MODES
 from ..stats import DETAIL_LEVELS, PHASES, IterationRecord, PhaseStats
 from .accounting import (
     buffer_bytes,
@@ -255,6 +256,14 @@ class Meter:
             self.guard,
             on_optimizer_step=wrap("optimizer state", self._optimizer_stepped),
         )
+        if self.device.type == "cpu" and not COMPILE_YIELDS_TO_DISPATCH_MODES and is_compiled(self.model):
+            _log.warning(
+                "pytorch_mem_profiler: torch %s runs a compiled model's code past the CPU counter "
+                "(inductor allocates outside the dispatcher): the tensors it makes are missing from the "
+                "figures; profile the model uncompiled, on a GPU, or with a newer torch (2.13 runs "
+                "compiled code eagerly while the counter counts)",
+                torch.__version__,
+            )
         machine = self._machine = PhaseMachine(
             counter.mark,
             hooks.new_pending,

@@ -1,0 +1,104 @@
+"""What the installed torch offers where the supported releases differ (torch 2.4 to the newest).
+
+The package supports torch 2.4 and newer. Where an operator, an argument or a
+behaviour came in a later release, the code that depends on it asks here, and
+so do the tests that expect one side or the other; ``tests/test_torch_versions.py``
+holds each answer against what torch itself does. Features are detected where
+torch can be asked (an operator's schema, a function's presence); a release
+number is compared only where nothing can be asked.
+
+Older places that tell releases apart each for their own feature:
+:func:`~pytorch_mem_profiler.measure.saved_tensors.can_chain` (torch 2.8),
+``CudaHistory`` in :mod:`~pytorch_mem_profiler.measure.allocator`,
+``fully_shard_function`` in :mod:`~pytorch_mem_profiler.estimate.parallel` and
+``timeline_exporter_state`` in :mod:`~pytorch_mem_profiler.tools.timeline`.
+
+Example::
+
+    >>> TORCH_VERSION >= (2, 4)
+    True
+    >>> release("2.4.1+cu121"), release("2.6.0a0+git1234abc"), release("2.10.0.dev20250101")
+    ((2, 4), (2, 6), (2, 10))
+    >>> SDPA_ENABLE_GQA == (TORCH_VERSION >= (2, 5))
+    True
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.utils._python_dispatch
+
+__all__ = [
+    "COMPILE_YIELDS_TO_DISPATCH_MODES",
+    "FSDP2_ON_CPU",
+    "SDPA_ENABLE_GQA",
+    "TORCH_VERSION",
+    "attention_softmax",
+    "math_attention_upcasts",
+    "release",
+]
+
+
+def release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string (local builds and pre-releases included)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"not a torch version: {version!r}")
+    return int(found.group(1)), int(found.group(2))
+
+
+#: The installed torch's ``(major, minor)``.
+TORCH_VERSION = release(torch.__version__)
+
+#: ``scaled_dot_product_attention(..., enable_gqa=True)``: grouped-query attention, torch 2.5 and later.
+SDPA_ENABLE_GQA = any(
+    argument.name == "enable_gqa" for argument in torch.ops.aten.scaled_dot_product_attention.default._schema.arguments
+)
+
+#: FSDP2 (``fully_shard``) on CPU tensors: torch 2.6 and later. Torch 2.4 and 2.5 make CUDA
+#: streams for it whatever the device, which fails where CUDA's driver is missing.
+FSDP2_ON_CPU = TORCH_VERSION >= (2, 6)
+
+#: ``torch.compile`` runs a frame eagerly while a ``TorchDispatchMode`` is active (2.13 does), so
+#: a mode that counts tensors (the CPU counter) sees every operator of a compiled model. Torch 2.4
+#: runs the compiled code there, whose tensors no mode sees (inductor allocates its buffers past
+#: the dispatcher).
+COMPILE_YIELDS_TO_DISPATCH_MODES = hasattr(
+    torch.utils._python_dispatch, "is_in_any_mode_without_ignore_compile_internals"
+)
+
+
+# ATen's math attention normalises with ``_safe_softmax`` from torch 2.5 on (a row masked
+# out entirely gives zeros, not NaN); torch 2.4 runs ``softmax``.
+_SAFE_SOFTMAX = getattr(torch.ops.aten, "_safe_softmax", None)
+
+
+def attention_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """The softmax over the last dimension that ATen's math attention (``_scaled_dot_product_attention_math``)
+    runs on this torch: ``_safe_softmax`` (2.5 and later) or ``softmax`` (2.4). Both save their result.
+
+    Example::
+
+        >>> attention_softmax(torch.zeros(2, 4)).sum(-1).tolist()
+        [1.0, 1.0]
+    """
+    if _SAFE_SOFTMAX is not None:
+        return _SAFE_SOFTMAX(scores, -1)
+    return torch.softmax(scores, -1)
+
+
+def math_attention_upcasts() -> bool:
+    """Whether ATen's math attention computes half-precision inputs in float32, now.
+
+    Torch 2.5 and later do, unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``
+    was called (a global switch, read each time); torch 2.4 computes in the inputs' dtype.
+
+    Example::
+
+        >>> math_attention_upcasts() == (TORCH_VERSION >= (2, 5))   # with torch's default
+        True
+    """
+    allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", None)
+    return allowed is not None and not allowed()
