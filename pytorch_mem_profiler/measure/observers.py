@@ -8,21 +8,20 @@ iteration. It hands those events to the observers that the iteration's plan
 keeps what it needs of them and, when the iteration ends, gives the meter its
 own typed part of the record:
 
-================================  ==============================================  =================
-observer                          what it measures                                its part
-================================  ==============================================  =================
-:class:`~.intervals.PhaseIntervals`  peaks and ends of the phases, the iteration's  ``IntervalFigures``
-                                  peak and where, feature maps, weight gradients
-:class:`~.peak_breakdown.PeakBreakdown`  what is alive at the peak, by category    ``PeakResult``
-:class:`~.layers.LayerAttribution`  feature maps by the module that saved them     ``LayerFeatureMaps``
-:class:`~.data_parallel.FsdpGatherTracker`  FSDP2's gathered parameters           bytes
-================================  ==============================================  =================
+- :class:`~.intervals.PhaseIntervals`: peaks and ends of the phases, the iteration's
+  peak and where, feature maps, weight gradients; ``figures()`` gives an
+  ``IntervalFigures``;
+- :class:`~.peak_breakdown.PeakBreakdown`: what is alive at the peak, by category;
+  ``result(peak, ...)`` gives a ``PeakResult`` (it needs the peak the intervals found);
+- :class:`~.layers.LayerAttribution`: feature maps by the module that saved them;
+  ``finish()`` gives a :class:`~pytorch_mem_profiler.stats.LayerFeatureMaps`;
+- :class:`~.data_parallel.FsdpGatherTracker`: FSDP2's gathered parameters, with hooks of
+  its own that the plan turns on; ``finish_iteration()`` gives bytes.
 
 A new measurement is a new observer, as a new output is a new sink. An
 observer implements the events it needs (the others do nothing, and the
 machine does not call them); :meth:`Observer.begin` tells it the plan of the
-coming iteration, and the meter asks it for its part with a method of its own
-(its arguments differ: the breakdown needs the peak the intervals found).
+coming iteration, and the meter asks it for its part with the method above.
 
 Faults: each observer names its fault-guard part (:attr:`Observer.part`). A
 fault in one of its events switches that part off, drops the observer from the
