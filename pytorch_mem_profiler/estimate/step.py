@@ -53,7 +53,7 @@ from .emulation import cuda_rules
 from .build import build_model
 from .draws import user_line
 from .compiled import CompiledModules
-from .fake import fake_inputs, fake_mode, fake_model, make_optimizer
+from .fake import eager_modules, fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
 from .rnn import CudnnRNNRules
 from .scratch import KernelScratch
@@ -467,6 +467,8 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
             raise
         compiled = CompiledModules(counter, target, key=plan.model)
         model = compiled.install(model, source=made if made is not None else plan.model if isinstance(plan.model, nn.Module) else None)
+        if model is not plan.model:  # the step's own copy: what is not estimated as compiled runs eagerly,
+            model = eager_modules(model)  # so Dynamo stays out of the fake step (torch 2.4, 2.13)
         set_up: Mapping[str, Callable[[], list[torch.Tensor]]] = {}
         if plan.setup is not None:
             model, set_up = plan.setup(model)
