@@ -11,7 +11,6 @@ refused, naming the operation and the line.
 from __future__ import annotations
 
 import functools
-import gc
 import inspect
 import io
 
@@ -22,6 +21,8 @@ from torch import nn
 from pytorch_mem_profiler import MemoryProfiler, estimate_memory
 from pytorch_mem_profiler.estimate import EstimateUnsupported
 from pytorch_mem_profiler.estimate.draws import SEED
+
+from .helpers import measured_peak
 
 CPU = torch.device("cpu")
 ADAM = torch.optim.Adam
@@ -77,22 +78,13 @@ class RandomChoices(nn.Module):
 
 def measured(build, x_shape, optimizer=ADAM, steps: int = 2) -> int:
     """The profiler's largest iteration peak over ``steps`` real steps drawing from ``SEED``."""
-    model = build()
-    opt = optimizer(model.parameters())
-    gc.collect()
-    peaks = []
-    with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
+
+    def make_input() -> torch.Tensor:
         x = torch.zeros(x_shape)
         torch.manual_seed(SEED)  # the estimate's draws, in the same order
-        for _ in range(steps):
-            out = model(x)
-            loss = out.sum()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del out, loss
-            peaks.append(profiler.record_stats().iteration_peak_allocated)
-    return max(peaks)
+        return x
+
+    return measured_peak(build, make_input, optimizer, steps=steps)
 
 
 def line_of(cls, text: str) -> str:
