@@ -33,6 +33,7 @@ it does not. Writes ``zoo_conformance.md`` and ``zoo_conformance.json`` under ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,28 @@ def runs_within(entry: ZooModel, batch: int, device: torch.device, fraction: flo
 PROFILED_STEP = 5
 
 
+@contextlib.contextmanager
+def deterministic() -> Any:
+    """Deterministic kernels (``torch.use_deterministic_algorithms``, warnings only) for the
+    profiler's check and its reference run, then the previous setting.
+
+    Two runs of the same seed differ where a kernel adds floats in whatever order its atomics
+    land (``index_add_``, scatter-add, embedding backward on CUDA): a mixture of experts routes
+    on those sums, so a later step of a second run sends other tokens to other experts and
+    allocates otherwise, with or without a profiler. With deterministic kernels two unprofiled
+    runs repeat each other to the byte, and what the profiled run allocates differently is the
+    profiler's. Both runs use the same kernels, so the comparison stays like with like.
+    """
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # an op with no deterministic kernel: warn_only
+            yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def unprofiled_step_peaks(entry: ZooModel, batch: int, device: torch.device, steps: int = PROFILED_STEP) -> list[int]:
     """``max_memory_allocated()`` of each of the first ``steps`` steps of a fresh, unprofiled run.
 
@@ -139,8 +163,14 @@ def profiler_check(entry: ZooModel, batch: int, device: torch.device) -> dict[st
     """The profiler's record of a warmed-up step against the allocator and the unique storages.
 
     The reference is the same step (:data:`PROFILED_STEP`) of an identical unprofiled run (same
-    seed, model, batch and history of steps), so the two differ only by the profiler.
+    seed, model, batch and history of steps, deterministic kernels: :func:`deterministic`), so
+    the two differ only by the profiler.
     """
+    with deterministic():
+        return _profiler_check(entry, batch, device)
+
+
+def _profiler_check(entry: ZooModel, batch: int, device: torch.device) -> dict[str, Any]:
     import io
 
     from pytorch_mem_profiler import memory_profiler
