@@ -139,9 +139,12 @@ class ReplayEntry:
             segment given back under a limit), ``"oom"`` (the request that did not fit).
         index: the event it happened at (``-1``: before the events, :meth:`AllocatorReplay.add_segment`).
         key: the allocation's key (``None`` for segments).
-        size: bytes of the block (rounded), of the segment, or requested (``"oom"``).
+        size: bytes of the block (a multiple of 512, more than asked where the rest was too small to
+            split off), of the segment, or requested (``"oom"``).
         address: where: the segment's address plus the block's offset.
-        reserved: bytes of segments after it; allocated: bytes of blocks handed out after it.
+        reserved: bytes of segments after it; allocated: bytes of blocks handed out after it (as
+            ``torch.cuda.memory_allocated()`` counts them: whole blocks).
+        requested: the bytes asked for (``"alloc"``, ``"oom"``; 0 otherwise).
     """
 
     action: str
@@ -151,6 +154,7 @@ class ReplayEntry:
     address: int
     reserved: int
     allocated: int
+    requested: int = 0
 
 
 @dataclass(frozen=True)
@@ -281,7 +285,7 @@ class AllocatorReplay:
                 self.release_cached()
                 if self.reserved + seg_bytes > self.limit:
                     self.oom = (self._index, nbytes)
-                    self._note("oom", key, nbytes, 0)
+                    self._note("oom", key, nbytes, 0, nbytes)
                     return False
             seg, offset = self._new_segment(seg_bytes, small), 0
         block = seg.blocks[offset]
@@ -295,7 +299,7 @@ class AllocatorReplay:
         self._where[key] = (seg.number, offset)
         self.allocated += block[0]
         self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self._note("alloc", key, block[0], seg.address + offset)
+        self._note("alloc", key, block[0], seg.address + offset, nbytes)
         return True
 
     def free(self, key: int) -> None:
@@ -381,9 +385,9 @@ class AllocatorReplay:
         if i < len(pool) and pool[i] == entry:
             pool.pop(i)
 
-    def _note(self, action: str, key: int | None, size: int, address: int) -> None:
+    def _note(self, action: str, key: int | None, size: int, address: int, requested: int = 0) -> None:
         if self.record:
-            self.trace.append(ReplayEntry(action, self._index, key, size, address, self.reserved, self.allocated))
+            self.trace.append(ReplayEntry(action, self._index, key, size, address, self.reserved, self.allocated, requested))
 
 
 def simulate_reserved(events: Iterable[tuple[int, int]], *, limit: int | None = None) -> int | None:
