@@ -129,13 +129,19 @@ def real_run(entry: Any, batch: int, device: torch.device, *, limit_fraction: fl
     out: dict[str, Any] = {"limit": int(limit_fraction * total) if limit_fraction is not None else None, "oom": None}
     run = None
     try:
-        warm = Training(entry, "real", device, 1)
-        warm.step()
-        del warm
-        fresh(device)
+        # the warm-up is recorded too, so that the blocks it leaves (the base: the libraries'
+        # workspaces) carry the frames that made them; stopping clears that history
         history.start(max_entries=max_entries, stacks=stacks)
         try:
+            warm = Training(entry, "real", device, 1)
+            warm.step()
+            del warm
+            fresh(device)
             out["base"] = history.snapshot()["segments"]
+        finally:
+            history.stop()
+        history.start(max_entries=max_entries, stacks=stacks)
+        try:
             out["start"] = _stats(device)
             marks: list[dict[str, Any]] = []
 
@@ -307,6 +313,22 @@ def parse_real(snapshot: Mapping[str, Any], base_segments: Iterable[Mapping[str,
     if counts is not None:
         trace.truncated = (allocs, frees) != counts
     return trace
+
+
+def base_report(segments: Iterable[Mapping[str, Any]], device: int = 0) -> list[dict[str, Any]]:
+    """The blocks held before the model (the warm-up's leftovers: the libraries' workspaces), each
+    with its segment and the frames that made it, largest first."""
+    out = []
+    for seg in segments:
+        if int(seg.get("device", device)) != device:
+            continue
+        for block in seg.get("blocks", []):
+            if block.get("state", "active_allocated") == "inactive":
+                continue
+            out.append({"size": int(block["size"]), "requested": int(block.get("requested_size", block["size"])),
+                        "segment": int(seg["total_size"]), "pool": seg.get("segment_type", "?"),
+                        "from": frames_text(block.get("frames"), most=6)})  # fmt: skip
+    return sorted(out, key=lambda b: -b["size"])
 
 
 @dataclass(frozen=True)
@@ -768,6 +790,12 @@ def render(payload: Mapping[str, Any]) -> str:
                          f"base {real['base_reserved']:,} reserved / {real['base_allocated']:,} allocated in {real['base_segments']} segments, "
                          f"segments given back {real['releases']}, out of memory: {real['oom'] or 'no'}"
                          + (" (the trace lost its first entries: raise --max-entries)" if real.get("truncated") else ""))  # fmt: skip
+            if real.get("base_blocks"):
+                lines += ["", "Held before the model (the base):", ""]
+                lines.append(markdown_table(["block", "requested", "segment", "pool", "from"],
+                                            [[f"{b['size']:,}", f"{b['requested']:,}", f"{b['segment']:,}", b["pool"], b["from"]]
+                                             for b in real["base_blocks"]]))  # fmt: skip
+                lines.append("")
             for check in run["rules"]:
                 verdict = "exact" if check["exact"] else f"parts at {_point(check['first_difference'])}"
                 lines.append(f"rule check (real requests replayed, addresses {check['addresses']}): {verdict}; peak reserved "
@@ -830,6 +858,7 @@ def one_model(name: str, batch: int | str, card_gib: float, device: torch.device
                 trace = parse_real(real["snapshot"], real["base"], device=device.index or 0, counts=counts)
                 phases = real_phases(trace, real["marks"], real["start"])
                 result = compare(trace, phases, events, real["limit"])
+                result["real"]["base_blocks"] = base_report(real["base"], device.index or 0)
                 result["real"]["stats_at_end"] = real["end"]
                 result["real"]["oom_message"] = real["oom"]
                 result["seconds"] = time.perf_counter() - started

@@ -263,6 +263,17 @@ def test_the_base_is_read_from_the_snapshot_segments_with_their_blocks():
     assert trace.events == [(-(0x7F00_0400_0000 + 1), -MIB)] and trace.allocated[-1] == 64 * MIB
 
 
+def test_the_base_report_lists_the_blocks_held_before_the_model_with_their_frames():
+    segs = _base_segments()
+    segs[2]["blocks"][0]["frames"] = [{"filename": "/x/site-packages/torch/nn/modules/rnn.py", "line": 1126, "name": "forward"}]
+    segs[2]["blocks"][0]["requested_size"] = 1_000_000
+    report = rar.base_report(segs)
+    assert [(b["size"], b["requested"], b["segment"], b["pool"]) for b in report] == [
+        (32 * MIB, 32 * MIB, 32 * MIB, "large"), (32 * MIB, 32 * MIB, 32 * MIB, "large"), (MIB, 1_000_000, 2 * MIB, "small")
+    ]  # fmt: skip
+    assert report[2]["from"] == "torch/nn/modules/rnn.py:1126(forward)"
+
+
 def test_phases_are_placed_by_the_allocators_counts_with_a_frees_completion_kept_with_it():
     entries = [
         {"action": "segment_alloc", "addr": 0, "size": 2 * MIB},
