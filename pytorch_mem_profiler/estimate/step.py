@@ -59,7 +59,7 @@ from .parallel import PARALLEL_ROLES
 from .rnn import CudnnRNNRules
 from .scratch import KernelScratch
 
-__all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks"]
+__all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks", "moved_order"]
 
 #: What the estimate tells a user to do instead when the fake mode cannot run their step.
 REAL_PROFILER = (
@@ -485,8 +485,8 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
         buffers = [b for b in model.buffers() if b is not None]
         counter.start()
         try:
-            counter.adopt(params, role="weights")
-            counter.adopt(buffers, role="weights")
+            # on the device in the order model.to(device) copies them: what the replay starts from
+            counter.adopt(moved_order(model), role="weights")
             _adopt_set_up(counter, set_up)
             inputs = fake_inputs(plan.example_inputs, batch_size, run_device)
             targets = fake_inputs(plan.targets, batch_size, run_device) if plan.targets is not None else None
@@ -566,6 +566,30 @@ def kernel_scratch(target: torch.device, *, measured: bool = False) -> KernelScr
         return None
     found = cuda_multiprocessors(target)
     return KernelScratch(*(found or ()), measured=measured)
+
+
+def moved_order(module: nn.Module) -> list[torch.Tensor]:
+    """``module``'s parameters and buffers in the order ``module.to(device)`` (``nn.Module._apply``)
+    makes their copies on the device: each child first, then the module's own parameters, then its
+    buffers (``parameters()`` lists a module's own before its children's, and every buffer after
+    every parameter). The caching allocator packs blocks in the order they are asked for.
+
+    Example::
+
+        >>> class Scaled(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.scale = nn.Parameter(torch.ones(3))
+        ...         self.norm = nn.BatchNorm1d(2)
+        >>> [tuple(t.shape) for t in moved_order(Scaled())]
+        [(2,), (2,), (2,), (2,), (), (3,)]
+    """
+    out: list[torch.Tensor] = []
+    for child in module.children():
+        out += moved_order(child)
+    out += [p for p in module._parameters.values() if p is not None]
+    out += [b for b in module._buffers.values() if b is not None]
+    return out
 
 
 def _adopt_set_up(counter: StorageLifeCounter, set_up: Mapping[str, Callable[[], list[torch.Tensor]]]) -> None:
