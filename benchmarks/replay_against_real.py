@@ -833,6 +833,9 @@ def one_model(name: str, batch: int | str, card_gib: float, device: torch.device
     row: dict[str, Any] = {"name": name, "card": int(card_gib * 2**30)}
     total = torch.cuda.mem_get_info(device)[1]
     fraction = row["card"] / total
+    # the allocator's limit is the fraction of cudaMemGetInfo's total; the conformance run computes
+    # it from the device's properties: where the two differ, so do the limits
+    row["total_memory"] = {"mem_get_info": total, "properties": torch.cuda.get_device_properties(device).total_memory}
     try:
         if batch == "predicted":
             from pytorch_mem_profiler import estimate_memory
