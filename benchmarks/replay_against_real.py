@@ -687,15 +687,33 @@ def rule_check(trace: RealTrace, limit: int | None, *, real_addresses: bool = Tr
     }
 
 
+def step_totals(side: Side) -> dict[str, dict[str, int]]:
+    """``side``'s phases summed by step (``"step 1"``: its allocations, bytes, segments made and given
+    back; its peaks the highest of its phases')."""
+    out: dict[str, dict[str, int]] = {}
+    for label, row in side.phases.items():
+        step = " ".join(label.split()[:2])
+        total = out.setdefault(step, _empty_row())
+        for key in ("allocations", "bytes", "frees", "segments_made", "segments_given_back"):
+            total[key] += row[key]
+        for key in ("peak_allocated", "peak_reserved"):
+            total[key] = max(total[key], row[key])
+        total["end_allocated"], total["end_reserved"], total["end_segments"] = row["end_allocated"], row["end_reserved"], row["end_segments"]
+    return out
+
+
 def phase_table(real: Side, replays: Mapping[str, Side]) -> list[list[Any]]:
-    """Rows per phase (in the real run's order, then the others'): each side's allocations, bytes,
-    peak allocated and reserved above the base, segments made and given back."""
+    """Rows per step, then per phase (in the real run's order, then the others'): each side's
+    allocations, bytes, peak allocated and reserved above the base, segments made and given back."""
+    sides = (real, *replays.values())
+    steps = [step_totals(side) for side in sides]
     labels = list(dict.fromkeys([*real.phases, *(label for s in replays.values() for label in s.phases)]))
+    step_labels = list(dict.fromkeys(" ".join(label.split()[:2]) for label in labels))
     rows = []
-    for label in labels:
+    for label in [*(f"{step} (all)" for step in step_labels), *labels]:
         row: list[Any] = [label]
-        for side in (real, *replays.values()):
-            p = side.phases.get(label)
+        for side, by_step in zip(sides, steps):
+            p = by_step.get(label[: -len(" (all)")]) if label.endswith(" (all)") else side.phases.get(label)
             if p is None:
                 row.append("-")
             else:

@@ -170,6 +170,11 @@ def test_the_phase_table_counts_allocations_bytes_and_segments_per_phase():
     assert real["step 1 backward"][3] == f"{20 * MIB + 12 * MIB + 20 * MIB + 2 * MIB:,}"
     # the second step reuses what the first freed: no new segment
     assert all(real[f"step 2 {p}"][4] == "+0 -0" for p in ("forward", "other", "backward"))
+    # per step: the first's 8 allocations (2 + the loss + 3 + momentum's 2) and 3 segments; its peak reserved the backward's
+    assert real["step 1 (all)"][0] == "8" and real["step 1 (all)"][4] == "+3 -0"
+    assert real["step 1 (all)"][3] == real["step 1 backward"][3]
+    assert real["step 2 (all)"][0] == "6" and real["step 2 (all)"][4] == "+0 -0"
+    assert list(rows)[:3] == ["step 0 (all)", "step 1 (all)", "step 2 (all)"]
 
 
 def test_a_real_allocation_the_estimate_does_not_make_is_listed_by_size_and_frames():
