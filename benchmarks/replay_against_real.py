@@ -43,7 +43,6 @@ import argparse
 import difflib
 import gc
 import json
-import math
 import pickle
 import sys
 import tempfile
@@ -52,7 +51,7 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -62,12 +61,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchutil import environment_line, markdown_table, output_dir  # noqa: E402
 
-from pytorch_mem_profiler.estimate.allocator import (  # noqa: E402
-    AllocatorReplay,
-    ReplayEntry,
-    StepEvents,
-    block_size,
-)
+from pytorch_mem_profiler.estimate.allocator import AllocatorReplay, StepEvents, block_size  # noqa: E402
 
 #: model -> (batch, card in GiB): the largest batch the estimate predicted under the conformance
 #: run's card (``benchmarks/zoo_conformance.py``) on an H200, torch 2.11, where the real run ran out
