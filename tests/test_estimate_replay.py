@@ -178,3 +178,26 @@ def test_the_stated_bound_counts_one_operators_buffers_once():
     est = _estimate(error_bounds={"conv": 300, "conv backward": 500, "kept": 40}, transient_bounds=frozenset({"conv", "conv backward"}))
     assert est.error_bound == 540
     assert "± conv backward (inside one operator)" in str(est) and "± kept (kept alive)" in str(est)
+
+
+def test_the_command_says_what_it_left_free_for_the_stated_bound(tmp_path, capsys):
+    from pytorch_mem_profiler.analysis.cli import main
+    from pytorch_mem_profiler.units import format_amount
+
+    path = tmp_path / "model.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\nbatch_size = 4\n"
+        "def build_model():\n    return nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 32 * 32, 4))\n"
+        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 16, 32, 32)\n"
+    )
+    memory = 1500 * 10**6  # the default 1 GiB outside PyTorch taken off
+    assert main(["estimate", str(path), "--device", "cuda", "--memory", "1500MB", "--margin", "0"]) == 0
+    out = capsys.readouterr().out
+    est = estimate_memory(
+        lambda: nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 32 * 32, 4)),
+        lambda b: torch.zeros(b, 16, 32, 32), batch_size=4, device="cuda", emulate=True,
+    )  # fmt: skip
+    search = est.batch_search(memory, margin=0)
+    assert est.error_bound > 0 and search.bound > est.error_bound  # the bound at the answer, a larger batch
+    assert f"Largest batch on a device of 1,500 MB: {search.batch_size} (" in out
+    assert f"; {format_amount(search.bound, 'MB', digits=3)} left free for the stated ±;" in out
