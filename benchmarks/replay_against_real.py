@@ -304,8 +304,8 @@ def parse_real(snapshot: Mapping[str, Any], base_segments: Iterable[Mapping[str,
         trace.reserved.append(reserved)
         trace.allocated.append(allocated)
         trace.segments.append(segments)
-    if counts is not None:
-        trace.truncated = (allocs, frees) != counts
+    if counts is not None:  # fewer than the statistics counted: the ring buffer dropped the first entries
+        trace.truncated = allocs < counts[0] or frees < counts[1]
     return trace
 
 
