@@ -43,6 +43,7 @@ import argparse
 import difflib
 import gc
 import json
+import os
 import pickle
 import sys
 import tempfile
@@ -781,6 +782,8 @@ def _point(value: Any) -> str:
 
 def render(payload: Mapping[str, Any]) -> str:
     lines = [payload.get("environment", ""), ""]
+    if payload.get("PYTORCH_CUDA_ALLOC_CONF"):
+        lines += [f"PYTORCH_CUDA_ALLOC_CONF={payload['PYTORCH_CUDA_ALLOC_CONF']}: the replay follows the default settings", ""]
     for row in payload["rows"]:
         head = f"## {row['name']} at batch {row['batch']:,}"
         if row.get("card"):
@@ -912,7 +915,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         parser.error("--batch N and --card-gib are for one model (--only NAME)")
     out = output_dir(args.out) or Path(tempfile.mkdtemp(prefix="replay_against_real_"))
     device = torch.device("cuda", torch.cuda.current_device())
-    payload: dict[str, Any] = {"environment": environment_line(device), "torch": torch.__version__, "rows": []}
+    # the replay's rules are the allocator's defaults: say where the run's settings are others
+    payload: dict[str, Any] = {"environment": environment_line(device), "torch": torch.__version__,
+                               "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "rows": []}  # fmt: skip
     started = time.perf_counter()
     for name in names:
         batch, card = CASES.get(name, (ZOO[name].batch["real"], 0.0))
