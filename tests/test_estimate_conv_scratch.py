@@ -416,9 +416,12 @@ def test_a_cuda_estimate_takes_the_convolutions_workspace_at_its_operator():
     assert estimate.peak_breakdown["other"] >= workspace + grad_copy
     # the forward's peak: the weight, the batch, the output and the forward's workspace
     assert estimate.phases["forward"] == weight + activation + activation + workspace
-    # the rule's bound is stated, per operator
+    # the rule's bound is stated, per operator; the forward's workspace and the backward's are never
+    # alive together: the peak may be off by the larger, not by both
     assert set(estimate.error_bounds) == {CONVOLUTION_BOUND, CONVOLUTION_BACKWARD_BOUND}
-    assert estimate.error_bound == sum(estimate.error_bounds.values()) > 0
+    assert estimate.transient_bounds == {CONVOLUTION_BOUND, CONVOLUTION_BACKWARD_BOUND}
+    assert estimate.error_bound == max(estimate.error_bounds.values()) > 0
+    assert estimate.error_bound < sum(estimate.error_bounds.values())
     # the CPU's estimate takes none
     assert cpu.kernel_scratch == 0 and not cpu.error_bounds
 

@@ -41,7 +41,7 @@ def test_an_lstm_saves_its_output_states_and_cudnns_reserve_space_for_backward()
     assert by_module["rnn"] == block_size(embedded) + block_size(output) + block_size(reserve) + 2 * block_size(states)
     projections = seq * batch * 4 * hidden * 4
     assert est.error_bounds == {"aten._cudnn_rnn (lstm)": workspace_bound(projections)}
-    assert "± aten._cudnn_rnn (lstm) (by its rule's measured spread)" in str(est)
+    assert "± aten._cudnn_rnn (lstm) (inside one operator)" in str(est)
 
 
 def test_under_autocast_cudnn_keeps_a_half_precision_copy_of_the_weights():
@@ -54,6 +54,22 @@ def test_under_autocast_cudnn_keeps_a_half_precision_copy_of_the_weights():
     # the half-precision input, h0, the output, the reserve and the weight buffer
     parts = [batch * seq * 64 * 2, 2 * batch * hidden * 2, batch * seq * hidden * 2, reserve, weight_buf]
     assert saved == sum(block_size(n) for n in parts)
+
+
+def test_a_plain_rnns_unmeasured_reserve_is_a_kept_bound_and_its_workspace_one_operators():
+    est = _estimate(nn.RNN)
+    layers, seq, batch, hidden = 2, 40, 8, 128
+    buffers = cudnn_rnn_buffers("rnn_tanh", seq_len=seq, batch=batch, hidden=hidden, proj=hidden, layers=layers, directions=1, element_size=4)
+    projections = seq * batch * hidden * 4  # one gate
+    assert buffers.reserve_bound == -(-UNMEASURED_SHARE * buffers.reserve // 1) and buffers.bound == workspace_bound(projections) + buffers.reserve_bound
+    assert est.error_bounds == {
+        "aten._cudnn_rnn (rnn_tanh)": workspace_bound(projections),
+        "aten._cudnn_rnn (rnn_tanh) reserve": buffers.reserve_bound,
+    }
+    assert est.transient_bounds == {"aten._cudnn_rnn (rnn_tanh)"}
+    # the workspace is the one operator's, the reserve is kept for backward: both can be at the peak
+    assert est.error_bound == workspace_bound(projections) + buffers.reserve_bound
+    assert "± aten._cudnn_rnn (rnn_tanh) reserve (kept alive)" in str(est)
 
 
 def test_every_recurrent_kind_runs_bidirectional_and_projected_without_a_raw_error():

@@ -28,8 +28,7 @@ pytestmark = pytest.mark.cuda
 #: Known misses on the GPU (two H200s and one, torch 2.11, 2026-11-25: the table in docs/benchmarks.md),
 #: each to be removed when its fix lands (strict).
 KNOWN: dict[str, str] = {
-    "vit": "largest batch: the predicted 152 runs out of memory on the card",
-    "mobilenet": "reserved +10.3% (the convolution workspaces' bound counted into the replay); the predicted largest batch (331) runs out of memory",
+    "mobilenet": "reserved +10.3% (the convolution workspaces as the replay takes them)",
     "gru_lm": "reserved -9.3% (cuDNN's RNN workspaces); the predicted largest batch (97) runs out of memory",
     "lstm_lm": "reserved -11.2% (cuDNN's RNN workspaces)",
     "resnet18_bf16": "reserved -8.3% (the first step's convolution workspaces leave segments the replay does not)",

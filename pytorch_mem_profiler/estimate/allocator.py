@@ -1,18 +1,35 @@
 """How the CUDA caching allocator rounds requests and carves segments, and what lives beside it.
 
 The rules of ``c10/cuda/CUDACachingAllocator.cpp`` (default settings: no
-``expandable_segments``, no ``max_split_size_mb``, no round-up divisions):
+``expandable_segments``, no ``max_split_size_mb``, no round-up divisions, no
+garbage-collection threshold), which :class:`AllocatorReplay` follows:
 
 - every block is a multiple of 512 bytes (``kMinBlockSize``), at least 512; an
   empty tensor takes no block. ``torch.cuda.memory_allocated()`` counts these
-  rounded sizes, so an estimate of it rounds each storage the same way;
-- requests up to 1 MiB (``kSmallSize``) come from 2 MiB segments
-  (``kSmallBuffer``); requests under 10 MiB (``kMinLargeAlloc``) from 20 MiB
-  segments (``kLargeBuffer``); larger ones get a segment of their size rounded up
-  to 2 MiB (``kRoundLarge``). A free block is split when what remains is at least
-  512 bytes (small pool) or more than 1 MiB (large pool); freed neighbours merge.
-  :func:`simulate_reserved` replays a step's allocations through these rules to
-  estimate ``torch.cuda.max_memory_reserved()``.
+  rounded sizes, so an estimate of it rounds each storage the same way
+  (``round_size``);
+- requests up to 1 MiB (``kSmallSize``) come from the small pool's 2 MiB segments
+  (``kSmallBuffer``), larger ones from the large pool; a new segment for a request
+  under 10 MiB (``kMinLargeAlloc``) is 20 MiB (``kLargeBuffer``), a larger one its
+  size rounded up to 2 MiB (``kRoundLarge``) (``get_pool``, ``get_allocation_size``);
+- a request takes the smallest free block of its pool and stream that holds it, the
+  lowest address among equals (``get_free_block``: a ``std::set`` ordered by stream,
+  size, address); a block is split when what remains is at least 512 bytes (small
+  pool) or more than 1 MiB (large pool) (``should_split``), the request at the
+  block's start; a freed block merges with free neighbours of its segment
+  (``free_block``, ``try_merge_blocks``);
+- with no free block, a new segment (``alloc_block``); under
+  ``torch.cuda.set_per_process_memory_fraction`` a segment that would take the
+  segments' total (``total_allocated_memory``) past the allowed bytes is refused,
+  the allocator then gives back every segment that is one free block, of both pools
+  (``release_cached_blocks``), and tries once more; out of memory if it still does
+  not fit.
+
+Segment addresses come from ``cudaMalloc``, which the replay cannot know: among free
+blocks of the same size it takes the older segment's (:class:`AllocatorReplay`
+takes real addresses where it is given them). :func:`simulate_reserved` replays a
+step's allocations through these rules to estimate
+``torch.cuda.max_memory_reserved()``, and whether the step runs under a limit.
 
 Outside the allocator, the device also holds the CUDA context, the kernels'
 modules and the libraries' handles: :data:`CUDA_CONTEXT_ALLOWANCE`.
@@ -23,13 +40,17 @@ Example::
     (512, 512, 1024, 0)
     >>> segment_size(100), segment_size(3 << 20), segment_size(11 << 20) == 12 << 20
     (2097152, 20971520, True)
+    >>> replay = AllocatorReplay(record=True).run([(1, 1000), (2, 3 << 20), (1, -1000)])
+    >>> [entry.action for entry in replay.trace], replay.peak_reserved == (2 << 20) + (20 << 20)
+    (['segment_alloc', 'alloc', 'segment_alloc', 'alloc', 'free'], True)
 """
 
 from __future__ import annotations
 
 import bisect
 import os
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Mapping
 
 __all__ = [
     "MIN_BLOCK",
@@ -43,6 +64,9 @@ __all__ = [
     "segment_size",
     "cublas_workspace_bytes",
     "simulate_reserved",
+    "AllocatorReplay",
+    "ReplayEntry",
+    "StepEvents",
 ]
 
 MIN_BLOCK = 512
@@ -105,44 +129,285 @@ def cublas_workspace_bytes(capability: tuple[int, int] | None = None) -> int:
     return 32 << 20
 
 
-class _Pool:
-    """The free blocks of one pool (small or large), kept sorted by (size, segment, offset)."""
+@dataclass(frozen=True)
+class ReplayEntry:
+    """One thing :class:`AllocatorReplay` did, named as torch's allocator history names it.
 
-    def __init__(self, small: bool) -> None:
-        self.small = small
-        self.free: list[tuple[int, int, int]] = []  # (size, segment, offset)
+    Attributes:
+        action: ``"segment_alloc"`` (a new segment), ``"alloc"`` (a block handed out),
+            ``"free"`` (a block given back to its pool), ``"segment_free"`` (a wholly free
+            segment given back under a limit), ``"oom"`` (the request that did not fit).
+        index: the event it happened at (``-1``: before the events, :meth:`AllocatorReplay.add_segment`).
+        key: the allocation's key (``None`` for segments).
+        size: bytes of the block (a multiple of 512, more than asked where the rest was too small to
+            split off), of the segment, or requested (``"oom"``).
+        address: where: the segment's address plus the block's offset.
+        reserved: bytes of segments after it; allocated: bytes of blocks handed out after it (as
+            ``torch.cuda.memory_allocated()`` counts them: whole blocks).
+        requested: the bytes asked for (``"alloc"``, ``"oom"``; 0 otherwise).
+    """
 
-    def take(self, size: int) -> tuple[int, int, int] | None:
-        i = bisect.bisect_left(self.free, (size, -1, -1))
-        if i == len(self.free):
-            return None
-        return self.free.pop(i)
+    action: str
+    index: int
+    key: int | None
+    size: int
+    address: int
+    reserved: int
+    allocated: int
+    requested: int = 0
 
-    def put(self, block: tuple[int, int, int]) -> None:
-        bisect.insort(self.free, block)
 
-    def remove(self, block: tuple[int, int, int]) -> None:
-        i = bisect.bisect_left(self.free, block)
-        if i < len(self.free) and self.free[i] == block:
-            self.free.pop(i)
+@dataclass(frozen=True)
+class StepEvents:
+    """A step's allocations and frees as the replay takes them, with where each one came from.
+
+    Attributes:
+        events: ``(key, nbytes)`` in time order: ``nbytes > 0`` allocates a block for
+            ``key``, ``nbytes < 0`` frees it (see :func:`simulate_reserved`).
+        marks: ``(first event index, step, phase)`` where each phase of each step begins
+            (step 0: before the first step: the weights, the libraries' workspaces).
+        sources: what made each key's storage: ``"aten.addmm.default; forward; activations"``
+            (the operator, the phase it was made in, what it was at the peak's accounting).
+
+    Example::
+
+        >>> ev = StepEvents(((1, 512), (2, 512), (1, -512)), marks=((0, 1, "forward"), (2, 1, "backward")))
+        >>> ev.phase_at(1), ev.phase_at(2)
+        ((1, 'forward'), (1, 'backward'))
+    """
+
+    events: tuple[tuple[int, int], ...]
+    marks: tuple[tuple[int, int, str], ...] = ()
+    sources: Mapping[int, str] = field(default_factory=dict)
+
+    def phase_at(self, index: int) -> tuple[int, str]:
+        """``(step, phase)`` of the event at ``index`` (``(0, "")`` before the first mark)."""
+        starts = [m[0] for m in self.marks]
+        i = bisect.bisect_right(starts, index) - 1
+        if i < 0:
+            return 0, ""
+        return self.marks[i][1], self.marks[i][2]
+
+    def __add__(self, other: StepEvents) -> StepEvents:
+        """These events, then ``other``'s (its marks shifted after them)."""
+        shift = len(self.events)
+        marks = self.marks + tuple((i + shift, s, p) for i, s, p in other.marks)
+        return StepEvents(self.events + other.events, marks, {**self.sources, **other.sources})
+
+
+#: Apart enough that addresses made up from creation order never overlap a segment.
+_SYNTHETIC_SPACING = 1 << 44
+
+
+class _Segment:
+    __slots__ = ("number", "address", "size", "small", "blocks", "offsets")
+
+    def __init__(self, number: int, address: int, size: int, small: bool) -> None:
+        self.number, self.address, self.size, self.small = number, address, size, small
+        #: offset -> [bytes, key of the allocation holding it (None: free)]
+        self.blocks: dict[int, list] = {0: [size, None]}
+        self.offsets: list[int] = [0]
+
+
+class AllocatorReplay:
+    """The CUDA caching allocator's default rules (see the module), replayed over a step's
+    allocations and frees on one stream.
+
+    Args:
+        limit: the bytes the segments may total (``set_per_process_memory_fraction``
+            times the device's memory); ``None``: no limit.
+        record: keep :attr:`trace`, every action as a :class:`ReplayEntry`.
+        addresses: the addresses of the segments to make, in order (a real run's, to
+            take its tie-breaks); past them, and by default, segments rank by creation.
+
+    Attributes:
+        reserved, allocated: bytes of segments and of blocks handed out now;
+        peak_reserved, peak_allocated: the most of each;
+        oom: ``(event index, bytes requested)`` of the request that did not fit, or ``None``;
+        releases: how often a refused segment made it give back its wholly free segments;
+        trace: what it did, when ``record``.
+
+    Example::
+
+        >>> mib = 1 << 20
+        >>> replay = AllocatorReplay(limit=22 * mib).run([(1, 3 * mib), (1, -3 * mib), (2, 1000), (3, 21 * mib)])
+        >>> replay.oom, replay.releases, replay.reserved == 2 * mib
+        ((3, 22020096), 1, True)
+    """
+
+    def __init__(self, *, limit: int | None = None, record: bool = False, addresses: Iterable[int] | None = None) -> None:
+        self.limit = limit
+        self.record = record
+        self.trace: list[ReplayEntry] = []
+        self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
+        self.oom: tuple[int, int] | None = None
+        self.releases = 0
+        self._pools: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}  # (size, address, segment, offset)
+        self._segments: dict[int, _Segment] = {}
+        self._where: dict[int, tuple[int, int]] = {}
+        self._addresses: Iterator[int] | None = iter(addresses) if addresses is not None else None
+        self._made = 0
+        self._index = -1
+
+    # -- what a caller sees ------------------------------------------------------------
+    @property
+    def segments(self) -> list[tuple[int, int, bool, list[tuple[int, int | None]]]]:
+        """Each segment as ``(address, bytes, small, [(block bytes, key or None if free), ...])``, by address."""
+        out = []
+        for seg in sorted(self._segments.values(), key=lambda s: s.address):
+            out.append((seg.address, seg.size, seg.small, [(seg.blocks[o][0], seg.blocks[o][1]) for o in seg.offsets]))
+        return out
+
+    def run(self, events: Iterable[tuple[int, int]]) -> AllocatorReplay:
+        """Replay ``events`` (``(key, +bytes)`` allocates, ``(key, -bytes)`` frees); stops at an out-of-memory."""
+        for index, (key, nbytes) in enumerate(events):
+            self._index = index
+            if nbytes > 0:
+                if not self.malloc(key, nbytes):
+                    break
+            elif nbytes < 0:
+                self.free(key)
+        return self
+
+    # -- the allocator's moves -----------------------------------------------------------
+    def malloc(self, key: int, nbytes: int) -> bool:
+        """Hand ``key`` a block of ``nbytes`` (rounded); ``False``: out of memory under the limit."""
+        size = block_size(nbytes)
+        small = size <= SMALL_SIZE
+        pool = self._pools[small]
+        i = bisect.bisect_left(pool, (size, -1, -1, -1))
+        if i < len(pool):
+            _, _, number, offset = pool.pop(i)
+            seg = self._segments[number]
+        else:
+            seg_bytes = segment_size(nbytes)
+            if self.limit is not None and self.reserved + seg_bytes > self.limit:
+                self.release_cached()
+                if self.reserved + seg_bytes > self.limit:
+                    self.oom = (self._index, nbytes)
+                    self._note("oom", key, nbytes, 0, nbytes)
+                    return False
+            seg, offset = self._new_segment(seg_bytes, small), 0
+        block = seg.blocks[offset]
+        rest = block[0] - size
+        if rest >= (MIN_BLOCK if small else SMALL_SIZE + 1):
+            block[0] = size
+            seg.blocks[offset + size] = [rest, None]
+            bisect.insort(seg.offsets, offset + size)
+            bisect.insort(pool, (rest, seg.address + offset + size, seg.number, offset + size))
+        block[1] = key
+        self._where[key] = (seg.number, offset)
+        self.allocated += block[0]
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self._note("alloc", key, block[0], seg.address + offset, nbytes)
+        return True
+
+    def free(self, key: int) -> None:
+        """Give ``key``'s block back to its pool, merged with its free neighbours (unknown keys: nothing)."""
+        found = self._where.pop(key, None)
+        if found is None:
+            return
+        number, offset = found
+        seg = self._segments[number]
+        pool = self._pools[seg.small]
+        size = seg.blocks[offset][0]
+        self.allocated -= size
+        self._note("free", key, size, seg.address + offset)
+        i = bisect.bisect_left(seg.offsets, offset)
+        after = seg.offsets[i + 1] if i + 1 < len(seg.offsets) else None
+        if after is not None and seg.blocks[after][1] is None:
+            self._unpool(pool, seg, after)
+            size += seg.blocks.pop(after)[0]
+            seg.offsets.pop(i + 1)
+        before = seg.offsets[i - 1] if i > 0 else None
+        if before is not None and seg.blocks[before][1] is None:
+            self._unpool(pool, seg, before)
+            del seg.blocks[offset]
+            seg.offsets.pop(i)
+            size += seg.blocks[before][0]
+            offset = before
+        seg.blocks[offset] = [size, None]
+        bisect.insort(pool, (size, seg.address + offset, seg.number, offset))
+
+    def release_cached(self) -> int:
+        """Give back every segment that is one free block, of both pools (``release_cached_blocks``); the bytes."""
+        self.releases += 1
+        freed = 0
+        for seg in sorted(self._segments.values(), key=lambda s: (s.small, s.size, s.address)):
+            if len(seg.offsets) == 1 and seg.blocks[0][1] is None:
+                self._unpool(self._pools[seg.small], seg, 0)
+                del self._segments[seg.number]
+                self.reserved -= seg.size
+                freed += seg.size
+                self._note("segment_free", None, seg.size, seg.address)
+        return freed
+
+    def add_segment(self, size: int, blocks: Iterable[tuple[int, int | None]], *, small: bool, address: int | None = None) -> None:
+        """A segment that exists before the events (a real run's, the libraries' workspaces): its
+        blocks ``(bytes, key)`` in address order, ``key`` ``None`` for a free one."""
+        seg = self._new_segment(size, small, address)
+        pool = self._pools[small]
+        seg.blocks, seg.offsets = {}, []
+        offset = 0
+        for nbytes, key in blocks:
+            seg.blocks[offset] = [nbytes, key]
+            seg.offsets.append(offset)
+            if key is None:
+                bisect.insort(pool, (nbytes, seg.address + offset, seg.number, offset))
+            else:
+                self._where[key] = (seg.number, offset)
+                self.allocated += nbytes
+            offset += nbytes
+        if offset != size:
+            raise ValueError(f"the blocks of a segment of {size} bytes add up to {offset}")
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+
+    # -- inside ------------------------------------------------------------------------
+    def _new_segment(self, size: int, small: bool, address: int | None = None) -> _Segment:
+        if address is None and self._addresses is not None:
+            address = next(self._addresses, None)
+        if address is None:
+            known = max((s.address + s.size for s in self._segments.values()), default=0)
+            address = max(known, self._made * _SYNTHETIC_SPACING)
+            address = -(-address // _SYNTHETIC_SPACING) * _SYNTHETIC_SPACING
+        seg = _Segment(self._made, address, size, small)
+        self._made += 1
+        self._segments[seg.number] = seg
+        self.reserved += size
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self._note("segment_alloc", None, size, address)
+        return seg
+
+    @staticmethod
+    def _unpool(pool: list[tuple[int, int, int, int]], seg: _Segment, offset: int) -> None:
+        entry = (seg.blocks[offset][0], seg.address + offset, seg.number, offset)
+        i = bisect.bisect_left(pool, entry)
+        if i < len(pool) and pool[i] == entry:
+            pool.pop(i)
+
+    def _note(self, action: str, key: int | None, size: int, address: int, requested: int = 0) -> None:
+        if self.record:
+            self.trace.append(ReplayEntry(action, self._index, key, size, address, self.reserved, self.allocated, requested))
 
 
 def simulate_reserved(events: Iterable[tuple[int, int]], *, limit: int | None = None) -> int | None:
     """The most bytes of segments the caching allocator would hold over ``events``.
 
     ``events`` are ``(key, nbytes)`` pairs in time order: a positive ``nbytes``
-    allocates a block for ``key``, a negative one frees it. Best fit in each pool,
-    splitting and merging as the allocator does. Without ``limit`` no segment is
-    ever given back (``torch.cuda.empty_cache()`` is never called during a step).
-    With ``limit`` (what ``torch.cuda.set_per_process_memory_fraction`` allows), a
-    segment that would take the reserved bytes past it first makes the allocator
-    give back its wholly free segments and try again, as it does before raising
-    an out-of-memory error; ``None`` if it still does not fit.
+    allocates a block for ``key``, a negative one frees it. Replayed by
+    :class:`AllocatorReplay`: best fit in each pool, splitting and merging as the
+    allocator does. Without ``limit`` no segment is ever given back
+    (``torch.cuda.empty_cache()`` is never called during a step). With ``limit``
+    (what ``torch.cuda.set_per_process_memory_fraction`` allows), a segment that
+    would take the reserved bytes past it first makes the allocator give back its
+    wholly free segments and try again, as it does before raising an out-of-memory
+    error; ``None`` if it still does not fit.
 
-    Approximations: one stream, default settings (no ``expandable_segments``, no
-    ``max_split_size_mb``); of the memory a kernel takes for itself inside an
-    operator, only what :mod:`~.scratch`'s rules give is in ``events`` (an
-    allocation and a free around the operator).
+    Approximations: one stream, default settings; ties between free blocks of one
+    size go to the older segment (the real allocator takes the lower address, which
+    ``cudaMalloc`` chose); of the memory a kernel takes for itself inside an operator,
+    only what :mod:`~.scratch`'s rules give is in ``events`` (an allocation and a
+    free around the operator).
 
     Example::
 
@@ -153,66 +418,5 @@ def simulate_reserved(events: Iterable[tuple[int, int]], *, limit: int | None = 
         >>> simulate_reserved([(1, 3 << 20), (2, 19 << 20)], limit=30 << 20) is None  # 20 MiB + 20 MiB
         True
     """
-    pools = {True: _Pool(True), False: _Pool(False)}
-    # segment -> {offset: [size, free]}; a block is (segment, offset)
-    segments: dict[int, dict[int, list]] = {}
-    where: dict[int, tuple[int, int, bool]] = {}
-    reserved = peak = 0
-    made = 0
-    for key, nbytes in events:
-        if nbytes > 0:
-            size = block_size(nbytes)
-            small = size <= SMALL_SIZE
-            pool = pools[small]
-            found = pool.take(size)
-            if found is None:
-                seg_bytes = segment_size(nbytes)
-                if limit is not None and reserved + seg_bytes > limit:
-                    reserved -= _release_free_segments(segments, pools)
-                    if reserved + seg_bytes > limit:
-                        return None
-                seg = made
-                made += 1
-                segments[seg] = {0: [seg_bytes, False]}
-                reserved += seg_bytes
-                peak = max(peak, reserved)
-                found = (seg_bytes, seg, 0)
-            else:
-                segments[found[1]][found[2]][1] = False
-            block_bytes, seg, offset = found
-            rest = block_bytes - size
-            if rest >= (MIN_BLOCK if small else SMALL_SIZE + 1):
-                segments[seg][offset][0] = size
-                segments[seg][offset + size] = [rest, True]
-                pool.put((rest, seg, offset + size))
-            where[key] = (seg, offset, small)
-        elif nbytes < 0 and key in where:
-            seg, offset, small = where.pop(key)
-            pool = pools[small]
-            blocks = segments[seg]
-            size = blocks[offset][0]
-            # merge with a free neighbour after, then before
-            after = offset + size
-            if after in blocks and blocks[after][1]:
-                pool.remove((blocks[after][0], seg, after))
-                size += blocks.pop(after)[0]
-            before = next((o for o, b in blocks.items() if b[1] and o + b[0] == offset), None)
-            if before is not None:
-                pool.remove((blocks[before][0], seg, before))
-                del blocks[offset]
-                size += blocks[before][0]
-                offset = before
-            blocks[offset] = [size, True]
-            pool.put((size, seg, offset))
-    return peak
-
-
-def _release_free_segments(segments: dict[int, dict[int, list]], pools: dict[bool, _Pool]) -> int:
-    """Give back every segment that is one free block (what ``release_cached_blocks`` frees); the bytes."""
-    freed = 0
-    for seg in [s for s, blocks in segments.items() if len(blocks) == 1 and blocks[0][1]]:
-        size = segments.pop(seg)[0][0]
-        for pool in pools.values():
-            pool.remove((size, seg, 0))
-        freed += size
-    return freed
+    replay = AllocatorReplay(limit=limit).run(events)
+    return None if replay.oom is not None else replay.peak_reserved

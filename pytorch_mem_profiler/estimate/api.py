@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from ..measure.devices import parse_device, usable_device
-from .allocator import CUDA_CONTEXT_ALLOWANCE, cublas_workspace_bytes, simulate_reserved
+from .allocator import CUDA_CONTEXT_ALLOWANCE, StepEvents, cublas_workspace_bytes, simulate_reserved
 from .fake import batch_of
-from .result import CHOSEN_BY_FUNCTION, REPEATED_BLOCKS, BatchFit, MemoryEstimate
+from .result import CHOSEN_BY_FUNCTION, REPEATED_BLOCKS, BatchFit, MemoryEstimate, error_bound_of
 from .step import EstimateUnsupported, StepMemory, StepPlan, run_step
 
 __all__ = ["estimate_memory", "EstimateUnsupported", "OPTIMIZATIONS", "parse_autocast"]
@@ -234,14 +234,18 @@ def estimate_memory(
     # The workspaces are blocks of their own, never freed, made before the step's tensors
     # (at the first matmul, or by an earlier step); replayed first, each takes a segment.
     workspace_events = [(-1, workspace // 2), (-2, workspace - workspace // 2)] if workspace else []
-    reserved = None
+    reserved = step_events = None
     if step.reserved is not None:
         reserved = simulate_reserved([*workspace_events, *step.events])
-    reserved_at = peak_at = None
-    if reserved is not None and fit and batch is not None:
-        reserved_at = functools.partial(_reserved_at, plan, tuple(workspace_events))
+        if step.step_events is not None:
+            step_events = _workspaces(workspace_events) + step.step_events
+    reserved_at = peak_at = bound_at = None
     if fit and batch is not None:
-        peak_at = functools.partial(_peak_at, plan)
+        steps = _StepsByBatch(plan, {batch: step})
+        peak_at = steps.peak_at
+        bound_at = steps.error_bound_at
+        if reserved is not None:
+            reserved_at = functools.partial(steps.reserved_at, tuple(workspace_events))
     est = MemoryEstimate(
         device=str(target),
         batch_size=batch,
@@ -264,7 +268,10 @@ def estimate_memory(
         emulated=run_device.type != target.type,
         reserved_at=reserved_at,
         peak_at=peak_at,
+        error_bound_at=bound_at,
         error_bounds=step.error_bounds,
+        transient_bounds=step.transient_bounds,
+        step_events=step_events,
         parallel=parallel_plan.name if parallel_plan is not None else None,
         world_size=ranks,
         rank=rank,
@@ -324,16 +331,44 @@ def _optimizer_text(optimizer: Callable[..., Any], made: str | None) -> str:
     return made
 
 
-def _reserved_at(plan: StepPlan, workspace_events: tuple[tuple[int, int], ...], batch: int, limit: int | None = None) -> int | None:
-    """The allocator replay's reserved bytes for the step at ``batch``, workspaces included;
-    ``None`` if it runs out of memory under ``limit`` (see :func:`~.allocator.simulate_reserved`)."""
-    return simulate_reserved([*workspace_events, *run_step(plan, batch).events], limit=limit)
+def _workspaces(workspace_events: list[tuple[int, int]]) -> StepEvents:
+    """The libraries' workspaces as the replay's first events, alive before the steps."""
+    return StepEvents(tuple(workspace_events), (), {key: "cuBLAS workspace; before the steps; workspace" for key, _ in workspace_events})
 
 
-def _peak_at(plan: StepPlan, batch: int) -> tuple[int, str]:
-    """The step's peak (tensors) and the phase holding it at ``batch``: one fake step."""
-    step = run_step(plan, batch)
-    return step.peak, step.peak_phase
+class _StepsByBatch:
+    """The fake step at each batch size asked, the last few kept: a batch search asks a batch's
+    replay and its error bound, one fake step for both."""
+
+    KEPT = 4
+
+    def __init__(self, plan: StepPlan, known: Mapping[int, StepMemory]) -> None:
+        self.plan = plan
+        self.steps: dict[int, StepMemory] = dict(known)
+
+    def step(self, batch: int) -> StepMemory:
+        found = self.steps.pop(batch, None)
+        if found is None:
+            found = run_step(self.plan, batch)
+        self.steps[batch] = found  # the most recent last
+        while len(self.steps) > self.KEPT:
+            self.steps.pop(next(iter(self.steps)))
+        return found
+
+    def reserved_at(self, workspace_events: tuple[tuple[int, int], ...], batch: int, limit: int | None = None) -> int | None:
+        """The allocator replay's reserved bytes for the step at ``batch``, workspaces included;
+        ``None`` if it runs out of memory under ``limit`` (see :func:`~.allocator.simulate_reserved`)."""
+        return simulate_reserved([*workspace_events, *self.step(batch).events], limit=limit)
+
+    def peak_at(self, batch: int) -> tuple[int, str]:
+        """The step's peak (tensors) and the phase holding it at ``batch``: one fake step."""
+        step = self.step(batch)
+        return step.peak, step.peak_phase
+
+    def error_bound_at(self, batch: int) -> int:
+        """The bytes the step's peak may be off by at ``batch`` (see :attr:`MemoryEstimate.error_bound`)."""
+        step = self.step(batch)
+        return error_bound_of(step.error_bounds, step.transient_bounds)
 
 
 def _fit(plan: StepPlan, first: StepMemory, batch: int) -> BatchFit:

@@ -98,6 +98,8 @@ class Life:
     roles: set[str] = field(default_factory=set)
     #: the module whose forward saved it for backward (the innermost one running)
     saved_by: str | None = None
+    #: the operator that made it (``None``: made before counting began, adopted)
+    op: Any = None
 
     def alive_at(self, tick: int) -> bool:
         return self.born <= tick and (self.died is None or self.died > tick)
@@ -121,7 +123,7 @@ class _LifeMode(TorchDispatchMode):
             for tensor in written:
                 for part in storage_parts(tensor):
                     if part is not tensor and made_inside(part, before):
-                        self.counter._track(part)
+                        self.counter._track(part, op=func)
         if getattr(func, "namespace", None) == "c10d":
             self.counter._collective(args)
         if self.counter.outputs is not None:
@@ -136,11 +138,11 @@ class _LifeMode(TorchDispatchMode):
                 kind = kinds[i] if i < len(kinds) else kinds[-1]
                 if kind == NEW or kind == RESIZED:
                     for part in storage_parts(item):
-                        self.counter._track(part, alias=kind == RESIZED)
+                        self.counter._track(part, alias=kind == RESIZED, op=func)
         first = args[0] if args else None
         if self.counter.scratch is not None and isinstance(first, torch.Tensor) and same_device(first, self.counter.device):
             # what the kernel took for itself and gave back: on top of its outputs, gone at its return
-            self.counter.transient(self.counter.scratch(func, args, kwargs or {}))
+            self.counter.transient(self.counter.scratch(func, args, kwargs or {}), op=func)
         return out
 
 
@@ -188,6 +190,10 @@ class StorageLifeCounter(MemoryCounter):
         self.phase_peaks: dict[str, int] = {}
         #: while above 0 operators are not counted (see :meth:`paused`)
         self.paused_depth = 0
+        #: the training step running (1, 2, ...; 0 before the first), set by whoever runs the steps
+        self.step = 0
+        #: ``(tick, step, phase)`` at each :meth:`enter_phase`: lives born after ``tick`` belong to it
+        self.marks: list[tuple[int, int, str]] = []
 
     def start(self) -> None:
         if self._mode is None:
@@ -215,7 +221,7 @@ class StorageLifeCounter(MemoryCounter):
         self.tick += 1
         life.died = self.tick
         self._change(-life.nbytes)
-        reborn = Life(nbytes, self.tick, self.phase, roles={*life.roles, "regrown"}, saved_by=life.saved_by)
+        reborn = Life(nbytes, self.tick, self.phase, roles={*life.roles, "regrown"}, saved_by=life.saved_by, op=life.op)
         self._live[key] = reborn
         self.lives.append(reborn)
         self._change(nbytes)
@@ -232,7 +238,7 @@ class StorageLifeCounter(MemoryCounter):
             self.paused_depth -= 1
 
     # -- what the dispatch mode hands over ---------------------------------------
-    def _track(self, tensor: torch.Tensor, alias: bool = False) -> None:
+    def _track(self, tensor: torch.Tensor, alias: bool = False, op: Any = None) -> None:
         if not same_device(tensor, self.device):
             return
         try:
@@ -250,7 +256,7 @@ class StorageLifeCounter(MemoryCounter):
                 life.nbytes = nbytes
             return
         self.tick += 1
-        life = Life(nbytes, self.tick, self.phase)
+        life = Life(nbytes, self.tick, self.phase, op=op)
         role = getattr(_BIRTH, "role", None)
         if role is not None:
             life.roles.add(role)
@@ -269,7 +275,7 @@ class StorageLifeCounter(MemoryCounter):
                     if life is not None:
                         life.roles.add(COLLECTIVE_ROLE)
 
-    def transient(self, blocks: Sequence[int]) -> None:
+    def transient(self, blocks: Sequence[int], op: Any = None) -> None:
         """Blocks taken and given back within one operator, on top of what is alive now.
 
         Each is a :class:`Life` with the role ``"scratch"``, born one tick and dead
@@ -277,24 +283,24 @@ class StorageLifeCounter(MemoryCounter):
         allocator's replay (their allocations and frees are events like any other).
         ``blocks`` with ``held`` and ``passes`` (:class:`~.scratch.Passes`) are a
         kernel that runs in passes: the held blocks are alive throughout, each
-        pass's blocks taken and given back in turn.
+        pass's blocks taken and given back in turn. ``op``: the operator whose kernel takes them.
         """
         passes = getattr(blocks, "passes", None)
         if passes is not None:  # blocks held throughout, and passes each taken and given back in turn
-            held = self._take(blocks.held)
+            held = self._take(blocks.held, op)
             for one in passes:
-                self._give_back(self._take(one))
+                self._give_back(self._take(one, op))
             self._give_back(held)
             return
-        self._give_back(self._take(blocks))
+        self._give_back(self._take(blocks, op))
 
-    def _take(self, blocks: Sequence[int]) -> list[Life]:
+    def _take(self, blocks: Sequence[int], op: Any = None) -> list[Life]:
         taken = []
         for nbytes in blocks:
             if nbytes <= 0:
                 continue
             self.tick += 1
-            life = Life(nbytes, self.tick, self.phase, roles={"scratch"})
+            life = Life(nbytes, self.tick, self.phase, roles={"scratch"}, op=op)
             self.lives.append(life)
             taken.append(life)
             self._change(nbytes)
@@ -359,6 +365,7 @@ class StorageLifeCounter(MemoryCounter):
     def enter_phase(self, phase: str) -> None:
         """Storages born from now on are born in ``phase``; its peak starts from what is alive."""
         self.phase = phase
+        self.marks.append((self.tick, self.step, phase))
         if self.now > self.phase_peaks.get(phase, -1):
             self.phase_peaks[phase] = self.now
 

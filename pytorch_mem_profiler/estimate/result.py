@@ -22,6 +22,7 @@ from typing import Callable, Mapping
 
 from ..stats import INPUT, PEAK_CATEGORIES, PEAK_CATEGORY_LABELS, PHASE_LABELS, LayerFeatureMaps
 from ..units import UNITS, format_amount
+from .allocator import StepEvents
 
 __all__ = [
     "BatchFit",
@@ -35,6 +36,7 @@ __all__ = [
     "checkpointing_text",
     "acted_on",
     "unchanged_reason",
+    "error_bound_of",
 ]
 
 #: The largest relative error of the linear fit at the third batch size that
@@ -206,6 +208,23 @@ def largest_verified(fits: Callable[[int], bool], guess: int, *, tolerance: floa
     return _bisect(ok, lo, hi, tolerance)
 
 
+def error_bound_of(bounds: Mapping[str, int], transient: frozenset[str] | set[str] = frozenset()) -> int:
+    """The bytes a peak may be off by, from each operation's bound (``bounds``).
+
+    The bounds in ``transient`` are of a kernel's own buffers inside one operator
+    (cuDNN's convolution and recurrent workspaces): two operators never hold theirs
+    together, so the peak may be off by the largest of them, not their sum. The others
+    (a kept workspace, what a compiled module keeps) are alive together, and add up.
+
+    Example::
+
+        >>> error_bound_of({"conv": 300, "conv backward": 500, "kept": 40}, {"conv", "conv backward"})
+        540
+    """
+    largest = max((n for op, n in bounds.items() if op in transient), default=0)
+    return largest + sum(n for op, n in bounds.items() if op not in transient)
+
+
 @dataclass(frozen=True)
 class BatchSearch:
     """How :meth:`MemoryEstimate.batch_search` found the largest batch; bytes.
@@ -218,6 +237,8 @@ class BatchSearch:
         peak_phase: the phase holding the peak at ``largest`` (``None``: not known).
         peak_moves: where the peak moves between the batch sizes estimated, as
             :attr:`BatchFit.peak_moves` says, with ``largest`` included.
+        bound: the bytes left free at ``largest`` for the estimate's stated error there
+            (:attr:`MemoryEstimate.error_bound` at that batch; 0: none stated).
     """
 
     batch_size: int
@@ -226,6 +247,7 @@ class BatchSearch:
     tried: tuple[tuple[int, bool], ...]
     peak_phase: str | None
     peak_moves: str | None
+    bound: int = 0
 
 
 @dataclass(frozen=True)
@@ -266,7 +288,15 @@ class MemoryEstimate:
         error_bounds: operations whose memory follows a rule that measurements do not pin down (cuDNN's
             recurrent layers' workspace, chosen by its heuristics, see
             :mod:`~pytorch_mem_profiler.estimate.rnn`): the bytes the peak may be off by because of
-            each, by operation; empty where every figure is known.
+            each, by operation; empty where every figure is known. :attr:`error_bound` is their
+            total, counting the kernels' own buffers (``transient_bounds``) once.
+        transient_bounds: the operations of ``error_bounds`` whose bound is a kernel's own buffer
+            inside one operator, never alive together with another operator's.
+        error_bound_at: the error bound at another batch size, ``batch_size -> bytes`` (a fake
+            step; ``None``: no batch dimension); :meth:`batch_search` leaves it free.
+        step_events: the allocations and frees the allocator replay took, with where each phase
+            of each step begins and what made each storage (``None``: off CUDA); see
+            :class:`~pytorch_mem_profiler.estimate.allocator.StepEvents`.
         peak_at: the step at another batch size, ``batch_size -> (peak, peak phase)`` (fake steps;
             ``None``: no batch dimension); :meth:`max_batch_size` verifies its answer with it off CUDA.
         reserved_at: the replay at another batch size: ``(batch_size, limit) -> reserved``
@@ -328,6 +358,9 @@ class MemoryEstimate:
     parameter_dtypes: tuple[str, ...] = ()
     random_reads: Mapping[str, int] = field(default_factory=dict)
     step_notes: tuple[str, ...] = ()
+    transient_bounds: frozenset[str] = frozenset()
+    error_bound_at: Callable[[int], int] | None = field(default=None, repr=False, compare=False)
+    step_events: StepEvents | None = field(default=None, repr=False, compare=False)
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -358,8 +391,9 @@ class MemoryEstimate:
 
     @property
     def error_bound(self) -> int:
-        """Bytes the peak may be off by (0: no operation follows an unmeasured rule), see :attr:`error_bounds`."""
-        return sum(self.error_bounds.values())
+        """Bytes the peak may be off by (0: no operation follows an unmeasured rule), see :attr:`error_bounds`:
+        the largest of the kernels' own buffers' bounds (one operator at a time) plus the others'."""
+        return error_bound_of(self.error_bounds, self.transient_bounds)
 
     @property
     def activations(self) -> int:
@@ -406,7 +440,13 @@ class MemoryEstimate:
         request cannot use): a batch fits when the allocator replay
         (:attr:`reserved_at`) runs it without running out, its segments plus the
         allowance within ``device_memory`` (it gives back its wholly free segments
-        before it gives up, as the real one does). The answer is the batch found
+        before it gives up, as the real one does). Where the estimate states an
+        error bound (:attr:`error_bound`: operations whose memory follows a rule
+        measurements do not pin down, such as cuDNN's workspaces), a batch fits only
+        with that many bytes left over, the bound as the fake step at that batch
+        states it (:attr:`error_bound_at`): a batch that fits only if those
+        operations take what the rule says, not what it allows, is not the answer
+        (``BatchSearch.bound``). The answer is the batch found
         times ``1 - margin``, rounded down (Lightning's ``BatchSizeFinder(margin=...)``
         rule). ``outside``: another allowance than :attr:`outside` (0 when the limit
         is the allocator's own, as under ``torch.cuda.set_per_process_memory_fraction``).
@@ -435,7 +475,16 @@ class MemoryEstimate:
             )
         extra = self.outside if outside is None else outside
         budget = device_memory - extra
-        line = fit.largest_batch(budget - self.workspace)
+        # the estimate's stated error is left free at each batch tried (the bound grows with the batch)
+        stated = self.error_bound
+        bound_at = self.error_bound_at if self.error_bound_at is not None else (lambda _batch: stated)
+        bounds: dict[int, int] = {}
+
+        def left_free(batch: int) -> int:
+            bounds[batch] = bound_at(batch)
+            return bounds[batch]
+
+        line = fit.largest_batch(budget - self.workspace - stated)
         tried: list[tuple[int, bool]] = []
         phases: dict[int, str] = dict(fit.peak_phases)
         largest = line
@@ -443,11 +492,11 @@ class MemoryEstimate:
             guess = max(1, line)
             if self.reserved and self.peak_allocated:
                 # segments hold about the same share more than the blocks at any batch: a first guess
-                guess = max(1, min(line, fit.largest_batch(budget * self.peak_allocated / self.reserved - self.workspace)))
+                guess = max(1, min(line, fit.largest_batch((budget - stated) * self.peak_allocated / self.reserved - self.workspace)))
             replay = self.reserved_at
 
             def fits(batch: int) -> bool:
-                ok = replay(batch, budget) is not None
+                ok = replay(batch, budget - left_free(batch)) is not None
                 tried.append((batch, ok))
                 return ok
 
@@ -458,7 +507,7 @@ class MemoryEstimate:
             def fits(batch: int) -> bool:
                 peak, phase = measure(batch)
                 phases[batch] = phase
-                ok = peak + self.workspace <= budget
+                ok = peak + self.workspace + left_free(batch) <= budget
                 tried.append((batch, ok))
                 return ok
 
@@ -475,6 +524,7 @@ class MemoryEstimate:
             tried=tuple(tried),
             peak_phase=peak_phase,
             peak_moves=moves,
+            bound=bounds.get(largest, stated) if largest else 0,
         )
 
     # -- the report --------------------------------------------------------------
@@ -528,7 +578,7 @@ class MemoryEstimate:
             "",
             _line("Peak allocated", fmt(self.peak_allocated) + (f" ± {fmt(self.error_bound)}" if self.error_bound else "")),
             *(
-                _line(f"  ± {operation} (by its rule's measured spread)", fmt(n))
+                _line(f"  ± {operation} ({'inside one operator' if operation in self.transient_bounds else 'kept alive'})", fmt(n))
                 for operation, n in self.error_bounds.items()
             ),
             f"Peak during: {PHASE_LABELS.get(self.peak_phase, self.peak_phase)}; alive then:",

@@ -95,6 +95,9 @@ class RNNBuffers:
     reserve: int
     workspace: int
     bound: int = 0
+    #: of ``bound``, what the reserve may be off by where its layout is not measured (kept for
+    #: backward, so the calls' add up; the rest is the workspace's, inside the operator)
+    reserve_bound: int = 0
 
 
 def workspace_bound(projections: int) -> int:
@@ -117,8 +120,8 @@ def cudnn_rnn_buffers(
     reserve = directions * (layers * per_layer - proj) * tokens * element_size + RESERVE_PAD
     projections = directions * tokens * gates * hidden * element_size
     measured = mode == "gru" or (mode == "lstm" and proj == hidden)
-    bound = workspace_bound(projections) + (0 if measured else math.ceil(UNMEASURED_SHARE * reserve))
-    return RNNBuffers(reserve, projections + WORKSPACE_FLOOR, bound)
+    reserve_bound = 0 if measured else math.ceil(UNMEASURED_SHARE * reserve)
+    return RNNBuffers(reserve, projections + WORKSPACE_FLOOR, workspace_bound(projections) + reserve_bound, reserve_bound)
 
 
 def _params_per_cell(params: list[torch.Tensor], layers: int, directions: int) -> int:
@@ -193,8 +196,12 @@ class CudnnRNNRules(TorchFunctionMode):
     def __init__(self, autocast_device: str) -> None:
         super().__init__()
         self.autocast_device = autocast_device
-        #: the error bound of each operation in the current step: bytes, summed over its calls
+        #: the error bound of each operation's workspace in the current step: the largest call's
+        #: (the workspaces of calls in a row are never alive together)
         self.bounds: dict[str, int] = {}
+        #: the error bound of each operation's reserves where their layout is not measured: summed
+        #: over the calls (each call's reserve is kept for backward)
+        self.reserve_bounds: dict[str, int] = {}
         self.funcs = {getattr(torch._VF, name): name for name in RNN_GATES}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -248,8 +255,20 @@ class CudnnRNNRules(TorchFunctionMode):
             outputs = _CudnnRNN.apply(spec, x, *states, *params)
         operation = f"aten._cudnn_rnn ({mode})"
         # the workspaces of calls in a row are never alive together: the largest call's bound stands for all
-        self.bounds[operation] = max(self.bounds.get(operation, 0), buffers.bound)
-        return tuple(outputs)  # (output, h_n) or, for an LSTM, (output, h_n, c_n), as torch._VF's
+        workspace = buffers.bound - buffers.reserve_bound
+        self.bounds[operation] = max(self.bounds.get(operation, 0), workspace)
+        if buffers.reserve_bound and train:
+            reserve = f"{operation} reserve"
+            self.reserve_bounds[reserve] = self.reserve_bounds.get(reserve, 0) + buffers.reserve_bound
+        return tuple(outputs)
+
+    def transient_bounds(self) -> dict[str, int]:
+        """The workspaces' bounds, by operation: inside one operator, never alive with another's."""
+        return dict(self.bounds)
+
+    def kept_bounds(self) -> dict[str, int]:
+        """The unmeasured reserves' bounds, by operation: kept for backward, summed over the calls."""
+        return dict(self.reserve_bounds)  # (output, h_n) or, for an LSTM, (output, h_n, c_n), as torch._VF's
 
 
 def _fake(value: Any) -> bool:

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -46,7 +47,7 @@ from ..measure.accounting import optimizer_state_tensors
 from ..measure.devices import cuda_multiprocessors
 from ..measure.trees import tensors_in
 from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFeatureMaps
-from .allocator import block_size, simulate_reserved
+from .allocator import StepEvents, block_size, simulate_reserved
 from .counter import COLLECTIVE_ROLE, Life, StorageLifeCounter
 from .cpu_kernels import CpuKernels
 from .emulation import cuda_rules
@@ -58,7 +59,7 @@ from .parallel import PARALLEL_ROLES
 from .rnn import CudnnRNNRules
 from .scratch import KernelScratch
 
-__all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks"]
+__all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks", "moved_order"]
 
 #: What the estimate tells a user to do instead when the fake mode cannot run their step.
 REAL_PROFILER = (
@@ -121,10 +122,15 @@ class StepMemory:
     reserved: int | None = None
     #: the allocations (+bytes) and frees (-bytes) by storage, in time order, for the allocator's replay (CUDA only)
     events: tuple[tuple[int, int], ...] = ()
+    #: ``events`` with where each phase of each step begins and what made each storage (CUDA only)
+    step_events: StepEvents | None = None
     #: bytes of kernel scratch in ``peak`` (in ``breakdown["other"]``): an operator's own buffers (CUDA only)
     kernel_scratch: int = 0
     #: operations whose memory follows an unmeasured rule: the bytes the peak may be off by, per operation
     error_bounds: Mapping[str, int] = field(default_factory=dict)
+    #: the operations of ``error_bounds`` whose bound is a kernel's own buffer inside one operator
+    #: (never alive together with another's: the peak may be off by the largest of them, not their sum)
+    transient_bounds: frozenset[str] = frozenset()
     #: bytes at the peak of each parallel role (:data:`.parallel.PARALLEL_ROLES`; in ``breakdown["other"]``)
     parallel_parts: Mapping[str, int] = field(default_factory=dict)
     #: the peak of each of the two steps run: the first (no optimizer state before its
@@ -479,8 +485,8 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
         buffers = [b for b in model.buffers() if b is not None]
         counter.start()
         try:
-            counter.adopt(params, role="weights")
-            counter.adopt(buffers, role="weights")
+            # on the device in the order model.to(device) copies them: what the replay starts from
+            counter.adopt(moved_order(model), role="weights")
             _adopt_set_up(counter, set_up)
             inputs = fake_inputs(plan.example_inputs, batch_size, run_device)
             targets = fake_inputs(plan.targets, batch_size, run_device) if plan.targets is not None else None
@@ -496,10 +502,13 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
             step_peaks = []
             # tiny tensors the step makes from nothing get values (a LayerDrop draw read in Python)
             with mode.draws.on():
-                for _ in range(2):
+                for step_number in (1, 2):
+                    counter.step = step_number
                     for bounded in (rnn, scratch, outputs):
                         if bounded is not None:
                             bounded.bounds.clear()  # the bounds of one step: the last
+                    if rnn is not None:
+                        rnn.reserve_bounds.clear()
                     counter.reset_peak()
                     counter.enter_phase("forward")
                     attribution = _SavedByModule(model, counter)
@@ -534,14 +543,18 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
         parameter_dtypes=dtypes,
         random_reads=MappingProxyType(dict(mode.draws.reads)),
     )
+    # a kernel's own buffers inside one operator (cuDNN's workspaces) are never alive together with
+    # another operator's; outputs a rule may have mis-sized (oneDNN's kept workspaces, what a compiled
+    # module keeps) are, and add up
+    transient = {**(rnn.transient_bounds() if rnn is not None else {}), **(scratch.bounds if scratch is not None else {})}
     bounds = {
-        **(rnn.bounds if rnn is not None else {}),
-        **(scratch.bounds if scratch is not None else {}),
+        **transient,
+        **(rnn.kept_bounds() if rnn is not None else {}),
         **(outputs.bounds if outputs is not None else {}),
         **compiled.bounds(step.peak_layers, step.breakdown),
     }
     if bounds:
-        step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds))
+        step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds), transient_bounds=frozenset(transient))
     return dataclasses.replace(step, notes=compiled.notes())
 
 
@@ -553,6 +566,30 @@ def kernel_scratch(target: torch.device, *, measured: bool = False) -> KernelScr
         return None
     found = cuda_multiprocessors(target)
     return KernelScratch(*(found or ()), measured=measured)
+
+
+def moved_order(module: nn.Module) -> list[torch.Tensor]:
+    """``module``'s parameters and buffers in the order ``module.to(device)`` (``nn.Module._apply``)
+    makes their copies on the device: each child first, then the module's own parameters, then its
+    buffers (``parameters()`` lists a module's own before its children's, and every buffer after
+    every parameter). The caching allocator packs blocks in the order they are asked for.
+
+    Example::
+
+        >>> class Scaled(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.scale = nn.Parameter(torch.ones(3))
+        ...         self.norm = nn.BatchNorm1d(2)
+        >>> [tuple(t.shape) for t in moved_order(Scaled())]
+        [(2,), (2,), (2,), (2,), (), (3,)]
+    """
+    out: list[torch.Tensor] = []
+    for child in module.children():
+        out += moved_order(child)
+    out += [p for p in module._parameters.values() if p is not None]
+    out += [b for b in module._buffers.values() if b is not None]
+    return out
 
 
 def _adopt_set_up(counter: StorageLifeCounter, set_up: Mapping[str, Callable[[], list[torch.Tensor]]]) -> None:
@@ -609,8 +646,10 @@ def _summarize(
     inputs = sum(life.nbytes for life in counter.lives if "inputs" in life.roles and life.died is None)
     reserved = None
     events: tuple[tuple[int, int], ...] = ()
+    step_events = None
     if target.type == "cuda":
-        events = tuple(_events(counter.lives))
+        step_events = _step_events(counter)
+        events = step_events.events
         reserved = simulate_reserved(events)
     return StepMemory(
         batch_size=batch_size,
@@ -627,6 +666,7 @@ def _summarize(
         inputs=inputs,
         reserved=reserved,
         events=events,
+        step_events=step_events,
         kernel_scratch=scratch,
         parallel_parts=MappingProxyType({k: v for k, v in parallel_parts.items() if v}),
     )
@@ -645,6 +685,11 @@ def _bytes_of(counter: StorageLifeCounter, tensors: list[torch.Tensor]) -> int:
 
 def _events(lives: list[Life]) -> list[tuple[int, int]]:
     """Allocation (+bytes) and free (-bytes) events in time order, for the allocator's replay."""
+    return [(key, nbytes) for _, key, nbytes in _timeline(lives)]
+
+
+def _timeline(lives: list[Life]) -> list[tuple[int, int, int]]:
+    """``(tick, key, +/-bytes)`` of every storage's birth and death, in time order (a key is the life's index)."""
     timeline: list[tuple[int, int, int]] = []
     for key, life in enumerate(lives):
         if life.nbytes <= 0:
@@ -653,4 +698,18 @@ def _events(lives: list[Life]) -> list[tuple[int, int]]:
         if life.died is not None:
             timeline.append((life.died, key, -life.nbytes))
     timeline.sort()
-    return [(key, nbytes) for _, key, nbytes in timeline]
+    return timeline
+
+
+def _step_events(counter: StorageLifeCounter) -> StepEvents:
+    """The counted storages' births and deaths for the replay, where each phase of each step begins
+    (the counter's marks, by tick), and what made each storage."""
+    timeline = _timeline(counter.lives)
+    ticks = [tick for tick, _, _ in timeline]
+    marks = tuple((bisect.bisect_right(ticks, tick), step, phase) for tick, step, phase in counter.marks)
+    sources = {}
+    for key, life in enumerate(counter.lives):
+        if life.nbytes > 0:
+            made = "adopted before the step" if life.op is None else str(life.op)
+            sources[key] = f"{made}; {life.phase}; {_category(life)}"
+    return StepEvents(tuple((key, nbytes) for _, key, nbytes in timeline), marks, MappingProxyType(sources))

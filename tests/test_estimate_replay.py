@@ -1,0 +1,203 @@
+"""The allocator replay (``estimate/allocator.py``) and what it is fed, on a CPU: the caching allocator's
+rules on hand-made streams, the step's events in the order the device would see them, and the largest
+batch verified with the estimate's stated error left free."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from pytorch_mem_profiler import estimate_memory
+from pytorch_mem_profiler.estimate.allocator import AllocatorReplay, StepEvents, block_size, simulate_reserved
+from pytorch_mem_profiler.estimate.result import BatchFit, MemoryEstimate
+from pytorch_mem_profiler.estimate.step import StepPlan, moved_order, run_step
+from pytorch_mem_profiler.stats import LayerFeatureMaps
+
+MIB = 1 << 20
+
+
+# -- the rules -------------------------------------------------------------------------------
+def test_among_free_blocks_of_one_size_the_lowest_address_is_taken():
+    # two 20 MiB segments, each holding 9 and 7 MiB with 4 MiB free at its end
+    events = [(1, 9 * MIB), (2, 7 * MIB), (3, 9 * MIB), (4, 7 * MIB), (5, 4 * MIB)]
+    by_creation = AllocatorReplay(record=True).run(events)
+    by_address = AllocatorReplay(record=True, addresses=[0x2000_0000, 0x1000_0000]).run(events)
+    taken = lambda replay: [e.address for e in replay.trace if e.action == "alloc" and e.key == 5][0]  # noqa: E731
+    made = [e.address for e in by_creation.trace if e.action == "segment_alloc"]
+    assert len(made) == 2 and by_creation.reserved == 40 * MIB
+    assert taken(by_creation) == made[0] + 16 * MIB  # the older segment's
+    assert taken(by_address) == 0x1000_0000 + 16 * MIB  # the lower address: the newer segment's
+
+
+def test_under_a_limit_where_a_block_lands_decides_whether_a_segment_can_be_given_back():
+    # Segment A (20 MiB) keeps an 8 MiB block and has a free 12 MiB one; segment B (12 MiB), made
+    # later, is wholly free. A 12 MiB request ties between them and takes the lower address. If it
+    # takes A's block, B can be given back for the next segment under the limit; if it takes B,
+    # nothing can, and the step runs out of memory.
+    events = [
+        (1, 8 * MIB),    # A: a 20 MiB segment, its rest split off
+        (5, 12 * MIB),   # A's free 12 MiB
+        (2, 12 * MIB),   # B: a 12 MiB segment
+        (5, -12 * MIB), (2, -12 * MIB),
+        (3, 12 * MIB),   # the tie
+        (4, 20 * MIB),   # a new 20 MiB segment: 32 + 20 > 40, B must go
+    ]  # fmt: skip
+    limit = 40 * MIB
+    # the replay ranks segments by creation: A is older, its block is taken, B is given back
+    assert simulate_reserved(events, limit=limit) == 40 * MIB
+    # where cudaMalloc gave B the lower address, the allocator takes B: out of memory
+    real = AllocatorReplay(limit=limit, addresses=[0x2000_0000, 0x1000_0000]).run(events)
+    assert real.oom == (6, 20 * MIB) and real.releases == 1
+    assert AllocatorReplay(limit=limit, addresses=[0x1000_0000, 0x2000_0000]).run(events).oom is None
+
+
+def test_a_release_gives_back_only_wholly_free_segments_of_both_pools():
+    replay = AllocatorReplay(record=True)
+    replay.run([(1, 1000), (3, 12 * MIB), (2, 3 * MIB), (4, 2000), (1, -1000), (3, -12 * MIB), (4, -2000)])
+    # the small segment is wholly free again, the 12 MiB one is free, the 20 MiB one holds key 2
+    assert replay.release_cached() == 2 * MIB + 12 * MIB
+    assert [(size, small, blocks) for _, size, small, blocks in replay.segments] == [(20 * MIB, False, [(3 * MIB, 2), (17 * MIB, None)])]
+    assert [e.action for e in replay.trace[-2:]] == ["segment_free", "segment_free"]
+    assert replay.reserved == 20 * MIB and replay.allocated == 3 * MIB
+
+
+def test_a_segment_given_before_the_events_is_used_and_checked():
+    replay = AllocatorReplay()
+    replay.add_segment(2 * MIB, [(MIB, -7), (MIB, None)], small=True, address=0x10)
+    replay.run([(1, 600 << 10), (-7, -MIB)])
+    assert replay.reserved == 2 * MIB and replay.allocated == block_size(600 << 10)
+    try:
+        AllocatorReplay().add_segment(2 * MIB, [(MIB, None)], small=True)
+    except ValueError as err:
+        assert "add up to 1048576" in str(err)
+    else:
+        raise AssertionError("a segment whose blocks do not fill it was accepted")
+
+
+# -- the step's events -------------------------------------------------------------------------
+class Scaled(nn.Module):
+    """A top-level parameter beside children, and batch norm buffers: ``parameters()`` lists
+    ``scale`` first and the buffers last; ``model.to(device)`` copies them in another order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3000))
+        self.body = nn.Sequential(nn.Linear(64, 3000), nn.BatchNorm1d(3000), nn.ReLU())
+        self.head = nn.Linear(3000, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x) * self.scale)
+
+
+def _plan(model: nn.Module) -> StepPlan:
+    return StepPlan(model=model, example_inputs=torch.zeros(8, 64), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                    device=torch.device("cuda"), run_device=torch.device("cpu"))  # fmt: skip
+
+
+def test_the_weights_come_in_the_order_model_to_device_copies_them():
+    model = Scaled()
+    copied: list[int] = []
+
+    def record(t: torch.Tensor) -> torch.Tensor:
+        copied.append(block_size(t.untyped_storage().nbytes()))
+        return t
+
+    model._apply(record)  # what model.to(device) runs: the order its copies are made in
+    listed = [block_size(t.untyped_storage().nbytes()) for t in [*model.parameters(), *model.buffers()]]
+    assert copied != listed  # the order differs for this model
+    step = run_step(_plan(Scaled()), 8)
+    before = step.step_events.events[: step.step_events.marks[0][0]]
+    assert [n for _, n in before][: len(copied)] == copied
+    assert [block_size(t.untyped_storage().nbytes()) for t in moved_order(model)] == copied
+
+
+def test_the_events_mark_each_phase_of_each_step_and_name_what_made_each_storage():
+    step = run_step(_plan(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))), 8)
+    events = step.step_events
+    assert [(s, p) for _, s, p in events.marks] == [(s, p) for s in (1, 2) for p in ("forward", "other", "backward", "optimizer", "other")]
+    # before the steps: two weights and two biases, then the batch
+    before = events.events[: events.marks[0][0]]
+    assert [n for _, n in before] == [block_size(n) for n in (256 * 64 * 4, 256 * 4, 10 * 256 * 4, 10 * 4, 8 * 64 * 4)]
+    assert all(n > 0 for _, n in before)
+    # the first forward's first storage is the first Linear's output, made by addmm, an activation
+    start = events.marks[0][0]
+    key, nbytes = events.events[start]
+    assert nbytes == block_size(8 * 256 * 4) and events.phase_at(start) == (1, "forward")
+    assert events.sources[key] == "aten.addmm.default; forward; other"  # ReLU keeps its own output, not this
+    assert events.sources[events.events[start + 1][0]] == "aten.relu.default; forward; activations"
+    assert events.sources[before[0][0]] == "adopted before the step; other; weights"
+    # the replay of the events is the step's reserved
+    assert simulate_reserved(events.events) == step.reserved
+
+
+def test_a_cuda_estimate_hands_its_events_to_the_replay_with_the_workspaces_first():
+    est = estimate_memory(nn.Linear(64, 64), torch.zeros(8, 64), device="cuda", emulate=True, fit=False)
+    events = est.step_events
+    assert events.events[:2] == ((-1, 32 * MIB), (-2, 32 * MIB))
+    assert events.sources[-1].startswith("cuBLAS workspace")
+    assert events.marks[0][0] == 2 + 3  # the workspaces, the weight, the bias, the batch
+    assert simulate_reserved(events.events) == est.reserved
+    assert estimate_memory(nn.Linear(4, 4), torch.zeros(2, 4), device="cpu", fit=False).step_events is None
+
+
+def test_step_events_join_with_their_marks_shifted():
+    a = StepEvents(((1, 512),), ((0, 1, "forward"),), {1: "x"})
+    b = StepEvents(((2, 512), (2, -512)), ((1, 1, "backward"),), {2: "y"})
+    joined = a + b
+    assert joined.events == ((1, 512), (2, 512), (2, -512)) and joined.marks == ((0, 1, "forward"), (2, 1, "backward"))
+    assert joined.phase_at(1) == (1, "forward") and joined.phase_at(2) == (1, "backward") and dict(joined.sources) == {1: "x", 2: "y"}
+
+
+# -- the largest batch -------------------------------------------------------------------------
+def _estimate(**kwargs) -> MemoryEstimate:
+    fit = BatchFit({"backward": (0.0, 100.0)}, (1, 2), None, None)
+    base = dict(device="cuda", batch_size=1, peak=100, peak_phase="backward", phases={}, peak_breakdown={}, peak_layers={},
+                layers=LayerFeatureMaps({}, {}, 0, 0, 0), weights=0, buffers=0, gradients=0, optimizer_state=0, inputs=0, fit=fit)  # fmt: skip
+    return MemoryEstimate(**{**base, **kwargs})
+
+
+def test_the_largest_batch_leaves_the_stated_bound_free_at_each_batch_tried():
+    # the replay needs 100 bytes a sample; the estimate says it may be off by 10 a sample
+    replay = lambda batch, limit: 100 * batch if 100 * batch <= limit else None  # noqa: E731
+    plain = _estimate(reserved=100, reserved_at=replay)
+    assert plain.batch_search(1000, margin=0, outside=0).largest == 10
+    bounded = _estimate(reserved=100, reserved_at=replay, error_bounds={"conv": 10}, transient_bounds=frozenset({"conv"}),
+                        error_bound_at=lambda batch: 10 * batch)  # fmt: skip
+    search = bounded.batch_search(1000, margin=0, outside=0)
+    assert search.largest == 9 and search.bound == 90  # 9 * 110 <= 1000 < 10 * 110
+    assert bounded.max_batch_size(1000, margin=0, outside=0) == 9
+    # off CUDA the peak and the bound: the same rule
+    on_cpu = _estimate(device="cpu", peak_at=lambda batch: (100 * batch, "backward"), error_bound_at=lambda batch: 10 * batch,
+                       error_bounds={"x": 10})  # fmt: skip
+    assert on_cpu.batch_search(1000, margin=0, outside=0).largest == 9
+
+
+def test_the_stated_bound_counts_one_operators_buffers_once():
+    est = _estimate(error_bounds={"conv": 300, "conv backward": 500, "kept": 40}, transient_bounds=frozenset({"conv", "conv backward"}))
+    assert est.error_bound == 540
+    assert "± conv backward (inside one operator)" in str(est) and "± kept (kept alive)" in str(est)
+
+
+def test_the_command_says_what_it_left_free_for_the_stated_bound(tmp_path, capsys):
+    from pytorch_mem_profiler.analysis.cli import main
+    from pytorch_mem_profiler.units import format_amount
+
+    path = tmp_path / "model.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\nbatch_size = 4\n"
+        "def build_model():\n    return nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 32 * 32, 4))\n"
+        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 16, 32, 32)\n"
+    )
+    memory = 1500 * 10**6  # the default 1 GiB outside PyTorch taken off
+    assert main(["estimate", str(path), "--device", "cuda", "--memory", "1500MB", "--margin", "0"]) == 0
+    out = capsys.readouterr().out
+    est = estimate_memory(
+        lambda: nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 32 * 32, 4)),
+        lambda b: torch.zeros(b, 16, 32, 32), batch_size=4, device="cuda", emulate=True,
+    )  # fmt: skip
+    search = est.batch_search(memory, margin=0)
+    assert est.error_bound > 0 and search.bound > est.error_bound  # the bound at the answer, a larger batch
+    assert f"Largest batch on a device of 1,500 MB: {search.batch_size} (" in out
+    assert f"; {format_amount(search.bound, 'MB', digits=3)} left free for the stated ±;" in out
