@@ -132,6 +132,12 @@ class _LifeMode(TorchDispatchMode):
         kinds = return_kinds(func)
         if kinds is None:
             return out
+        first = args[0] if args else None
+        finish = None
+        if self.counter.scratch is not None and isinstance(first, torch.Tensor) and same_device(first, self.counter.device):
+            # what the kernel takes for itself and gives back: before its outputs where it takes them
+            # first (:class:`~.scratch.KernelSteps`), else on top of its outputs, gone at its return
+            finish = self.counter.begin_transient(self.counter.scratch(func, args, kwargs or {}), op=func)
         items = [out] if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else []
         for i, item in enumerate(items):
             if isinstance(item, torch.Tensor):
@@ -139,10 +145,8 @@ class _LifeMode(TorchDispatchMode):
                 if kind == NEW or kind == RESIZED:
                     for part in storage_parts(item):
                         self.counter._track(part, alias=kind == RESIZED, op=func)
-        first = args[0] if args else None
-        if self.counter.scratch is not None and isinstance(first, torch.Tensor) and same_device(first, self.counter.device):
-            # what the kernel took for itself and gave back: on top of its outputs, gone at its return
-            self.counter.transient(self.counter.scratch(func, args, kwargs or {}), op=func)
+        if finish is not None:
+            finish()
         return out
 
 
@@ -285,6 +289,10 @@ class StorageLifeCounter(MemoryCounter):
         kernel that runs in passes: the held blocks are alive throughout, each
         pass's blocks taken and given back in turn. ``op``: the operator whose kernel takes them.
         """
+        if getattr(blocks, "steps", None) is not None:  # in a set order, here all on top of the outputs
+            taken: list[Life] = []
+            self._run_steps(blocks.steps, taken, op)
+            return
         passes = getattr(blocks, "passes", None)
         if passes is not None:  # blocks held throughout, and passes each taken and given back in turn
             held = self._take(blocks.held, op)
@@ -293,6 +301,27 @@ class StorageLifeCounter(MemoryCounter):
             self._give_back(held)
             return
         self._give_back(self._take(blocks, op))
+
+    def begin_transient(self, blocks: Sequence[int], op: Any = None) -> Callable[[], None]:
+        """Takes the part of an operator's blocks that comes before its outputs; returns what takes the rest.
+
+        ``blocks`` with ``steps`` (:class:`~.scratch.KernelSteps`) run their steps up to
+        the outputs now and the rest when the returned function is called (a block
+        taken before may be given back after); other blocks are all taken then, on
+        top of the outputs, as :meth:`transient` takes them.
+        """
+        if getattr(blocks, "steps", None) is None:
+            return lambda: self.transient(blocks, op=op)
+        taken: list[Life] = []
+        self._run_steps(blocks.before, taken, op)
+        return lambda: self._run_steps(blocks.after, taken, op)
+
+    def _run_steps(self, steps: Sequence[tuple], taken: list[Life], op: Any) -> None:
+        for step in steps:
+            if step[0] == "take":
+                taken.extend(self._take((step[1],), op) or [None])  # numbered even when empty
+            elif step[0] == "give" and taken[step[1]] is not None:
+                self._give_back([taken[step[1]]])
 
     def _take(self, blocks: Sequence[int], op: Any = None) -> list[Life]:
         taken = []

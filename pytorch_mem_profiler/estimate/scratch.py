@@ -20,11 +20,20 @@ before and after it), and have a rule here giving the bytes of the blocks they t
   ``multiprocessors`` MiB + 512 (132 on an H100 or H200) while each thread adds at
   most 256 rows (more rows than that take more).
 - **embedding backward** (:func:`embedding_backward_scratch`):
-  ``aten.embedding_dense_backward`` above 3072 indices sorts the indices and sums
-  the gradient rows of each distinct index into float partials: an upper bound
-  (every index distinct) of ``4 * N * D + N * (0.4 * D + 50)`` bytes for ``N``
-  indices of width ``D``, plus a contiguous copy of the gradient (and of the
-  indices) where the operator is handed a non-contiguous one.
+  ``aten.embedding_dense_backward`` above 3072 indices (or with
+  ``scale_grad_by_freq``) runs ATen's sort-and-segment kernel
+  (``embedding_dense_backward_cuda``, ``embedding_backward_cuda_kernel``), whose
+  buffers follow from the shapes alone: the sorted indices and their positions
+  (``N`` indices each), CUB's radix sort (its alternate key and value buffers and
+  per-tile histograms) with an ``arange`` beside it, both given back before the
+  gradient is made; then the segment offsets, CUB's unique-by-key (a copy of the
+  keys), ``min(N, num_weights)`` partial counts and their offsets (CUB's scan),
+  ``N // 10 + min(N, num_weights)`` partial-segment offsets and float partial sums
+  of that many rows. Taken in that order (:class:`KernelSteps`), some before the
+  operator's output, given back in ATen's order; plus a contiguous copy of the
+  gradient (and of the indices) where the operator is handed a non-contiguous one.
+  Exact on every shape measured on an H200 (the peak inside the operator; the
+  allocator's history of NeuMF's and a GRU's steps for the order).
 
 - **convolutions** (:mod:`.conv_workspace`): ``aten.convolution`` and
   ``aten.convolution_backward`` take the layout copies ATen makes for cuDNN
@@ -44,9 +53,10 @@ before and after it), and have a rule here giving the bytes of the blocks they t
 
 Not covered: other kernels' scratch (cuDNN's attention workspaces, sorts,
 ``index_put`` with accumulation), reductions over inner or middle dimensions,
-float64 reductions, tensors split for 32-bit indexing (over 2**31 elements), and
-data-dependent sizes (an embedding's scratch with repeated indices is less than
-the bound).
+float64 reductions, tensors split for 32-bit indexing (over 2**31 elements), the
+small scan-by-key buffers of an embedding's ``scale_grad_by_freq``, and the fused
+accumulation later torch versions take for some embedding shapes (which drops the
+partial sums).
 
 Example::
 
@@ -54,8 +64,8 @@ Example::
     (33554432, 512)
     >>> sum(column_reduction_scratch(512, 3072)), sum(column_reduction_scratch(65536, 3072)) == (132 << 20) + 512
     (0, True)
-    >>> embedding_backward_scratch(3072, 768), sum(embedding_backward_scratch(4096, 768))
-    ((), 14046208)
+    >>> embedding_backward_scratch(3072, 768), sum(embedding_backward_scratch(4096, 768, num_weights=50257))
+    ((), 14040576)
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ __all__ = [
     "column_reduction_scratch",
     "embedding_backward_scratch",
     "KernelScratch",
+    "KernelSteps",
     "Passes",
 ]
 
@@ -145,37 +156,157 @@ def column_reduction_scratch(
     return (block_size(partials), block_size(semaphores))
 
 
+#: CUB's temporary storage (``cub::detail::AliasTemporaries``): each part aligned to 256 bytes, and
+#: 255 bytes of slack for aligning the whole.
+_CUB_ALIGN = 256
+#: Items per tile of CUB's one-sweep radix sort of 8-byte keys, and its bits per pass.
+_SORT_TILE = 4608
+_SORT_BITS = 8
+#: Items per tile of CUB's scan and unique-by-key of 8-byte values (their tile states: 16 bytes a tile,
+#: after 32 tiles of padding). Fitted, with the sort's tile, to the buffers the allocator's history shows
+#: on an H200 (torch 2.11, CUDA 13) for 12,416 and 329,065 indices and 10,000 to 138,493 segments.
+_SCAN_TILE = 1024
+_UNIQUE_TILE = 4096
+#: Rows each partial sum of ATen's embedding backward adds up (``NROWS_PER_THREAD``).
+_ROWS_PER_PARTIAL = 10
+
+
+def _align(n: int, to: int = _CUB_ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def radix_sort_pairs_storage(n: int, key_size: int = 8, value_size: int = 8) -> int:
+    """Bytes of CUB's temporary storage to sort ``n`` key-value pairs (one-sweep, every key bit).
+
+    Alternate key and value buffers, the histograms of every pass (8-byte counts),
+    a look-back of 256 4-byte counters per tile, the pass counters, and the slack.
+
+    Example::
+
+        >>> radix_sort_pairs_storage(329_065), block_size(radix_sort_pairs_storage(12_416))
+        (5356031, 218624)
+    """
+    passes = -(-8 * key_size // _SORT_BITS)
+    digits = 1 << _SORT_BITS
+    tiles = -(-n // _SORT_TILE)
+    parts = (passes * digits * 8, tiles * digits * 4, n * key_size, n * value_size, passes * 4)
+    return sum(_align(part) for part in parts) + _CUB_ALIGN - 1
+
+
+def _tile_state_storage(n: int, tile: int) -> int:
+    """CUB's temporary storage for a single-pass scan's tile states (16 bytes a tile for 8-byte values)."""
+    return _align((-(-n // tile) + 32) * 16) + 2 * _CUB_ALIGN - 1
+
+
+class KernelSteps(tuple):
+    """Blocks an operator takes and gives back in a set order, some before its outputs are made.
+
+    ``steps``: ``("take", bytes)`` (the block gets the next number, from 0),
+    ``("give", number)`` and one ``("outputs",)`` where the operator's outputs
+    are made. As a tuple it is the blocks alive together at the largest moment
+    of the kernel's own blocks.
+
+    Example::
+
+        >>> steps = KernelSteps([("take", 4096), ("take", 512), ("give", 1), ("outputs",), ("take", 1024), ("give", 2), ("give", 0)])
+        >>> steps, len(steps.before)
+        ((4096, 1024), 3)
+    """
+
+    steps: tuple[tuple, ...]
+    before: tuple[tuple, ...]
+    after: tuple[tuple, ...]
+
+    def __new__(cls, steps: Sequence[tuple]) -> KernelSteps:
+        steps = tuple(tuple(step) for step in steps)
+        sizes: list[int] = []
+        alive: dict[int, int] = {}
+        largest: tuple[int, ...] = ()
+        for step in steps:
+            if step[0] == "take":
+                alive[len(sizes)] = int(step[1])
+                sizes.append(int(step[1]))
+                if sum(alive.values()) > sum(largest):
+                    largest = tuple(alive.values())
+            elif step[0] == "give":
+                alive.pop(step[1])
+        made = super().__new__(cls, largest)
+        made.steps = steps
+        cut = next((i for i, step in enumerate(steps) if step[0] == "outputs"), len(steps))
+        made.before, made.after = steps[:cut], steps[cut + 1 :]
+        return made
+
+
 def embedding_backward_scratch(
     num_indices: int,
     dim: int,
     *,
+    num_weights: int | None = None,
     grad_contiguous: bool = True,
     grad_element_size: int = 4,
     indices_contiguous: bool = True,
     index_element_size: int = 8,
     scale_grad_by_freq: bool = False,
-) -> tuple[int, ...]:
-    """An upper bound on the blocks (bytes) a CUDA ``embedding_dense_backward`` takes for itself.
+) -> KernelSteps:
+    """The blocks a CUDA ``embedding_dense_backward`` takes for itself, in ATen's order.
 
-    ``num_indices`` indices (``N``) of an embedding of width ``dim`` (``D``). A
-    non-contiguous gradient (a slice of a concatenation's gradient) is copied first,
-    and so are non-contiguous indices. Above 3072 indices (or with
-    ``scale_grad_by_freq``) the indices are sorted and each distinct index's rows
-    summed into float partials: with every index distinct, ``4 * N * D`` bytes of
-    partials and about ``N * (0.4 * D + 48)`` of sort buffers and offsets
-    (measured; 50 here, an upper bound within 1% of every measured shape).
+    ``num_indices`` indices (``N``) into ``num_weights`` rows (``None``: at least
+    ``N``) of width ``dim`` (``D``). A non-contiguous index tensor and gradient are
+    copied first. Up to 3072 indices (without ``scale_grad_by_freq``) a direct
+    kernel needs nothing more. Above, ATen sorts the indices and sums each
+    distinct index's rows in partials of 10 rows: with ``M = min(N, num_weights)``
+    segments at most and ``P = N // 10 + M`` partials at most, it takes (each
+    ``N``, ``M`` or ``P`` long, index-sized): the sorted indices, their positions,
+    an ``arange`` and CUB's sort storage (both given back before the gradient is
+    made); then the segment offsets, a scalar, CUB's unique-by-key (a key copy and
+    its storage), ``M`` partial counts, ``M`` offsets with CUB's scan storage, a
+    scalar, ``P`` partial offsets and ``P x D`` float partial sums, given back in
+    the reverse order of their making at the end.
     """
     if num_indices <= 0 or dim <= 0:
-        return ()
-    blocks = []
-    if not grad_contiguous:
-        blocks.append(block_size(num_indices * dim * grad_element_size))
+        return KernelSteps(())
+    steps: list[tuple] = []
+    taken = 0
+
+    def take(nbytes: int) -> int:
+        nonlocal taken
+        steps.append(("take", block_size(nbytes)))
+        taken += 1
+        return taken - 1
+
+    def give(*numbers: int) -> None:
+        steps.extend(("give", number) for number in numbers)
+
+    n, k = num_indices, index_element_size
+    copies = []
     if not indices_contiguous:
-        blocks.append(block_size(num_indices * index_element_size))
-    if num_indices > _EMBEDDING_DIRECT_LIMIT or scale_grad_by_freq:
-        blocks.append(block_size(4 * num_indices * dim))
-        blocks.append(block_size(math.ceil(num_indices * (0.4 * dim + 50))))
-    return tuple(blocks)
+        copies.append(take(n * k))
+    if not grad_contiguous:
+        copies.append(take(n * dim * grad_element_size))
+    if n <= _EMBEDDING_DIRECT_LIMIT and not scale_grad_by_freq:
+        steps.append(("outputs",))
+        give(*reversed(copies))
+        return KernelSteps(steps)
+    sorted_indices, positions = take(n * k), take(n * k)
+    arange = take(n * k)
+    give(take(radix_sort_pairs_storage(n, k, k)))
+    give(arange)
+    counts = [take(n * k)] if scale_grad_by_freq else []
+    steps.append(("outputs",))  # the gradient, zeros of (num_weights, dim)
+    segments = min(n, num_weights) if num_weights is not None else n
+    partials = n // _ROWS_PER_PARTIAL + segments
+    segment_offsets, segment_count = take(n * k), take(8)
+    keys = take(n * k)  # CUB's unique-by-key writes the distinct keys into a copy it gives back on return
+    give(take(_tile_state_storage(n, _UNIQUE_TILE)), keys)
+    per_segment, per_segment_offsets = take(segments * k), take(segments * k)
+    give(take(_tile_state_storage(segments, _SCAN_TILE)))
+    partial_count = take(8)
+    partial_offsets = take(partials * k)
+    partial_sums = take(partials * dim * 4 * (2 if grad_element_size == 8 else 1))
+    give(partial_sums, partial_offsets, partial_count, per_segment_offsets, per_segment)
+    give(segment_count, segment_offsets)
+    give(*counts, positions, sorted_indices, *reversed(copies))
+    return KernelSteps(steps)
 
 
 def _leading_reduction(tensor: torch.Tensor, dims: Sequence[int] | int | None) -> tuple[int, int] | None:
@@ -345,9 +476,11 @@ class KernelScratch:
         scale = bool(args[4] if len(args) > 4 else kwargs.get("scale_grad_by_freq", False))
         if not isinstance(grad, torch.Tensor) or not isinstance(indices, torch.Tensor) or grad.dim() == 0:
             return ()
+        num_weights = args[2] if len(args) > 2 else kwargs.get("num_weights")
         return embedding_backward_scratch(
             indices.numel(),
             grad.shape[-1],
+            num_weights=int(num_weights) if num_weights is not None else None,
             grad_contiguous=grad.is_contiguous(),
             grad_element_size=grad.element_size(),
             indices_contiguous=indices.is_contiguous(),
