@@ -56,6 +56,7 @@ from .draws import user_line
 from .compiled import CompiledModules
 from .fake import eager_modules, fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
+from .loss_rules import LossRules
 from .rnn import CudnnRNNRules, flatten_weights
 from .scratch import KernelScratch
 
@@ -462,9 +463,11 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
     # cuDNN's recurrent layers, with its reserve, workspace and weight buffer, on fake tensors
     rnn = CudnnRNNRules(run_device.type, multiprocessors=cuda_multiprocessors(target)) if target.type == "cuda" else None
+    # losses ATen's CUDA code writes as composites, with their temporaries
+    losses = LossRules(run_device.type) if target.type == "cuda" else contextlib.nullcontext()
     made, build_error = _construct(plan)
     context = plan.context() if plan.context is not None else contextlib.nullcontext()
-    with context, mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext():
+    with context, mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext(), losses:
         try:
             model, checkpointed = _build(plan, mode, run_device, made)
         except Exception as err:
