@@ -8,7 +8,7 @@ from torch import nn
 
 from pytorch_mem_profiler import estimate_memory
 from pytorch_mem_profiler.estimate.allocator import block_size
-from pytorch_mem_profiler.estimate.rnn import UNMEASURED_SHARE, WORKSPACE_FLOOR, cudnn_rnn_buffers, workspace_bound
+from pytorch_mem_profiler.estimate.rnn import UNMEASURED_SHARE, WORKSPACE_FLOOR, cudnn_rnn_buffers, dropout_state_bytes, workspace_bound
 
 
 class Tagger(nn.Module):
@@ -155,3 +155,78 @@ def test_backward_holds_the_flat_weight_gradient_beside_the_workspace_and_the_in
     )  # fmt: skip
     assert est.peak_phase == "backward"
     assert est.peak_allocated == pytest.approx(alive, abs=64 * 1024), (est.peak_allocated, alive)
+
+
+# -- outside the calls: the flat weight buffer, the dropout state ------------------------------------
+class Recurrent(nn.Module):
+    """An embedding, a recurrent layer, a head: the zoo's language models, small."""
+
+    def __init__(self, kind: type[nn.Module] = nn.GRU, dtype: torch.dtype = torch.float32, **kwargs) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 24)
+        self.rnn = kind(24, 40, num_layers=2, batch_first=True, **kwargs)
+        self.head = nn.Linear(40, 100)
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(x).to(self.head.weight.dtype))[0])
+
+
+def _events(build, **kwargs):
+    est = estimate_memory(build, torch.zeros(4, 12, dtype=torch.long), device="cuda", emulate=True, fit=False, **kwargs)
+    return est, est.step_events
+
+
+@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM])
+def test_the_weights_come_as_model_to_cuda_leaves_a_recurrent_layer_copied_then_flattened(kind):
+    model = Recurrent(kind)
+    # what model.to("cuda") asks the allocator for, from the module itself: the copies in _apply's
+    # order, and after the recurrent layer's own copies one buffer of its weights, the copies freed
+    copies: list[torch.Tensor] = []
+    model._apply(lambda t: copies.append(t) or t)
+    rnn_weights = list(model.rnn.parameters())
+    expected: list[int] = []
+    for t in copies:
+        expected.append(block_size(t.untyped_storage().nbytes()))
+        if t is rnn_weights[-1]:  # the layer's last copy: flatten_parameters runs next
+            expected.append(block_size(sum(w.numel() * w.element_size() for w in rnn_weights)))
+            expected += [-block_size(w.untyped_storage().nbytes()) for w in rnn_weights]
+    est, events = _events(lambda: Recurrent(kind))
+    before = [n for key, n in events.events[: events.marks[0][0]] if key >= 0]  # past the cuBLAS workspaces
+    assert before[: len(expected)] == expected
+    # the weights are one storage per module: the layer's weights are views of its flat buffer
+    separate = sum(block_size(p.untyped_storage().nbytes()) for p in model.parameters() if not any(p is w for w in rnn_weights))
+    assert est.weights == separate + block_size(sum(w.untyped_storage().nbytes() for w in rnn_weights))
+
+
+def test_a_recurrent_layer_in_bfloat16_is_not_flattened():
+    # cuDNN's flatten_parameters takes half, float and double weights only
+    _, events = _events(lambda: Recurrent(nn.GRU, torch.bfloat16))
+    before = [n for key, n in events.events[: events.marks[0][0]] if key >= 0]
+    assert all(n > 0 for n in before)
+    assert len(before) == len([*Recurrent().parameters()]) + 1  # every weight, the batch
+
+
+def test_dropout_in_training_makes_cudnn_s_dropout_state_once_in_the_first_forward():
+    est, events = _events(lambda: Recurrent(nn.GRU, dropout=0.1))
+    state = 6_488_064  # measured on an H200 (132 multiprocessors): what a card-less estimate assumes
+    made = [(i, key) for i, (key, n) in enumerate(events.events) if n == state]
+    assert len(made) == 1  # kept for the process: the second step takes none
+    at, key = made[0]
+    assert events.phase_at(at) == (1, "forward")
+    assert all(k != key for k, n in events.events[at + 1 :])  # never freed
+    # the seed before it: an int64 scalar on the device, freed at once
+    seed = events.events[at - 2 : at]
+    assert [n for _, n in seed] == [512, -512] and seed[0][0] == seed[1][0]
+    # its size per multiprocessor is measured on one card: without the card its own size is its bound
+    assert est.error_bounds["cuDNN dropout state"] == state
+    # without dropout there is none, and no bound
+    plain, plain_events = _events(lambda: Recurrent(nn.GRU))
+    assert all(n != state for _, n in plain_events.events) and "cuDNN dropout state" not in plain.error_bounds
+    assert est.peak_allocated - plain.peak_allocated == state
+
+
+def test_the_dropout_state_is_sized_by_the_card_s_multiprocessors():
+    assert dropout_state_bytes((132, 2048)) == (6_488_064, 0)  # the H200 measured (and an H100 SXM, alike)
+    size, bound = dropout_state_bytes((108, 2048))  # an A100: by the same rule, with its own size as the bound
+    assert size == 108 * 49_152 and bound == size

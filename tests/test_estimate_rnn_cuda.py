@@ -64,3 +64,45 @@ def test_a_recurrent_language_model_on_fake_cuda_is_within_its_bound_of_the_real
     measured = _measured(build, 32, 64, autocast)
     # the warm-up's cuBLAS workspaces stay allocated: both sides are the tensors and cuDNN's buffers
     assert abs(est.peak_allocated - measured) <= est.error_bound + 0.02 * measured, (est.peak_allocated, measured, est.error_bound)
+
+
+@pytest.mark.parametrize(
+    "kind, kwargs",
+    [(nn.GRU, {}), (nn.LSTM, {}), (nn.LSTM, {"bidirectional": True}), (nn.LSTM, {"proj_size": 128}), (nn.RNN, {"bias": False})],
+)
+def test_model_to_cuda_leaves_a_recurrent_layer_s_weights_in_one_buffer_of_their_sum(kind, kwargs):
+    """cuDNN's weight space is the weights' sum: the rule the estimate's flat buffer follows."""
+    rnn = kind(256, 512, num_layers=2, **kwargs).to(CUDA)
+    storages = {p.untyped_storage().data_ptr() for p in rnn.parameters()}
+    assert len(storages) == 1
+    assert rnn.weight_ih_l0.untyped_storage().nbytes() == sum(p.numel() * p.element_size() for p in rnn.parameters())
+
+
+def test_the_weights_before_the_step_peak_as_model_to_cuda_does():
+    """What allocated peaks at while model.to(CUDA) runs, against the estimate's weights before the step."""
+    build = functools.partial(LanguageModel, nn.GRU)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model = build().to(CUDA)
+    real_peak, real_kept = torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
+    del model
+    est = estimate_memory(build, lambda b: torch.zeros(b, 16, dtype=torch.long), batch_size=4, optimizer=SGD, device=CUDA, fit=False)
+    events = est.step_events
+    now = peak = 0
+    for key, nbytes in events.events[: events.marks[0][0]]:
+        if key >= 0 and events.sources[key].endswith("weights"):
+            now += nbytes
+            peak = max(peak, now)
+    assert (peak, now) == (real_peak, real_kept)
+
+
+def test_cudnn_s_dropout_state_is_the_rule_s_size_for_this_card():
+    from pytorch_mem_profiler.estimate.rnn import dropout_state_bytes
+    from pytorch_mem_profiler.measure.devices import cuda_multiprocessors
+
+    state = torch._cudnn_init_dropout_state(0.5, True, 0, dtype=torch.uint8, device=CUDA)
+    size, bound = dropout_state_bytes(cuda_multiprocessors(CUDA))
+    assert abs(state.numel() - size) <= bound, (state.numel(), size, torch.cuda.get_device_name())
+    print(f"cuDNN dropout state on {torch.cuda.get_device_name()}: {state.numel()} bytes, rule {size}")

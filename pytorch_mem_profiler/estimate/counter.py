@@ -378,6 +378,16 @@ class StorageLifeCounter(MemoryCounter):
             if role is not None:
                 self.give_role(tensor, role)
 
+    def adopt_replacing(self, replaced: Sequence[int], tensors: Iterable[torch.Tensor], role: str | None = None) -> None:
+        """Count blocks of ``replaced`` bytes made before counting began, then ``tensors`` made from
+        them, then the blocks freed: how ``model.to("cuda")`` leaves a recurrent layer cuDNN runs (each
+        weight copied on its own, then one buffer of them all, the copies given back)."""
+        taken = self._take([self._size_of(n) for n in replaced])
+        for life in taken:
+            life.roles = {role} if role is not None else set()
+        self.adopt(tensors, role=role)
+        self._give_back(taken)
+
     def lives_of(self, tensor: torch.Tensor) -> list[Life]:
         """The lives of the storages holding ``tensor`` (a sparse one's indices and values), counted and alive."""
         found = []

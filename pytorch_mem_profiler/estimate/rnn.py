@@ -45,6 +45,22 @@ gradient as one flat buffer (in the compute dtype; under autocast cast to each
 float32 weight after), and for ``batch_first`` a transposed copy of the input beside
 each workspace.
 
+Two buffers outside the calls:
+
+- the **flat weight buffer**: ``model.to("cuda")`` (``nn.RNNBase._apply``) copies each
+  weight on its own, then ``flatten_parameters`` makes one buffer of them all
+  (``_cudnn_rnn_flatten_weight``: cuDNN's weight space, which is their sum: 50,380,800
+  bytes, exact, for a 2-layer 1024-wide GRU on an H200), points the weights into it and
+  the copies are freed. It happens where cuDNN is on and every weight is a CUDA tensor
+  of one dtype cuDNN takes (half, float, double: not bfloat16), none sharing memory.
+  :func:`flatten_weights` makes the fake weights views of one fake buffer so;
+- the **dropout state**: a layer with ``dropout > 0`` in training takes, in its first
+  forward, a seed (a CUDA ``int64`` scalar, freed at once) and cuDNN's dropout state
+  (``cudnnDropoutGetStatesSize``, kept by ATen for the process, one per device; made
+  again after ``torch.manual_seed``). Its size depends on the device alone: 6,488,064
+  bytes on an H200, 49,152 per multiprocessor (:func:`dropout_state_bytes`), measured
+  on that one card; elsewhere it carries its own size as its error bound.
+
 Example::
 
     >>> buffers = cudnn_rnn_buffers("lstm", seq_len=100, batch=32, hidden=256, proj=256, layers=2, directions=1, element_size=4)
@@ -61,9 +77,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
+    "DROPOUT_STATE_PER_MULTIPROCESSOR",
+    "dropout_state_bytes",
+    "cudnn_flattens",
+    "flatten_weights",
     "RNN_GATES",
     "UNMEASURED_SHARE",
     "WORKSPACE_FLOOR",
@@ -86,6 +107,91 @@ WORKSPACE_FLOOR = 32 * 2**20
 WORKSPACE_SPREAD = 48 * 2**20
 #: cuDNN's reserve space carries this many bytes past the per-step values (all 22 measured configurations).
 RESERVE_PAD = 256
+
+
+#: cuDNN's dropout state per streaming multiprocessor: 6,488,064 bytes on an H200's 132 (torch 2.11).
+DROPOUT_STATE_PER_MULTIPROCESSOR = 49_152
+#: The card the dropout state was measured on: multiprocessors, resident threads per multiprocessor.
+DROPOUT_STATE_MEASURED_ON = (132, 2048)
+#: The error bound's name for the dropout state's size where the card is not the one measured.
+DROPOUT_STATE_BOUND = "cuDNN dropout state"
+#: The dtypes cuDNN runs recurrent layers in (``torch.backends.cudnn.CUDNN_TENSOR_DTYPES``).
+_CUDNN_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
+
+
+def dropout_state_bytes(multiprocessors: tuple[int, int] | None) -> tuple[int, int]:
+    """cuDNN's dropout state on a card of ``(multiprocessors, threads per multiprocessor)``
+    (``None``: unknown, an H100's or H200's 132 assumed), and how far it may be off: nothing on
+    the card measured, its own size elsewhere (the size per multiprocessor is measured on one card).
+
+    Example::
+
+        >>> dropout_state_bytes((132, 2048))
+        (6488064, 0)
+        >>> dropout_state_bytes(None) == (6488064, 6488064)
+        True
+    """
+    sms = multiprocessors[0] if multiprocessors is not None else DROPOUT_STATE_MEASURED_ON[0]
+    size = sms * DROPOUT_STATE_PER_MULTIPROCESSOR
+    return size, 0 if multiprocessors is not None and tuple(multiprocessors) == DROPOUT_STATE_MEASURED_ON else size
+
+
+def cudnn_flattens(module: nn.Module) -> bool:
+    """Whether ``module.to("cuda")`` leaves ``module``'s weights in one flat buffer of cuDNN's: an
+    ``nn.RNNBase`` whose weights are all tensors of one dtype cuDNN takes, none sharing memory, with
+    cuDNN on (what ``nn.RNNBase.flatten_parameters`` checks; the module's tensors may be fake CPU ones
+    standing in for CUDA).
+
+    Example::
+
+        >>> cudnn_flattens(nn.GRU(4, 4)), cudnn_flattens(nn.GRU(4, 4).bfloat16()), cudnn_flattens(nn.Linear(4, 4))
+        (True, False, False)
+    """
+    if not isinstance(module, nn.RNNBase) or not torch.backends.cudnn.enabled:
+        return False
+    weights = getattr(module, "_flat_weights", None)
+    names = getattr(module, "_flat_weights_names", None)
+    if not weights or names is None or len(weights) != len(names):
+        return False
+    if not all(isinstance(w, torch.Tensor) for w in weights):
+        return False
+    dtype = weights[0].dtype
+    if dtype not in _CUDNN_DTYPES or any(w.dtype != dtype for w in weights):
+        return False
+    try:
+        starts = {(id(w.untyped_storage()), w.storage_offset()) for w in weights}
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return len(starts) == len(weights)  # aliased weights take PyTorch's copying path
+
+
+def flatten_weights(model: nn.Module) -> dict[int, tuple[int, ...]]:
+    """Makes each recurrent layer's weights views of one flat buffer, as ``flatten_parameters``
+    leaves them on CUDA (see :func:`cudnn_flattens`); by ``id`` of each layer flattened, the bytes of
+    the separate copies the buffer replaced, in the order they were made. Call on the step's own
+    (fake) model, before counting.
+
+    Example::
+
+        >>> gru = nn.GRU(4, 8)
+        >>> replaced = flatten_weights(gru)[id(gru)]
+        >>> len({p.untyped_storage().data_ptr() for p in gru.parameters()}), sum(replaced) == gru.weight_ih_l0.untyped_storage().nbytes()
+        (1, True)
+    """
+    flattened: dict[int, tuple[int, ...]] = {}
+    for module in model.modules():
+        if id(module) in flattened or not cudnn_flattens(module):
+            continue
+        weights = list(module._flat_weights)
+        replaced = tuple(w.untyped_storage().nbytes() for w in weights)
+        flat = weights[0].new_empty((sum(w.numel() for w in weights),))
+        offset = 0
+        with torch.no_grad():
+            for w in weights:
+                w.set_(flat.untyped_storage(), offset, w.shape)  # contiguous, as cuDNN's copy lays them
+                offset += w.numel()
+        flattened[id(module)] = replaced
+    return flattened
 
 
 @dataclass(frozen=True)
@@ -191,11 +297,18 @@ class CudnnRNNRules(TorchFunctionMode):
     Args:
         autocast_device: the device type whose autocast state says whether the
             step runs under autocast (``"cpu"`` where fake CPU tensors stand in for CUDA).
+        multiprocessors: the card's streaming multiprocessors and resident threads per
+            multiprocessor (``None``: no device here), which size cuDNN's dropout state.
     """
 
-    def __init__(self, autocast_device: str) -> None:
+    def __init__(self, autocast_device: str, *, multiprocessors: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.autocast_device = autocast_device
+        self.multiprocessors = multiprocessors
+        #: cuDNN's dropout state once a layer trained with dropout: ATen keeps it for the process
+        self.dropout_state: torch.Tensor | None = None
+        #: the dropout state's error bound (kept from the step that made it on)
+        self.dropout_bound = 0
         #: the error bound of each operation's workspace in the current step: the largest call's
         #: (the workspaces of calls in a row are never alive together)
         self.bounds: dict[str, int] = {}
@@ -218,6 +331,8 @@ class CudnnRNNRules(TorchFunctionMode):
             batch_first = False
         else:  # (input, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first)
             hx, params, _bias, layers, _drop, train, bidirectional, batch_first = args[1:9]
+        if train and _drop > 0 and self.dropout_state is None:
+            self._make_dropout_state(x)
         states = list(hx) if isinstance(hx, (tuple, list)) else [hx]
         params = list(params)
         directions = 2 if bidirectional else 1
@@ -262,13 +377,24 @@ class CudnnRNNRules(TorchFunctionMode):
             self.reserve_bounds[reserve] = self.reserve_bounds.get(reserve, 0) + buffers.reserve_bound
         return tuple(outputs)
 
+    def _make_dropout_state(self, x: torch.Tensor) -> None:
+        """ATen's ``get_dropout_state``: a seed drawn into a scalar on the device and read back
+        (freed at once), then the state, kept (before the call's own buffers)."""
+        seed = x.new_empty((), dtype=torch.int64)
+        del seed
+        size, self.dropout_bound = dropout_state_bytes(self.multiprocessors)
+        self.dropout_state = x.new_empty((size,), dtype=torch.uint8)
+
     def transient_bounds(self) -> dict[str, int]:
         """The workspaces' bounds, by operation: inside one operator, never alive with another's."""
         return dict(self.bounds)
 
     def kept_bounds(self) -> dict[str, int]:
         """The unmeasured reserves' bounds, by operation: kept for backward, summed over the calls."""
-        return dict(self.reserve_bounds)  # (output, h_n) or, for an LSTM, (output, h_n, c_n), as torch._VF's
+        kept = dict(self.reserve_bounds)
+        if self.dropout_state is not None and self.dropout_bound:
+            kept[DROPOUT_STATE_BOUND] = self.dropout_bound
+        return kept
 
 
 def _fake(value: Any) -> bool:

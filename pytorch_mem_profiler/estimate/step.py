@@ -56,7 +56,8 @@ from .draws import user_line
 from .compiled import CompiledModules
 from .fake import eager_modules, fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
-from .rnn import CudnnRNNRules
+from .loss_rules import LossRules
+from .rnn import CudnnRNNRules, flatten_weights
 from .scratch import KernelScratch
 
 __all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks", "moved_order"]
@@ -461,10 +462,12 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
     # cuDNN's recurrent layers, with its reserve, workspace and weight buffer, on fake tensors
-    rnn = CudnnRNNRules(run_device.type) if target.type == "cuda" else None
+    rnn = CudnnRNNRules(run_device.type, multiprocessors=cuda_multiprocessors(target)) if target.type == "cuda" else None
+    # losses ATen's CUDA code writes as composites, with their temporaries
+    losses = LossRules(run_device.type) if target.type == "cuda" else contextlib.nullcontext()
     made, build_error = _construct(plan)
     context = plan.context() if plan.context is not None else contextlib.nullcontext()
-    with context, mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext():
+    with context, mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext(), losses:
         try:
             model, checkpointed = _build(plan, mode, run_device, made)
         except Exception as err:
@@ -475,6 +478,8 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
         model = compiled.install(model, source=made if made is not None else plan.model if isinstance(plan.model, nn.Module) else None)
         if model is not plan.model:  # the step's own copy: what is not estimated as compiled runs eagerly,
             model = eager_modules(model)  # so Dynamo stays out of the fake step (torch 2.4, 2.13)
+        # on CUDA, model.to(device) leaves each recurrent layer's weights in one buffer of cuDNN's
+        flattened = flatten_weights(model) if target.type == "cuda" else {}
         set_up: Mapping[str, Callable[[], list[torch.Tensor]]] = {}
         if plan.setup is not None:
             model, set_up = plan.setup(model)
@@ -486,7 +491,7 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
         counter.start()
         try:
             # on the device in the order model.to(device) copies them: what the replay starts from
-            counter.adopt(moved_order(model), role="weights")
+            _adopt_weights(counter, model, flattened)
             _adopt_set_up(counter, set_up)
             inputs = fake_inputs(plan.example_inputs, batch_size, run_device)
             targets = fake_inputs(plan.targets, batch_size, run_device) if plan.targets is not None else None
@@ -584,12 +589,27 @@ def moved_order(module: nn.Module) -> list[torch.Tensor]:
         >>> [tuple(t.shape) for t in moved_order(Scaled())]
         [(2,), (2,), (2,), (2,), (), (3,)]
     """
-    out: list[torch.Tensor] = []
+    return [t for _, tensors in _moved_by_module(module) for t in tensors]
+
+
+def _moved_by_module(module: nn.Module) -> Iterator[tuple[nn.Module, list[torch.Tensor]]]:
+    """Each module (children first) with its own parameters and buffers, in :func:`moved_order`."""
     for child in module.children():
-        out += moved_order(child)
-    out += [p for p in module._parameters.values() if p is not None]
-    out += [b for b in module._buffers.values() if b is not None]
-    return out
+        yield from _moved_by_module(child)
+    own = [p for p in module._parameters.values() if p is not None]
+    yield module, own + [b for b in module._buffers.values() if b is not None]
+
+
+def _adopt_weights(counter: StorageLifeCounter, model: nn.Module, flattened: Mapping[int, tuple[int, ...]]) -> None:
+    """Count the model's weights as ``model.to(device)`` makes them: in :func:`moved_order`, and for
+    a recurrent layer cuDNN flattened (``flattened``, from :func:`~.rnn.flatten_weights`) each
+    weight's own copy, then the flat buffer, then the copies freed (``nn.RNNBase._apply``)."""
+    for module, tensors in _moved_by_module(model):
+        replaced = flattened.get(id(module))
+        if replaced is None:
+            counter.adopt(tensors, role="weights")
+        else:
+            counter.adopt_replacing(replaced, tensors, role="weights")
 
 
 def _adopt_set_up(counter: StorageLifeCounter, set_up: Mapping[str, Callable[[], list[torch.Tensor]]]) -> None:
