@@ -373,10 +373,12 @@ def render(payload: dict[str, Any]) -> str:
 
 def merged(json_paths: list[Path]) -> dict[str, Any]:
     """The runs' payloads as one (a run split over GPUs by ``--only`` writes one file each):
-    rows in the zoo's order, the slowest run's seconds."""
+    rows in the zoo's order, the slowest run's seconds. A model in several files keeps the row of
+    the last one given (a model run again after a fix replaces its earlier row)."""
     payloads = [json.loads(Path(p).read_text()) for p in json_paths]
     order = {name: i for i, name in enumerate(ZOO)}
-    rows = sorted((r for p in payloads for r in p["rows"]), key=lambda r: order.get(r["name"], len(order)))
+    latest = {r["name"]: r for p in payloads for r in p["rows"]}
+    rows = sorted(latest.values(), key=lambda r: order.get(r["name"], len(order)))
     return {**payloads[0], "rows": rows, "seconds": max(p["seconds"] for p in payloads),
             "quick": any(p.get("quick") for p in payloads)}
 

@@ -198,3 +198,20 @@ def test_the_conformance_table_is_published_between_its_markers(tmp_path):
     bounded = {**row, "emulated": {"peak_error_pct": -5.0, "error_bound_pct": 4.0}}
     assert zoo_conformance.verdict(bounded) == ["reserved"]
     assert "-5.00% (±4.0% stated)" in zoo_conformance.table_row(bounded)[-3]
+
+
+def test_a_model_run_again_replaces_its_row_when_runs_are_merged(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import json
+
+    import zoo_conformance
+
+    first, second = list(ZOO)[:2]
+    paths = []
+    for index, rows in enumerate(([{"name": first, "batch": 1}, {"name": second, "batch": 1}], [{"name": first, "batch": 2}])):
+        path = tmp_path / f"run{index}.json"
+        path.write_text(json.dumps({"environment": "Device: test", "seconds": 10 * (index + 1), "rows": rows}))
+        paths.append(path)
+    merged = zoo_conformance.merged(paths)
+    assert [(r["name"], r["batch"]) for r in merged["rows"]] == [(first, 2), (second, 1)]
+    assert merged["seconds"] == 20
