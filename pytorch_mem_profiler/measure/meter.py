@@ -270,6 +270,7 @@ class Meter:
             backward_running,
             on_first_forward=wrap("device check", self._check_device_once),
             guard=self.guard,
+            read_running=counter.read,
         )
         self._intervals = PhaseIntervals(self._params)
         if self.by_layer:
@@ -479,7 +480,7 @@ class Meter:
         assert hooks is not None and machine is not None and intervals is not None
         hooks.set_params(self._params)
         intervals.set_params(self._params)
-        machine.read_from(self.counter.mark)
+        machine.read_from(self.counter.mark, self.counter.read)
         self.counter.mark()
         # This iteration's breakdown followed the old device: none for it.
         old = self._peak

@@ -32,6 +32,15 @@ tracked module (:meth:`PhaseMachine.module_left`,
 :meth:`PhaseMachine.backward_reached`): more boundaries, so that each
 interval's module is known.
 
+Peak intervals restart where the phase changes and at the iteration's end;
+a boundary within a phase (a module's) is read without a peak reset
+(``read_running``: one device call, not two), its peak the highest since the
+phase began. That serves every figure exactly: an interval whose running
+peak passes the one read before it reached exactly that value, and one whose
+running peak does not can set no maximum an observer keeps (each is a
+strict ``>`` over intervals of one phase, or of the whole iteration, among
+them the interval that reached it).
+
 Example::
 
     >>> from collections import namedtuple
@@ -104,6 +113,9 @@ class PhaseMachine:
 
     Args:
         read: reads the counters and starts a new peak interval (the counter's ``mark``).
+        read_running: reads the counters without starting a new peak interval, the peaks
+            those since the last ``read`` (the counter's ``read``): the boundaries within a
+            phase; ``None``: ``read``.
         new_pending: makes the token the hook set puts on a forward's outputs (an object with
             a ``started`` flag, set once backward reaches them).
         backward_running: whether this thread runs inside a backward pass now.
@@ -118,8 +130,10 @@ class PhaseMachine:
         backward_running: Callable[[], bool],
         on_first_forward: Callable[[], None] | None = None,
         guard: FaultGuard | None = None,
+        read_running: Callable[[], Any] | None = None,
     ) -> None:
         self._read = read
+        self._read_running = read_running or read
         self._new_pending = new_pending
         self._backward_running = backward_running
         self._on_first_forward = on_first_forward
@@ -157,9 +171,11 @@ class PhaseMachine:
         self._split_forward = False
         self._listen(())
 
-    def read_from(self, read: Callable[[], Any]) -> None:
-        """Read the counters with ``read`` from now on (the model moved to another device)."""
+    def read_from(self, read: Callable[[], Any], read_running: Callable[[], Any] | None = None) -> None:
+        """Read the counters with ``read`` (and ``read_running`` within a phase) from now on (the
+        model moved to another device)."""
         self._read = read
+        self._read_running = read_running or read
 
     # -- the plan ------------------------------------------------------------------------------
     def begin_iteration(self, plan: IterationPlan) -> None:
@@ -211,10 +227,11 @@ class PhaseMachine:
             self._guard.fault(part, exc)
 
     # -- boundaries ----------------------------------------------------------------------------
-    def _mark(self, following: str, location: str | None = None) -> Any:
+    def _mark(self, following: str, location: str | None = None, within: bool = False) -> Any:
         """Read the counters, close the running interval and open one of phase ``following``
-        (equal to the running phase: split at a module boundary) run in ``location``."""
-        reading = self._read()
+        (equal to the running phase: split at a module boundary) run in ``location``.
+        ``within``: a split within the phase, read without a peak reset (see the module's text)."""
+        reading = self._read_running() if within else self._read()
         ended, where = self.phase, self._location
         for observer, boundary in self._on_boundary:
             try:
@@ -242,12 +259,12 @@ class PhaseMachine:
         put down to ``ended_in``; the code runs in ``now_in`` from here."""
         if self.phase == "forward" and self._split_forward:
             self._location = ended_in
-            self._mark("forward", now_in)
+            self._mark("forward", now_in, True)
 
     def backward_reached(self, name: str) -> None:
         """Backward reached the outputs of the tracked module ``name`` (per-layer mode)."""
         if self.phase == "backward" and self._watched:
-            self._mark("backward", name)
+            self._mark("backward", name, True)
 
     # -- forward ---------------------------------------------------------------------------------
     def entered(self, grad_enabled: bool, args: Any, entry: Any) -> bool:
