@@ -82,7 +82,7 @@ _NOBODY: tuple = ()
 class ForwardPass:
     """A forward pass: from its first entry into the model to its last exit before a backward."""
 
-    __slots__ = ("start", "end_allocated", "pending", "explicit")
+    __slots__ = ("start", "end_allocated", "pending", "explicit", "inside")
 
     def __init__(self, start: Any, pending: Any, explicit: bool) -> None:
         #: the reading when it began; ``None`` on an iteration that is not watched
@@ -93,6 +93,8 @@ class ForwardPass:
         self.pending = pending
         #: whether a framework marked it by hand
         self.explicit = explicit
+        #: whether it runs in the model now (entered, or marked, and not left since)
+        self.inside = True
 
     @property
     def kept(self) -> int | None:
@@ -227,11 +229,10 @@ class PhaseMachine:
             self._guard.fault(part, exc)
 
     # -- boundaries ----------------------------------------------------------------------------
-    def _mark(self, following: str, location: str | None = None, within: bool = False) -> Any:
+    def _mark(self, following: str, location: str | None = None) -> Any:
         """Read the counters, close the running interval and open one of phase ``following``
-        (equal to the running phase: split at a module boundary) run in ``location``.
-        ``within``: a split within the phase, read without a peak reset (see the module's text)."""
-        reading = self._read_running() if within else self._read()
+        (equal to the running phase: the iteration's end) run in ``location``."""
+        reading = self._read()
         ended, where = self.phase, self._location
         for observer, boundary in self._on_boundary:
             try:
@@ -258,13 +259,24 @@ class PhaseMachine:
         """A tracked module's forward ended (per-layer mode): what ran since the last boundary is
         put down to ``ended_in``; the code runs in ``now_in`` from here."""
         if self.phase == "forward" and self._split_forward:
-            self._location = ended_in
-            self._mark("forward", now_in, True)
+            self._split("forward", ended_in, now_in)
 
     def backward_reached(self, name: str) -> None:
         """Backward reached the outputs of the tracked module ``name`` (per-layer mode)."""
         if self.phase == "backward" and self._watched:
-            self._mark("backward", name, True)
+            self._split("backward", self._location, name)
+
+    def _split(self, phase: str, where: str | None, location: str) -> None:
+        """:meth:`_mark` within the running ``phase`` (a module's boundary, once per tracked
+        module in per-layer mode): read without a peak reset; the interval that ends ran in
+        ``where``, the one that begins runs in ``location``."""
+        reading = self._read_running()
+        for observer, boundary in self._on_boundary:
+            try:
+                boundary(reading, phase, phase, where)
+            except Exception as exc:  # noqa: BLE001 - the observer switches off, the rest goes on
+                self._failed(observer, exc)
+        self._location = location
 
     # -- forward ---------------------------------------------------------------------------------
     def entered(self, grad_enabled: bool, args: Any, entry: Any) -> bool:
@@ -294,6 +306,7 @@ class PhaseMachine:
         location = "" if self._split_forward else None
         if pass_ is not None and not explicit and not pass_.explicit and not pass_.pending.started:
             # Entered again before any backward (self.decoder after self.encoder): the same pass.
+            pass_.inside = True
             self._switch("forward", location)
             if self._on_forward_resumed:
                 self._tell(self._on_forward_resumed, args, entry)
@@ -320,6 +333,7 @@ class PhaseMachine:
 
     def _leave(self, pass_: ForwardPass) -> None:
         """The model was left: the pass may go on (another entry) or end (backward, a step)."""
+        pass_.inside = False
         if self._on_forward_left:
             self._tell(self._on_forward_left)
         if self.phase == "forward":
@@ -333,7 +347,8 @@ class PhaseMachine:
         if pass_ is None:
             return
         self._awaiting = pass_.pending
-        self._leave(pass_)  # still inside it when a phase marked by hand ends it
+        if pass_.inside:  # a phase marked by hand ends it from inside
+            self._leave(pass_)
         if self._on_forward_closed:
             self._tell(self._on_forward_closed, pass_.kept)
 
