@@ -445,3 +445,49 @@ def test_a_breakdown_switched_off_by_a_fault_runs_no_more(mlp, monkeypatch, capl
             assert hooks_on(params) == 0
         assert len(made) == calls  # nothing of the breakdown ran again
     assert "peak breakdown failed" in caplog.text
+
+
+@pytest.mark.parametrize("layers", [1, 6], ids=["few gradients", "many gradients"])
+def test_gradients_that_are_views_of_one_buffer_count_it_once(layers):
+    """Gradients that are views of one buffer (DDP's buckets with ``gradient_as_bucket_view``) are
+    one storage: it counts once, whether a boundary finds a few gradients (tracked one by one) or
+    many (tracked together), and whether they are found in backward or at its end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+    params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    at = 0
+    for p in params:
+        p.grad = flat[at : at + p.numel()].view_as(p)
+        at += p.numel()
+    counter = CpuCounter()
+    counter.start()
+    counter.adopt([*params, flat])
+    tracker = BoundaryPeakBreakdown(counter)
+    try:
+        for found_in_backward in (True, False):
+            for p in params:
+                p.grad = None  # awaited in backward: found again, as views of the same buffer
+            at = 0
+            x = torch.randn(4, 8)
+            tracker.start(params, [], [], counter.mark().allocated)
+            tracker.boundary(counter.mark(), "other", "forward", None)
+            out = model(x)
+            tracker.boundary(counter.mark(), "forward", "backward", None)
+            out.sum().backward()
+            for p in params:  # the gradients as DDP leaves them: views of its bucket
+                p.grad = flat[at : at + p.numel()].view_as(p).copy_(p.grad)
+                at += p.numel()
+            if found_in_backward:
+                tracker.boundary(counter.mark(), "backward", "backward", None)  # a module boundary
+            tracker.boundary(counter.mark(), "backward", "other", None)
+            tracker.gradients_ready(params)
+            assert tracker._alive.totals["gradients"] == flat.untyped_storage().nbytes() == unique_storage_bytes(
+                *(p.grad for p in params)
+            )
+            assert tracker._awaiting == []
+            tracker.result(None, params, [])
+            del out
+    finally:
+        tracker.close()
+        counter.stop()
