@@ -446,7 +446,7 @@ def print_time_inside_hooks(work, args, device: torch.device, sink, null_counter
     """
     spent: dict[str, float] = {}
     originals = {(cls, name): getattr(cls, name) for cls, name in _TIMED}
-    original_record = MemoryProfiler._record_stats
+    original_record = MemoryProfiler.record_stats
     real_make_counter = meter_module.make_counter
 
     def timed(name, fn):
@@ -466,7 +466,7 @@ def print_time_inside_hooks(work, args, device: torch.device, sink, null_counter
 
     for (cls, name), fn in originals.items():
         setattr(cls, name, timed(name, fn))
-    MemoryProfiler._record_stats = timed("record_stats", original_record)
+    MemoryProfiler.record_stats = timed("record_stats", original_record)
     meter_module.make_counter = make_timed_counter
     try:
         base = median([run(work, args.steps, None, device) for _ in range(3)])
@@ -478,7 +478,7 @@ def print_time_inside_hooks(work, args, device: torch.device, sink, null_counter
     finally:
         for (cls, name), fn in originals.items():
             setattr(cls, name, fn)
-        MemoryProfiler._record_stats = original_record
+        MemoryProfiler.record_stats = original_record
         meter_module.make_counter = real_make_counter
     marks = spent.pop("  of which counter.mark", 0.0)
     inside = sum(spent.values()) / args.steps * 1e6
@@ -564,7 +564,7 @@ def main() -> None:
             StepHooks._backward_started = (lambda self, g: None) if parts.get("backward") else real_backward_started
             prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer)
             if parts.get("outputs"):
-                prof._sinks = []
+                prof._sinks = prof._record_outputs = []
             with_ = run(work, args.steps, prof, device)
             prof.close()
             meter_module.make_counter = real_make_counter

@@ -191,10 +191,20 @@ class CostBudget:
         self._steps += 1
         warm_up = self._steps == 1
         if level == "light":
+            # Every iteration but the few with detail comes here: _spend(own, "light") then
+            # _earn(_share(step)), inline, the same operations in the same order.
             if not warm_up:
-                self.base = step if self.base is None else self.base + _WEIGHT * (step - self.base)
-            self._spend(own, level)
-            self._earn(self._share(step))
+                base = self.base
+                self.base = step if base is None else base + _WEIGHT * (step - base)
+            share = 0.0 if self.overhead is None else self.overhead * step
+            self.spent += own
+            self.allowed += share
+            accounts = self._accounts
+            if accounts:
+                count = len(accounts)
+                spent_each, earned_each = own / count, share / count
+                for name in self._levels:  # the accounts' keys, as a tuple
+                    accounts[name] = accounts[name] - spent_each + earned_each
             return
         base = self.base
         extra = own + (max(0.0, step - base) if base is not None and not warm_up else 0.0)
@@ -209,15 +219,18 @@ class CostBudget:
 
     def choose(self) -> str:
         """The level for the next reported iteration: the richest allowed that the budget affords."""
-        if self.overhead is None or not self._chosen:
+        overhead = self.overhead
+        if overhead is None or not self._chosen:
             self._chosen = True
             return self.richest
-        if self.base is None:
+        base = self.base
+        if base is None:
             return "light"  # no step without detail timed yet: what detail costs is measured from one
         accounts = self._accounts
-        next_share = (self._share(self.base) if self.base is not None else 0.0) / max(1, len(accounts))
+        next_share = overhead * base / max(1, len(accounts))  # _share(base), shared by the accounts
+        costs = self.costs
         for level in self._levels:
-            cost = self.costs.get(level)
+            cost = costs.get(level)
             if cost is None:
                 if accounts[level] >= 0:
                     return level  # never measured: tried while its account is not in debt

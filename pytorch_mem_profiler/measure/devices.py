@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import Any, Iterable, NamedTuple
@@ -228,16 +229,25 @@ class CudaCounter(MemoryCounter):
             or len(self._peer_set or ()) > 1
         ):
             return super().mark()
-        stats = nested(self._idx)
-        reset(self._idx)
-        return _nested_reading(stats)
+        idx = self._idx
+        stats = nested(idx)
+        reset(idx)
+        # _nested_reading, inline (once per iteration not reported)
+        alloc = stats["allocated_bytes"]["all"]
+        res = stats["reserved_bytes"]["all"]
+        return _reading((alloc["current"], alloc["peak"], res["current"], res["peak"]))
+
+
+#: ``Reading(*values)`` for a tuple of the four values, without the named tuple's ``__new__``
+#: in Python (a frame per read on the light path)
+_reading = functools.partial(tuple.__new__, Reading)
 
 
 def _nested_reading(stats: dict[str, Any]) -> Reading:
     """The four counters of the allocator's nested statistics (``torch._C._cuda_memoryStats``)."""
     alloc = stats["allocated_bytes"]["all"]
     res = stats["reserved_bytes"]["all"]
-    return Reading(alloc["current"], alloc["peak"], res["current"], res["peak"])
+    return _reading((alloc["current"], alloc["peak"], res["current"], res["peak"]))
 
 
 class MpsCounter(MemoryCounter):
@@ -349,7 +359,7 @@ class CpuCounter(MemoryCounter):
 
     def _read_device(self) -> Reading:
         allocated, peak = self._tally.settle()
-        return Reading(allocated, peak, allocated, peak)
+        return _reading((allocated, peak, allocated, peak))
 
     def watch_storages(self) -> tuple[dict[Any, int], list[tuple[Any, int]]]:
         """Key the changes by storage from now on (the peak breakdown, reported iterations):
