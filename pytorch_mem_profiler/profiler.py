@@ -381,11 +381,10 @@ class MemoryProfiler:
             # Accounted before the next level is chosen; getting the next iteration ready is timed
             # with its step (a detailed one's set-up is part of what the detail costs).
             budget.left(record.detail)
-            if (iteration + 1) % period == 0:
-                meter.prepare(budget.choose())
-            elif not slept or self._guard.disabled:
+            level = budget.choose() if (iteration + 1) % period == 0 else "light"
+            if level != "light" or not slept or self._guard.disabled:
                 # (after an iteration the hooks slept through, another light one needs nothing new)
-                meter.prepare("light")
+                meter.prepare(level)
             return record
         except Exception as exc:  # noqa: BLE001 - never raise into the training loop
             self._guard.fault("record_stats", exc)

@@ -143,11 +143,24 @@ class CostBudget:
         self._levels = DETAIL_LEVELS[1 : DETAIL_LEVELS.index(richest) + 1][::-1]  # richest first
         # each detailed level's account: seconds it may still spend (see the module's text)
         self._accounts = dict.fromkeys(self._levels, 0.0)
-        self._steps = 0
+        self._count = len(self._accounts)
+        # the first iteration accounted: its step time is warm-up, not a cost estimate
+        self._warm_up = True
         self._chosen = False
         self._step = 0.0
         self._left = clock()
         self._entered = self._left
+
+    @property
+    def overhead(self) -> float | None:
+        """The largest share of the run's time the profiler may cost (``None``: no limit)."""
+        return self._overhead
+
+    @overhead.setter
+    def overhead(self, value: float | None) -> None:
+        self._overhead = value
+        # the share of a step the budget allows, as a number (0.0 without a limit: no share)
+        self._rate = 0.0 if value is None else value
 
     @property
     def balance(self) -> float:
@@ -188,20 +201,21 @@ class CostBudget:
         own = max(0.0, now - self._entered)
         self._left = now
         step = self._step
-        self._steps += 1
-        warm_up = self._steps == 1
+        warm_up = self._warm_up
+        if warm_up:
+            self._warm_up = False
         if level == "light":
             # Every iteration but the few with detail comes here: _spend(own, "light") then
             # _earn(_share(step)), inline, the same operations in the same order.
             if not warm_up:
                 base = self.base
                 self.base = step if base is None else base + _WEIGHT * (step - base)
-            share = 0.0 if self.overhead is None else self.overhead * step
+            share = self._rate * step  # _share(step): 0.0 without a limit
             self.spent += own
             self.allowed += share
-            accounts = self._accounts
-            if accounts:
-                count = len(accounts)
+            count = self._count
+            if count:
+                accounts = self._accounts
                 spent_each, earned_each = own / count, share / count
                 for name in self._levels:  # the accounts' keys, as a tuple
                     accounts[name] = accounts[name] - spent_each + earned_each
@@ -215,11 +229,11 @@ class CostBudget:
             self.costs[level] = extra if known is None else known + _WEIGHT * (extra - known)
 
     def _share(self, step: float) -> float:
-        return 0.0 if self.overhead is None else self.overhead * step
+        return 0.0 if self._overhead is None else self._overhead * step
 
     def choose(self) -> str:
         """The level for the next reported iteration: the richest allowed that the budget affords."""
-        overhead = self.overhead
+        overhead = self._overhead
         if overhead is None or not self._chosen:
             self._chosen = True
             return self.richest

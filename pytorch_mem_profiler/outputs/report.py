@@ -374,26 +374,30 @@ def _report_frame(record: IterationRecord, body: tuple[int, str, str, str]) -> s
     return _full_frame(body)(record)
 
 
-#: The label of the full report's last line but one, and its length (for the dot leader).
+#: The label of the full report's last line but one.
 _TIME_LABEL = "Iteration time"
 
+#: A layout's text of one record, whose body (its figures' text) it was made from, then ``end``
+#: (``frame(record, end="")``): all but the position and the time is made once per body.
+Frame = Callable[..., str]
 
-def _full_frame(body: tuple[int, str, str, str]) -> Callable[[IterationRecord], str]:
+
+def _full_frame(body: tuple[int, str, str, str]) -> Frame:
     """Makes the full report of a record whose body is ``body`` (:func:`_report_body`): its
     text but the position and the time made once, for every record that shares the body."""
     width, stars, middle, closing = body
     head = f"{stars}\nMemory Usage for Iteration "
     after_title = f"\n{stars}\n{middle}"
-    end = f"\n{closing}"
+    last = f"\n{closing}"
     room = width - len(_TIME_LABEL)  # dotted_line's, with its label's length taken once
 
-    def frame(record: IterationRecord) -> str:
+    def frame(record: IterationRecord, end: str = "") -> str:
         seconds = record.iteration_time_s
         if seconds is None:
-            return f"{head}{record.iteration} of Epoch {record.epoch}{after_title}{end}"
+            return f"{head}{record.iteration} of Epoch {record.epoch}{after_title}{last}{end}"
         value = f"{seconds * 1e3:.1f} ms"
         dots = "." * max(2, room - len(value))
-        return f"{head}{record.iteration} of Epoch {record.epoch}{after_title}\n{_TIME_LABEL}{dots}{value}{end}"
+        return f"{head}{record.iteration} of Epoch {record.epoch}{after_title}\n{_TIME_LABEL}{dots}{value}{last}{end}"
 
     return frame
 
@@ -501,13 +505,13 @@ def _compact_frame(record: IterationRecord, body: tuple[str, str]) -> str:
     return _compact_frame_of(body)(record)
 
 
-def _compact_frame_of(body: tuple[str, str]) -> Callable[[IterationRecord], str]:
+def _compact_frame_of(body: tuple[str, str]) -> Frame:
     """Makes the compact report of a record whose body is ``body`` (:func:`_compact_body`)."""
     ending, rest = body
     tail = f"{ending}\n{rest}"
 
-    def frame(record: IterationRecord) -> str:
-        return f"Memory at iteration {record.iteration} of epoch {record.epoch}{tail}"
+    def frame(record: IterationRecord, end: str = "") -> str:
+        return f"Memory at iteration {record.iteration} of epoch {record.epoch}{tail}{end}"
 
     return frame
 
@@ -548,15 +552,15 @@ def _line_frame(record: IterationRecord, body: str) -> str:
     return _line_frame_of(body)(record)
 
 
-def _line_frame_of(body: str) -> Callable[[IterationRecord], str]:
+def _line_frame_of(body: str) -> Frame:
     """Makes the one line of a record whose middle is ``body`` (:func:`_line_body`)."""
     middle = f" | {body}"
 
-    def frame(record: IterationRecord) -> str:
+    def frame(record: IterationRecord, end: str = "") -> str:
         seconds = record.iteration_time_s
         if seconds is None:
-            return f"memory epoch {record.epoch} iteration {record.iteration}{middle}"
-        return f"memory epoch {record.epoch} iteration {record.iteration}{middle} | {seconds * 1e3:.1f} ms"
+            return f"memory epoch {record.epoch} iteration {record.iteration}{middle}{end}"
+        return f"memory epoch {record.epoch} iteration {record.iteration}{middle} | {seconds * 1e3:.1f} ms{end}"
 
     return frame
 
@@ -569,7 +573,7 @@ def format_record(record: IterationRecord, unit: str = "MB", mode: str = "full")
 
 #: Each layout as (the text made from the figures, the maker of the frame that adds the
 #: position and the time to it).
-_LAYOUTS: dict[str, tuple[Callable[[IterationRecord, str], Any], Callable[[Any], Callable[[IterationRecord], str]]]] = {
+_LAYOUTS: dict[str, tuple[Callable[[IterationRecord, str], Any], Callable[[Any], Frame]]] = {
     "full": (_report_body, _full_frame),
     "compact": (_compact_body, _compact_frame_of),
     "line": (_line_body, _line_frame_of),
@@ -630,10 +634,11 @@ class ReportFormatter:
         self._key: tuple[Any, ...] | None = None
         self._body: Any = None
         # the frame made from the body: the report of a record with these figures
-        self._frame: Callable[[IterationRecord], str] | None = None
+        self._frame: Frame | None = None
 
-    def __call__(self, record: IterationRecord, unit: str = "MB", mode: str = "full") -> str:
-        """``format_record(record, unit, mode)``."""
+    def __call__(self, record: IterationRecord, unit: str = "MB", mode: str = "full", end: str = "") -> str:
+        """``format_record(record, unit, mode) + end``, made in one piece (a report's newline is
+        not added by copying its text)."""
         try:
             figures = _figure_items(record.__dict__)
         except (AttributeError, KeyError):  # not a record as its constructor makes them
@@ -645,4 +650,4 @@ class ReportFormatter:
             self._body = make(record, unit)
             frame = self._frame = frame_of(self._body)
             self._key = (unit, mode, tuple(map(_copied, key[2])))
-        return frame(record)
+        return frame(record, end)
