@@ -11,6 +11,7 @@
     python benchmarks/hot_path.py --workload gpt2 --by-layer --profile-only   # cProfile of profiled steps
     python benchmarks/hot_path.py --by-position --print-period 10   # what each iteration of a period adds
     python benchmarks/hot_path.py --inside           # time inside each hook and its reads, in the real loop
+    python benchmarks/hot_path.py --light-inside [--device cuda]   # what stays installed at "light", and its cost
     python benchmarks/hot_path.py --workload gpt2 --timeline [--batch 1]   # host vs GPU time per step (CUDA)
 
 Times the workload without the profiler, with it, and with parts of it
@@ -499,7 +500,7 @@ def print_time_inside_hooks(work, args, device: torch.device, sink, null_counter
     """
     spent: dict[str, float] = {}
     originals = {(cls, name): getattr(cls, name) for cls, name in _TIMED}
-    original_record = MemoryProfiler._record_stats
+    original_record = MemoryProfiler.record_stats
     real_make_counter = meter_module.make_counter
 
     def timed(name, fn):
@@ -519,7 +520,7 @@ def print_time_inside_hooks(work, args, device: torch.device, sink, null_counter
 
     for (cls, name), fn in originals.items():
         setattr(cls, name, timed(name, fn))
-    MemoryProfiler._record_stats = timed("record_stats", original_record)
+    MemoryProfiler.record_stats = timed("record_stats", original_record)
     meter_module.make_counter = make_timed_counter
     try:
         base = median([run(work, args.steps, None, device) for _ in range(3)])
@@ -531,7 +532,7 @@ def print_time_inside_hooks(work, args, device: torch.device, sink, null_counter
     finally:
         for (cls, name), fn in originals.items():
             setattr(cls, name, fn)
-        MemoryProfiler._record_stats = original_record
+        MemoryProfiler.record_stats = original_record
         meter_module.make_counter = real_make_counter
     marks = spent.pop("  of which counter.mark", 0.0)
     inside = sum(spent.values()) / args.steps * 1e6
@@ -541,6 +542,154 @@ def print_time_inside_hooks(work, args, device: torch.device, sink, null_counter
         print(f"  {name:24s} {seconds / args.steps * 1e6:8.1f}")
     print(f"  {'sum':24s} {inside:8.1f}   unaccounted: {with_prof - base - inside:8.1f}")
     print(f"  {'of which counter.mark':24s} {marks / args.steps * 1e6:8.1f}")
+
+
+def installed_hooks(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, list]:
+    """Every hook and mode installed now that torch runs during a training step of ``model``, by
+    where it is: the model's modules' and parameters' hooks, torch's global module and optimizer
+    hooks, the optimizers' own, the saved-tensor hooks on top of autograd's stack, and the
+    dispatch and function modes (counted)."""
+    import torch.nn.modules.module as module_hooks
+    import torch.optim.optimizer as optimizer_hooks
+
+    from pytorch_mem_profiler.measure.saved_tensors import can_chain, top_saved_tensors_hooks
+
+    found: dict[str, list] = {}
+
+    def add(where: str, hooks) -> None:
+        if hooks:
+            found.setdefault(where, []).extend(hooks.values())
+
+    for module in model.modules():
+        for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+            add(f"module {attr}", getattr(module, attr, None))
+    for param in model.parameters():
+        for attr in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+            add(f"parameter {attr}", getattr(param, attr, None))
+    for attr in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"):
+        add(f"torch.nn {attr}", getattr(module_hooks, attr, None))
+    for attr in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+        add(f"torch.optim {attr}", getattr(optimizer_hooks, attr, None))
+    for opt in optimizers:
+        for attr in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+            add(f"optimizer {attr}", getattr(opt, attr, None))
+    if can_chain() and top_saved_tensors_hooks() is not None:
+        found["saved-tensor hooks on top"] = list(top_saved_tensors_hooks())
+    for what, count in (
+        ("dispatch modes", torch._C._len_torch_dispatch_stack()),
+        ("function modes", torch._C._len_torch_function_stack()),
+    ):
+        if count:
+            found[what] = [f"{count} mode(s)"] * count
+    return found
+
+
+def _hook_name(hook) -> str:
+    if isinstance(hook, str):
+        return hook
+    return getattr(hook, "__qualname__", None) or type(hook).__qualname__
+
+
+def print_light_inside(work, args, device: torch.device, sink, steps: int = 300) -> None:
+    """What runs inside a training step while the iterations are at the ``"light"`` level.
+
+    Lists what the profiler leaves installed once its hooks sleep (everything installed with it,
+    less what was installed without it), times each such optimizer hook called as torch calls
+    it, then times the step in interleaved blocks: without the profiler, with it asleep and
+    nothing called between the steps (what runs inside the step), and with ``record_stats()``
+    after each step, split into ``record_stats()``'s own time and what the step loses after it
+    (the caches and branch predictors the call leaves cold). ``print_period`` is set past the
+    run, so that every iteration is light. The device's own counter is used (on CUDA: the
+    allocator read and peak reset of every ``record_stats()``; on the CPU: the counting
+    dispatch mode, in every operator of the step), or with ``--null-counter`` one that reads
+    nothing (the Python alone).
+    """
+    import statistics
+
+    model, opt = work.model, work.optimizer
+    real_make_counter = meter_module.make_counter
+    if args.null_counter:
+        meter_module.make_counter = lambda d: NullCounter(d)
+
+    def profiler() -> MemoryProfiler:
+        """A profiler past its learning iteration, its hooks asleep."""
+        prof = MemoryProfiler(model, 10**9, stream=sink, by_layer=args.by_layer)
+        for _ in range(5):
+            work.step()
+            prof.record_stats()
+        assert prof._meter._hooks is not None and prof._meter._hooks.asleep, "the hooks should sleep by now"
+        return prof
+
+    def block(prof: MemoryProfiler | None, record: bool) -> tuple[list[int], list[int]]:
+        """Thread ns of each step, and of each record_stats() after it (``record``)."""
+        clock = time.thread_time_ns
+        step_times, record_times = [0] * steps, [0] * steps
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        for i in range(steps):
+            start = clock()
+            work.step()
+            stepped = clock()
+            if record:
+                prof.record_stats()  # type: ignore[union-attr]
+            step_times[i] = stepped - start
+            record_times[i] = clock() - stepped
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return step_times, record_times
+
+    try:
+        before = {where: list(hooks) for where, hooks in installed_hooks(model, [opt]).items()}
+        prof = profiler()
+        now = installed_hooks(model, [opt])
+        added = {where: [h for h in hooks if all(h is not b for b in before.get(where, []))] for where, hooks in now.items()}
+        counter = type(prof._meter.counter).__name__
+        print(
+            f"{args.workload} on {device}{', by_layer' if args.by_layer else ''}, {counter}: "
+            "what the profiler leaves installed at the light level"
+        )
+        if not any(added.values()):
+            print("  nothing")
+        for where, hooks in added.items():
+            for hook in hooks:
+                line = f"  {where:44s} {_hook_name(hook)}"
+                if where.startswith(("torch.optim", "optimizer")):
+                    calls = 100_000
+                    start = time.thread_time()
+                    for _ in range(calls):
+                        hook(opt, (), {})
+                    line += f"   {(time.thread_time() - start) / calls * 1e9:6.0f} ns per call"
+                print(line)
+        prof.close()
+
+        rounds = max(args.rounds, 9)
+        without: list[int] = []
+        asleep: list[int] = []
+        stepped: list[int] = []
+        recorded: list[int] = []
+        empty: list[int] = []
+        for _ in range(rounds):
+            without += block(None, False)[0]
+            prof = profiler()
+            slept, nothing = block(prof, False)
+            asleep += slept
+            empty += nothing
+            steps_after, records = block(prof, True)
+            stepped += steps_after
+            recorded += records
+            prof.close()
+            without += block(None, False)[0]
+    finally:
+        meter_module.make_counter = real_make_counter
+    m = lambda values: statistics.median(values) / 1e3  # noqa: E731
+    base = m(without)
+    # Each time is the median over every step of every round, each step timed alone (the thread
+    # clock read around it: the same in every block). "Nothing called" is the clock's own cost.
+    print(f"thread us per step, medians over {rounds} interleaved rounds of {steps} steps each:")
+    print(f"  the step without the profiler                     {base:9.2f}")
+    print(f"  the step, the profiler asleep (nothing after it)  {m(asleep) - base:+9.2f}   (what runs inside the step)")
+    print(f"  the step, record_stats() after each               {m(stepped) - base:+9.2f}   (and what the call leaves cold)")
+    print(f"  record_stats() itself                             {m(recorded) - m(empty):9.2f}")
 
 
 def main() -> None:
@@ -562,6 +711,10 @@ def main() -> None:
     parser.add_argument("--inside", action="store_true", help="only the time inside each hook, with and without reads")
     parser.add_argument("--timeline", action="store_true", help="host and GPU time per step, by_layer's parts off (CUDA)")
     parser.add_argument("--batch", type=int, default=None, help="the workload's batch size (default: its own)")
+    parser.add_argument(
+        "--light-inside", action="store_true", help="what stays installed at the light level, and what it costs the step"
+    )
+    parser.add_argument("--null-counter", action="store_true", help="with --light-inside: a counter that reads nothing")
     args = parser.parse_args()
     if args.reads:
         print_read_costs(torch.device(args.device))
@@ -578,7 +731,23 @@ def main() -> None:
         print_host_cost(None if args.no_budget else DEFAULT_BUDGET)
         return
     device = torch.device(args.device)
-    work = WORKLOADS[args.workload](device, **({} if args.batch is None else {"batch": args.batch}))
+    if args.light_inside and device.type == "cpu":
+        # on the CPU, 8 x (Linear(16) + ReLU) with Adam: the layer count of tiny_mlp, in a step short
+        # enough for the rounds (the CPU counter's dispatch mode is in every step, profiled or not)
+        torch.set_num_threads(1)
+        model, opt, x = _eight_layers()
+
+        def eight_layer_step() -> torch.Tensor:
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        args.workload = "8 x (Linear(16) + ReLU) + Adam"
+        work = argparse.Namespace(model=model, optimizer=opt, step=eight_layer_step)
+    else:
+        work = WORKLOADS[args.workload](device, **({} if args.batch is None else {"batch": args.batch}))
     for _ in range(10):
         work.step()
     sink = open(os.devnull, "w")
@@ -592,6 +761,9 @@ def main() -> None:
         return
     if args.timeline:
         print_timeline(work, args, device, sink)
+        return
+    if args.light_inside:
+        print_light_inside(work, args, device, sink, steps=args.steps)
         return
     if args.inside:
         for _ in range(args.rounds):
@@ -618,7 +790,7 @@ def main() -> None:
             StepHooks._backward_started = (lambda self, g: None) if parts.get("backward") else real_backward_started
             prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer)
             if parts.get("outputs"):
-                prof._sinks = []
+                prof._sinks = prof._record_outputs = []
             with_ = run(work, args.steps, prof, device)
             prof.close()
             meter_module.make_counter = real_make_counter

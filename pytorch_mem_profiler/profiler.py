@@ -218,6 +218,11 @@ class MemoryProfiler:
         # Outputs are made before any hook is installed: a CSV folder that cannot
         # be written fails here, leaving nothing behind.
         self._report, self._sinks = self._make_sinks()
+        # What each reported record goes to: (the fault-guard part, the sink's on_record), made once
+        # (the part's name is not formatted, nor the method looked up, at every report).
+        self._record_outputs = [
+            (f"output: {sink.name}", sink.on_record) for sink in self._sinks if type(sink).on_record is not Sink.on_record
+        ]
         csv_sink = self._sink(CsvSink)
         layers_sink = self._sink(LayerCsvSink)
         self.csv_path = csv_sink.path if csv_sink is not None else None
@@ -327,11 +332,60 @@ class MemoryProfiler:
         :class:`~pytorch_mem_profiler.outputs.notices.MisuseWarning` says so once.
         """
         # A door the user calls: every line inside the try (so are epoch_end's and close's);
-        # contained as FaultGuard.call("record_stats", ...) would, inline (it runs every iteration).
+        # contained as FaultGuard.call("record_stats", ...) would, inline. It runs every
+        # iteration: one function, whose common case (an iteration the hooks slept through,
+        # not reported or reported at the "light" level) calls the meter, the budget and, when
+        # reported, the outputs, and nothing else.
         try:
             if "record_stats" in self._guard.disabled:
                 return None
-            return self._record_stats()
+            if self._closed:
+                raise RuntimeError("record_stats() called after close()")
+            if not self._measuring:
+                return None
+            meter = self._meter
+            if meter.counter.failed:
+                # The counter every figure comes from stopped counting (its fault is logged): the
+                # figures would be frozen, so none is given, and nothing is measured any more.
+                self._stop_measuring()
+                return None
+            budget = self._budget
+            budget.entered()
+            iteration, step = self.iteration + 1, self.step + 1
+            period = self.print_period
+            reported = iteration % period == 0
+            # the light path (the hooks slept through the iteration) first, the meter's others if not
+            record = meter.finish_slept(self.epoch, iteration, step, reported)
+            slept = record is not None
+            if not slept:
+                record = meter.finish(Position(self.epoch, iteration, step), reported)
+                # with a part's hooks off (a fault), a phase may go unseen: no iteration is refused then
+                if meter.idle and not self._guard.disabled:
+                    # Watched, and no training step in it: counting it would shift every later iteration.
+                    budget.restart()  # no step to account for: the next is timed from here
+                    meter.prepare(self._next_level())
+                    self._misuse(
+                        "record_stats",
+                        "record_stats() saw no forward (the model was not called), no backward and no optimizer step "
+                        "since the last call (called twice in a row, or before training began): not counted as an iteration",
+                    )
+                    # The figures as they are, marked as no iteration: the last counted position, not reported.
+                    return dataclasses.replace(record, iteration=self.iteration, step=self.step, reported=False)
+            self.iteration = iteration
+            self.step = step
+            self.last_record = record
+            if self._ranks is not None:
+                self._ranks.observe(record)
+            if reported:
+                self._output(record)
+            # Accounted before the next level is chosen; getting the next iteration ready is timed
+            # with its step (a detailed one's set-up is part of what the detail costs).
+            budget.left(record.detail)
+            level = budget.choose() if (iteration + 1) % period == 0 else "light"
+            if level != "light" or not slept or self._guard.disabled:
+                # (after an iteration the hooks slept through, another light one needs nothing new)
+                meter.prepare(level)
+            return record
         except Exception as exc:  # noqa: BLE001 - never raise into the training loop
             self._guard.fault("record_stats", exc)
             self._stop_measuring()
@@ -495,51 +549,23 @@ class MemoryProfiler:
         """The coming iteration's level of detail: the budget's choice if it will be reported."""
         return self._budget.choose() if self._next_reported() else "light"
 
-    def _record_stats(self) -> IterationRecord | None:
-        if self._closed:
-            raise RuntimeError("record_stats() called after close()")
-        if not self._measuring:
-            return None
-        if self._meter.counter.failed:
-            # The counter every figure comes from stopped counting (its fault is logged): the
-            # figures would be frozen, so none is given, and nothing is measured any more.
-            self._stop_measuring()
-            return None
-        budget = self._budget
-        budget.entered()
-        reported = self._next_reported()
-        record = self._meter.finish(Position(self.epoch, self.iteration + 1, self.step + 1), reported)
-        # with a part's hooks off (a fault), a phase may go unseen: no iteration is refused then
-        if self._meter.idle and not self._guard.disabled:
-            # Watched, and no training step in it: counting it would shift every later iteration.
-            budget.restart()  # no step to account for: the next is timed from here
-            self._meter.prepare(self._next_level())
-            self._misuse(
-                "record_stats",
-                "record_stats() saw no forward (the model was not called), no backward and no optimizer step since the last call "
-                "(called twice in a row, or before training began): not counted as an iteration",
-            )
-            # The figures as they are, marked as no iteration: the last counted position, not reported.
-            return dataclasses.replace(record, iteration=self.iteration, step=self.step, reported=False)
-        self.iteration += 1
-        self.step += 1
-        self.last_record = record
-        if self._ranks is not None:
-            self._ranks.observe(record)
-        if reported:
-            first = self.first_record is None
-            if first:
-                self.first_record = record
-            self.records.append(record)
-            for sink in self._sinks:
-                self._guard.call(f"output: {sink.name}", sink.on_record, record)
-            if first and self.csv_path is not None:
-                self._guard.call("output: report", self._report.write, self._csv_notice())
-        # Accounted before the next level is chosen; getting the next iteration ready is timed
-        # with its step (a detailed one's set-up is part of what the detail costs).
-        budget.left(record.detail)
-        self._meter.prepare(self._next_level())
-        return record
+    def _output(self, record: IterationRecord) -> None:
+        """A reported record to every output, each contained as ``FaultGuard.call(part, ...)``
+        would, inline: one that fails is switched off alone, the others go on."""
+        first = self.first_record is None
+        if first:
+            self.first_record = record
+        self.records.append(record)
+        guard = self._guard
+        disabled = guard.disabled
+        for part, on_record in self._record_outputs:
+            try:
+                if part not in disabled:
+                    on_record(record)
+            except Exception as exc:  # noqa: BLE001 - this output switches off, the others go on
+                guard.fault(part, exc)
+        if first and self.csv_path is not None:
+            guard.call("output: report", self._report.write, self._csv_notice())
 
     def _csv_notice(self) -> str:
         """Where the rows go and in which unit, said once, at the first row written."""

@@ -143,11 +143,24 @@ class CostBudget:
         self._levels = DETAIL_LEVELS[1 : DETAIL_LEVELS.index(richest) + 1][::-1]  # richest first
         # each detailed level's account: seconds it may still spend (see the module's text)
         self._accounts = dict.fromkeys(self._levels, 0.0)
-        self._steps = 0
+        self._count = len(self._accounts)
+        # the first iteration accounted: its step time is warm-up, not a cost estimate
+        self._warm_up = True
         self._chosen = False
         self._step = 0.0
         self._left = clock()
         self._entered = self._left
+
+    @property
+    def overhead(self) -> float | None:
+        """The largest share of the run's time the profiler may cost (``None``: no limit)."""
+        return self._overhead
+
+    @overhead.setter
+    def overhead(self, value: float | None) -> None:
+        self._overhead = value
+        # the share of a step the budget allows, as a number (0.0 without a limit: no share)
+        self._rate = 0.0 if value is None else value
 
     @property
     def balance(self) -> float:
@@ -188,13 +201,24 @@ class CostBudget:
         own = max(0.0, now - self._entered)
         self._left = now
         step = self._step
-        self._steps += 1
-        warm_up = self._steps == 1
+        warm_up = self._warm_up
+        if warm_up:
+            self._warm_up = False
         if level == "light":
+            # Every iteration but the few with detail comes here: _spend(own, "light") then
+            # _earn(_share(step)), inline, the same operations in the same order.
             if not warm_up:
-                self.base = step if self.base is None else self.base + _WEIGHT * (step - self.base)
-            self._spend(own, level)
-            self._earn(self._share(step))
+                base = self.base
+                self.base = step if base is None else base + _WEIGHT * (step - base)
+            share = self._rate * step  # _share(step): 0.0 without a limit
+            self.spent += own
+            self.allowed += share
+            count = self._count
+            if count:
+                accounts = self._accounts
+                spent_each, earned_each = own / count, share / count
+                for name in self._levels:  # the accounts' keys, as a tuple
+                    accounts[name] = accounts[name] - spent_each + earned_each
             return
         base = self.base
         extra = own + (max(0.0, step - base) if base is not None and not warm_up else 0.0)
@@ -205,19 +229,22 @@ class CostBudget:
             self.costs[level] = extra if known is None else known + _WEIGHT * (extra - known)
 
     def _share(self, step: float) -> float:
-        return 0.0 if self.overhead is None else self.overhead * step
+        return 0.0 if self._overhead is None else self._overhead * step
 
     def choose(self) -> str:
         """The level for the next reported iteration: the richest allowed that the budget affords."""
-        if self.overhead is None or not self._chosen:
+        overhead = self._overhead
+        if overhead is None or not self._chosen:
             self._chosen = True
             return self.richest
-        if self.base is None:
+        base = self.base
+        if base is None:
             return "light"  # no step without detail timed yet: what detail costs is measured from one
         accounts = self._accounts
-        next_share = (self._share(self.base) if self.base is not None else 0.0) / max(1, len(accounts))
+        next_share = overhead * base / max(1, len(accounts))  # _share(base), shared by the accounts
+        costs = self.costs
         for level in self._levels:
-            cost = self.costs.get(level)
+            cost = costs.get(level)
             if cost is None:
                 if accounts[level] >= 0:
                     return level  # never measured: tried while its account is not in debt

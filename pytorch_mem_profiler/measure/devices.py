@@ -248,9 +248,13 @@ class CudaCounter(MemoryCounter):
             or len(self._peer_set or ()) > 1
         ):
             return super().mark()
-        stats = nested(self._idx)
-        reset(self._idx)
-        return _nested_reading(stats)
+        idx = self._idx
+        stats = nested(idx)
+        reset(idx)
+        # _nested_reading, inline (once per iteration not reported)
+        alloc = stats["allocated_bytes"]["all"]
+        res = stats["reserved_bytes"]["all"]
+        return _new_reading((alloc["current"], alloc["peak"], res["current"], res["peak"]))
 
 
 def _nested_reading(stats: dict[str, Any]) -> Reading:

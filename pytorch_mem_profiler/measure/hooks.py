@@ -292,6 +292,8 @@ class StepHooks:
         """The model's parameters from now on (after the model changed): whose optimizers step it."""
         self._param_ids = {id(p) for _, p in params}
         self._holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # the optimizer :meth:`_optimizer_seen` checked last (whether it steps these parameters)
+        self._checked_last: Callable[[], Any] = _nobody
 
     # -- forward -------------------------------------------------------------
     def _exited(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -389,12 +391,19 @@ class StepHooks:
         return None
 
     def _optimizer_seen(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """The step post-hook while asleep: only tells of an optimizer newly seen stepping the model."""
+        """The step post-hook while asleep: only tells of an optimizer newly seen stepping the model.
+
+        Every step of every optimizer in the process runs it while the hooks sleep: the
+        optimizer checked last (weakly held) returns at its first line.
+        """
         try:
-            if optimizer in self._announced or self._on_optimizer_step is None:
+            if optimizer is self._checked_last():
                 return None
-            if OPTIMIZER_PART not in self.guard.disabled and self._steps_model(optimizer):
+            if self._on_optimizer_step is None or OPTIMIZER_PART in self.guard.disabled:
+                return None
+            if optimizer not in self._announced and self._steps_model(optimizer):
                 self._announce(optimizer)
+            self._checked_last = weakref.ref(optimizer)
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
             self.guard.fault(OPTIMIZER_PART, exc)
         return None
@@ -411,6 +420,11 @@ class StepHooks:
         if self._explicit_optimizers is not None:
             return list(self._explicit_optimizers)
         return [opt for opt, holds in list(self._holds.items()) if holds]
+
+
+def _nobody() -> None:
+    """A dead weak reference's answer: no optimizer checked yet."""
+    return None
 
 
 def _refuse_entry(grad_enabled: bool, args: Any, module: torch.nn.Module) -> bool:

@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -42,7 +43,7 @@ import torch
 
 from ..faults import FaultGuard
 from ..torch_versions import COMPILE_YIELDS_TO_DISPATCH_MODES
-from ..stats import DETAIL_LEVELS, PHASES, IterationRecord, PhaseStats
+from ..stats import DETAIL_LEVELS, PHASES, IterationRecord, PhaseStats, records_like
 from .accounting import (
     buffer_bytes,
     gradient_bytes,
@@ -77,6 +78,28 @@ _UNCOUNTED: tuple[None, None, None] = (None, None, None)
 _SPLIT_FULL = "full, forward split"
 #: the phase intervals' figures of an iteration not watched (so far: none)
 _NOT_WATCHED = IntervalFigures(None, None, None, None, MappingProxyType({}), MappingProxyType({}), 0, None)
+#: the fields of a light record that change from one to the next, in the order
+#: :meth:`Meter._light_record` gives them (the others are the model's, the same until it changes)
+_LIGHT_VARYING = (
+    "epoch",
+    "iteration",
+    "step",
+    "allocated",
+    "peak_allocated",
+    "iteration_peak_allocated",
+    "peak_cached",
+    "current_cached",
+    "optimizer_state",
+    "forward_passes",
+    "backward_passes",
+    "optimizer_steps",
+    "iteration_time_s",
+    "fsdp_gathered_parameters",
+    "reported",
+)
+#: those of an iteration the hooks slept through (:meth:`Meter.finish_slept`): its pass and step
+#: counts are unknown (``None``) every time
+_SLEPT_VARYING = tuple(name for name in _LIGHT_VARYING if name not in ("forward_passes", "backward_passes", "optimizer_steps"))
 
 
 class Position(NamedTuple):
@@ -137,7 +160,8 @@ class Meter:
         self._device_explicit = device is not None
         self.device = device if device is not None else self._model_device()
         self.counter: MemoryCounter = make_counter(self.device)
-        #: bytes of memory the device has in all (``None``: unknown, or the CPU)
+        self._make_light: Any = None
+        self._make_slept: Any = None
         self.capacity = device_capacity(self.device)
         self._optimizers = None if optimizers is None else list(optimizers)
         _check_optimizers_step(self._optimizers, model)
@@ -178,6 +202,16 @@ class Meter:
         #: whether the iteration :meth:`finish` closed last was watched and had nothing in it:
         #: the model never entered, no backward, no optimizer step
         self.idle = False
+
+    @property
+    def capacity(self) -> int | None:
+        """Bytes of memory the device has in all (``None``: unknown, or the CPU)."""
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, value: int | None) -> None:
+        self._capacity = value
+        self._make_light = self._make_slept = None  # the light records' templates hold it
 
     # -- what the model holds ------------------------------------------------
     @property
@@ -234,8 +268,10 @@ class Meter:
             self._ddp_buckets = ddp_gradient_bucket_bytes(self.model, self.device)
             if self._fsdp is not None:
                 self._fsdp.refresh()
-        # the figures every record shares until the model changes (:meth:`_shared`)
+        # the figures every record shares until the model changes (:meth:`_shared`), and the
+        # maker of light records from them (:meth:`_light_maker`)
         self._shared_figures: _ModelFigures | None = None
+        self._make_light = self._make_slept = None
         # the model's modules, each once (for its buffers: :meth:`_buffers`)
         self._modules: list[torch.nn.Module] | None = None
 
@@ -321,6 +357,17 @@ class Meter:
         is alive at its peak (its make-up, and the intermediate gradients); ``"full"``
         (per-layer mode) runs the per-layer hooks as well.
         """
+        hooks = self._hooks
+        if (
+            level == "light"
+            and hooks is not None
+            and hooks.asleep
+            and not self.guard.disabled
+            and self._plan is self._plans.get("light")
+        ):
+            # Light after light, the hooks asleep (the common case): nothing to change.
+            self.level = "light"
+            return
         if level is True or level is False:
             level = ("full" if self.by_layer else "phases") if level else "light"
         if level not in DETAIL_LEVELS:
@@ -557,24 +604,55 @@ class Meter:
         are included. An iteration whose plan (:meth:`prepare`) was not watched
         gets the light record of :meth:`_light_record`.
         """
-        hooks, machine = self._hooks, self._machine
-        assert hooks is not None and machine is not None, "Meter.start() was not called"
-        if hooks.asleep and not self._plan.watched and machine.quiet():
-            # Slept through (the common case at print_period > 1): one read, nothing else.
-            final = self.counter.mark()
-            self.idle = False
-            # _read_peaks, inline (every iteration that is not watched comes here)
-            peak = final.peak_allocated
-            if peak is not None and (self._max_allocated is None or peak > self._max_allocated):
-                self._max_allocated = peak
-            peak = final.peak_reserved
-            if peak is not None and (self._max_reserved is None or peak > self._max_reserved):
-                self._max_reserved = peak
-            now = time.perf_counter()
-            elapsed, self._last_time = now - self._last_time, now
-            self._last_allocated = final.allocated
-            return self._light_record(position, final, final.peak_allocated, _UNCOUNTED, elapsed, reported)
-        return self._closed_record(position, reported)
+        epoch, iteration, step = position
+        record = self.finish_slept(epoch, iteration, step, reported)
+        return record if record is not None else self._closed_record(position, reported)
+
+    def finish_slept(self, epoch: int, iteration: int, step: int, reported: bool) -> IterationRecord | None:
+        """:meth:`finish` for an iteration the hooks slept through (the common case): one read of
+        the counters, nothing else; ``None`` for any other (:meth:`finish` closes it).
+
+        The light path of every ``record_stats()`` at the ``"light"`` level: what
+        :meth:`_light_record` makes, inline, from the template of :meth:`_light_maker`.
+        After it, while no part is switched off (``guard.disabled`` empty), ``prepare("light")``
+        has nothing to do: the plan is the light one and the hooks sleep.
+        """
+        hooks = self._hooks
+        if hooks is None or not hooks.asleep or self._plan.watched or not self._machine.quiet():  # type: ignore[union-attr]
+            return None
+        counter = self.counter
+        allocated, peak, reserved, peak_reserved = counter.mark()
+        self.idle = False
+        # _read_peaks, inline
+        most = self._max_allocated
+        if peak is not None and (most is None or peak > most):
+            self._max_allocated = most = peak
+        most_reserved = self._max_reserved
+        if peak_reserved is not None and (most_reserved is None or peak_reserved > most_reserved):
+            self._max_reserved = most_reserved = peak_reserved
+        now = time.perf_counter()
+        elapsed = now - self._last_time
+        self._last_time = now
+        self._last_allocated = allocated
+        make = self._make_slept
+        if make is None:
+            make = self._light_maker()[1]
+        has_peak = counter.has_peak
+        fsdp = self._fsdp
+        return make(
+            epoch,
+            iteration,
+            step,
+            allocated,
+            most if has_peak else None,
+            peak,
+            most_reserved if has_peak else None,
+            reserved,
+            self._optimizer_state(),
+            elapsed,
+            fsdp.finish_iteration() if fsdp is not None else None,
+            reported,
+        )
 
     def _closed_record(self, position: Position, reported: bool) -> IterationRecord:
         """:meth:`finish` for an iteration the hooks watched or something happened in: the machine
@@ -720,41 +798,59 @@ class Meter:
         the pass counts and the sizes known already give; what needs the phase
         boundaries (phases, feature maps, gradients, intermediate gradients, the
         peak's phase) is ``None``."""
-        shared = self._shared()
-        epoch, iteration, step = position
+        make = self._make_light
+        if make is None:
+            make = self._light_maker()[0]
         has_peak = self.counter.has_peak
         # None each where the hooks slept through it: unknown, not 0
         forward_passes, backward_passes, optimizer_steps = counts
-        return IterationRecord(
-            epoch=epoch,
-            iteration=iteration,
-            step=step,
+        fsdp = self._fsdp
+        return make(
+            position[0],
+            position[1],
+            position[2],
+            final.allocated,
+            self._max_allocated if has_peak else None,
+            iteration_peak,
+            self._max_reserved if has_peak else None,
+            final.reserved,
+            self._optimizer_state(),
+            forward_passes,
+            backward_passes,
+            optimizer_steps,
+            elapsed,
+            fsdp.finish_iteration() if fsdp is not None else None,
+            reported,  # reported at "light": the budget afforded no more
+        )
+
+    def _light_maker(self) -> tuple[Any, Any]:
+        """The makers of light records (:data:`_LIGHT_VARYING` in order) and of those of iterations
+        the hooks slept through (:data:`_SLEPT_VARYING`), from templates of what they share while
+        the model and the device do not change (:meth:`_refresh_model_state`)."""
+        shared = self._shared()
+        template = IterationRecord(
+            epoch=0,
+            iteration=0,
+            step=0,
             device=shared.device,
-            allocated=final.allocated,
-            peak_allocated=self._max_allocated if has_peak else None,
-            iteration_peak_allocated=iteration_peak,
-            peak_cached=self._max_reserved if has_peak else None,
-            current_cached=final.reserved,
+            allocated=0,
             feature_maps=None,
             intermediate_gradients=None,
             weights=shared.weights,
             weights_by_name=shared.weights_by_name,
             gradients=None,
-            optimizer_state=self._optimizer_state(),
             buffers=shared.buffers,
-            forward_passes=forward_passes,
-            backward_passes=backward_passes,
-            optimizer_steps=optimizer_steps,
-            iteration_time_s=elapsed,
             device_total=self.capacity,
             ddp_gradient_buckets=shared.ddp_gradient_buckets,
-            fsdp_gathered_parameters=self._fsdp.finish_iteration() if self._fsdp is not None else None,
             rank=shared.rank,
-            reported=reported,  # reported at "light": the budget afforded no more
             detail="light",
             overhead_budget=shared.overhead_budget,
             model_name=shared.model_name,
         )
+        slept = dataclasses.replace(template, forward_passes=None, backward_passes=None, optimizer_steps=None)
+        self._make_light = records_like(template, _LIGHT_VARYING)
+        self._make_slept = records_like(slept, _SLEPT_VARYING)
+        return self._make_light, self._make_slept
 
     def _read_peaks(self, allocated: int | None, reserved: int | None) -> None:
         """Fold an iteration's highest peaks into those since the profiler started."""

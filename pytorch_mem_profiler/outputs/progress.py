@@ -31,7 +31,9 @@ def active_bar_class() -> Any:
         return None
     bar_class = getattr(std, "tqdm", None)
     instances = getattr(bar_class, "_instances", ())
-    if not instances:  # imported, no bar open (a WeakSet's length, without iterating it)
+    # Imported, no bar open (a report per iteration asks): the WeakSet's set of references is
+    # empty (asked of the set itself, without the WeakSet's own length in Python).
+    if not getattr(instances, "data", instances):
         return None
     try:
         bars = list(instances)

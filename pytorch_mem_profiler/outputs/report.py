@@ -371,12 +371,35 @@ def _report_body(record: IterationRecord, unit: str, top: int = 10) -> tuple[int
 
 def _report_frame(record: IterationRecord, body: tuple[int, str, str, str]) -> str:
     """The full report from its :func:`_report_body` and the record's position and time."""
+    return _full_frame(body)(record)
+
+
+#: The label of the full report's last line but one.
+_TIME_LABEL = "Iteration time"
+
+#: A layout's text of one record, whose body (its figures' text) it was made from, then ``end``
+#: (``frame(record, end="")``): all but the position and the time is made once per body.
+Frame = Callable[..., str]
+
+
+def _full_frame(body: tuple[int, str, str, str]) -> Frame:
+    """Makes the full report of a record whose body is ``body`` (:func:`_report_body`): its
+    text but the position and the time made once, for every record that shares the body."""
     width, stars, middle, closing = body
-    time = ""
-    if record.iteration_time_s is not None:
-        time = "\n" + dotted_line("Iteration time", f"{record.iteration_time_s * 1e3:.1f} ms", width)
-    title = f"Memory Usage for Iteration {record.iteration} of Epoch {record.epoch}"
-    return f"{stars}\n{title}\n{stars}\n{middle}{time}\n{closing}"
+    head = f"{stars}\nMemory Usage for Iteration "
+    after_title = f"\n{stars}\n{middle}"
+    last = f"\n{closing}"
+    room = width - len(_TIME_LABEL)  # dotted_line's, with its label's length taken once
+
+    def frame(record: IterationRecord, end: str = "") -> str:
+        seconds = record.iteration_time_s
+        if seconds is None:
+            return f"{head}{record.iteration} of Epoch {record.epoch}{after_title}{last}{end}"
+        value = f"{seconds * 1e3:.1f} ms"
+        dots = "." * max(2, room - len(value))
+        return f"{head}{record.iteration} of Epoch {record.epoch}{after_title}\n{_TIME_LABEL}{dots}{value}{last}{end}"
+
+    return frame
 
 
 def _headroom_text(record: IterationRecord, unit: str) -> str:
@@ -479,8 +502,18 @@ def _compact_body(record: IterationRecord, unit: str, top: int = COMPACT_TOP) ->
 
 
 def _compact_frame(record: IterationRecord, body: tuple[str, str]) -> str:
+    return _compact_frame_of(body)(record)
+
+
+def _compact_frame_of(body: tuple[str, str]) -> Frame:
+    """Makes the compact report of a record whose body is ``body`` (:func:`_compact_body`)."""
     ending, rest = body
-    return f"Memory at iteration {record.iteration} of epoch {record.epoch}{ending}\n{rest}"
+    tail = f"{ending}\n{rest}"
+
+    def frame(record: IterationRecord, end: str = "") -> str:
+        return f"Memory at iteration {record.iteration} of epoch {record.epoch}{tail}{end}"
+
+    return frame
 
 
 def format_line(record: IterationRecord, unit: str = "MB") -> str:
@@ -516,23 +549,34 @@ def _line_body(record: IterationRecord, unit: str, top: int = 0) -> str:
 
 
 def _line_frame(record: IterationRecord, body: str) -> str:
-    text = f"memory epoch {record.epoch} iteration {record.iteration} | {body}"
-    if record.iteration_time_s is not None:
-        text += f" | {record.iteration_time_s * 1e3:.1f} ms"
-    return text
+    return _line_frame_of(body)(record)
+
+
+def _line_frame_of(body: str) -> Frame:
+    """Makes the one line of a record whose middle is ``body`` (:func:`_line_body`)."""
+    middle = f" | {body}"
+
+    def frame(record: IterationRecord, end: str = "") -> str:
+        seconds = record.iteration_time_s
+        if seconds is None:
+            return f"memory epoch {record.epoch} iteration {record.iteration}{middle}{end}"
+        return f"memory epoch {record.epoch} iteration {record.iteration}{middle} | {seconds * 1e3:.1f} ms{end}"
+
+    return frame
 
 
 def format_record(record: IterationRecord, unit: str = "MB", mode: str = "full") -> str:
     """The report of ``record`` in layout ``mode`` (one of :data:`REPORT_MODES`)."""
-    make, frame = _LAYOUTS.get(mode, _LAYOUTS["full"])
-    return frame(record, make(record, unit))
+    make, frame_of = _LAYOUTS.get(mode, _LAYOUTS["full"])
+    return frame_of(make(record, unit))(record)
 
 
-#: Each layout as (the text made from the figures, the frame that adds the position and time).
-_LAYOUTS: dict[str, tuple[Callable[[IterationRecord, str], Any], Callable[[IterationRecord, Any], str]]] = {
-    "full": (_report_body, _report_frame),
-    "compact": (_compact_body, _compact_frame),
-    "line": (_line_body, _line_frame),
+#: Each layout as (the text made from the figures, the maker of the frame that adds the
+#: position and the time to it).
+_LAYOUTS: dict[str, tuple[Callable[[IterationRecord, str], Any], Callable[[Any], Frame]]] = {
+    "full": (_report_body, _full_frame),
+    "compact": (_compact_body, _compact_frame_of),
+    "line": (_line_body, _line_frame_of),
 }
 
 #: Fields no layout's body reads: the frame's position and time, counters that change at
@@ -540,8 +584,12 @@ _LAYOUTS: dict[str, tuple[Callable[[IterationRecord, str], Any], Callable[[Itera
 #: tests/test_report_cache.py changes every field, these included, to show none is missed.
 _NOT_IN_BODY = frozenset({"epoch", "iteration", "iteration_time_s", "step", "rank", "reported", "phases"})
 
-#: A record's figures that the layouts' bodies are made from, as one tuple.
-_figures = operator.attrgetter(*(f.name for f in fields(IterationRecord) if f.name not in _NOT_IN_BODY))
+#: A record's figures that the layouts' bodies are made from, as one tuple: read from the
+#: record's ``__dict__`` (which holds every field of a record its constructor made) in one
+#: call, without a lookup on the class per field; :data:`_figures` reads them one by one.
+_FIGURE_NAMES = tuple(f.name for f in fields(IterationRecord) if f.name not in _NOT_IN_BODY)
+_figure_items = operator.itemgetter(*_FIGURE_NAMES)
+_figures = operator.attrgetter(*_FIGURE_NAMES)
 
 
 _IMMUTABLE = (int, float, str, bool)
@@ -585,12 +633,21 @@ class ReportFormatter:
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
         self._body: Any = None
+        # the frame made from the body: the report of a record with these figures
+        self._frame: Frame | None = None
 
-    def __call__(self, record: IterationRecord, unit: str = "MB", mode: str = "full") -> str:
-        """``format_record(record, unit, mode)``."""
-        make, frame = _LAYOUTS.get(mode, _LAYOUTS["full"])
-        key = (unit, mode, _figures(record))
-        if key != self._key:
+    def __call__(self, record: IterationRecord, unit: str = "MB", mode: str = "full", end: str = "") -> str:
+        """``format_record(record, unit, mode) + end``, made in one piece (a report's newline is
+        not added by copying its text)."""
+        try:
+            figures = _figure_items(record.__dict__)
+        except (AttributeError, KeyError):  # not a record as its constructor makes them
+            figures = _figures(record)
+        key = (unit, mode, figures)
+        frame = self._frame
+        if frame is None or key != self._key:
+            make, frame_of = _LAYOUTS.get(mode, _LAYOUTS["full"])
             self._body = make(record, unit)
+            frame = self._frame = frame_of(self._body)
             self._key = (unit, mode, tuple(map(_copied, key[2])))
-        return frame(record, self._body)
+        return frame(record, end)

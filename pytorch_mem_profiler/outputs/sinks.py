@@ -93,32 +93,57 @@ class ReportSink(Sink):
         self.prefix = prefix
         self.mode = mode
         self.log = log
-        #: the text of the last report made
-        self.last_report: str | None = None
+        # the last report made, with its newline (:attr:`last_report` is it without)
+        self._last_line: str | None = None
         #: why the report stopped, once its stream failed
         self.stopped: str | None = None
         # keeps the text made from the figures while they stay the same (most iterations)
         self._format = ReportFormatter()
 
+    @property
+    def last_report(self) -> str | None:
+        """The text of the last report made."""
+        line = self._last_line
+        return None if line is None else line[:-1]
+
     def write(self, text: str) -> None:
         """Write ``text`` if this process prints, every line with the prefix, in one write."""
+        self._write_line(text + "\n")
+
+    def _write_line(self, line: str) -> None:
+        """:meth:`write` of ``line`` less its newline: a report, made with its newline, is written
+        without a copy to add it."""
         if not self.prints or self.stopped is not None:
             return
-        if self.prefix:
-            text = self.prefix + text.replace("\n", "\n" + self.prefix)  # every line's, in one pass
-        if self.log is not None:
-            self.log.info(text)
-            return
+        if self.prefix or self.log is not None:
+            text = line[:-1]
+            if self.prefix:
+                text = self.prefix + text.replace("\n", "\n" + self.prefix)  # every line's, in one pass
+            if self.log is not None:
+                self.log.info(text)
+                return
+            line = text + "\n"
         try:
-            write_text(self._stream(), text + "\n")
+            write_text(self._stream(), line)
         except (OSError, ValueError) as err:  # BrokenPipeError under `| head`; a closed file
-            reason = "its reader went away (broken pipe)" if isinstance(err, BrokenPipeError) else f"{type(err).__name__}: {err}"
-            self.stopped = reason
-            warn_user(f"the report's stream cannot be written ({reason}); reports stop, the other outputs go on", OutputWarning)
+            self._stop(err)
+
+    def _stop(self, err: Exception) -> None:
+        """The stream failed: reports stop (said once), the other outputs go on."""
+        reason = "its reader went away (broken pipe)" if isinstance(err, BrokenPipeError) else f"{type(err).__name__}: {err}"
+        self.stopped = reason
+        warn_user(f"the report's stream cannot be written ({reason}); reports stop, the other outputs go on", OutputWarning)
 
     def on_record(self, record: IterationRecord) -> None:
-        self.last_report = self._format(record, self.units, self.mode)
-        self.write(self.last_report)
+        line = self._last_line = self._format(record, self.units, self.mode, "\n")
+        if self.prefix or self.log is not None or not self.prints or self.stopped is not None:
+            self._write_line(line)
+            return
+        # _write_line's common case, inline (a report per iteration at print_period=1)
+        try:
+            write_text(self._stream(), line)
+        except (OSError, ValueError) as err:  # BrokenPipeError under `| head`; a closed file
+            self._stop(err)
 
     def on_epoch_end(self, epoch: int) -> None:
         self.write(f"Epoch {epoch} finished")
