@@ -2,10 +2,8 @@
 
     python benchmarks/hot_path.py --workload tiny_mlp --steps 300
     python benchmarks/hot_path.py --host-cost        # host us per iteration, reported or not (CPU, seconds)
-    python benchmarks/hot_path.py --host-cost --no-budget   # ... every reported iteration at its richest level
-    python benchmarks/hot_path.py --layer-cost       # host us per reported iteration at "phases" and "full"
-                                                     # (by_layer), 8 layers + Adam, no cost budget; reads per iteration
-    python benchmarks/hot_path.py --layer-cost --profile   # ... and where the full level's time goes (cProfile)
+    python benchmarks/hot_path.py --layer-cost       # host us per reported by_layer iteration, 8 layers + Adam
+    python benchmarks/hot_path.py --layer-cost --profile   # ... and where that time goes (cProfile)
     python benchmarks/hot_path.py --reads            # us per device read, peak reset and driver read
     python benchmarks/hot_path.py --read-floor       # what the reads alone add to the tiny MLP's step (CUDA)
     python benchmarks/hot_path.py --workload gpt2 --by-layer --profile-only   # cProfile of profiled steps
@@ -87,10 +85,6 @@ def _eight_layers() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tenso
     return model, torch.optim.Adam(model.parameters(), lr=1e-3), torch.randn(4, 16)
 
 
-#: the profiler's default cost budget (``overhead=``): a reported iteration is measured at the level it affords
-DEFAULT_BUDGET = 0.03
-
-
 def host_cost(
     print_period: int,
     by_layer: bool,
@@ -98,17 +92,13 @@ def host_cost(
     rounds: int = 9,
     build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]] = _tiny_model,
     profile: cProfile.Profile | None = None,
-    overhead: float | None = DEFAULT_BUDGET,
 ) -> float:
     """Host microseconds the profiler adds to an iteration of a tiny CPU model, its counter a
     :class:`NullCounter` (so only the Python of the hooks and the record is timed): the median
     over interleaved rounds of (with - without) per step, in the thread's CPU time. ``print_period`` larger than ``steps``
     times non-reported iterations only; 1 reported ones only. The :class:`NullCounter` keeps a
     peak, so the peak breakdown is :class:`~pytorch_mem_profiler.measure.peak_breakdown.BoundaryPeakBreakdown`,
-    the one CUDA uses. ``profile``: enabled around the profiled blocks only. ``overhead``: the
-    profiler's cost budget; under the default a reported iteration of a step this short is mostly
-    measured at a lighter level than it asks for, ``None`` measures every one at the richest level
-    (``"full"`` with ``by_layer``, else ``"phases"``)."""
+    the one CUDA uses. ``profile``: enabled around the profiled blocks only."""
     torch.manual_seed(0)
     model, opt, x = build()
 
@@ -135,7 +125,7 @@ def host_cost(
         diffs = []
         for _ in range(rounds):
             before = block(None)
-            prof = MemoryProfiler(model, print_period, stream=sink, by_layer=by_layer, strict=True, overhead=overhead)
+            prof = MemoryProfiler(model, print_period, stream=sink, by_layer=by_layer, strict=True)
             if profile is not None:
                 profile.enable()
             with_ = block(prof)
@@ -150,61 +140,29 @@ def host_cost(
     return median(diffs)
 
 
-def print_host_cost(overhead: float | None = DEFAULT_BUDGET) -> None:
-    budget = "no cost budget" if overhead is None else f"cost budget {overhead}"
-    print(f"host us the profiler adds per iteration (NullCounter, 3-layer CPU model, {budget}, median of interleaved rounds):")
+def print_host_cost() -> None:
+    print("host us the profiler adds per iteration (NullCounter, 3-layer CPU model, median of interleaved rounds):")
     for label, period, by_layer in (
         ("not reported", 10**9, False),
         ("not reported, by_layer", 10**9, True),
         ("reported (print_period=1)", 1, False),
         ("reported, by_layer", 1, True),
     ):
-        print(f"  {label:28s} {host_cost(period, by_layer, overhead=overhead):8.1f} us")
+        print(f"  {label:28s} {host_cost(period, by_layer):8.1f} us")
 
 
-def device_calls(by_layer: bool, iterations: int = 10) -> tuple[float, float]:
-    """Device reads and peak resets per reported iteration (``print_period=1``, no cost budget) of
-    8 x (Linear(16) + ReLU) + Adam, counted by a :class:`CountingCounter`: on CUDA each is one call
-    into the allocator (``torch._C._cuda_memoryStats``, ``torch._C._cuda_resetPeakMemoryStats``)."""
-    torch.manual_seed(0)
-    model, opt, x = _eight_layers()
-    made: list[CountingCounter] = []
-    real = meter_module.make_counter
-    meter_module.make_counter = lambda d: made.append(CountingCounter(d)) or made[-1]
-    sink = open(os.devnull, "w")
-    try:
-        prof = MemoryProfiler(model, 1, stream=sink, by_layer=by_layer, strict=True, overhead=None)
-        for i in range(iterations + 3):
-            if i == 3:  # past the first iterations (the first splits forward by module)
-                counter = made[-1]
-                counter.reads = counter.resets = 0
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            prof.record_stats()
-        prof.close()
-    finally:
-        meter_module.make_counter = real
-        sink.close()
-    return made[-1].reads / iterations, made[-1].resets / iterations
-
-
-def print_layer_cost(profile: bool, rounds: int = 9, steps: int = 500) -> None:
-    """Host us of a reported iteration of 8 x (Linear(16) + ReLU) + Adam (batch 4) at its richest
-    level, no cost budget: ``"phases"`` (``by_layer=False``) and ``"full"`` (``by_layer=True``), with
-    the device reads and peak resets each makes; with ``profile``, where the full level's time goes."""
-    print(
-        "host us the profiler adds per reported iteration (NullCounter, 8 x Linear(16)+ReLU + Adam, batch 4, "
-        f"print_period=1, no cost budget, median of {rounds} interleaved rounds of {steps} steps):"
-    )
-    for label, by_layer in (('"phases" (by_layer=False)', False), ('"full" (by_layer=True)', True)):
-        cost = host_cost(1, by_layer, steps=steps, rounds=rounds, build=_eight_layers, overhead=None)
-        reads, resets = device_calls(by_layer)
-        print(f"  {label:28s} {cost:8.1f} us   {reads:4.1f} device reads, {resets:4.1f} peak resets")
+def print_layer_cost(profile: bool, rounds: int = 9) -> None:
+    """Host us of a reported by_layer iteration of 8 x (Linear(16) + ReLU) + Adam (batch 4), against
+    reported without by_layer; with ``profile``, where the by_layer iteration's time goes."""
+    print("host us the profiler adds per reported iteration (NullCounter, 8 x Linear(16)+ReLU + Adam, batch 4):")
+    for label, by_layer in (("reported (print_period=1)", False), ("reported, by_layer", True)):
+        cost = host_cost(1, by_layer, steps=500, rounds=rounds, build=_eight_layers)
+        print(f"  {label:28s} {cost:8.1f} us")
     if not profile:
         return
+    steps = 500
     prof = cProfile.Profile()
-    host_cost(1, True, steps=steps, rounds=3, build=_eight_layers, profile=prof, overhead=None)
+    host_cost(1, True, steps=steps, rounds=3, build=_eight_layers, profile=prof)
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
     # The profiled blocks: 3 rounds of ``steps`` iterations.
@@ -235,7 +193,6 @@ def print_read_costs(device: torch.device, calls: int = 20000) -> None:
 
     counter = make_counter(device)
     candidates["profiler: counter.mark() (read + reset)"] = counter.mark
-    candidates["profiler: counter.read() (no reset)"] = counter.read
     reader = DeviceMemoryReader(device)
     candidates["profiler: outside-PyTorch read (NVML)"] = reader.read
     print(f"us per call on {torch.cuda.get_device_name(idx)} (median of 5 x {calls} calls):")
@@ -254,11 +211,9 @@ def print_read_costs(device: torch.device, calls: int = 20000) -> None:
 
 
 def print_read_floor(device: torch.device, steps: int = 300, rounds: int = 9) -> None:
-    """What the allocator calls alone add to the tiny MLP's step, without the profiler: one read and
-    peak reset per step (a non-reported iteration), one at each of the seven phase boundaries (a
-    reported one), and a reported ``by_layer=True`` one (``tiny_mlp``'s 16 modules: 15 more
-    boundaries where backward reaches a module, forward not split) as it was, a read and a reset at
-    each of its 22 boundaries, and as it is, the 15 within backward read without a reset.
+    """What the allocator reads alone add to the tiny MLP's step, without the profiler: one read
+    and reset per step (a non-reported iteration), one at each of the seven phase boundaries (a
+    reported one) and 39 (a reported ``by_layer=True`` one: two more for each of its 16 modules).
     Each variant's block runs between two blocks without reads; the ratio is against their mean."""
     if device.type != "cuda":
         print("--read-floor needs a CUDA device")
@@ -267,11 +222,10 @@ def print_read_floor(device: torch.device, steps: int = 300, rounds: int = 9) ->
 
     work = WORKLOADS["tiny_mlp"](device)
     model, opt, (x,) = work.model, work.optimizer, work.inputs
-    counter = make_counter(device)
-    mark, read = counter.mark, counter.read
+    mark = make_counter(device).mark
 
-    def block(marks: int, reads: int) -> float:
-        at_boundaries = marks >= 7
+    def block(reads: int) -> float:
+        at_boundaries = reads >= 7
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
@@ -284,8 +238,6 @@ def print_read_floor(device: torch.device, steps: int = 300, rounds: int = 9) ->
             if at_boundaries:
                 mark()  # backward starts
             loss.backward()
-            for _ in range(reads):
-                read()  # where backward reaches each module, without a reset
             if at_boundaries:
                 mark()  # backward ends
                 mark()  # the step starts
@@ -293,38 +245,33 @@ def print_read_floor(device: torch.device, steps: int = 300, rounds: int = 9) ->
             if at_boundaries:
                 mark()  # the step ends
             opt.zero_grad(set_to_none=True)
-            for _ in range(marks - 6 if at_boundaries else marks):
-                mark()  # record_stats(), and the module boundaries read with a reset
+            for _ in range(reads - 6 if at_boundaries else reads):
+                mark()  # record_stats(), and the per-module boundaries
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / steps * 1e6
 
     for _ in range(50):
-        block(0, 0)
-    variants = {
-        (1, 0): "1 read + reset (not reported)",
-        (7, 0): "7 reads + resets (reported)",
-        (22, 0): "22 reads + resets (by_layer, before)",
-        (7, 15): "22 reads, 7 resets (by_layer, now)",
-    }
-    ratios: dict[tuple[int, int], list[float]] = {v: [] for v in variants}
-    added: dict[tuple[int, int], list[float]] = {v: [] for v in variants}
+        block(0)
+    variants = {1: "1 read (a non-reported iteration)", 7: "7 reads (a reported one)", 39: "39 reads (reported, by_layer)"}
+    ratios: dict[int, list[float]] = {n: [] for n in variants}
+    added: dict[int, list[float]] = {n: [] for n in variants}
     bases = []
     for _ in range(rounds):
-        for v in variants:
-            before, with_, after = block(0, 0), block(*v), block(0, 0)
+        for n in variants:
+            before, with_, after = block(0), block(n), block(0)
             base = (before + after) / 2
             bases.append(base)
-            ratios[v].append(with_ / base)
-            added[v].append(with_ - base)
+            ratios[n].append(with_ / base)
+            added[n].append(with_ - base)
     print(
         f"tiny_mlp on {torch.cuda.get_device_name(device)}: step {median(bases):.1f} us without; the reads alone, "
         f"median (lowest-highest) over {rounds} interleaved rounds"
     )
-    for v, label in variants.items():
-        r, a = ratios[v], added[v]
+    for n, label in variants.items():
+        r, a = ratios[n], added[n]
         print(
-            f"  {label:38s} {median(r):.3f}x ({min(r):.3f}-{max(r):.3f})   +{median(a):7.1f} us/step, "
-            f"{median(a) / sum(v):5.1f} us/read"
+            f"  {label:34s} {median(r):.3f}x ({min(r):.3f}-{max(r):.3f})   +{median(a):7.1f} us/step, "
+            f"{median(a) / n:5.1f} us/read"
         )
 
 
@@ -704,8 +651,7 @@ def main() -> None:
     parser.add_argument("--profile-only", action="store_true", help="only the cProfile of the profiled steps")
     parser.add_argument("--reads", action="store_true", help="only the cost of each device read (CUDA)")
     parser.add_argument("--read-floor", action="store_true", help="what the allocator reads alone add to the step (CUDA)")
-    parser.add_argument("--layer-cost", action="store_true", help="host cost of a reported iteration, phases and full (CPU)")
-    parser.add_argument("--no-budget", action="store_true", help="with --host-cost: no cost budget (overhead=None)")
+    parser.add_argument("--layer-cost", action="store_true", help="host cost of a reported by_layer iteration (CPU)")
     parser.add_argument("--profile", action="store_true", help="with --layer-cost: a cProfile of it")
     parser.add_argument("--by-position", action="store_true", help="what each iteration of a print period adds")
     parser.add_argument("--inside", action="store_true", help="only the time inside each hook, with and without reads")
@@ -728,7 +674,7 @@ def main() -> None:
         return
     if args.host_cost:
         torch.set_num_threads(1)
-        print_host_cost(None if args.no_budget else DEFAULT_BUDGET)
+        print_host_cost()
         return
     device = torch.device(args.device)
     if args.light_inside and device.type == "cpu":

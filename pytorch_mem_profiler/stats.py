@@ -129,35 +129,6 @@ def _empty() -> Mapping:
     return MappingProxyType({})
 
 
-def _fields_set_at_once(cls: type) -> type:
-    """Give the frozen dataclass ``cls`` an ``__init__`` with its dataclass signature (the same
-    parameters, defaults and ``TypeError`` for a name it has not) that sets the instance's
-    fields in one step.
-
-    The dataclass's own sets its fields one ``object.__setattr__`` at a time: with a record's
-    39 fields, about 5 us, made at every ``record_stats()`` (a non-reported iteration costs
-    about 20 us in all); this one about 2. A field whose default is made by a factory (an
-    empty read-only mapping) shares one such default.
-    """
-    params, defaults = [], {}
-    for f in fields(cls):
-        if f.default is not MISSING or f.default_factory is not MISSING:
-            default = f.default if f.default is not MISSING else f.default_factory()
-            defaults[f"_default_{f.name}"] = default
-            params.append(f"{f.name}=_default_{f.name}")
-        else:
-            params.append(f.name)
-    values = ", ".join(f"{f.name!r}: {f.name}" for f in fields(cls))
-    namespace: dict[str, Any] = {"_set": object.__setattr__, **defaults}
-    exec(f"def __init__(self, {', '.join(params)}):\n    _set(self, '__dict__', {{{values}}})\n", namespace)
-    init = namespace["__init__"]
-    init.__qualname__ = f"{cls.__qualname__}.__init__"
-    init.__module__ = cls.__module__
-    cls.__init__ = init  # type: ignore[misc]
-    return cls
-
-
-@_fields_set_at_once
 @dataclass(frozen=True)
 class PhaseStats:
     """Allocated bytes at the end of a phase and the peak reached inside it.
@@ -189,6 +160,34 @@ class LayerFeatureMaps:
     total: int
     inputs: int
     unattributed: int
+
+
+def _fields_set_at_once(cls: type) -> type:
+    """Give the frozen dataclass ``cls`` an ``__init__`` with its dataclass signature (the same
+    parameters, defaults and ``TypeError`` for a name it has not) that sets the instance's
+    fields in one step.
+
+    The dataclass's own sets its fields one ``object.__setattr__`` at a time: with a record's
+    39 fields, about 5 us, made at every ``record_stats()`` (a non-reported iteration costs
+    about 20 us in all); this one about 2. A field whose default is made by a factory (an
+    empty read-only mapping) shares one such default.
+    """
+    params, defaults = [], {}
+    for f in fields(cls):
+        if f.default is not MISSING or f.default_factory is not MISSING:
+            default = f.default if f.default is not MISSING else f.default_factory()
+            defaults[f"_default_{f.name}"] = default
+            params.append(f"{f.name}=_default_{f.name}")
+        else:
+            params.append(f.name)
+    values = ", ".join(f"{f.name!r}: {f.name}" for f in fields(cls))
+    namespace: dict[str, Any] = {"_set": object.__setattr__, **defaults}
+    exec(f"def __init__(self, {', '.join(params)}):\n    _set(self, '__dict__', {{{values}}})\n", namespace)
+    init = namespace["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__module__ = cls.__module__
+    cls.__init__ = init  # type: ignore[misc]
+    return cls
 
 
 @_fields_set_at_once

@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import itertools
 from typing import Iterable, Iterator, Sequence
 
 import torch
@@ -30,7 +29,6 @@ __all__ = [
     "parts_on",
     "allocation_bytes",
     "same_device",
-    "exact_device",
     "unique_parameters",
     "weight_bytes",
     "gradient_bytes",
@@ -161,28 +159,6 @@ def same_device(tensor: torch.Tensor, device: torch.device) -> bool:
     return dev.type == device.type and (device.index is None or dev.index in (None, device.index))
 
 
-_CPU = torch.device("cpu")
-
-
-def exact_device(device: torch.device) -> torch.device | None:
-    """The one device a tensor on ``device`` (as :func:`same_device` means it) can have, where
-    there is one: then ``tensor.device == exact_device(device)`` is :func:`same_device`, without
-    reading the device's type and index (a few hundred nanoseconds each, on paths that run for
-    every saved tensor). ``None`` for an accelerator without an index (any index matches).
-
-    Example::
-
-        >>> import torch
-        >>> exact_device(torch.device("cpu")) == torch.ones(1).device
-        True
-        >>> exact_device(torch.device("mps")) is None
-        True
-    """
-    if device.type == "cpu":
-        return _CPU  # a CPU tensor's device has no index
-    return device if device.index is not None else None
-
-
 def _memory_key(tensor: torch.Tensor) -> tuple[int, int, int]:
     """Identifies the memory a tensor covers: start address, byte count, device index.
 
@@ -283,33 +259,15 @@ def buffer_bytes(model: torch.nn.Module, device: torch.device) -> list[tuple[str
 
 
 def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
-    """Every tensor in the optimizers' ``state`` (moments, step counters, ...), in order.
-
-    Example::
-
-        >>> import torch
-        >>> p = torch.nn.Parameter(torch.ones(2))
-        >>> opt = torch.optim.Adam([p])
-        >>> p.sum().backward(); opt.step()
-        >>> sorted(t.numel() for t in optimizer_state_tensors([opt]))    # step, exp_avg, exp_avg_sq
-        [1, 2, 2]
-    """
-    found: list[torch.Tensor] = []
+    """Every tensor in the optimizers' ``state`` (moments, step counters, ...)."""
     for opt in optimizers:
-        states = list(opt.state.values())
-        try:
-            # The common case (every state a dict), its loops in C: this runs at each reported
-            # iteration over every state tensor of the model.
-            values = list(itertools.chain.from_iterable(map(dict.values, states)))
-        except TypeError:  # a state that is not a dict
-            values = []
-            for per_param in states:
-                if isinstance(per_param, dict):
-                    values.extend(per_param.values())
-                else:
-                    values.append(per_param)
-        found.extend(itertools.compress(values, map(isinstance, values, itertools.repeat(torch.Tensor))))
-    return iter(found)
+        for per_param in list(opt.state.values()):
+            if isinstance(per_param, dict):
+                for value in per_param.values():
+                    if isinstance(value, torch.Tensor):
+                        yield value
+            elif isinstance(per_param, torch.Tensor):
+                yield per_param
 
 
 def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> int:

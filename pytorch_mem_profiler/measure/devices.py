@@ -71,11 +71,6 @@ class Reading(NamedTuple):
     peak_reserved: int | None
 
 
-#: ``Reading(*fields)`` made in C, without the Python ``__new__`` a NamedTuple has (the counters
-#: are read at every boundary of a reported iteration)
-_new_reading = functools.partial(tuple.__new__, Reading)
-
-
 class MemoryCounter:
     """The interface every device backend implements.
 
@@ -128,12 +123,8 @@ class MemoryCounter:
         raise NotImplementedError
 
     def read(self) -> Reading:
-        """Current counters; peaks since this counter's previous mark (no new peak interval: the
-        device's peaks are left as they are)."""
-        raw = self._read_device()
-        if self._folded_allocated is None and self._folded_reserved is None:
-            return raw
-        return self._merge(raw)
+        """Current counters; peaks since this counter's previous mark."""
+        return self._merge(self._read_device())
 
     def mark(self) -> Reading:
         """Read the counters, then start a new peak interval."""
@@ -226,16 +217,6 @@ class CudaCounter(MemoryCounter):
         else:
             torch.cuda.reset_peak_memory_stats(self._idx)
 
-    def read(self) -> Reading:
-        # At every module boundary of a reported per-layer iteration: one call when nothing is folded in.
-        nested = self._nested
-        if nested is None or self._folded_allocated is not None or self._folded_reserved is not None:
-            return super().read()
-        stats = nested(self._idx)
-        alloc = stats["allocated_bytes"]["all"]  # ``_nested_reading``, inline
-        res = stats["reserved_bytes"]["all"]
-        return _new_reading((alloc["current"], alloc["peak"], res["current"], res["peak"]))
-
     def mark(self) -> Reading:
         # Several times per reported iteration: when it is the device's only counter
         # and nothing is folded in, one read and one reset, no further call.
@@ -254,14 +235,19 @@ class CudaCounter(MemoryCounter):
         # _nested_reading, inline (once per iteration not reported)
         alloc = stats["allocated_bytes"]["all"]
         res = stats["reserved_bytes"]["all"]
-        return _new_reading((alloc["current"], alloc["peak"], res["current"], res["peak"]))
+        return _reading((alloc["current"], alloc["peak"], res["current"], res["peak"]))
+
+
+#: ``Reading(*values)`` for a tuple of the four values, without the named tuple's ``__new__``
+#: in Python (a frame per read on the light path)
+_reading = functools.partial(tuple.__new__, Reading)
 
 
 def _nested_reading(stats: dict[str, Any]) -> Reading:
     """The four counters of the allocator's nested statistics (``torch._C._cuda_memoryStats``)."""
     alloc = stats["allocated_bytes"]["all"]
     res = stats["reserved_bytes"]["all"]
-    return _new_reading((alloc["current"], alloc["peak"], res["current"], res["peak"]))
+    return _reading((alloc["current"], alloc["peak"], res["current"], res["peak"]))
 
 
 class MpsCounter(MemoryCounter):
@@ -373,7 +359,7 @@ class CpuCounter(MemoryCounter):
 
     def _read_device(self) -> Reading:
         allocated, peak = self._tally.settle()
-        return _new_reading((allocated, peak, allocated, peak))
+        return _reading((allocated, peak, allocated, peak))
 
     def watch_storages(self) -> tuple[dict[Any, int], list[tuple[Any, int]]]:
         """Key the changes by storage from now on (the peak breakdown, reported iterations):

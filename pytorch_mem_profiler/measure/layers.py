@@ -53,7 +53,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -65,7 +64,7 @@ from types import MappingProxyType
 
 from ..faults import FaultGuard
 from ..stats import ACTIVATIONS, INPUT, WEIGHT_COPIES, LayerFeatureMaps
-from .accounting import PLAIN_TENSORS, exact_device, storage_parts
+from .accounting import PLAIN_TENSORS, storage_parts
 from .observers import Observer
 from .saved_tensors import ChainedSavedTensorsHooks, can_chain
 from .trees import is_compiled, output_grad_nodes, tensors_in
@@ -89,9 +88,6 @@ ATTRIBUTION_PART = "per-layer attribution"
 #: At most this many modules mark peak locations (the deepest level that fits):
 #: each mark is one read of the allocator's counters.
 MAX_LOCATIONS = 16
-
-_partial = functools.partial
-_strided = torch.strided
 
 
 @dataclass
@@ -158,31 +154,17 @@ class LayerAttribution(Observer):
         self.guard = guard or FaultGuard()
         self.device = device
         self._device_type, self._device_index = device.type, device.index
-        # ``tensor.device == self._exact``: on the device, where there is one to match exactly
-        # (``accounting.exact_device``); then every storage's key has this index
-        self._exact = exact_device(device)
-        self._key_index = (device.index or 0) if self._exact is not None else None
         self.on_exit = on_exit
         self.on_backward_enter = on_backward_enter
         self.max_locations = max_locations
         self.refresh()
-        # the guard's own set of parts switched off (added to in place): looked at by every hook
-        self._disabled = self.guard.disabled
         self._handles: list = []
-        # the saved-tensor watcher, made once; ``_saved`` is it while pushed
-        self._watcher = ChainedSavedTensorsHooks(self._observe_saved, self._saved_hook_failed)
         self._saved: ChainedSavedTensorsHooks | None = None
         self._stack: list[tuple[int, str]] = []
         self._seen: set[tuple[int, int]] = set()
         self._inputs: set[tuple[int, int]] = set()
         self._current = LayerBreakdown()
-        self._calls = self._current.calls
-        # the backward prehook's function (one bound method for every registration)
-        self._entered = self._backward_entered
         self.begin(None)
-
-    def _saved_hook_failed(self, exc: BaseException) -> None:
-        self.guard.fault(ATTRIBUTION_PART, exc)
 
     def refresh(self) -> None:
         """Learn the model's module names, parameters and buffers again (after it changed)."""
@@ -207,7 +189,6 @@ class LayerAttribution(Observer):
         that is not the root (``net`` under a wrapper whose method calls ``self.net``).
         """
         self._current = LayerBreakdown()
-        self._calls = self._current.calls
         self._seen = set()
         self._inputs = set()
         self.resume(inputs, entry)
@@ -223,14 +204,14 @@ class LayerAttribution(Observer):
             if name is not None:
                 # Entered from its own pre-hook, before the module hooks below exist.
                 self._stack.append((id(entry), name))
-                self._calls[name] = self._calls.get(name, 0) + 1
+                self._current.calls[name] = self._current.calls.get(name, 0) + 1
         # Dropped at close(): they refer back to this object. Each holds its fault guard's
         # ``try`` itself (no wrapper frame: they run twice per module call).
         self._handles = [
             register_module_forward_pre_hook(self._module_pre),
             register_module_forward_hook(self._module_post, always_call=True),
         ]
-        self._saved = self._watcher
+        self._saved = ChainedSavedTensorsHooks(self._observe_saved, lambda exc: self.guard.fault(ATTRIBUTION_PART, exc))
         self._saved.push()
 
     def add_inputs(self, inputs: Any) -> None:
@@ -328,22 +309,19 @@ class LayerAttribution(Observer):
         breakdown = self._largest
         if breakdown is None:
             return None
-        by_module = dict(breakdown.by_module)
-        everything = sum(by_module.values())
-        inputs = breakdown.inputs
-        total = everything - inputs  # ``breakdown.total``: what modules saved
+        total = breakdown.total
         return LayerFeatureMaps(
-            by_module=MappingProxyType(by_module),
+            by_module=MappingProxyType(dict(breakdown.by_module)),
             calls=MappingProxyType(dict(breakdown.calls)),
             total=total,
-            inputs=inputs,
+            inputs=breakdown.inputs,
             unattributed=self._largest_kept - total,
         )
 
     # -- hooks -------------------------------------------------------------
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         try:  # torch calls this: contained as ``guard.wrap`` would
-            if ATTRIBUTION_PART in self._disabled:
+            if ATTRIBUTION_PART in self.guard.disabled:
                 return
             key = id(module)
             if key == self._root:
@@ -352,38 +330,35 @@ class LayerAttribution(Observer):
             if name is None:  # a module made on the fly: its tensors go to its caller
                 name = self._stack[-1][1]
             else:
-                calls = self._calls
-                calls[name] = calls.get(name, 0) + 1
+                self._current.calls[name] = self._current.calls.get(name, 0) + 1
             self._stack.append((key, name))
         except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
             self.guard.fault(ATTRIBUTION_PART, exc)
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         try:  # torch calls this: contained as ``guard.wrap`` would
-            if ATTRIBUTION_PART in self._disabled:
+            if ATTRIBUTION_PART in self.guard.disabled:
                 return
             key = id(module)
             stack = self._stack
             if key == self._root or len(stack) <= 1 or stack[-1][0] != key:
                 return
-            name = stack.pop()[1]
+            _, name = stack.pop()
             if key in self._tracked:
-                on_exit = self.on_exit
-                if on_exit is not None:
-                    on_exit(name, stack[-1][1])
+                if self.on_exit is not None:
+                    self.on_exit(name, stack[-1][1])
                 if self.on_backward_enter is not None:
                     if isinstance(output, torch.Tensor):  # ``_watch_backward``'s common case, inline
                         node = output.grad_fn
                         if node is not None:
-                            node.register_prehook(_partial(self._entered, name, []))
+                            node.register_prehook(_BackwardEntered(self.guard, self.on_backward_enter, name))
                     else:
                         self._watch_backward(name, output)
         except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
             self.guard.fault(ATTRIBUTION_PART, exc)
 
     def _watch_backward(self, name: str, output: Any) -> None:
-        # One prehook for every node of the output: the first to fire tells (they share a flag).
-        prehook = _partial(self._entered, name, [])
+        prehook = _BackwardEntered(self.guard, self.on_backward_enter, name)  # type: ignore[arg-type]
         if isinstance(output, torch.Tensor):  # the common case, without walking a structure
             node = output.grad_fn
             if node is not None:
@@ -392,33 +367,21 @@ class LayerAttribution(Observer):
         for node in output_grad_nodes(output, limit=4):
             node.register_prehook(prehook)
 
-    def _backward_entered(self, name: str, fired: list, grad_outputs: Any) -> None:
-        """The prehook on a tracked module's output nodes (a ``functools.partial`` with the module's
-        name and a flag of its own, ``fired``, empty until it fires): tells ``on_backward_enter``
-        once that backward reached the module. Contained as ``guard.wrap`` would (autograd calls
-        it), without a wrapper made per call."""
-        try:
-            if fired or ATTRIBUTION_PART in self._disabled:
-                return
-            fired.append(True)
-            self.on_backward_enter(name)  # type: ignore[misc]
-        except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
-            self.guard.fault(ATTRIBUTION_PART, exc)
-
     def _observe_saved(self, kept: Any) -> None:
         """One saved tensor, as kept for backward: the tensor itself, or what the user's
         pack hook made of it (only what stays on the profiled device counts)."""
         if type(kept) is tuple and len(kept) == 2 and type(kept[1]) is int:
             # What a watcher below (the peak breakdown's) keeps: (tensor, version); the int holds no tensor.
             kept = kept[0]
-        if type(kept) in PLAIN_TENSORS and kept.layout is _strided and self._exact is not None:
+        if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
             # The common case: the tensor is its one piece of memory. ``_attribute``, inline (this
             # runs for every saved tensor): a storage seen already (a view saved again, the next
             # layer's input) or a weight's (Linear saves ``weight.t()``) ends here.
-            if kept.device != self._exact:
+            dev, index = kept.device, self._device_index
+            if dev.type != self._device_type or not (index is None or dev.index is None or dev.index == index):
                 return
             storage = kept.untyped_storage()
-            key = (storage.data_ptr(), self._key_index)
+            key = (storage.data_ptr(), dev.index or 0)
             if key[0] == 0 or key in self._seen or key in self._state_ptrs:
                 return
             self._seen.add(key)
@@ -473,6 +436,26 @@ class LayerAttribution(Observer):
             if variable is not None and id(variable) in self._param_names:
                 return True
         return False
+
+
+class _BackwardEntered:
+    """A prehook on a tracked module's output nodes: tells ``callback`` once that backward reached
+    the module. Contained as ``guard.wrap`` would (autograd calls it), without a wrapper made per call."""
+
+    __slots__ = ("guard", "disabled", "callback", "name", "fired")
+
+    def __init__(self, guard: FaultGuard, callback: Callable[[str], None], name: str) -> None:
+        self.guard, self.callback, self.name, self.fired = guard, callback, name, False
+        self.disabled = guard.disabled  # the guard's own set, added to in place
+
+    def __call__(self, grad_outputs: Any) -> None:
+        try:
+            if ATTRIBUTION_PART in self.disabled or self.fired:
+                return
+            self.fired = True
+            self.callback(self.name)
+        except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
+            self.guard.fault(ATTRIBUTION_PART, exc)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

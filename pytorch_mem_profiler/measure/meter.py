@@ -255,8 +255,6 @@ class Meter:
     def _refresh_model_state(self) -> None:
         """Parameter list, weights and buffers: sizes that change only if the model does."""
         self._params = unique_parameters(self.model, self.device)
-        # the parameters themselves, handed to the peak breakdown at every watched iteration
-        self._param_tensors = [p for _, p in self._params]
         weights = weight_bytes(self._params)
         self._weights_by_name = MappingProxyType(dict(weights))
         self._weights_total = sum(n for _, n in weights)
@@ -308,7 +306,6 @@ class Meter:
             backward_running,
             on_first_forward=wrap("device check", self._check_device_once),
             guard=self.guard,
-            read_running=counter.read,
         )
         self._intervals = PhaseIntervals(self._params)
         if self.by_layer:
@@ -425,7 +422,7 @@ class Meter:
             try:
                 attribution = self._attribution
                 tracker.start(
-                    self._param_tensors,
+                    [p for _, p in self._params],
                     self._buffers(),
                     self._optimizer_list(),
                     self._last_allocated,
@@ -529,7 +526,7 @@ class Meter:
         assert hooks is not None and machine is not None and intervals is not None
         hooks.set_params(self._params)
         intervals.set_params(self._params)
-        machine.read_from(self.counter.mark, self.counter.read)
+        machine.read_from(self.counter.mark)
         self.counter.mark()
         # This iteration's breakdown followed the old device: none for it.
         old = self._peak
@@ -865,7 +862,8 @@ class Meter:
         tracker = self._peak
         if tracker is None or tracker not in self._plan.observers:
             return None
-        return self.guard.call(BREAKDOWN_PART, tracker.result, iteration_peak, self._param_tensors, self._optimizer_list())
+        params = [p for _, p in self._params]
+        return self.guard.call(BREAKDOWN_PART, tracker.result, iteration_peak, params, self._optimizer_list())
 
 
 def _check_optimizers_step(optimizers: list[torch.optim.Optimizer] | None, model: torch.nn.Module) -> None:

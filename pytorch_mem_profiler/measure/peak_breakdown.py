@@ -67,7 +67,7 @@ import torch
 
 from ..faults import FaultGuard
 from ..stats import PEAK_CATEGORIES
-from .accounting import PLAIN_TENSORS, allocation_bytes, exact_device, optimizer_state_tensors, parts_on, same_device
+from .accounting import PLAIN_TENSORS, allocation_bytes, optimizer_state_tensors, parts_on, same_device
 from .devices import CpuCounter, MemoryCounter, Reading
 from .observers import Observer
 from .saved_tensors import ChainedSavedTensorsHooks, can_chain
@@ -126,10 +126,8 @@ class PeakBreakdown(Observer):
 
     def __init__(self, device: torch.device, guard: FaultGuard | None = None) -> None:
         self.device = device
-        # The device compared without a helper call per tensor (see ``accounting.same_device``):
-        # ``tensor.device == self._exact`` where there is one device to match exactly.
+        # The device compared without a helper call per tensor (see ``accounting.same_device``).
         self._device_type, self._device_index = device.type, device.index
-        self._exact = exact_device(device)
         self._guard = guard or FaultGuard()
         #: the module running now (per-layer mode, given at :meth:`start`), for ``peak_layers``
         self.module_name: Callable[[], str] | None = None
@@ -169,8 +167,10 @@ class PeakBreakdown(Observer):
     def _observe_saved(self, kept: Any) -> None:
         module = self.module_name() if self.module_name is not None else None
         if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
-            # The common case (no user's hook): the tensor is its one piece of memory.
-            if same_device(kept, self.device):
+            # The common case (no user's hook): the tensor is its one piece of memory; on the
+            # device (``accounting.same_device``, inline: this runs for every saved tensor)?
+            dev, index = kept.device, self._device_index
+            if dev.type == self._device_type and (index is None or dev.index is None or dev.index == index):
                 self._saved(kept, module)
             return
         for part in parts_on(tensors_in(kept), self.device):
@@ -394,6 +394,12 @@ class CpuPeakBreakdown(PeakBreakdown):
 
 
 # -- CUDA and other devices: boundaries -------------------------------------------------------------
+class _StorageLife(weakref.ref):
+    """A weak reference to a tracked storage, with its key, size, category and module."""
+
+    __slots__ = ("key", "nbytes", "category", "module")
+
+
 #: the categories whose lives :class:`_StaticStorages` keeps from one reported iteration to the next
 _REMEMBERED = frozenset(("weights", "optimizer_state"))
 
@@ -402,17 +408,9 @@ _nbytes_of = torch.UntypedStorage.nbytes
 _layout_of = operator.attrgetter("layout")
 _device_of = operator.attrgetter("device")
 _grad_of = operator.attrgetter("grad")
-_requires_grad_of = operator.attrgetter("requires_grad")
 _is_none = functools.partial(operator.is_, None)
-_is_not_none = functools.partial(operator.is_not, None)
 _STRIDED_ONLY = frozenset((torch.strided,))
 _PLAIN_SET = frozenset(PLAIN_TENSORS)
-_ref = weakref.ref
-_partial = functools.partial
-_repeat = itertools.repeat
-_strided = torch.strided
-#: up to this many tensors are tracked one by one: the loops in C cost more for so few
-_FEW = 4
 
 
 def _all_plain_strided(tensors: list[Any]) -> bool:
@@ -421,33 +419,19 @@ def _all_plain_strided(tensors: list[Any]) -> bool:
     return set(map(type, tensors)) <= _PLAIN_SET and set(map(_layout_of, tensors)) <= _STRIDED_ONLY
 
 
-def _all_plain(tensors: list[Any]) -> bool:
-    """Whether every one of ``tensors`` is a plain tensor (no subclass): one whose storage, where
-    it has one (a strided one: any other layout raises for it), is its one piece of memory."""
-    return set(map(type, tensors)) <= _PLAIN_SET
-
-
 class _Alive:
-    """Storages tracked by identity while they live, with running totals per category and module.
-
-    Each is held by a weak reference whose callback knows its key, size, category and module
-    (a ``functools.partial``: many are made at once, their loops in C, as every gradient of a
-    backward and every weight is tracked on each reported iteration).
-    """
+    """Storages tracked by identity while they live, with running totals per category and module."""
 
     def __init__(self) -> None:
-        #: the weak reference of each storage tracked, by the storage's ``id``
-        self.items: dict[int, weakref.ref] = {}
+        self.items: dict[int, _StorageLife] = {}
         self.totals = _empty()
         #: the sum of ``totals`` (kept, so that each boundary need not add them up)
         self.tracked = 0
         self.by_module: dict[str, int] = {}
         #: the weights' and optimizer state's lives, kept from one reported iteration to the next
         #: (:class:`_StaticStorages`); one of them dying makes them stale
-        self.static: dict[int, weakref.ref] = {}
+        self.static: dict[int, _StorageLife] = {}
         self.static_valid = False
-        #: the lives of the weights and of the optimizer state tracked since :meth:`clear`
-        self.remembered: dict[str, dict[int, weakref.ref]] = {"weights": {}, "optimizer_state": {}}
         self._died = self._on_death
         self._died_unremembered = self._on_death_unremembered
 
@@ -464,12 +448,11 @@ class _Alive:
         items = self.items
         if key in items:
             return False  # the first category given wins
+        # Only the weights' and the state's lives can be remembered (``static``): the others'
+        # deaths need not look there (most deaths are feature maps', during backward).
+        life = _StorageLife(storage, self._died if category in _REMEMBERED else self._died_unremembered)
         nbytes = storage.nbytes()
-        if category in _REMEMBERED:
-            life = self.remembered[category][key] = _ref(storage, _partial(self._died, key, nbytes, category, module))
-        else:
-            # The others' deaths need not look at ``static`` (most deaths are feature maps', in backward).
-            life = _ref(storage, _partial(self._died_unremembered, key, nbytes, category, module))
+        life.key, life.nbytes, life.category, life.module = key, nbytes, category, module
         items[key] = life
         self.totals[category] += nbytes
         self.tracked += nbytes
@@ -478,55 +461,24 @@ class _Alive:
             by_module[module] = by_module.get(module, 0) + nbytes
         return True
 
-    def add_storages(self, storages: list[Any], category: str) -> None:
-        """:meth:`add_storage` for each of ``storages`` (no module), in order; the loops run in C."""
-        items = self.items
-        fresh = dict(zip(map(id, storages), storages))  # a storage met twice is tracked once
-        if items:
-            for key in fresh.keys() & items.keys():  # the first category given wins
-                del fresh[key]
-        if not fresh:
-            return
-        keys, storages = list(fresh), list(fresh.values())
-        nbytes = list(map(_nbytes_of, storages))
-        died = self._died if category in _REMEMBERED else self._died_unremembered
-        lives = list(map(_ref, storages, map(_partial, _repeat(died), keys, nbytes, _repeat(category), _repeat(None))))
-        items.update(zip(keys, lives))
-        if category in _REMEMBERED:
-            self.remembered[category].update(zip(keys, lives))
-        total = sum(nbytes)
-        self.totals[category] += total
-        self.tracked += total
-
-    def _on_death(self, key: int, nbytes: int, category: str, module: str | None, life: weakref.ref) -> None:
-        if self.static.get(key) is life:
+    def _on_death(self, life: _StorageLife) -> None:
+        if self.static.get(life.key) is life:
             self.static_valid = False
-        self._on_death_unremembered(key, nbytes, category, module, life)
+        self._on_death_unremembered(life)
 
-    def _on_death_unremembered(self, key: int, nbytes: int, category: str, module: str | None, life: weakref.ref) -> None:
-        items = self.items
-        if items.get(key) is life:
-            del items[key]
-            self.totals[category] -= nbytes
-            self.tracked -= nbytes
-            if module is not None:
-                self.by_module[module] -= nbytes
-
-    def restore(self, lives: dict[int, weakref.ref], weights: int, state: int) -> None:
-        """Track again ``lives``, remembered from an earlier iteration: ``weights`` bytes of weights
-        and ``state`` of optimizer state (none of them tracked now: right after :meth:`clear`)."""
-        self.items.update(lives)
-        totals = self.totals
-        totals["weights"] += weights
-        totals["optimizer_state"] += state
-        self.tracked += weights + state
+    def _on_death_unremembered(self, life: _StorageLife) -> None:
+        if self.items.get(life.key) is life:
+            del self.items[life.key]
+            self.totals[life.category] -= life.nbytes
+            self.tracked -= life.nbytes
+            if life.module is not None:
+                self.by_module[life.module] -= life.nbytes
 
     def clear(self) -> None:
         self.items.clear()  # the weak references go with them: no callback runs
         self.totals = _empty()
         self.tracked = 0
         self.by_module = {}
-        self.remembered = {"weights": {}, "optimizer_state": {}}
 
 
 class _StaticStorages:
@@ -554,9 +506,9 @@ class _StaticStorages:
     @staticmethod
     def walk(tensors: list[Any]) -> tuple[list[int], list[int]] | None:
         """(storage ids, storage sizes) of ``tensors``; ``None`` where one is not a plain strided tensor."""
-        if not _all_plain(tensors):
+        if not _all_plain_strided(tensors):
             return None
-        try:  # a tensor of another layout than strided raises: not remembered
+        try:
             storages = list(map(_storage_of, tensors))
             return list(map(id, storages)), list(map(_nbytes_of, storages))
         except (RuntimeError, NotImplementedError, TypeError):
@@ -622,13 +574,8 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             self._track(buffers, "weights")
             self.gradients_ready(params)
             self._add_state(optimizers)
-        # Those with a gradient already (kept from before, accumulated in place) are tracked; the
-        # others that may get one are looked at in backward (the loops in C).
-        self._awaiting = list(
-            itertools.compress(
-                params, map(operator.and_, map(_requires_grad_of, params), map(_is_none, map(_grad_of, params)))
-            )
-        )
+        # Those with a gradient already (kept from before, accumulated in place) are tracked.
+        self._awaiting = [p for p in params if p.requires_grad and p.grad is None]
         # ``allocated``: what the iteration before read last (the same moment): no second read.
         if allocated is None:
             allocated = self.counter.read().allocated
@@ -637,25 +584,16 @@ class BoundaryPeakBreakdown(PeakBreakdown):
 
     def _track(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """``alive.add(part, category)`` for each piece of ``tensors`` on the device, in order
-        (:func:`~.accounting.parts_on`): this runs for every weight, state tensor and gradient of
-        a reported iteration. Many plain strided tensors (the weights, the state) are tracked
-        together, their loops in C; a few (the gradients one boundary of backward finds) one by
-        one, a plain strided tensor without a helper call."""
-        tensors = tensors if type(tensors) is list else list(tensors)
+        (:func:`~.accounting.parts_on`): a plain strided tensor, the common case, without a helper
+        call (this runs for every weight, state tensor and gradient of a reported iteration)."""
         alive = self._alive
-        if len(tensors) > _FEW and _all_plain(tensors):
-            try:
-                storages = list(map(_storage_of, tensors))
-            except (RuntimeError, NotImplementedError, TypeError):
-                pass  # one without a storage (a sparse one): one by one, below, with its pieces
-            else:
-                alive.add_storages(self._on_device(tensors, storages), category)
-                return
         add_storage = alive.add_storage
-        exact, device = self._exact, self.device
+        device_type, index = self._device_type, self._device_index
+        strided = torch.strided
         for t in tensors:
-            if type(t) in PLAIN_TENSORS and t.layout is _strided:
-                if (t.device != exact) if exact is not None else not same_device(t, device):
+            if type(t) in PLAIN_TENSORS and t.layout is strided:
+                dev = t.device
+                if dev.type != device_type or not (index is None or dev.index is None or dev.index == index):
                     continue
                 try:
                     storage = t.untyped_storage()
@@ -666,17 +604,6 @@ class BoundaryPeakBreakdown(PeakBreakdown):
                 for part in parts_on((t,), self.device):
                     alive.add(part, category)
 
-    def _on_device(self, tensors: list[torch.Tensor], storages: list[Any]) -> list[Any]:
-        """The ``storages`` of those of ``tensors`` (plain ones, in the same order) on the device:
-        each distinct device is looked at once."""
-        devices = set(map(_device_of, tensors))
-        device = self.device
-        on = {d: d.type == device.type and (device.index is None or d.index in (None, device.index)) for d in devices}
-        if all(on.values()):
-            return storages
-        # some elsewhere (Adam's CPU step counters beside CUDA moments)
-        return list(itertools.compress(storages, map(on.__getitem__, map(_device_of, tensors))))
-
     def _static_again(self, params: Sequence[torch.Tensor], buffers: list[torch.Tensor], optimizers: list[Any]) -> bool:
         """Track the weights, the gradients there are and the optimizer state, in that order (the
         first category met wins), from :class:`_StaticStorages` where they did not change, else
@@ -686,7 +613,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         if walked is None:
             static.ids = None
             return False
-        grads = list(filter(_is_not_none, map(_grad_of, params)))
+        grads = [grad for p in params if (grad := p.grad) is not None]
         if (
             alive.static_valid
             and walked[0] == static.ids
@@ -694,7 +621,11 @@ class BoundaryPeakBreakdown(PeakBreakdown):
             # a gradient over optimizer state would be a gradient (met before the state): walk again
             and not (grads and static.state_keys and not static.state_keys.isdisjoint(self._storage_ids(grads)))
         ):
-            alive.restore(alive.static, static.weights, static.state)
+            alive.items.update(alive.static)
+            totals = alive.totals
+            totals["weights"] += static.weights
+            totals["optimizer_state"] += static.state
+            alive.tracked += static.weights + static.state
             self._track_new(grads, "gradients")
             return True
         # Walk as always, then remember what the weights and the state were.
@@ -702,12 +633,12 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         self._track(buffers, "weights")
         self._track(grads, "gradients")
         self._add_state(optimizers)
-        remembered = alive.remembered
-        alive.static, alive.static_valid = {**remembered["weights"], **remembered["optimizer_state"]}, True
+        kept = {key: life for key, life in alive.items.items() if life.category in ("weights", "optimizer_state")}
+        alive.static, alive.static_valid = kept, True
         static.ids, static.sizes = walked
         static.weights = alive.totals["weights"]
         static.state = alive.totals["optimizer_state"]
-        static.state_keys = set(remembered["optimizer_state"])
+        static.state_keys = {key for key, life in kept.items() if life.category == "optimizer_state"}
         return True
 
     def _storage_ids(self, tensors: Iterable[torch.Tensor]) -> set[int]:
@@ -721,60 +652,37 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         return ids
 
     def _add_state(self, optimizers: Iterable[Any]) -> None:
-        self._track(list(optimizer_state_tensors(optimizers)), "optimizer_state")
+        self._track(optimizer_state_tensors(optimizers), "optimizer_state")
 
-    def _gradients_made(self, grads: list[Any]) -> None:
-        """Track the gradients backward made since the last boundary: ``grads`` are the ``.grad``
-        of the parameters still awaiting one (each looked at once it has one; the loops run in C)."""
+    def _gradients_made(self) -> None:
+        """Track the gradients backward made since the last boundary: those of the parameters
+        still awaiting one (each looked at once it has one; the loops run in C)."""
         awaiting = self._awaiting
-        if any(map(_is_none, grads)):
-            self._awaiting = list(itertools.compress(awaiting, map(_is_none, grads)))
-            grads = list(filter(_is_not_none, grads))
-        else:
-            self._awaiting = []
-        if len(grads) > _FEW:
-            self._track_new(grads, "gradients")
+        grads = list(map(_grad_of, awaiting))
+        missing = list(map(_is_none, grads))
+        if all(missing):
             return
-        # The few one boundary finds (a module's weight and bias): :meth:`_track_new`, inline.
-        alive = self._alive
-        items, exact = alive.items, self._exact
-        for grad in grads:
-            if type(grad) in PLAIN_TENSORS and grad.layout is _strided and exact is not None and grad.device == exact:
-                try:
-                    storage = grad.untyped_storage()
-                except (RuntimeError, NotImplementedError, TypeError):
-                    continue
-                if id(storage) not in items:
-                    alive.add_storage(storage, "gradients")
-            else:
-                self._track_new([grad], "gradients")
+        self._awaiting = list(itertools.compress(awaiting, missing))
+        self._track_new(list(itertools.compress(grads, map(operator.not_, missing))), "gradients")
 
     def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
-        self._track_new(list(filter(_is_not_none, map(_grad_of, params))), "gradients")
+        self._track_new([grad for p in params if (grad := p.grad) is not None], "gradients")
 
     def _track_new(self, tensors: list[Any], category: str) -> None:
-        """:meth:`_track`, where most of ``tensors`` may be tracked already (the gradients found at
-        earlier boundaries): where there are many, their storages are looked up in C (``map``),
-        and only the others are tracked."""
+        """:meth:`_track`, where most of ``tensors`` are tracked already (the gradients found at
+        earlier boundaries): their storages are looked up in C (``map``), and only the others are
+        tracked."""
         if not tensors:
             return
-        if len(tensors) > _FEW and _all_plain(tensors):
-            alive = self._alive
+        if _all_plain_strided(tensors):
+            items = self._alive.items
             try:
                 storages = list(map(_storage_of, tensors))
             except (RuntimeError, NotImplementedError, TypeError):
-                pass  # one that has none (a sparse one): ``_track`` takes its pieces
+                pass  # one that has none: ``_track`` leaves it out
             else:
                 # A tracked storage is alive, so its ``id`` names no other: those are left as they are.
-                tracked = list(map(alive.items.__contains__, map(id, storages)))
-                if all(tracked):
-                    return
-                if any(tracked):
-                    fresh = list(map(operator.not_, tracked))
-                    tensors = list(itertools.compress(tensors, fresh))
-                    storages = list(itertools.compress(storages, fresh))
-                alive.add_storages(self._on_device(tensors, storages), category)
-                return
+                tensors = [t for t, tracked in zip(tensors, map(items.__contains__, map(id, storages))) if not tracked]
         self._track(tensors, category)
 
     def _input(self, tensor: torch.Tensor) -> None:
@@ -786,88 +694,56 @@ class BoundaryPeakBreakdown(PeakBreakdown):
     def _observe_saved(self, kept: Any) -> None:
         # What the shared one does, inline for a plain tensor (this runs for every saved tensor),
         # and a storage tracked already (a view saved again, a weight) asks for no module name.
-        if type(kept) in PLAIN_TENSORS and kept.layout is _strided:
-            exact = self._exact
-            if (kept.device != exact) if exact is not None else not same_device(kept, self.device):
+        if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
+            dev, index = kept.device, self._device_index
+            if dev.type != self._device_type or not (index is None or dev.index is None or dev.index == index):
                 return
             try:
                 storage = kept.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
                 return
             alive = self._alive
-            key = id(storage)
-            items = alive.items
-            if key in items:
+            if id(storage) in alive.items:
                 return  # the first category given wins
-            # ``alive.add_storage(storage, "activations", module)``, inline
-            name = self.module_name
-            module = name() if name is not None else None
-            nbytes = storage.nbytes()
-            items[key] = _ref(storage, _partial(alive._died_unremembered, key, nbytes, "activations", module))
-            alive.totals["activations"] += nbytes
-            alive.tracked += nbytes
-            if module is not None:
-                by_module = alive.by_module
-                by_module[module] = by_module.get(module, 0) + nbytes
+            alive.add_storage(storage, "activations", self.module_name() if self.module_name is not None else None)
             return
         super()._observe_saved(kept)
 
     def _boundary(self, allocated: int, in_backward: bool) -> _Boundary:
         alive = self._alive
-        parts = alive.totals.copy()
+        parts = dict(alive.totals)
         unclaimed = allocated - alive.tracked
         if in_backward:
-            grads = unclaimed - self._unclaimed_before_backward
-            if grads > 0:
-                parts["activation_gradients"] += grads
-                unclaimed -= grads
-        other = parts["other"] = parts["other"] + unclaimed
+            grads = max(0, unclaimed - self._unclaimed_before_backward)
+            parts["activation_gradients"] += grads
+            unclaimed -= grads
+        parts["other"] += unclaimed
+        layers = dict(alive.by_module) if self.module_name is not None else None
         floor = self._floor
-        if floor is None or other < floor:
-            floor = self._floor = other if other > 0 else 0
-        return _new_boundary((allocated, parts, alive.by_module.copy() if self.module_name is not None else None, floor))
+        floor = self._floor = max(0, parts["other"] if floor is None else min(floor, parts["other"]))
+        return _new_boundary((allocated, parts, layers, floor))
 
     def boundary(self, reading: Reading, ended: str, following: str, where: str | None) -> None:
         if not self._started:
             return
-        in_backward = ended == "backward"
-        if in_backward:
-            awaiting = self._awaiting
-            if awaiting:
-                # Before the interval's end and the next one's start are read: a parameter that got
-                # its gradient since the last boundary (the loop in C; most boundaries find none).
-                grads = list(map(_grad_of, awaiting))
-                if not all(map(_is_none, grads)):  # (``in`` and ``count`` would compare tensors by ``==``)
-                    self._gradients_made(grads)
-        alive = self._alive
-        allocated, peak = reading.allocated, reading.peak_allocated
-        opened = self._open
+        if ended == "backward" and self._awaiting:
+            self._gradients_made()  # before the interval's end and the next one's start are read
+        opened, peak = self._open, reading.peak_allocated
         if opened is not None and peak is not None:
-            best = self._best
-            if best is None or peak > best[0]:
-                interval = self._best = (peak, opened, ended, where if where is not None else ended, alive.totals["gradients"])
-                if in_backward and (self._backward_best is None or peak > self._backward_best[0]):
+            best, backward_best = self._best, self._backward_best
+            new_best = best is None or peak > best[0]
+            new_backward_best = ended == "backward" and (backward_best is None or peak > backward_best[0])
+            if new_best or new_backward_best:  # most boundaries set neither: no tuple made for them
+                ran_in = where if where is not None else ended
+                interval = (peak, opened, ended, ran_in, self._alive.totals["gradients"])
+                if new_best:
+                    self._best = interval
+                if new_backward_best:
                     self._backward_best = interval
-            elif in_backward and (self._backward_best is None or peak > self._backward_best[0]):
-                # most boundaries set neither: no tuple made for them
-                self._backward_best = (peak, opened, ended, where if where is not None else ended, alive.totals["gradients"])
-        # What was alive as the next interval opens (:meth:`_boundary`, inline: once per boundary).
-        tracked = alive.tracked
-        if following == "backward" and not in_backward:
+        if following == "backward" and ended != "backward":
             # Backward begins: what no category claims now is not backward's.
-            self._unclaimed_before_backward = allocated - tracked
-        parts = alive.totals.copy()
-        unclaimed = allocated - tracked
-        if in_backward and following == "backward":
-            grads_made = unclaimed - self._unclaimed_before_backward
-            if grads_made > 0:
-                parts["activation_gradients"] += grads_made
-                unclaimed -= grads_made
-        other = parts["other"] = parts["other"] + unclaimed
-        floor = self._floor
-        if floor is None or other < floor:
-            floor = self._floor = other if other > 0 else 0
-        self._open = _new_boundary((allocated, parts, alive.by_module.copy() if self.module_name is not None else None, floor))
+            self._unclaimed_before_backward = reading.allocated - self._alive.tracked
+        self._open = self._boundary(reading.allocated, following == "backward" and ended == "backward")
 
     def backward_started(self, grad_outputs: Any) -> None:
         # The gradients of the outputs are already allocated when the gradient reaches the model:

@@ -32,15 +32,6 @@ tracked module (:meth:`PhaseMachine.module_left`,
 :meth:`PhaseMachine.backward_reached`): more boundaries, so that each
 interval's module is known.
 
-Peak intervals restart where the phase changes and at the iteration's end;
-a boundary within a phase (a module's) is read without a peak reset
-(``read_running``: one device call, not two), its peak the highest since the
-phase began. That serves every figure exactly: an interval whose running
-peak passes the one read before it reached exactly that value, and one whose
-running peak does not can set no maximum an observer keeps (each is a
-strict ``>`` over intervals of one phase, or of the whole iteration, among
-them the interval that reached it).
-
 Example::
 
     >>> from collections import namedtuple
@@ -82,7 +73,7 @@ _NOBODY: tuple = ()
 class ForwardPass:
     """A forward pass: from its first entry into the model to its last exit before a backward."""
 
-    __slots__ = ("start", "end_allocated", "pending", "explicit", "inside")
+    __slots__ = ("start", "end_allocated", "pending", "explicit")
 
     def __init__(self, start: Any, pending: Any, explicit: bool) -> None:
         #: the reading when it began; ``None`` on an iteration that is not watched
@@ -93,8 +84,6 @@ class ForwardPass:
         self.pending = pending
         #: whether a framework marked it by hand
         self.explicit = explicit
-        #: whether it runs in the model now (entered, or marked, and not left since)
-        self.inside = True
 
     @property
     def kept(self) -> int | None:
@@ -115,9 +104,6 @@ class PhaseMachine:
 
     Args:
         read: reads the counters and starts a new peak interval (the counter's ``mark``).
-        read_running: reads the counters without starting a new peak interval, the peaks
-            those since the last ``read`` (the counter's ``read``): the boundaries within a
-            phase; ``None``: ``read``.
         new_pending: makes the token the hook set puts on a forward's outputs (an object with
             a ``started`` flag, set once backward reaches them).
         backward_running: whether this thread runs inside a backward pass now.
@@ -132,10 +118,8 @@ class PhaseMachine:
         backward_running: Callable[[], bool],
         on_first_forward: Callable[[], None] | None = None,
         guard: FaultGuard | None = None,
-        read_running: Callable[[], Any] | None = None,
     ) -> None:
         self._read = read
-        self._read_running = read_running or read
         self._new_pending = new_pending
         self._backward_running = backward_running
         self._on_first_forward = on_first_forward
@@ -173,11 +157,9 @@ class PhaseMachine:
         self._split_forward = False
         self._listen(())
 
-    def read_from(self, read: Callable[[], Any], read_running: Callable[[], Any] | None = None) -> None:
-        """Read the counters with ``read`` (and ``read_running`` within a phase) from now on (the
-        model moved to another device)."""
+    def read_from(self, read: Callable[[], Any]) -> None:
+        """Read the counters with ``read`` from now on (the model moved to another device)."""
         self._read = read
-        self._read_running = read_running or read
 
     # -- the plan ------------------------------------------------------------------------------
     def begin_iteration(self, plan: IterationPlan) -> None:
@@ -231,7 +213,7 @@ class PhaseMachine:
     # -- boundaries ----------------------------------------------------------------------------
     def _mark(self, following: str, location: str | None = None) -> Any:
         """Read the counters, close the running interval and open one of phase ``following``
-        (equal to the running phase: the iteration's end) run in ``location``."""
+        (equal to the running phase: split at a module boundary) run in ``location``."""
         reading = self._read()
         ended, where = self.phase, self._location
         for observer, boundary in self._on_boundary:
@@ -259,24 +241,13 @@ class PhaseMachine:
         """A tracked module's forward ended (per-layer mode): what ran since the last boundary is
         put down to ``ended_in``; the code runs in ``now_in`` from here."""
         if self.phase == "forward" and self._split_forward:
-            self._split("forward", ended_in, now_in)
+            self._location = ended_in
+            self._mark("forward", now_in)
 
     def backward_reached(self, name: str) -> None:
         """Backward reached the outputs of the tracked module ``name`` (per-layer mode)."""
         if self.phase == "backward" and self._watched:
-            self._split("backward", self._location, name)
-
-    def _split(self, phase: str, where: str | None, location: str) -> None:
-        """:meth:`_mark` within the running ``phase`` (a module's boundary, once per tracked
-        module in per-layer mode): read without a peak reset; the interval that ends ran in
-        ``where``, the one that begins runs in ``location``."""
-        reading = self._read_running()
-        for observer, boundary in self._on_boundary:
-            try:
-                boundary(reading, phase, phase, where)
-            except Exception as exc:  # noqa: BLE001 - the observer switches off, the rest goes on
-                self._failed(observer, exc)
-        self._location = location
+            self._mark("backward", name)
 
     # -- forward ---------------------------------------------------------------------------------
     def entered(self, grad_enabled: bool, args: Any, entry: Any) -> bool:
@@ -306,7 +277,6 @@ class PhaseMachine:
         location = "" if self._split_forward else None
         if pass_ is not None and not explicit and not pass_.explicit and not pass_.pending.started:
             # Entered again before any backward (self.decoder after self.encoder): the same pass.
-            pass_.inside = True
             self._switch("forward", location)
             if self._on_forward_resumed:
                 self._tell(self._on_forward_resumed, args, entry)
@@ -333,7 +303,6 @@ class PhaseMachine:
 
     def _leave(self, pass_: ForwardPass) -> None:
         """The model was left: the pass may go on (another entry) or end (backward, a step)."""
-        pass_.inside = False
         if self._on_forward_left:
             self._tell(self._on_forward_left)
         if self.phase == "forward":
@@ -347,8 +316,7 @@ class PhaseMachine:
         if pass_ is None:
             return
         self._awaiting = pass_.pending
-        if pass_.inside:  # a phase marked by hand ends it from inside
-            self._leave(pass_)
+        self._leave(pass_)  # still inside it when a phase marked by hand ends it
         if self._on_forward_closed:
             self._tell(self._on_forward_closed, pass_.kept)
 

@@ -34,7 +34,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Callable
 
@@ -47,10 +46,6 @@ _log = logging.getLogger("pytorch_mem_profiler")
 # torch >= 2.8: the pair on top of the thread's saved-tensor hooks stack, or None.
 # Its argument (True) asks for the real top even while a compiler is tracing.
 _TOP = getattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
-# What ``saved_tensors_hooks.__enter__`` and ``__exit__`` call (pushed and popped at each forward
-# of a reported iteration: without the context manager's object and frames).
-_PUSH = getattr(getattr(torch._C, "_autograd", None), "_push_saved_tensors_default_hooks", None)
-_POP = getattr(getattr(torch._C, "_autograd", None), "_pop_saved_tensors_default_hooks", None)
 
 
 def can_chain() -> bool:
@@ -129,12 +124,11 @@ class ChainedSavedTensorsHooks:
     def __init__(self, observe: Callable[[Any], None], on_fault: Callable[[BaseException], None] | None = None) -> None:
         self.observe = observe
         self.on_fault = on_fault
-        # pops what :meth:`push` pushed (``None``: nothing pushed)
-        self._pushed: Callable[[], Any] | None = None
+        self._context: Any = None
 
     def push(self) -> bool:
         """Start watching; False (nothing pushed) where torch cannot tell what is on top."""
-        if self._pushed is not None:
+        if self._context is not None:
             return True
         if _TOP is None:
             return False
@@ -147,24 +141,20 @@ class ChainedSavedTensorsHooks:
             pack, unpack = self._beside(watcher), _unpack_checked
         else:
             pack, unpack = self._chain(below[0]), below[1]
-        if _PUSH is not None and _POP is not None:
-            _PUSH(pack, unpack)
-            self._pushed = _POP
-        else:
-            context = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-            context.__enter__()
-            self._pushed = functools.partial(context.__exit__, None, None, None)
+        context = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        context.__enter__()
+        self._context = context
         return True
 
     def pop(self) -> None:
         """Stop watching (pop what :meth:`push` pushed); safe when nothing was pushed."""
-        pop, self._pushed = self._pushed, None
-        if pop is not None:
-            pop()
+        context, self._context = self._context, None
+        if context is not None:
+            context.__exit__(None, None, None)
 
     @property
     def active(self) -> bool:
-        return self._pushed is not None
+        return self._context is not None
 
     def _watch(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         # What ``_observe`` does, without its frame: this runs for every saved tensor.
