@@ -125,7 +125,9 @@ def host_cost(
         diffs = []
         for _ in range(rounds):
             before = block(None)
-            prof = MemoryProfiler(model, print_period, stream=sink, by_layer=by_layer, strict=True)
+            prof = MemoryProfiler(
+                model, print_period, stream=sink, by_layer=by_layer, strict=True, overhead=None
+            )
             if profile is not None:
                 profile.enable()
             with_ = block(prof)

@@ -22,10 +22,7 @@ operation. Known gaps of the estimate are marked ``xfail(strict=True)`` with the
 from __future__ import annotations
 
 import functools
-import gc
-import io
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,19 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.zoo import ZOO, SavedStorages, Training, storage_bytes  # noqa: E402
-from pytorch_mem_profiler import estimate_memory, memory_profiler  # noqa: E402
-from pytorch_mem_profiler.estimate import EstimateUnsupported  # noqa: E402
-from pytorch_mem_profiler.measure.saved_tensors import can_chain  # noqa: E402
-from pytorch_mem_profiler.stats import IterationRecord  # noqa: E402
+from benchmarks.zoo import ZOO  # noqa: E402
+from benchmarks.zoo.checks import check_cpu_estimate, check_record, profiled_run  # noqa: E402
 from pytorch_mem_profiler.torch_versions import COMPILE_YIELDS_TO_DISPATCH_MODES  # noqa: E402
-
-CPU = torch.device("cpu")
-ITERATIONS = 3
 
 #: Where the CPU estimate is known to differ from the measured step (estimated vs measured
 #: peak in bytes, on torch 2.14 and 2.13): each must fail until the estimate is fixed.
-ESTIMATE_GAPS = {
+ESTIMATE_GAPS: dict[str, str] = {
 }
 
 
@@ -59,99 +50,29 @@ def _available(name: str):
 NAMES = [_available(name) for name in ZOO]
 
 
-@dataclass
-class Iteration:
-    record: IterationRecord
-    weights: int
-    buffers: int
-    gradients: int
-    optimizer_state: int
-    saved: int
-    sparse: bool  # the model makes sparse gradients
-
-
 @functools.lru_cache(maxsize=None)
-def profiled_run(name: str) -> tuple[Iteration, ...]:
-    """Three profiled iterations of ``name`` at its small size, with the independent counts."""
-    entry = ZOO[name]
-    run = Training(entry, "small", CPU)
-    saved = SavedStorages(run.model)
-    gc.collect()
-    out = []
-    with memory_profiler(
-        run.model, print_period=1, by_layer=True, stream=io.StringIO(), strict=True, optimizer=run.optimizer
-    ) as profiler:
-        run.make_batch()  # made while profiled, as a data loader's batch is (and as the estimate counts it)
-        for _ in range(ITERATIONS):
-            run.step(saved)
-            record = profiler.record_stats()
-            out.append(
-                Iteration(
-                    record,
-                    storage_bytes(run.model.parameters()),
-                    storage_bytes(run.model.buffers()),
-                    run.gradients[-1],
-                    run.optimizer_state[-1],
-                    saved.total,
-                    any(getattr(m, "sparse", False) is True for m in run.model.modules()),
-                )
-            )
-    return tuple(out)
+def _runs(name: str):
+    return profiled_run(ZOO[name])
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_runs():
     yield
-    profiled_run.cache_clear()
+    _runs.cache_clear()
     torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_profilers_record_equals_independent_counts(name):
-    for it in profiled_run(name):
-        record = it.record
-        where = f"{name}, iteration {record.iteration}"
-        assert record.weights == it.weights > 0, where
-        assert record.buffers == it.buffers, where
-        assert record.gradients == it.gradients > 0, where
-        assert record.optimizer_state == it.optimizer_state, where
-        assert record.forward_passes == record.backward_passes == record.optimizer_steps == 1, where
-        assert record.peak_breakdown is not None, where
-        assert sum(record.peak_breakdown.values()) == record.iteration_peak_allocated > 0, where
-        if ZOO[name].needs_compile:
-            # inside a compiled graph there are no module boundaries to attribute to: totals only
-            assert record.layers is None and record.feature_maps > 0, where
-        elif can_chain():
-            layers = record.layers
-            assert layers is not None and it.saved > 0, where
-            attributed = sum(layers.by_module.values())
-            assert attributed == layers.total + layers.inputs, where
-            assert abs(attributed - it.saved) <= 0.01 * it.saved, (where, attributed, it.saved)
-    first, second = profiled_run(name)[:2]
-    # the optimizer's state is made by its first step and kept (SGD's momentum, AdamW's moments);
-    # a sparse momentum buffer gains each sparse gradient's entries
-    assert 0 < first.optimizer_state <= second.optimizer_state
-    if not first.sparse:
-        assert first.optimizer_state == second.optimizer_state
+    check_record(ZOO[name], _runs(name))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_cpu_estimate_equals_the_measured_step(name, request):
     entry = ZOO[name]
-    kwargs = dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cpu", fit=False)
-    if entry.unsupported:
-        with pytest.raises(EstimateUnsupported, match=entry.unsupported):
-            estimate_memory(**kwargs)
-        return
     if name in ESTIMATE_GAPS:
         request.applymarker(pytest.mark.xfail(strict=True, reason=ESTIMATE_GAPS[name]))
-    estimate = estimate_memory(**kwargs)
-    runs = profiled_run(name)
-    measured = max(it.record.iteration_peak_allocated for it in runs[:2])
-    assert estimate.weights == runs[0].weights
-    assert estimate.optimizer_state == runs[1].optimizer_state
-    assert sum(estimate.peak_breakdown.values()) == estimate.peak
-    assert estimate.peak == measured, f"{name}: estimated {estimate.peak:,} B, measured {measured:,} B"
+    check_cpu_estimate(entry, None if entry.unsupported else _runs(name))
 
 
 def test_the_zoo_covers_the_families_optimizers_and_precisions():

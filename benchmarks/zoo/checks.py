@@ -1,0 +1,131 @@
+"""The CPU checks every zoo model passes, for any registry of :class:`ZooModel` entries.
+
+``tests/test_zoo.py`` runs them on :data:`ZOO`, ``tests/test_zoo_holdout.py`` on the
+models held back from it (:data:`~benchmarks.zoo.holdout.HOLDOUT`): the same bar for both.
+
+- :func:`profiled_run`: three iterations under ``memory_profiler(model, print_period=1,
+  by_layer=True)``, with the user's own ``saved_tensors_hooks`` pack hook around each forward,
+  and the independent counts of each (unique storages, what the pack hook saw);
+- :func:`check_record`: the profiler's record against those counts;
+- :func:`check_cpu_estimate`: ``estimate_memory(..., device="cpu")`` equals the measured peak
+  to the byte (or refuses an operation the entry says it refuses, by name).
+
+Example::
+
+    >>> from benchmarks.zoo import ZOO
+    >>> runs = profiled_run(ZOO["neumf"])
+    >>> check_record(ZOO["neumf"], runs)
+    >>> check_cpu_estimate(ZOO["neumf"], runs)
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+from dataclasses import dataclass
+
+import torch
+
+from pytorch_mem_profiler import estimate_memory, memory_profiler
+from pytorch_mem_profiler.estimate import EstimateUnsupported
+from pytorch_mem_profiler.measure.saved_tensors import can_chain
+from pytorch_mem_profiler.stats import IterationRecord
+
+from .registry import ZooModel
+from .training import SavedStorages, Training, storage_bytes
+
+__all__ = ["ITERATIONS", "Iteration", "profiled_run", "check_record", "check_cpu_estimate"]
+
+CPU = torch.device("cpu")
+ITERATIONS = 3
+
+
+@dataclass
+class Iteration:
+    """One profiled iteration's record and the counts made apart from the profiler."""
+
+    record: IterationRecord
+    weights: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    saved: int
+    sparse: bool  # the model makes sparse gradients
+
+
+def profiled_run(entry: ZooModel) -> tuple[Iteration, ...]:
+    """Three profiled iterations of ``entry`` at its small size, on the CPU, with the independent counts."""
+    run = Training(entry, "small", CPU)
+    saved = SavedStorages(run.model)
+    gc.collect()
+    out = []
+    with memory_profiler(
+        run.model, print_period=1, by_layer=True, stream=io.StringIO(), strict=True, optimizer=run.optimizer,
+        overhead=None,  # every iteration in full: the checks need every figure
+    ) as profiler:
+        run.make_batch()  # made while profiled, as a data loader's batch is (and as the estimate counts it)
+        for _ in range(ITERATIONS):
+            run.step(saved)
+            record = profiler.record_stats()
+            out.append(
+                Iteration(
+                    record,
+                    storage_bytes(run.model.parameters()),
+                    storage_bytes(run.model.buffers()),
+                    run.gradients[-1],
+                    run.optimizer_state[-1],
+                    saved.total,
+                    any(getattr(m, "sparse", False) is True for m in run.model.modules()),
+                )
+            )
+    return tuple(out)
+
+
+def check_record(entry: ZooModel, runs: tuple[Iteration, ...]) -> None:
+    """The profiler's records of :func:`profiled_run` against the independent counts (``AssertionError``)."""
+    name = entry.name
+    for it in runs:
+        record = it.record
+        where = f"{name}, iteration {record.iteration}"
+        assert record.weights == it.weights > 0, where
+        assert record.buffers == it.buffers, where
+        assert record.gradients == it.gradients > 0, where
+        assert record.optimizer_state == it.optimizer_state, where
+        assert record.forward_passes == record.backward_passes == record.optimizer_steps == 1, where
+        assert record.peak_breakdown is not None, where
+        assert sum(record.peak_breakdown.values()) == record.iteration_peak_allocated > 0, where
+        if entry.needs_compile:
+            # inside a compiled graph there are no module boundaries to attribute to: totals only
+            assert record.layers is None and record.feature_maps > 0, where
+        elif can_chain():
+            layers = record.layers
+            assert layers is not None and it.saved > 0, where
+            attributed = sum(layers.by_module.values())
+            assert attributed == layers.total + layers.inputs, where
+            assert abs(attributed - it.saved) <= 0.01 * it.saved, (where, attributed, it.saved)
+    first, second = runs[:2]
+    # the optimizer's state is made by its first step and kept (SGD's momentum, AdamW's moments);
+    # a sparse momentum buffer gains each sparse gradient's entries
+    assert 0 < first.optimizer_state <= second.optimizer_state, name
+    if not first.sparse:
+        assert first.optimizer_state == second.optimizer_state, name
+
+
+def check_cpu_estimate(entry: ZooModel, runs: tuple[Iteration, ...] | None = None) -> None:
+    """``estimate_memory`` on the CPU equals the step :func:`profiled_run` measured, to the byte
+    (``AssertionError``); an entry with ``unsupported`` must be refused, naming that operation."""
+    kwargs = dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cpu", fit=False)
+    if entry.unsupported:
+        try:
+            estimate_memory(**kwargs)
+        except EstimateUnsupported as err:
+            assert entry.unsupported in str(err), (entry.name, str(err))
+            return
+        raise AssertionError(f"{entry.name}: estimated, though {entry.unsupported} was to be refused")
+    estimate = estimate_memory(**kwargs)
+    runs = runs if runs is not None else profiled_run(entry)
+    measured = max(it.record.iteration_peak_allocated for it in runs[:2])
+    assert estimate.weights == runs[0].weights, entry.name
+    assert estimate.optimizer_state == runs[1].optimizer_state, entry.name
+    assert sum(estimate.peak_breakdown.values()) == estimate.peak, entry.name
+    assert estimate.peak == measured, f"{entry.name}: estimated {estimate.peak:,} B, measured {measured:,} B"
