@@ -230,3 +230,64 @@ def test_the_dropout_state_is_sized_by_the_card_s_multiprocessors():
     assert dropout_state_bytes((132, 2048)) == (6_488_064, 0)  # the H200 measured (and an H100 SXM, alike)
     size, bound = dropout_state_bytes((108, 2048))  # an A100: by the same rule, with its own size as the bound
     assert size == 108 * 49_152 and bound == size
+
+
+def _uint8_buffers(layer: nn.Module, x: torch.Tensor, rules) -> list[int]:
+    """The uint8 buffers (reserve, workspaces) the rules make for one training forward and backward
+    of ``layer`` on fake tensors, in bytes, in order."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sizes: list[int] = []
+
+    class Buffers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.new_empty.default and (kwargs or {}).get("dtype") is torch.uint8:
+                sizes.append(out.numel())
+            return out
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_layer = type(layer)(layer.input_size, layer.hidden_size, num_layers=layer.num_layers, batch_first=layer.batch_first)
+        fake_x = mode.from_tensor(x)
+        with rules, Buffers():
+            fake_layer(fake_x)[0].sum().backward()
+    return sizes
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_a_measured_workspace_replaces_the_rule_and_its_bound(batch_first):
+    from pytorch_mem_profiler.estimate.kernel_probe import MEASURED, recurrent_key
+    from pytorch_mem_profiler.estimate.rnn import CudnnRNNRules
+
+    layer = nn.LSTM(32, 64, num_layers=2, batch_first=batch_first)
+    seq, batch = 12, 5
+    x = torch.randn((batch, seq, 32) if batch_first else (seq, batch, 32))
+    rule = cudnn_rnn_buffers("lstm", seq_len=seq, batch=batch, hidden=64, proj=64, layers=2, directions=1, element_size=4)
+    pending: set[tuple] = set()
+    rules = CudnnRNNRules("cpu", pending=pending)
+    # not measured yet: the rule's workspace (forward, backward data, backward weights) and its bound; the call pending
+    assert _uint8_buffers(layer, x, rules) == [rule.reserve, rule.workspace, rule.workspace, rule.workspace]
+    key = recurrent_key("lstm", seq_len=seq, batch=batch, input_size=32, hidden=64, proj=64, layers=2, directions=1,
+                        bias=True, batch_first=batch_first, dtype=torch.float32, dropout=0.0, train=True)  # fmt: skip
+    assert pending == {key} and rules.bounds == {"aten._cudnn_rnn (lstm)": rule.bound}
+    # measured: the probe's peak above what the forward leaves, less the input's transposed copy beside it
+    transposed = block_size(x.numel() * 4) if batch_first else 0
+    MEASURED[key] = 3 * 2**20 + transposed
+    try:
+        pending.clear()
+        rules = CudnnRNNRules("cpu", pending=pending)
+        assert _uint8_buffers(layer, x, rules) == [rule.reserve] + [3 * 2**20] * 3
+        assert not pending and rules.bounds == {}
+    finally:
+        del MEASURED[key]
+
+
+def test_without_measuring_no_call_is_pending_and_the_rule_stands():
+    from pytorch_mem_profiler.estimate.rnn import CudnnRNNRules
+
+    rules = CudnnRNNRules("cpu")
+    x = torch.randn(7, 3, 16)
+    rule = cudnn_rnn_buffers("gru", seq_len=7, batch=3, hidden=24, proj=24, layers=1, directions=1, element_size=4)
+    assert _uint8_buffers(nn.GRU(16, 24), x, rules) == [rule.reserve] + [rule.workspace] * 3
+    assert rules.pending is None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import gc
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,3 +122,37 @@ def test_cudnn_s_dropout_state_is_the_rule_s_size_for_this_card():
     size, bound = dropout_state_bytes(cuda_multiprocessors(CUDA))
     assert abs(state.numel() - size) <= bound, (state.numel(), size, torch.cuda.get_device_name())
     print(f"cuDNN dropout state on {torch.cuda.get_device_name()}: {state.numel()} bytes, rule {size}")
+
+
+def test_the_probe_measures_a_recurrent_layers_workspace_as_this_process_does():
+    from pytorch_mem_profiler.estimate.kernel_probe import MEASURED, measure_convolutions, recurrent_key
+    from pytorch_mem_profiler.measure.kernel_scratch import run_recurrent
+
+    key = recurrent_key("gru", seq_len=128, batch=97, input_size=512, hidden=512, proj=512, layers=2, directions=1,
+                        bias=True, batch_first=True, dtype=torch.float32, dropout=0.0, train=True)  # fmt: skip
+    here = run_recurrent(list(key), CUDA)
+    gc.collect()
+    torch.cuda.empty_cache()
+    MEASURED.pop(key, None)
+    assert here is not None and here > 0
+    assert measure_convolutions([key], CUDA) == {key: here}
+
+
+@pytest.mark.parametrize("name", ["lstm_lm", "gru_lm"])
+def test_recurrent_language_models_with_measured_workspaces_meet_the_goals(name):
+    """With ``measure_kernels=True`` cuDNN's workspaces are measured: no bound is left for them, the
+    peak is within 2% and reserved within 5% of the real step (the zoo's real sizes)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from zoo import ZOO
+    from zoo_conformance import measure_step
+
+    entry = ZOO[name]
+    batch = entry.batch["real"]
+    measured = measure_step(entry, batch, CUDA)
+    est = estimate_memory(**entry.estimate_kwargs("real"), batch_size=batch, device=CUDA, fit=False, measure_kernels=True)
+    detail = (f"{name}: measured {measured['allocated']:,} / reserved {measured['reserved']:,}; estimated "
+              f"{est.peak:,} / {est.reserved:,} (bounds {dict(est.error_bounds)})")  # fmt: skip
+    print(detail)
+    assert not any("_cudnn_rnn" in op and "reserve" not in op for op in est.error_bounds), detail
+    assert abs(est.peak - measured["allocated"]) <= 0.02 * measured["allocated"], detail
+    assert abs(est.reserved - measured["reserved"]) <= 0.05 * measured["reserved"], detail

@@ -161,8 +161,9 @@ def estimate_memory(
         world_size: the number of ranks (needed with ``parallel``).
         rank: the rank estimated (FSDP2's last ranks may hold smaller shards; default 0).
         measure_kernels: where the estimate runs on fake CUDA tensors (the GPU is here), run
-            each distinct convolution of the step once on the GPU, in a separate process, and
-            take its measured scratch (cuDNN's workspace) instead of the rule and its bound
+            each distinct convolution and cuDNN recurrent layer (``nn.LSTM``, ``nn.GRU``,
+            ``nn.RNN``) of the step once on the GPU, in a separate process, and take its
+            measured scratch (cuDNN's workspace) instead of the rule and its bound
             (see :mod:`~pytorch_mem_profiler.estimate.kernel_probe`); off CUDA, or emulated, the rule stands.
 
     Raises:

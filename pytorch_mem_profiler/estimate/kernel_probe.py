@@ -1,4 +1,5 @@
-"""Convolutions run once for real on this machine's GPU, for their scratch: what the rules can only bound.
+"""Convolutions and cuDNN's recurrent layers run once for real on this machine's GPU, for their
+scratch: what the rules can only bound.
 
 Which plan cuDNN's heuristics pick, and its workspace, is cuDNN's own choice (see
 :mod:`.conv_workspace`): the rule states a bound around it. Where the estimate
@@ -12,6 +13,15 @@ a first call, then ``scratch = peak inside the operator - max(allocated before,
 allocated after)``. A call whose tensors would take more than an eighth of the GPU's
 free memory is not run (the rule and its bound stand). Results are kept for the
 process's life, by call.
+
+cuDNN's recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) likewise: their
+workspace is what cuDNN's heuristics ask for (:mod:`.rnn` bounds it). With
+``measure_kernels=True`` each distinct layer call (:func:`recurrent_key`: kind,
+sizes, layers, directions, compute dtype, layout) runs in the same child, as a
+layer of that configuration does in training, and its workspace is the forward's
+peak above what the forward leaves (its output, final states, reserve space):
+the size each of its three cuDNN calls takes (forward, backward data, backward
+weights), as the rule has it.
 
 Example::
 
@@ -33,7 +43,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["MEASURED", "convolution_key", "measure_convolutions"]
+__all__ = ["MEASURED", "convolution_key", "measure_convolutions", "recurrent_key"]
 
 #: Scratch measured by call key (bytes; ``None``: not measured, too large for the free memory).
 MEASURED: dict[tuple, int | None] = {}
@@ -70,8 +80,29 @@ def convolution_key(func: Any, args: tuple, kwargs: dict) -> tuple:
              int(a["groups"])), tuple(bool(m) for m in a["output_mask"]), flags)  # fmt: skip
 
 
+def recurrent_key(
+    mode: str, *, seq_len: int, batch: int, input_size: int, hidden: int, proj: int, layers: int, directions: int,
+    bias: bool, batch_first: bool, dtype: torch.dtype, dropout: float, train: bool,
+) -> tuple:
+    """A hashable, JSON-able description of one cuDNN recurrent layer call (``mode``: ``"lstm"``,
+    ``"gru"``, ``"rnn_tanh"`` or ``"rnn_relu"``; ``dtype``: the dtype cuDNN computes in): what the
+    probe runs.
+
+    Example::
+
+        >>> recurrent_key("gru", seq_len=128, batch=97, input_size=512, hidden=512, proj=512, layers=2,
+        ...               directions=1, bias=True, batch_first=True, dtype=torch.float32, dropout=0.0, train=True)[:4]
+        ('recurrent', 'gru', (128, 97, 512), (512, 512, 2, 1))
+    """
+    flags = (bool(torch.backends.cudnn.benchmark), bool(torch.backends.cudnn.deterministic), bool(torch.backends.cudnn.allow_tf32))
+    return ("recurrent", mode, (int(seq_len), int(batch), int(input_size)), (int(hidden), int(proj), int(layers), int(directions)),
+            (bool(bias), bool(batch_first), bool(dropout > 0), bool(train)), str(dtype).removeprefix("torch."), flags)  # fmt: skip
+
+
 def measure_convolutions(keys: Iterable[tuple], device: torch.device) -> dict[tuple, int | None]:
     """Measure each key's scratch on ``device`` in a child process; records them in :data:`MEASURED` and returns them.
+
+    The keys are :func:`convolution_key`'s and :func:`recurrent_key`'s, in any mix.
 
     A child that fails or runs past :data:`PROBE_TIMEOUT` measures nothing (the rules stand).
     """

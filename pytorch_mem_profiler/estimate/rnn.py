@@ -80,6 +80,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .allocator import block_size
+
 __all__ = [
     "DROPOUT_STATE_PER_MULTIPROCESSOR",
     "dropout_state_bytes",
@@ -299,12 +301,19 @@ class CudnnRNNRules(TorchFunctionMode):
             step runs under autocast (``"cpu"`` where fake CPU tensors stand in for CUDA).
         multiprocessors: the card's streaming multiprocessors and resident threads per
             multiprocessor (``None``: no device here), which size cuDNN's dropout state.
+        pending: where the GPU is at hand and ``measure_kernels=True``, the set the calls
+            not measured yet go to (:func:`~.kernel_probe.recurrent_key`); ``None``: the rule.
     """
 
-    def __init__(self, autocast_device: str, *, multiprocessors: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, autocast_device: str, *, multiprocessors: tuple[int, int] | None = None, pending: set[tuple] | None = None
+    ) -> None:
         super().__init__()
         self.autocast_device = autocast_device
         self.multiprocessors = multiprocessors
+        #: with ``measure_kernels=True``: the calls whose workspace is not measured yet are added
+        #: here (their rule stands) for the caller to measure; measured ones take their measurement
+        self.pending = pending
         #: cuDNN's dropout state once a layer trained with dropout: ATen keeps it for the process
         self.dropout_state: torch.Tensor | None = None
         #: the dropout state's error bound (kept from the step that made it on)
@@ -357,25 +366,48 @@ class CudnnRNNRules(TorchFunctionMode):
                 element_size=element,
             )  # fmt: skip
             weight_buf = sum(p.numel() for p in params) * element if autocast else 0
+            transposed = bool(batch_first) and not packed and x.dim() == 3
+            workspace, bound = buffers.workspace, buffers.bound - buffers.reserve_bound
+            if self.pending is not None and not packed:
+                measured = self._measured(mode, x, seq_len, batch, hidden, proj, layers, directions, _bias,
+                                          transposed, dtype, _drop, train)  # fmt: skip
+                if measured is not None:
+                    # the probe's peak holds the input's transposed copy beside the workspace
+                    workspace, bound = max(0, measured - (block_size(x.numel() * element) if transposed else 0)), 0
             spec = {
                 "n_states": len(states),
                 "dtype": dtype,
                 "directions": directions,
                 "proj": proj,
                 "reserve": buffers.reserve if train else 0,
-                "workspace": buffers.workspace,
+                "workspace": workspace,
                 "weight_buf": weight_buf,
-                "batch_first": bool(batch_first) and not packed and x.dim() == 3,
+                "batch_first": transposed,
             }
             outputs = _CudnnRNN.apply(spec, x, *states, *params)
         operation = f"aten._cudnn_rnn ({mode})"
         # the workspaces of calls in a row are never alive together: the largest call's bound stands for all
-        workspace = buffers.bound - buffers.reserve_bound
-        self.bounds[operation] = max(self.bounds.get(operation, 0), workspace)
+        if bound:
+            self.bounds[operation] = max(self.bounds.get(operation, 0), bound)
         if buffers.reserve_bound and train:
             reserve = f"{operation} reserve"
             self.reserve_bounds[reserve] = self.reserve_bounds.get(reserve, 0) + buffers.reserve_bound
         return tuple(outputs)
+
+    def _measured(
+        self, mode: str, x: torch.Tensor, seq_len: int, batch: int, hidden: int, proj: int, layers: int,
+        directions: int, bias: bool, batch_first: bool, dtype: torch.dtype, dropout: float, train: bool,
+    ) -> int | None:
+        """The probe's measurement of this call (:mod:`.kernel_probe`), or ``None`` (then pending)."""
+        from .kernel_probe import MEASURED, recurrent_key
+
+        key = recurrent_key(mode, seq_len=seq_len, batch=batch, input_size=x.shape[-1], hidden=hidden, proj=proj,
+                            layers=layers, directions=directions, bias=bias, batch_first=batch_first, dtype=dtype,
+                            dropout=dropout, train=train)  # fmt: skip
+        value = MEASURED.get(key)
+        if value is None and key not in MEASURED and self.pending is not None:
+            self.pending.add(key)
+        return value
 
     def _make_dropout_state(self, x: torch.Tensor) -> None:
         """ATen's ``get_dropout_state``: a seed drawn into a scalar on the device and read back

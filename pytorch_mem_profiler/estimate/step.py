@@ -431,8 +431,9 @@ def _build(
 def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     """Run ``plan``'s training step twice under the fake mode at ``batch_size``; what it would hold.
 
-    With ``plan.measure_kernels`` on fake CUDA tensors, the convolutions the step
-    met that are not measured yet are measured on the GPU and the step run again.
+    With ``plan.measure_kernels`` on fake CUDA tensors, the convolutions and cuDNN
+    recurrent layers the step met that are not measured yet are measured on the GPU
+    and the step run again.
 
     Raises:
         EstimateUnsupported: the step uses an operation the fake mode cannot run.
@@ -462,7 +463,8 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
     # cuDNN's recurrent layers, with its reserve, workspace and weight buffer, on fake tensors
-    rnn = CudnnRNNRules(run_device.type, multiprocessors=cuda_multiprocessors(target)) if target.type == "cuda" else None
+    pending = scratch.pending if scratch is not None and scratch.measured else None
+    rnn = CudnnRNNRules(run_device.type, multiprocessors=cuda_multiprocessors(target), pending=pending) if target.type == "cuda" else None
     # losses ATen's CUDA code writes as composites, with their temporaries
     losses = LossRules(run_device.type) if target.type == "cuda" else contextlib.nullcontext()
     made, build_error = _construct(plan)

@@ -1,4 +1,5 @@
-"""Run convolutions on this machine's GPU and measure the scratch each takes: the estimate's probe.
+"""Run convolutions and cuDNN recurrent layers on this machine's GPU and measure the scratch each
+takes: the estimate's probe.
 
 Run as ``python -m pytorch_mem_profiler.measure.kernel_scratch`` by
 :mod:`pytorch_mem_profiler.estimate.kernel_probe`, in a process of its own so that
@@ -9,7 +10,9 @@ stdin, runs each call on real tensors of the same shapes, strides and storage
 offsets (a first call chooses and caches cuDNN's plan), and prints the list of
 scratch figures, ``peak inside the operator - max(allocated before, allocated
 after)`` in bytes, ``null`` for a call not run (too large for an eighth of the free
-memory, or failing).
+memory, or failing). A recurrent layer's key
+(:func:`~pytorch_mem_profiler.estimate.kernel_probe.recurrent_key`) is run as a layer of
+that configuration trains (:func:`run_recurrent`).
 
 Example::
 
@@ -25,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["run_convolution", "storage_bytes"]
+__all__ = ["run_convolution", "run_recurrent", "storage_bytes"]
 
 
 def storage_bytes(spec: list | None, element: int) -> int:
@@ -79,6 +82,44 @@ def run_convolution(key: list, device: torch.device) -> int | None:
     return max(0, torch.cuda.max_memory_allocated(device) - max(before, after))
 
 
+def run_recurrent(key: list, device: torch.device) -> int | None:
+    """cuDNN's workspace for one recurrent layer call (a key as JSON gives it back): the training
+    forward's peak above what it leaves allocated (output, final states, reserve space), after a
+    first forward and backward (cuDNN's plan, the dropout state); ``None`` if not run."""
+    _, mode, (seq_len, batch, input_size), (hidden, proj, layers, directions), layout, dtype_name, flags = key
+    bias, batch_first, dropout, train = layout
+    dtype = getattr(torch, dtype_name)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = flags
+    kinds = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn_tanh": torch.nn.RNN, "rnn_relu": torch.nn.RNN}
+    kwargs: dict[str, Any] = {"num_layers": layers, "bias": bias, "batch_first": batch_first,
+                              "bidirectional": directions == 2, "dropout": 0.5 if dropout and layers > 1 else 0.0}  # fmt: skip
+    if mode.startswith("rnn_"):
+        kwargs["nonlinearity"] = mode.removeprefix("rnn_")
+    if mode == "lstm" and proj != hidden:
+        kwargs["proj_size"] = proj
+    element = torch.empty((), dtype=dtype).element_size()
+    tokens = seq_len * batch
+    # the input, output and reserve (every layer's gates per step): a few times them must fit
+    rough = element * tokens * (input_size + 8 * layers * directions * hidden)
+    if 4 * rough > torch.cuda.mem_get_info(device)[0]:
+        return None
+    layer = kinds[mode](input_size, hidden, **kwargs).to(device=device, dtype=dtype).train(train)
+    shape = (batch, seq_len, input_size) if batch_first else (seq_len, batch, input_size)
+    x = torch.randn(shape, device=device, dtype=dtype)
+    layer(x)[0].sum().backward()  # cuDNN's plan, the dropout state: made once, as in a run
+    layer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.set_grad_enabled(train):
+        out = layer(x)
+    torch.cuda.synchronize(device)
+    after = torch.cuda.memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del out
+    return max(0, peak - max(before, after))
+
+
 def _main() -> None:
     request = json.loads(sys.stdin.read())
     device = torch.device("cuda", request["device"])
@@ -86,7 +127,8 @@ def _main() -> None:
     answers: list[int | None] = []
     for key in request["calls"]:
         try:
-            answers.append(run_convolution(key, device))
+            run = run_recurrent if key and key[0] == "recurrent" else run_convolution
+            answers.append(run(key, device))
         except Exception:  # noqa: BLE001 - one call that cannot run leaves its rule in place
             answers.append(None)
         torch.cuda.empty_cache()
