@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from .conv_workspace import memory_format
 from .draws import SMALL_VALUE_NUMEL, Draws
 from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rule
+from .lengths import length_rule
 
 __all__ = [
     "EstimateFakeMode",
@@ -57,6 +58,8 @@ class EstimateFakeMode(FakeTensorMode):
 
     - Sparse tensors and ``_foreach_*`` operators over them hold the memory their real
       kernels do (:mod:`.layouts`).
+    - Operators whose output shapes follow a lengths tensor's values (CTC loss) make them
+      from the values, or from the padded targets' width (:mod:`.lengths`).
     - While :attr:`draws` is on (the step, see :mod:`.draws`), tiny tensors made from
       nothing get real values, so a branch on a random draw (LayerDrop) is taken as a
       real step takes it; the values read are noted in ``draws.reads``.
@@ -84,6 +87,10 @@ class EstimateFakeMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        by_lengths = length_rule(func)
+        if by_lengths is not None:
+            with self:
+                return by_lengths(args, kwargs)
         if func in MAKES_SPARSE or has_other_layout(args) or has_other_layout(kwargs.values()):
             name = getattr(getattr(func, "_schema", None), "name", "")
             rule = sparse_rule(func) or (
