@@ -382,6 +382,35 @@ class TorchSeq2Seq(nn.Module):
         return self.head(y)
 
 
+class FrozenFastPathEncoder(nn.Module):
+    """A frozen ``nn.TransformerEncoder`` (eval mode, no gradients: torch's fused fast path) feeding a
+    trained ``nn.TransformerEncoder`` (the slow path, with the padding mask) and a classifier: a
+    student over a teacher's features. (Given the padding mask too, the teacher would turn the batch
+    into a nested tensor whose size follows the mask's values: the estimate refuses that, naming
+    ``aten._nested_tensor_from_mask_left_aligned``.)"""
+
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, classes: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, batch_first=True)
+        self.teacher = nn.TransformerEncoder(layer, layers, enable_nested_tensor=True).eval().requires_grad_(False)
+        self.student = nn.TransformerEncoder(nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.1, batch_first=True), 1)
+        self.head = nn.Linear(dim, classes)
+
+    def train(self, mode: bool = True) -> FrozenFastPathEncoder:
+        super().train(mode)
+        self.teacher.eval()  # frozen: always in eval mode, as a teacher is
+        return self
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        padding = ids == 0
+        x = self.embed(ids)
+        with torch.no_grad():
+            features = self.teacher(x.detach())
+        y = self.student(x + features, src_key_padding_mask=padding)
+        return self.head(y[:, 0])
+
+
 class CrossAttentionClassifier(nn.Module):
     """``nn.MultiheadAttention`` with key and value widths of their own (separate projections), an
     additive float mask and a key padding mask, the per-head weights returned and used."""
@@ -561,6 +590,10 @@ def _entries() -> list[ZooModel]:
         ZooModel("torch_encoder", "encoder", "nn.TransformerEncoder with src_key_padding_mask, mean over the real tokens",
                  _plain(lambda: PaddedEncoder(512, 64, 4, 2), lambda: PaddedEncoder(32_000, 768, 12, 12)),
                  _padded(TEXT_SHAPES), _labels(4), class_loss, ADAMW, torch.bfloat16, {**small2, "real": 16}),
+        ZooModel("frozen_fastpath", "encoder", "a frozen nn.TransformerEncoder in eval mode under no_grad (torch's fused fast path) "
+                 "feeding a trained one with a padding mask", _plain(lambda: FrozenFastPathEncoder(512, 64, 4, 2),
+                 lambda: FrozenFastPathEncoder(32_000, 768, 12, 6)), _padded(TEXT_SHAPES), _labels(4), class_loss, SGD_MOMENTUM,
+                 None, {**small2, "real": 32}),
         ZooModel("torch_seq2seq", "encoder-decoder", "nn.Transformer, pre-norm: causal target mask, source and memory padding masks",
                  _plain(lambda: TorchSeq2Seq(512, 64, 4, 2), lambda: TorchSeq2Seq(32_000, 512, 8, 6)),
                  _seq2seq, _seq2seq_targets, token_loss, SGD_MOMENTUM, None, {**small2, "real": 16}),
