@@ -74,6 +74,16 @@ def _ids(shapes: dict[str, tuple[int, ...]]) -> Callable[[str, int], dict[str, t
     return lambda size, batch: {"input_ids": torch.randint(1, shapes[size][0], (batch, shapes[size][1]))}
 
 
+def _ids_padded(shapes: dict[str, tuple[int, ...]]) -> Callable[[str, int], dict[str, torch.Tensor]]:
+    """Token ids and an attention mask with trailing padding, as a tokenizer pads a batch."""
+
+    def make(size: str, batch: int) -> dict[str, torch.Tensor]:
+        ids = _padded(shapes)(size, batch)
+        return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+    return make
+
+
 def _id_targets(shapes: dict[str, tuple[int, ...]]) -> Callable[[str, int], torch.Tensor]:
     return lambda size, batch: torch.randint(0, shapes[size][0], (batch, shapes[size][1]))
 
@@ -299,7 +309,7 @@ def wav2vec2(size: str) -> nn.Module:
     if size == "small":
         config = Wav2Vec2Config(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                 conv_dim=(16, 16, 16), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16,
-                                num_conv_pos_embedding_groups=2, feat_extract_norm="group")
+                                num_conv_pos_embedding_groups=2, feat_extract_norm="group", mask_time_prob=0.3, mask_time_length=4)
     else:  # Wav2Vec2-base with a CTC head
         config = Wav2Vec2Config(vocab_size=32, feat_extract_norm="group")
     return Wav2Vec2ForCTC(config)
@@ -385,12 +395,12 @@ class TorchSeq2Seq(nn.Module):
 class FrozenFastPathEncoder(nn.Module):
     """A frozen ``nn.TransformerEncoder`` (eval mode, no gradients: torch's fused fast path) feeding a
     trained ``nn.TransformerEncoder`` (the slow path, with the padding mask) and a classifier: a
-    student over a teacher's features. (Given the padding mask too, the teacher would turn the batch
-    into a nested tensor whose size follows the mask's values: the estimate refuses that, naming
-    ``aten._nested_tensor_from_mask_left_aligned``.)"""
+    student over a teacher's features. With ``nested``, the teacher gets the padding mask too and
+    turns the batch into a nested tensor, whose size follows the mask's values."""
 
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, classes: int = 4) -> None:
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, classes: int = 4, nested: bool = False) -> None:
         super().__init__()
+        self.nested = nested
         self.embed = nn.Embedding(vocab, dim, padding_idx=0)
         layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, batch_first=True)
         self.teacher = nn.TransformerEncoder(layer, layers, enable_nested_tensor=True).eval().requires_grad_(False)
@@ -406,7 +416,7 @@ class FrozenFastPathEncoder(nn.Module):
         padding = ids == 0
         x = self.embed(ids)
         with torch.no_grad():
-            features = self.teacher(x.detach())
+            features = self.teacher(x.detach(), src_key_padding_mask=padding if self.nested else None)
         y = self.student(x + features, src_key_padding_mask=padding)
         return self.head(y[:, 0])
 
@@ -554,15 +564,15 @@ def _entries() -> list[ZooModel]:
     small2 = {"small": 2}
     return [
         ZooModel("mistral", "decoder", "transformers Mistral: sliding-window attention (window < sequence), GQA 16/4, RoPE",
-                 mistral, _ids(lm), _id_targets(lm), token_loss, ADAMW, torch.bfloat16, {**small2, "real": 8}, HF),
+                 mistral, _ids_padded(lm), _id_targets(lm), token_loss, ADAMW, torch.bfloat16, {**small2, "real": 8}, HF),
         ZooModel("qwen2", "decoder", "transformers Qwen2: query/key/value biases, GQA, tied input and output embeddings",
                  qwen2, _ids(lm), _id_targets(lm), token_loss, SGD_MOMENTUM, None, {**small2, "real": 8}, HF),
         ZooModel("gpt_neox", "decoder", "transformers GPT-NeoX (Pythia-160M): rotary on a quarter of each head, parallel residual",
-                 gpt_neox, _ids(neox), _id_targets(neox), token_loss, SGD_MOMENTUM, None, {**small2, "real": 8}, HF),
+                 gpt_neox, _ids_padded(neox), _id_targets(neox), token_loss, SGD_MOMENTUM, None, {**small2, "real": 8}, HF),
         ZooModel("bloom", "decoder", "transformers Bloom: ALiBi biases (baddbmm), embedding LayerNorm, tied embeddings",
-                 bloom, _ids(bloom_shapes), _id_targets(bloom_shapes), token_loss, ADAMW, torch.bfloat16, {**small2, "real": 8}, HF),
+                 bloom, _ids(bloom_shapes), _id_targets(bloom_shapes), token_loss, ADAMW, torch.bfloat16, {**small2, "real": 6}, HF),
         ZooModel("opt", "decoder", "transformers OPT-125M: learned positions from the attention mask's cumulative sum",
-                 opt, _ids(opt_shapes), _id_targets(opt_shapes), token_loss, ADAMW, None, {**small2, "real": 8}, HF),
+                 opt, _ids_padded(opt_shapes), _id_targets(opt_shapes), token_loss, ADAMW, None, {**small2, "real": 8}, HF),
         ZooModel("falcon", "decoder", "transformers Falcon: multi-query attention, attention and MLP in parallel, no biases",
                  falcon, _ids(neox), _id_targets(neox), token_loss, SGD_MOMENTUM, torch.bfloat16, {**small2, "real": 8}, HF),
         ZooModel("phi", "decoder", "transformers Phi: half-rotary heads, parallel block, dense GELU MLP",
@@ -570,15 +580,15 @@ def _entries() -> list[ZooModel]:
         ZooModel("gemma", "decoder", "transformers Gemma: head dim 256 with one key-value head, GeGLU, scaled embedding, (1+w) RMSNorm",
                  gemma, _ids(lm), _id_targets(lm), token_loss, ADAMW, None, {**small2, "real": 4}, HF),
         ZooModel("albert", "encoder", "transformers ALBERT-base: one layer's weights run by all twelve, factorized embedding",
-                 albert, _ids(albert_shapes), _id_targets(albert_shapes), token_loss, SGD_MOMENTUM, None, {**small2, "real": 32}, HF),
+                 albert, _ids(albert_shapes), _id_targets(albert_shapes), token_loss, SGD_MOMENTUM, None, {**small2, "real": 16}, HF),
         ZooModel("distilbert", "encoder", "transformers DistilBERT: sequence classification from the first token",
-                 distilbert, _ids(enc), _labels(4), class_loss, ADAMW, None, {**small2, "real": 64}, HF),
+                 distilbert, _ids_padded(enc), _labels(4), class_loss, ADAMW, None, {**small2, "real": 64}, HF),
         ZooModel("roberta", "encoder", "transformers RoBERTa-base in bf16: positions from the padding id's cumulative sum",
-                 roberta, _ids(roberta_shapes), _id_targets(roberta_shapes), token_loss, ADAMW, torch.bfloat16, {**small2, "real": 32}, HF),
+                 roberta, _ids_padded(roberta_shapes), _id_targets(roberta_shapes), token_loss, ADAMW, torch.bfloat16, {**small2, "real": 16}, HF),
         ZooModel("deberta_v2", "encoder", "transformers DeBERTa-v2: disentangled relative attention (c2p, p2c), bucketed positions",
-                 deberta_v2, _ids(deberta_shapes), _id_targets(deberta_shapes), token_loss, ADAMW, None, {**small2, "real": 16}, HF),
+                 deberta_v2, _ids_padded(deberta_shapes), _id_targets(deberta_shapes), token_loss, ADAMW, None, {**small2, "real": 6}, HF),
         ZooModel("electra", "encoder", "transformers ELECTRA discriminator: a binary loss per token",
-                 electra, _ids(enc), lambda size, batch: torch.randint(0, 2, (batch, enc[size][1])).float(), token_click_loss,
+                 electra, _ids_padded(enc), lambda size, batch: torch.randint(0, 2, (batch, enc[size][1])).float(), token_click_loss,
                  SGD_MOMENTUM, torch.bfloat16, {**small2, "real": 64}, HF),
         ZooModel("whisper", "audio encoder-decoder", "transformers Whisper-base: two Conv1d over mel frames, encoder-decoder",
                  whisper, _whisper_inputs, _whisper_targets, token_loss, ADAMW, torch.bfloat16, {**small2, "real": 8}, HF),
@@ -594,6 +604,10 @@ def _entries() -> list[ZooModel]:
                  "feeding a trained one with a padding mask", _plain(lambda: FrozenFastPathEncoder(512, 64, 4, 2),
                  lambda: FrozenFastPathEncoder(32_000, 768, 12, 6)), _padded(TEXT_SHAPES), _labels(4), class_loss, SGD_MOMENTUM,
                  None, {**small2, "real": 32}),
+        ZooModel("frozen_fastpath_nested", "encoder", "the same, the frozen encoder given the padding mask: the batch "
+                 "as a nested tensor of the real tokens", _plain(lambda: FrozenFastPathEncoder(512, 64, 4, 2, nested=True),
+                 lambda: FrozenFastPathEncoder(32_000, 768, 12, 6, nested=True)), _padded(TEXT_SHAPES), _labels(4), class_loss,
+                 ADAMW, torch.bfloat16, {**small2, "real": 32}, unsupported="aten._nested_tensor_from_mask"),
         ZooModel("torch_seq2seq", "encoder-decoder", "nn.Transformer, pre-norm: causal target mask, source and memory padding masks",
                  _plain(lambda: TorchSeq2Seq(512, 64, 4, 2), lambda: TorchSeq2Seq(32_000, 512, 8, 6)),
                  _seq2seq, _seq2seq_targets, token_loss, SGD_MOMENTUM, None, {**small2, "real": 16}),
