@@ -145,6 +145,12 @@ def qwen2(size: str) -> nn.Module:
     return Qwen2ForCausalLM(_sdpa(config))
 
 
+def qwen2_checkpointed(size: str) -> nn.Module:
+    model = qwen2(size)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return model
+
+
 def gpt_neox(size: str) -> nn.Module:
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -567,6 +573,8 @@ def _entries() -> list[ZooModel]:
                  mistral, _ids_padded(lm), _id_targets(lm), token_loss, ADAMW, torch.bfloat16, {**small2, "real": 8}, HF),
         ZooModel("qwen2", "decoder", "transformers Qwen2: query/key/value biases, GQA, tied input and output embeddings",
                  qwen2, _ids(lm), _id_targets(lm), token_loss, SGD_MOMENTUM, None, {**small2, "real": 8}, HF),
+        ZooModel("qwen2_checkpointed", "decoder", "the same Qwen2 in bf16 with transformers' gradient checkpointing, reentrant",
+                 qwen2_checkpointed, _ids(lm), _id_targets(lm), token_loss, ADAMW, torch.bfloat16, {**small2, "real": 16}, HF),
         ZooModel("gpt_neox", "decoder", "transformers GPT-NeoX (Pythia-160M): rotary on a quarter of each head, parallel residual",
                  gpt_neox, _ids_padded(neox), _id_targets(neox), token_loss, SGD_MOMENTUM, None, {**small2, "real": 8}, HF),
         ZooModel("bloom", "decoder", "transformers Bloom: ALiBi biases (baddbmm), embedding LayerNorm, tied embeddings",
