@@ -237,3 +237,34 @@ def test_bart_with_layerdrop_is_estimated_as_a_real_step_with_the_same_draws():
             del out, loss
             peaks.append(profiler.record_stats().iteration_peak_allocated)
     assert est.peak == max(peaks)
+
+
+class _HostMasked(nn.Module):
+    """A time mask drawn with numpy (as wav2vec2's ``_compute_mask_indices``), given to
+    ``torch.tensor`` and used to overwrite the masked frames with a learned vector."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.fill = nn.Parameter(torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        h = self.proj(x)
+        mask = torch.tensor(np.random.default_rng(0).random(h.shape[:2]) < 0.3, device=h.device)
+        h = h.clone()
+        h[mask] = self.fill.to(h.dtype)  # index_put_ by a boolean mask: nonzero of its values
+        return h
+
+
+@pytest.mark.parametrize("batch", [2, 16])
+def test_a_mask_from_host_data_indexes_with_its_real_shape(batch):
+    pytest.importorskip("numpy")
+    frames = 40  # batch 16: 640 mask elements, above the size draws give values to
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    measured = measured_peak(_HostMasked, lambda: torch.randn(batch, frames, 16), sgd)
+    estimate = estimate_memory(_HostMasked, lambda b: torch.randn(b, frames, 16), optimizer=sgd, batch_size=batch, device="cpu")
+    assert estimate.peak == measured
+    # the fit's larger batches index by larger masks too, each its own number of rows
+    assert estimate.fit is not None and estimate.fit.per_sample > 0

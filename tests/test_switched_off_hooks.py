@@ -286,3 +286,55 @@ def test_a_fault_in_the_cpu_counter_stops_all_measuring(tmp_path, caplog):
 
     check_measuring_stopped(tmp_path, fail_the_counting)
     assert "CPU storage counter failed and is switched off" in caplog.text
+
+
+class _FrozenEncoderStudent(nn.Module):
+    """A frozen ``nn.TransformerEncoder`` (eval, no gradients: torch's fused fast path) feeding a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 64)
+        layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+        self.teacher = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval().requires_grad_(False)
+        self.head = nn.Linear(64, 4)
+
+    def train(self, mode: bool = True) -> "_FrozenEncoderStudent":
+        super().train(mode)
+        self.teacher.eval()
+        return self
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        with torch.no_grad():
+            features = self.teacher(x.detach())
+        return self.head((x + features).mean(1))
+
+
+def _fast_path_steps(monkeypatch, profiled: bool) -> tuple[int, list[int]]:
+    calls = []
+    fused = torch._transformer_encoder_layer_fwd
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    torch.manual_seed(0)
+    model = _FrozenEncoderStudent()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids, labels = torch.randint(0, 100, (2, 16)), torch.randint(0, 4, (2,))
+    peaks = []
+    profiler = MemoryProfiler(model, print_period=1, by_layer=True, stream=io.StringIO(), strict=True, optimizer=opt) if profiled else None
+    for _ in range(3):
+        nn.functional.cross_entropy(model(ids), labels).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if profiler is not None:
+            peaks.append(profiler.record_stats().iteration_peak_allocated)
+    if profiler is not None:
+        profiler.close()
+    return len(calls), peaks
+
+
+def test_a_frozen_encoder_takes_torchs_fast_path_in_every_profiled_iteration(monkeypatch):
+    # the learning iteration hooked every module, and nn.TransformerEncoderLayer takes its fused
+    # kernel only without hooks: the first iteration ran another computation (22,472 B more)
+    unprofiled, _ = _fast_path_steps(monkeypatch, profiled=False)
+    profiled, peaks = _fast_path_steps(monkeypatch, profiled=True)
+    assert profiled == unprofiled == 2 * 3
+    assert peaks[0] == peaks[1] == peaks[2] > 0

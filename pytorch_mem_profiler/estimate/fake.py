@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from .conv_workspace import memory_format
 from .draws import SMALL_VALUE_NUMEL, Draws
 from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rule
+from .lengths import length_rule
 
 __all__ = [
     "EstimateFakeMode",
@@ -47,6 +48,12 @@ __all__ = [
     "FOREACH_DEVICES",
 ]
 
+#: Integer and boolean tensors with values (host data given to ``torch.tensor``, and what is
+#: computed from values alone) keep them up to this many elements while the step runs: a mask
+#: made with numpy, then used to index, gives the indexing its real shape. Floating-point ones
+#: keep them up to :data:`~.draws.SMALL_VALUE_NUMEL` (values cost the fake mode its cache).
+HOST_VALUE_NUMEL = 1 << 20
+
 #: Device types whose optimizers take the ``foreach`` path by default (real tensors only:
 #: torch's check looks at the tensor's Python type, so fake ones would take the loop).
 FOREACH_DEVICES = ("cuda", "xpu")
@@ -57,9 +64,13 @@ class EstimateFakeMode(FakeTensorMode):
 
     - Sparse tensors and ``_foreach_*`` operators over them hold the memory their real
       kernels do (:mod:`.layouts`).
+    - Operators whose output shapes follow a lengths tensor's values (CTC loss) make them
+      from the values, or from the padded targets' width (:mod:`.lengths`).
     - While :attr:`draws` is on (the step, see :mod:`.draws`), tiny tensors made from
       nothing get real values, so a branch on a random draw (LayerDrop) is taken as a
-      real step takes it; the values read are noted in ``draws.reads``.
+      real step takes it; the values read are noted in ``draws.reads``. Integer and boolean
+      tensors made from host data (a mask from numpy) keep theirs up to
+      :data:`HOST_VALUE_NUMEL` elements, so indexing by them has its real shape.
 
     ``allow_fallback_kernels=False``: an operator without a fake implementation
     raises instead of running its real kernel on made-up data (which would allocate
@@ -72,10 +83,13 @@ class EstimateFakeMode(FakeTensorMode):
         self.draws = Draws()
 
     def may_turn_const(self, t: torch.Tensor) -> bool:
-        # while the step runs, values computed from values stay up to the size draws get them
+        # while the step runs, values computed from values stay up to the size draws get them;
+        # integer and boolean ones (masks and indices made from host data, as wav2vec2's time
+        # mask from numpy) up to HOST_VALUE_NUMEL, so that indexing by them has its real shape
         if self.draws.active:
+            limit = SMALL_VALUE_NUMEL if t.is_floating_point() or t.is_complex() else HOST_VALUE_NUMEL
             return (
-                t.numel() <= SMALL_VALUE_NUMEL
+                t.numel() <= limit
                 and t.layout is torch.strided
                 and not self.is_our_fake(t)
                 and t.device.type != "meta"
@@ -84,6 +98,10 @@ class EstimateFakeMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        by_lengths = length_rule(func)
+        if by_lengths is not None:
+            with self:
+                return by_lengths(args, kwargs)
         if func in MAKES_SPARSE or has_other_layout(args) or has_other_layout(kwargs.values()):
             name = getattr(getattr(func, "_schema", None), "name", "")
             rule = sparse_rule(func) or (

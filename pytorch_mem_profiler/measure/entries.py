@@ -26,7 +26,9 @@ step an optimizer with no forward found (the framework started entering
 through another module), learning starts again for one forward.
 
 Modules inside a compiled module (``torch.compile``) are never hooked: a hook
-there would run inside the compiled region. The compiled module itself is.
+there would run inside the compiled region. The compiled module itself is. Nor are
+``nn.TransformerEncoderLayer`` and its submodules (:data:`HOOK_SENSITIVE`): torch takes its
+fused fast path (eval mode, no gradients: a frozen encoder) only while none of them has a hook.
 
 Example::
 
@@ -52,14 +54,22 @@ import torch
 from ..faults import FaultGuard
 from .trees import is_compiled_module
 
-__all__ = ["EntryWatch", "FORWARD_PART"]
+__all__ = ["EntryWatch", "FORWARD_PART", "HOOK_SENSITIVE"]
 
 #: The part of the profiler a fault in these hooks switches off.
 FORWARD_PART = "forward hooks"
 
 
+#: Modules that take a fused kernel (torch's "fast path": ``_transformer_encoder_layer_fwd``, in
+#: eval mode without gradients) only while no module hook is on them or their submodules: a
+#: hook there would change what the model computes and holds, so they and their submodules are
+#: never hooked but as the root (a forward entering through one enters through its parent).
+HOOK_SENSITIVE: tuple[type[torch.nn.Module], ...] = (torch.nn.TransformerEncoderLayer,)
+
+
 def _hookable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's modules, each once, leaving out those inside a compiled module."""
+    """The model's modules, each once, leaving out those inside a compiled module and the
+    :data:`HOOK_SENSITIVE` ones below the root with their submodules."""
     found: list[torch.nn.Module] = []
     seen: set[int] = set()
     stack = [model]
@@ -68,6 +78,8 @@ def _hookable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         if id(module) in seen:
             continue
         seen.add(id(module))
+        if module is not model and isinstance(module, HOOK_SENSITIVE):
+            continue
         found.append(module)
         if not is_compiled_module(module) and not isinstance(module, torch.jit.ScriptModule):
             stack.extend(reversed(list(module.children())))

@@ -1,0 +1,129 @@
+"""Operators whose output shapes follow the values of a lengths tensor, for fake tensors.
+
+A fake tensor has no values, and torch's fake mode refuses every operator tagged
+``dynamic_output_shape``. CTC loss (``F.ctc_loss``, speech recognition's loss:
+Wav2Vec2, Conformer, DeepSpeech fine-tuning) is one: its kernel (``_ctc_loss``, on the
+CPU and on CUDA, given lengths as tensors or as lists) returns the loss per sample and
+``log_alpha``, the forward variables kept for backward, of shape ``(batch, frames,
+2 * longest target + 1)``: the longest target is the largest of ``target_lengths``.
+Its backward (``_ctc_loss_backward``, no fake kernel in torch) returns the gradient of
+the log-probabilities, contiguous, as both kernels make it.
+
+- Lengths with values (a list of ints, a real tensor, or a fake one whose values the
+  step knows: a factory's small tensor, see :mod:`.draws`): the longest is read, and the
+  shapes are the kernel's, exact.
+- Lengths without values (a tensor of the batch, or one computed in the loss): with
+  targets padded to a width (2-D, ``(batch, width)``) the longest target is taken as that
+  width. It is an upper bound, and exact where targets are padded to the batch's longest,
+  as collate functions pad them; ``log_alpha`` is ``batch * frames * (2 * width + 1)``
+  elements. Concatenated targets (1-D) bound it by their total length only: refused, as
+  before, naming the operator.
+
+``_use_cudnn_ctc_loss`` (CUDA's choice of cuDNN's kernel, asked before ``_ctc_loss``)
+is answered by its conditions on dtypes, devices and shapes (cuDNN takes 1-D ``int32``
+targets on the CPU and a blank of 0); where those hold, its answer depends on the
+lengths' values, and without them it is refused.
+
+Example::
+
+    >>> import torch
+    >>> from pytorch_mem_profiler.estimate.fake import fake_mode
+    >>> with fake_mode():
+    ...     log_probs = torch.empty(2, 50, 20).transpose(0, 1)      # (frames, batch, classes)
+    ...     targets = torch.empty(2, 10, dtype=torch.long)
+    ...     lengths = torch.empty(2, dtype=torch.long)              # no values: the padded width
+    ...     loss, log_alpha = torch.ops.aten._ctc_loss(log_probs, targets, lengths, lengths)
+    ...     _, exact = torch.ops.aten._ctc_loss(log_probs, targets, [50, 50], [7, 4])
+    >>> tuple(loss.shape), tuple(log_alpha.shape), tuple(exact.shape)
+    ((2,), (2, 50, 21), (2, 50, 15))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
+
+__all__ = ["length_rule"]
+
+aten = torch.ops.aten
+
+
+def _values(lengths: Any) -> list[int] | None:
+    """``lengths`` as ints where they are known: a list, a real tensor, or a fake tensor with values."""
+    if isinstance(lengths, (list, tuple)):
+        return [int(v) for v in lengths]
+    if isinstance(lengths, FakeTensor):
+        known = lengths.constant
+        return None if known is None else [int(v) for v in known.reshape(-1).tolist()]
+    if isinstance(lengths, torch.Tensor) and lengths.device.type != "meta":
+        return [int(v) for v in lengths.reshape(-1).tolist()]
+    return None
+
+
+def _ctc_loss(func: Any) -> Callable[[tuple, dict], Any]:
+    names = ("log_probs", "targets", "input_lengths", "target_lengths", "blank", "zero_infinity")
+
+    def rule(args: tuple, kwargs: dict) -> Any:
+        given = dict(zip(names, args))
+        given.update(kwargs)
+        log_probs, targets = given["log_probs"], given["targets"]
+        lengths = _values(given["target_lengths"])
+        if lengths is not None:
+            longest = max(lengths, default=0)
+        elif targets.dim() == 2:
+            longest = targets.shape[1]  # padded to the longest: the kernel's shapes
+        else:
+            raise DynamicOutputShapeException(func)
+        frames, batch = log_probs.shape[0], log_probs.shape[1]
+        return log_probs.new_empty((batch,)), log_probs.new_empty((batch, frames, 2 * longest + 1))
+
+    return rule
+
+
+def _ctc_loss_backward(args: tuple, kwargs: dict) -> Any:
+    """The gradient of ``log_probs``: a contiguous tensor of its shape (both kernels make it so)."""
+    log_probs = args[1] if len(args) > 1 else kwargs["log_probs"]
+    return log_probs.new_empty(tuple(log_probs.shape))
+
+
+def _use_cudnn_ctc_loss(func: Any) -> Callable[[tuple, dict], Any]:
+    names = ("log_probs", "targets", "input_lengths", "target_lengths", "blank")
+
+    def rule(args: tuple, kwargs: dict) -> Any:
+        given = dict(zip(names, args))
+        given.update(kwargs)
+        log_probs, targets = given["log_probs"], given["targets"]
+        if not (
+            torch.backends.cudnn.enabled
+            and given["blank"] == 0
+            and targets.dim() == 1
+            and log_probs.dtype == torch.float32
+            and targets.dtype == torch.int32
+            and targets.device.type == "cpu"
+            and log_probs.device.type == "cuda"
+        ):
+            return False
+        inputs, target_lengths = _values(given["input_lengths"]), _values(given["target_lengths"])
+        if inputs is None or target_lengths is None:
+            raise DataDependentOutputException(func)
+        return all(n == log_probs.shape[0] for n in inputs) and all(n <= 256 for n in target_lengths)
+
+    return rule
+
+
+_RULES: dict[Any, Callable[[tuple, dict], Any]] = {
+    aten._ctc_loss.default: _ctc_loss(aten._ctc_loss.default),
+    aten._ctc_loss.Tensor: _ctc_loss(aten._ctc_loss.Tensor),
+    aten._ctc_loss_backward.default: _ctc_loss_backward,
+    aten._ctc_loss_backward.Tensor: _ctc_loss_backward,
+    aten._use_cudnn_ctc_loss.default: _use_cudnn_ctc_loss(aten._use_cudnn_ctc_loss.default),
+    aten._use_cudnn_ctc_loss.Tensor: _use_cudnn_ctc_loss(aten._use_cudnn_ctc_loss.Tensor),
+}
+
+
+def length_rule(func: Any) -> Callable[[tuple, dict], Any] | None:
+    """The rule for ``func`` (an operator whose shapes follow a lengths tensor's values), or
+    ``None``. Call it inside the fake mode."""
+    return _RULES.get(func)

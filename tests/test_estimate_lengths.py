@@ -1,0 +1,111 @@
+"""Operators whose shapes follow a lengths tensor's values (``pytorch_mem_profiler/estimate/lengths.py``):
+CTC loss, against the CPU's kernels and a measured step."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pytorch_mem_profiler import estimate_memory
+from pytorch_mem_profiler.estimate import EstimateUnsupported
+from pytorch_mem_profiler.estimate.fake import fake_mode
+from tests.helpers import measured_peak
+
+aten = torch.ops.aten
+FRAMES, BATCH, CLASSES, WIDTH = 40, 3, 12, 9
+
+
+def _real_and_fake(target_lengths, as_tensor: bool, fake_lengths_known: bool):
+    """``_ctc_loss`` run for real on the CPU, and in the estimate's fake mode, with the same shapes."""
+    log_probs = torch.randn(BATCH, FRAMES, CLASSES).log_softmax(-1).transpose(0, 1)
+    targets = torch.randint(1, CLASSES, (BATCH, WIDTH))
+    inputs = [FRAMES] * BATCH
+    real = aten._ctc_loss(log_probs, targets, torch.tensor(inputs), torch.tensor(target_lengths)) if as_tensor else (
+        aten._ctc_loss(log_probs, targets, inputs, target_lengths))
+    with fake_mode():
+        fake_lp = torch.empty(BATCH, FRAMES, CLASSES).transpose(0, 1)
+        fake_targets = torch.empty(BATCH, WIDTH, dtype=torch.long)
+        if not as_tensor:
+            fake = aten._ctc_loss(fake_lp, fake_targets, inputs, target_lengths)
+        elif fake_lengths_known:  # a real tensor met inside the fake mode keeps its values
+            fake = aten._ctc_loss(fake_lp, fake_targets, torch.tensor(inputs), torch.tensor(target_lengths))
+        else:
+            lengths = torch.empty(BATCH, dtype=torch.long)  # a stand-in without values
+            fake = aten._ctc_loss(fake_lp, fake_targets, lengths, lengths)
+    return real, fake
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_ctc_losss_outputs_take_the_cpu_kernels_bytes_from_the_lengths_values(as_tensor):
+    real, fake = _real_and_fake([9, 4, 7], as_tensor, fake_lengths_known=True)
+    for r, f in zip(real, fake):
+        assert f.shape == r.shape and f.dtype == r.dtype
+        assert f.untyped_storage().nbytes() == r.untyped_storage().nbytes()
+    assert real[1].untyped_storage().nbytes() == BATCH * FRAMES * (2 * 9 + 1) * 4
+
+
+def test_ctc_loss_without_the_lengths_values_takes_the_padded_width():
+    # exact where the longest target fills the padding, as a collate function pads
+    real, fake = _real_and_fake([WIDTH, 2, 5], True, fake_lengths_known=False)
+    assert [f.untyped_storage().nbytes() for f in fake] == [r.untyped_storage().nbytes() for r in real]
+    # an upper bound where it does not: the kernel's log_alpha for a longest target of 5, against 9
+    short, fake = _real_and_fake([5, 2, 5], True, fake_lengths_known=False)
+    assert fake[1].untyped_storage().nbytes() - short[1].untyped_storage().nbytes() == BATCH * FRAMES * 2 * (WIDTH - 5) * 4
+
+
+def test_ctc_loss_over_concatenated_targets_without_lengths_is_refused_naming_it():
+    with fake_mode():
+        log_probs = torch.empty(FRAMES, BATCH, CLASSES)
+        lengths = torch.empty(BATCH, dtype=torch.long)
+        with pytest.raises(Exception, match="_ctc_loss"):
+            aten._ctc_loss(log_probs, torch.empty(20, dtype=torch.long), lengths, lengths)
+
+
+class _Acoustic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(8, 32, 3, padding=1)
+        self.head = nn.Linear(32, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.gelu(self.conv(x)).transpose(1, 2))  # (batch, frames, classes)
+
+
+def _ctc(out: torch.Tensor, labels: torch.Tensor, label_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    log_probs = out.float().log_softmax(-1).transpose(0, 1)
+    frames = torch.full((out.shape[0],), out.shape[1], dtype=torch.long)
+    if label_lengths is None:  # computed in the loss: no values in the fake step
+        label_lengths = torch.full((out.shape[0],), labels.shape[1], dtype=torch.long)
+    return F.ctc_loss(log_probs, labels, frames, label_lengths)
+
+
+@pytest.mark.parametrize("lengths", ["in the loss", "with the batch"])
+def test_a_ctc_training_step_is_estimated_to_the_byte_on_the_cpu(lengths):
+    torch.manual_seed(0)
+    batch = 4
+
+    def make_targets():
+        labels = torch.randint(1, CLASSES, (batch, WIDTH))
+        if lengths == "in the loss":
+            return labels
+        return labels, torch.tensor([WIDTH, 3, 6, WIDTH])  # padded to the longest
+
+    optimizer = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    measured = measured_peak(_Acoustic, lambda: torch.randn(batch, 8, FRAMES), optimizer, loss_fn=_ctc,
+                             make_targets=make_targets)
+    estimate = estimate_memory(_Acoustic, lambda b: torch.randn(b, 8, FRAMES), targets=lambda b: make_targets(),
+                               loss_fn=_ctc, optimizer=optimizer, batch_size=batch, device="cpu", fit=False)
+    assert estimate.peak == measured
+
+
+def test_the_emulated_cuda_estimate_of_ctc_does_not_refuse_it():
+    try:
+        estimate = estimate_memory(_Acoustic, lambda b: torch.randn(b, 8, FRAMES), targets=lambda b: torch.randint(1, CLASSES, (b, WIDTH)),
+                                   loss_fn=_ctc, batch_size=4, device="cuda", fit=False)
+    except EstimateUnsupported as err:  # pragma: no cover - the failure this guards against
+        pytest.fail(str(err))
+    assert sum(estimate.peak_breakdown.values()) == estimate.peak

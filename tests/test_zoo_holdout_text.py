@@ -1,0 +1,108 @@
+"""The text, audio and plain-torch models held back from the zoo (``benchmarks/zoo/holdout_text.py``)
+under the zoo's CPU checks (``benchmarks/zoo/checks.py``), and ``estimate_memory`` for CUDA on this
+machine without a GPU (the emulated path).
+
+Per model:
+
+- the profiler's record of three CPU iterations against independent counts (unique storages,
+  the user's own pack hook): :func:`~benchmarks.zoo.checks.check_record`;
+- ``estimate_memory(device="cpu")`` equal to the measured peak to the byte, or refusing the
+  operation the entry names: :func:`~benchmarks.zoo.checks.check_cpu_estimate`;
+- ``estimate_memory(device="cuda")`` with no GPU here: an estimate whose peak breakdown sums to
+  its peak, or ``EstimateUnsupported`` naming an ``aten`` operation, never another exception.
+
+Known gaps are ``xfail(strict=True)`` with their figures.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.zoo import ZOO  # noqa: E402
+from benchmarks.zoo.checks import check_cpu_estimate, check_record, profiled_run  # noqa: E402
+from benchmarks.zoo.holdout_text import HOLDOUT_TEXT  # noqa: E402
+from pytorch_mem_profiler import estimate_memory  # noqa: E402
+from pytorch_mem_profiler.estimate import EstimateUnsupported  # noqa: E402
+
+#: Where the CPU estimate is known to differ from the measured step: each must fail until fixed.
+ESTIMATE_GAPS: dict[str, str] = {
+    "qwen2_checkpointed": (
+        "estimated 1,981,872 B, measured 1,979,824 B (+2,048 B) on torch 2.14: with transformers' gradient "
+        "checkpointing the estimate is over by a constant that does not grow with the layers (fp32, SGD: +10,240 B "
+        "at 32 tokens and +512 B at 16, for 1, 2 and 3 layers, reentrant; Llama +10,240 B non-reentrant too, Qwen2 "
+        "non-reentrant exact); the plain-torch reentrant and non-reentrant checkpoints (mixed_checkpoint) are exact. "
+        "Cause not found yet"
+    ),
+}
+
+#: Where the profiler's record is known to differ from the independent counts.
+RECORD_GAPS: dict[str, str] = {}
+
+
+def _available(name: str):
+    reason = HOLDOUT_TEXT[name].unavailable()
+    return pytest.param(name, marks=pytest.mark.skip(reason=reason)) if reason else name
+
+
+NAMES = [_available(name) for name in HOLDOUT_TEXT]
+
+
+@functools.lru_cache(maxsize=None)
+def _runs(name: str):
+    return profiled_run(HOLDOUT_TEXT[name])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_runs():
+    yield
+    _runs.cache_clear()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_profilers_record_equals_independent_counts(name, request):
+    if name in RECORD_GAPS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=RECORD_GAPS[name]))
+    check_record(HOLDOUT_TEXT[name], _runs(name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_cpu_estimate_equals_the_measured_step(name, request):
+    entry = HOLDOUT_TEXT[name]
+    if name in ESTIMATE_GAPS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=ESTIMATE_GAPS[name]))
+    check_cpu_estimate(entry, None if entry.unsupported else _runs(name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_cuda_estimate_without_a_gpu_is_consistent_or_names_the_operation(name):
+    entry = HOLDOUT_TEXT[name]
+    kwargs = dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cuda", fit=False)
+    try:
+        estimate = estimate_memory(**kwargs)
+    except EstimateUnsupported as err:
+        assert re.search(r"aten\.\w+", str(err)), str(err)
+        if entry.unsupported:
+            assert entry.unsupported in str(err), str(err)
+        return
+    assert not entry.unsupported, f"estimated, though {entry.unsupported} was to be refused"
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in entry.builder("small")().parameters()}
+    # on CUDA each weight is a block of the caching allocator: a multiple of 512 bytes
+    assert estimate.weights == sum(-(-nbytes // 512) * 512 for nbytes in storages.values())
+    assert sum(estimate.peak_breakdown.values()) == estimate.peak > estimate.weights
+
+
+def test_the_held_back_set_is_apart_from_the_zoo_and_covers_its_setups():
+    from benchmarks.zoo import ADAMW, SGD_MOMENTUM
+
+    assert len(HOLDOUT_TEXT) >= 14 and not set(HOLDOUT_TEXT) & set(ZOO)
+    setups = {(entry.optimizer, entry.autocast) for entry in HOLDOUT_TEXT.values()}
+    assert setups == {(o, a) for o in (ADAMW, SGD_MOMENTUM) for a in (None, torch.bfloat16)}
+    assert sum(1 for entry in HOLDOUT_TEXT.values() if not entry.needs) >= 6  # plain torch, run on torch alone
