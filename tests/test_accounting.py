@@ -8,6 +8,7 @@ from torch import nn
 from pytorch_mem_profiler.measure.accounting import (
     allocation_bytes,
     buffer_bytes,
+    buffers_total,
     gradient_bytes,
     optimizer_state_bytes,
     unique_parameters,
@@ -54,6 +55,14 @@ def test_buffer_bytes_of_batchnorm():
     bn = nn.BatchNorm2d(6)
     expected = nbytes(bn.running_mean) + nbytes(bn.running_var) + nbytes(bn.num_batches_tracked)
     assert sum(n for _, n in buffer_bytes(bn, CPU)) == expected == 6 * 4 * 2 + 8
+
+
+def test_buffers_total_counts_listed_buffers_once_each_as_buffer_bytes_does():
+    model = nn.Sequential(nn.BatchNorm2d(6), nn.BatchNorm1d(3))
+    shared = model[0]
+    listed = [*model.buffers(), *shared.buffers(), None]  # a module listed twice, a hole
+    assert buffers_total(listed, CPU) == sum(n for _, n in buffer_bytes(model, CPU)) == (6 + 3) * 4 * 2 + 2 * 8
+    assert buffers_total([torch.zeros(4, device="meta")], CPU) == 0
 
 
 def test_adam_state_bytes():

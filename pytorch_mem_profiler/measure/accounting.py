@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ __all__ = [
     "gradient_bytes",
     "GradientSizes",
     "buffer_bytes",
+    "buffers_total",
     "optimizer_state_tensors",
     "optimizer_state_bytes",
     "optimizer_holds_any",
@@ -245,17 +246,34 @@ class GradientSizes:
 
 def buffer_bytes(model: torch.nn.Module, device: torch.device) -> list[tuple[str, int]]:
     """``(name, bytes)`` of the model's registered buffers on ``device``, each once."""
+    return list(_unique_buffer_bytes(model.named_buffers(), device))
+
+
+def buffers_total(buffers: Iterable[torch.Tensor | None], device: torch.device) -> int:
+    """Bytes of ``buffers`` on ``device``, each piece of memory once (as :func:`buffer_bytes`
+    counts them), from tensors already listed: no walk of the module tree.
+
+    Example::
+
+        >>> bn = torch.nn.BatchNorm1d(4)   # running mean and variance (16 B each), a step count (8 B)
+        >>> buffers_total([*bn.buffers(), bn.running_mean], torch.device("cpu"))
+        40
+    """
+    return sum(n for _, n in _unique_buffer_bytes(((None, b) for b in buffers), device))
+
+
+def _unique_buffer_bytes(
+    named: Iterable[tuple[Any, torch.Tensor | None]], device: torch.device
+) -> Iterator[tuple[Any, int]]:
     seen: set[tuple[int, int, int]] = set()
-    result = []
-    for name, buf in model.named_buffers():
+    for name, buf in named:
         if buf is None or buf.device.type == "meta" or not same_device(buf, device):
             continue
         key = _memory_key(buf)
         if key[1] and key in seen:
             continue
         seen.add(key)
-        result.append((name, tensor_bytes(buf)))
-    return result
+        yield name, tensor_bytes(buf)
 
 
 def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
