@@ -152,6 +152,17 @@ def test_a_buffer_replaced_in_forward_is_counted_at_its_new_size(stream):
     assert buffers == [truth] * 3 == [6 * 4 * 2 + 8 + 6 * 3 * 4] * 3
 
 
+def test_gradients_split_from_one_concatenation_count_its_whole_storage(stream):
+    from .test_accounting import ConcatenatedBias, _unique_grad_storages
+
+    model = ConcatenatedBias()
+    with make(model, stream) as profiler:
+        model(torch.randn(4, 16)).sum().backward()
+        record = profiler.record_stats()
+        truth = _unique_grad_storages(model)
+    assert record.gradients == truth == 48 * 16 * 4 + 48 * 4
+
+
 def test_adam_state_found_without_being_passed(stream):
     model = mlp()
     opt = torch.optim.Adam(model.parameters())

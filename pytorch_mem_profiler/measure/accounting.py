@@ -197,8 +197,43 @@ def weight_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[tuple
 
 
 def gradient_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[int]:
-    """Bytes of each parameter's ``.grad`` (0 where it is ``None``), in order."""
-    return [0 if (grad := p.grad) is None else tensor_bytes(grad) for _, p in params]
+    """Bytes of each parameter's ``.grad`` (0 where it is ``None``), in order.
+
+    Gradients that are views of one storage hold all of it: see :func:`_whole_storages`.
+    """
+    sizes = [0 if (grad := p.grad) is None else tensor_bytes(grad) for _, p in params]
+    views = [i for i, (_, p) in enumerate(params) if _part_of_a_storage(p.grad)]
+    if views:
+        _whole_storages(sizes, [p.grad for _, p in params], views)
+    return sizes
+
+
+def _part_of_a_storage(grad: torch.Tensor | None) -> bool:
+    return (
+        grad is not None
+        and type(grad) in _PLAIN_TENSORS
+        and grad.layout is torch.strided
+        and grad.untyped_storage().nbytes() != grad.nbytes
+    )
+
+
+def _whole_storages(sizes: list[int], grads: Sequence[torch.Tensor | None], views: Sequence[int]) -> None:
+    """Gradients at ``views`` cover part of their storage (``.grad`` is no view by ``_base``): autograd
+    splits one gradient among parameters used through a concatenation (timm's EVA and BEiT
+    concatenate ``q_bias``, zeros and ``v_bias`` into one ``qkv`` bias: the q and v gradients are
+    views of the 3x-long gradient, which stays alive whole), and ``AccumulateGrad`` keeps such a
+    view as ``.grad``. The storage is counted once: each view keeps its own bytes, and the first of
+    a storage's views also carries the part none of them covers. ``sizes`` is changed in place."""
+    groups: dict[tuple[int, str], list[int]] = {}
+    storages: dict[tuple[int, str], int] = {}
+    for i in views:
+        storage = grads[i].untyped_storage()  # type: ignore[union-attr]
+        key = (storage.data_ptr(), str(storage.device))
+        groups.setdefault(key, []).append(i)
+        storages[key] = storage.nbytes()
+    for key, members in groups.items():
+        covered = sum(sizes[i] for i in members)
+        sizes[members[0]] += max(0, storages[key] - covered)
 
 
 class GradientSizes:
@@ -230,6 +265,7 @@ class GradientSizes:
             return gradient_bytes(self._named)
         sizes = []
         append = sizes.append
+        views = None
         for p in self._params:
             grad = p.grad
             if grad is None:
@@ -238,9 +274,17 @@ class GradientSizes:
                 append(tensor_bytes(grad))
             else:
                 try:
-                    append(grad.nbytes)
+                    n = grad.nbytes
                 except RuntimeError:  # "nbytes is not defined for sparse tensors"
                     append(tensor_bytes(grad))
+                    continue
+                append(n)
+                if grad.untyped_storage().nbytes() != n:  # part of a larger storage (rare; 80 ns to ask)
+                    if views is None:
+                        views = []
+                    views.append(len(sizes) - 1)
+        if views is not None:
+            _whole_storages(sizes, [p.grad for p in self._params], views)
         return sizes
 
 
