@@ -10,7 +10,8 @@ MNASNet, MobileNetV3-Small, ResNeXt, torchvision's ViT (``nn.MultiheadAttention`
 (cosine attention, a continuous position-bias MLP), segmentation heads (dilated convolutions,
 interpolation, dict outputs), timm's distilled DeiT (two heads), LeViT (BatchNorm inside attention,
 gathered attention biases), ResMLP and MLP-Mixer, PoolFormer, NF-ResNet (weight standardisation
-in every forward), MobileViT, EfficientFormer, FastViT; and plain-torch models: a 3D-convolution
+in every forward), MobileViT, EfficientFormer, FastViT, ConViT (a buffer replaced in forward), EVA-02
+(q and v biases concatenated), PVT-v2 (layer norms over permuted tokens); and plain-torch models: a 3D-convolution
 video net, a generator with transposed convolutions, ``PixelShuffle``, ``GroupNorm`` and
 ``InstanceNorm``, and a channels-last CNN.
 
@@ -286,6 +287,33 @@ def fastvit(size: str) -> nn.Module:
     return timm.create_model("fastvit_sa12", pretrained=False, drop_path_rate=0.1)
 
 
+def convit(size: str) -> nn.Module:
+    import timm
+
+    if size == "small":  # gated positional self-attention: relative positions built (a buffer replaced) at the first forward
+        return timm.create_model("convit_tiny", pretrained=False, img_size=32, patch_size=8, embed_dim=32, num_heads=4, depth=2,
+                                 local_up_to_layer=1, num_classes=10)
+    return timm.create_model("convit_tiny", pretrained=False, drop_path_rate=0.1)
+
+
+def eva02(size: str) -> nn.Module:
+    import timm
+
+    if size == "small":  # q and v biases concatenated around zeros: their gradients share one storage
+        return timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32, num_heads=2,
+                                 depth=2, num_classes=10)
+    return timm.create_model("eva02_small_patch14_224", pretrained=False, drop_path_rate=0.1)
+
+
+def pvt_v2(size: str) -> nn.Module:
+    import timm
+
+    if size == "small":  # spatial-reduction attention; each stage ends in a layer norm, permuted back to NCHW
+        return timm.create_model("pvt_v2_b0", pretrained=False, depths=(1, 2, 1, 1), embed_dims=(16, 32, 48, 64),
+                                 num_heads=(1, 2, 3, 4), num_classes=10)
+    return timm.create_model("pvt_v2_b1", pretrained=False, drop_path_rate=0.1)
+
+
 # -- plain torch ---------------------------------------------------------------------------------
 
 
@@ -426,6 +454,12 @@ def _entries() -> list[ZooModel]:
                  efficientformer, _images({"small": 224, "real": 224}), _class_targets, class_loss, ADAMW, torch.bfloat16, {"small": 2, "real": 64}, tm),
         ZooModel("fastvit", "hybrid", "timm FastViT-SA12: reparameterisable conv mixers (train-time branches), attention in the last stage",
                  fastvit, _images(image64), _class_targets, class_loss, SGD_MOMENTUM, None, {"small": 2, "real": 64}, tm),
+        ZooModel("convit", "vision transformer", "timm ConViT-Ti: gated positional self-attention, relative positions assigned to a buffer in forward",
+                 convit, _images(image), _class_targets, class_loss, ADAMW, None, {"small": 2, "real": 128}, tm),
+        ZooModel("eva02", "vision transformer", "timm EVA-02-S: rotary position embedding, SwiGLU, q/v biases concatenated into one qkv bias",
+                 eva02, _images(image), _class_targets, class_loss, ADAMW, torch.bfloat16, {"small": 2, "real": 64}, tm),
+        ZooModel("pvt_v2", "vision transformer", "timm PVT-v2-b1: spatial-reduction attention, depthwise-conv MLP, layer norms over permuted tokens",
+                 pvt_v2, _images(image64), _class_targets, class_loss, SGD_MOMENTUM, None, {"small": 2, "real": 64}, tm),
         ZooModel("video3d", "video", "a C3D-style clip classifier: Conv3d, BatchNorm3d, MaxPool3d over frames",
                  video3d, _clips, _video_targets, class_loss, ADAMW, torch.bfloat16, {"small": 2, "real": 16}),
         ZooModel("generator", "generator", "an image-to-image generator: GroupNorm, InstanceNorm, reflect padding, ConvTranspose2d, PixelShuffle",
