@@ -237,3 +237,22 @@ def test_bart_with_layerdrop_is_estimated_as_a_real_step_with_the_same_draws():
             del out, loss
             peaks.append(profiler.record_stats().iteration_peak_allocated)
     assert est.peak == max(peaks)
+
+
+def test_the_line_named_is_a_libraries_whose_folder_begins_like_torchs():
+    """torchvision's folder begins with torch's name: its frames are a library's, not torch's."""
+    import traceback
+    from pathlib import Path
+
+    from pytorch_mem_profiler.estimate.draws import user_line
+
+    torch_dir = Path(torch.__file__).resolve().parent
+    sibling = str(torch_dir.parent / "torchvision" / "models" / "detection" / "generalized_rcnn.py")
+    frames = [
+        traceback.FrameSummary(sibling, 104, "forward", line="if degenerate_boxes.any():"),
+        traceback.FrameSummary(str(torch_dir / "nn" / "modules" / "module.py"), 1837, "inner", line="result = forward_call()"),
+        traceback.FrameSummary(str(torch_dir / "_ops.py"), 916, "__call__", line="return self._op()"),
+    ]
+    assert user_line(frames) == f"{sibling}:104: if degenerate_boxes.any():"
+    # with no library frame, the innermost of torch.nn or torch.optim
+    assert user_line(frames[1:]) == f"{torch_dir / 'nn' / 'modules' / 'module.py'}:1837: result = forward_call()"
