@@ -8,7 +8,7 @@ CPU tests (``tests/test_zoo_holdout_vision.py``) and a realistic one for the GPU
 shuffles, fire modules, inception branches, RegNet's grouped bottlenecks with squeeze-excitation,
 MNASNet, MobileNetV3-Small, ResNeXt, torchvision's ViT (``nn.MultiheadAttention``) and Swin V2
 (cosine attention, a continuous position-bias MLP), segmentation heads (dilated convolutions,
-interpolation, dict outputs), timm's distilled DeiT (two heads), LeViT (BatchNorm inside attention,
+interpolation, dict outputs), Faster R-CNN (refused: its boxes decide shapes), timm's distilled DeiT (two heads), LeViT (BatchNorm inside attention,
 gathered attention biases), ResMLP and MLP-Mixer, PoolFormer, NF-ResNet (weight standardisation
 in every forward), MobileViT, EfficientFormer, FastViT, ConViT (a buffer replaced in forward), EVA-02
 (q and v biases concatenated), PVT-v2 (layer norms over permuted tokens); and plain-torch models: a 3D-convolution
@@ -191,6 +191,35 @@ def lraspp(size: str) -> nn.Module:
     from torchvision.models import segmentation
 
     return segmentation.lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=SEGMENT_CLASSES[size])
+
+
+def faster_rcnn(size: str) -> nn.Module:
+    from torchvision.models import detection
+
+    build = detection.fasterrcnn_mobilenet_v3_large_320_fpn if size == "small" else detection.fasterrcnn_mobilenet_v3_large_fpn
+    return build(weights=None, weights_backbone=None, num_classes=DETECTION_CLASSES)
+
+
+DETECTION_IMAGE = {"small": 64, "real": 512}
+DETECTION_CLASSES = 5
+
+
+def _detection_batch(size: str, batch: int) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Images and their boxes, as torchvision's detection models take them in training."""
+    side = DETECTION_IMAGE[size]
+    corners = torch.rand(batch, 2, 2) * side / 2
+    boxes = torch.cat([corners[:, 0], corners[:, 0] + corners[:, 1] + side / 8], dim=1)[:, None]
+    targets = [{"boxes": boxes[i], "labels": torch.randint(1, DETECTION_CLASSES, (1,))} for i in range(batch)]
+    return [torch.rand(3, side, side) for _ in range(batch)], targets
+
+
+def _no_targets(size: str, batch: int) -> tuple[()]:
+    return ()  # the boxes go in with the images
+
+
+def detection_loss(output: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sum of a torchvision detection model's losses (classifier, box regression, objectness, RPN boxes)."""
+    return sum(output.values())  # type: ignore[return-value]
 
 
 # -- timm ----------------------------------------------------------------------------------------
@@ -436,6 +465,9 @@ def _entries() -> list[ZooModel]:
                  deeplabv3, _images(SEGMENT_IMAGE), _masks, segmentation_loss, SGD_MOMENTUM, None, {"small": 2, "real": 8}, tv),
         ZooModel("lraspp", "segmentation", "torchvision LR-ASPP MobileNetV3: sigmoid gating of a pooled branch, two-scale interpolation",
                  lraspp, _images(SEGMENT_IMAGE), _masks, segmentation_loss, ADAMW, torch.bfloat16, {"small": 2, "real": 16}, tv),
+        ZooModel("faster_rcnn", "detection", "torchvision Faster R-CNN MobileNetV3-FPN: anchors kept in a list, proposals, RoI align, losses as a dict",
+                 faster_rcnn, _detection_batch, _no_targets, detection_loss, SGD_MOMENTUM, None, {"small": 2, "real": 8}, tv,
+                 unsupported="aten._local_scalar_dense"),
         ZooModel("deit_distilled", "vision transformer", "timm DeiT-S distilled: class and distillation tokens, two heads trained",
                  deit_distilled, _images(image), _class_targets, distilled_loss, ADAMW, torch.bfloat16, {"small": 2, "real": 64}, tm),
         ZooModel("levit", "vision transformer", "timm LeViT-128S: BatchNorm inside attention, attention biases gathered by index, hard-swish",
