@@ -8,7 +8,8 @@ CPU tests (``tests/test_zoo_holdout_vision.py``) and a realistic one for the GPU
 shuffles, fire modules, inception branches, RegNet's grouped bottlenecks with squeeze-excitation,
 MNASNet, MobileNetV3-Small, ResNeXt, torchvision's ViT (``nn.MultiheadAttention``) and Swin V2
 (cosine attention, a continuous position-bias MLP), segmentation heads (dilated convolutions,
-interpolation, dict outputs), Faster R-CNN (refused: its boxes decide shapes), timm's distilled DeiT (two heads), LeViT (BatchNorm inside attention,
+interpolation, dict outputs), RAFT optical flow (a correlation volume, ``grid_sample``, twelve
+recurrent refinements), Faster R-CNN (refused: its boxes decide shapes), timm's distilled DeiT (two heads), LeViT (BatchNorm inside attention,
 gathered attention biases), ResMLP and MLP-Mixer, PoolFormer, NF-ResNet (weight standardisation
 in every forward), MobileViT, EfficientFormer, FastViT, ConViT (a buffer replaced in forward), EVA-02
 (q and v biases concatenated), PVT-v2 (layer norms over permuted tokens); and plain-torch models: a 3D-convolution
@@ -220,6 +221,29 @@ def _no_targets(size: str, batch: int) -> tuple[()]:
 def detection_loss(output: dict[str, torch.Tensor]) -> torch.Tensor:
     """The sum of a torchvision detection model's losses (classifier, box regression, objectness, RPN boxes)."""
     return sum(output.values())  # type: ignore[return-value]
+
+
+def raft(size: str) -> nn.Module:
+    import torchvision
+
+    return torchvision.models.optical_flow.raft_small(weights=None)
+
+
+FLOW_IMAGE = {"small": (128, 128), "real": (368, 496)}  # at least 128: the correlation pyramid's four levels
+
+
+def _frame_pairs(size: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.rand(batch, 3, *FLOW_IMAGE[size]) * 2 - 1, torch.rand(batch, 3, *FLOW_IMAGE[size]) * 2 - 1
+
+
+def _flows(size: str, batch: int) -> torch.Tensor:
+    return torch.randn(batch, 2, *FLOW_IMAGE[size])
+
+
+def flow_sequence_loss(predictions: list[torch.Tensor], flow: torch.Tensor, gamma: float = 0.8) -> torch.Tensor:
+    """RAFT's loss: the L1 error of every refinement's flow, later ones weighted more."""
+    count = len(predictions)
+    return sum(gamma ** (count - i - 1) * (p - flow).abs().mean() for i, p in enumerate(predictions))  # type: ignore[return-value]
 
 
 # -- timm ----------------------------------------------------------------------------------------
@@ -468,6 +492,8 @@ def _entries() -> list[ZooModel]:
         ZooModel("faster_rcnn", "detection", "torchvision Faster R-CNN MobileNetV3-FPN: anchors kept in a list, proposals, RoI align, losses as a dict",
                  faster_rcnn, _detection_batch, _no_targets, detection_loss, SGD_MOMENTUM, None, {"small": 2, "real": 8}, tv,
                  unsupported="aten._local_scalar_dense"),
+        ZooModel("raft", "optical flow", "torchvision RAFT-small: all-pairs correlation pyramid, grid_sample lookups, 12 recurrent (ConvGRU) refinements",
+                 raft, _frame_pairs, _flows, flow_sequence_loss, ADAMW, None, {"small": 1, "real": 8}, tv),
         ZooModel("deit_distilled", "vision transformer", "timm DeiT-S distilled: class and distillation tokens, two heads trained",
                  deit_distilled, _images(image), _class_targets, distilled_loss, ADAMW, torch.bfloat16, {"small": 2, "real": 64}, tm),
         ZooModel("levit", "vision transformer", "timm LeViT-128S: BatchNorm inside attention, attention biases gathered by index, hard-swish",
