@@ -199,7 +199,7 @@ def weight_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[tuple
 def gradient_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[int]:
     """Bytes of each parameter's ``.grad`` (0 where it is ``None``), in order.
 
-    Gradients that are views of one storage hold all of it: see :func:`_whole_storages`.
+    Gradients that are parts of one larger storage hold all of it: see :func:`_whole_storages`.
     """
     sizes = [0 if (grad := p.grad) is None else tensor_bytes(grad) for _, p in params]
     views = [i for i, (_, p) in enumerate(params) if _part_of_a_storage(p.grad)]
@@ -218,12 +218,14 @@ def _part_of_a_storage(grad: torch.Tensor | None) -> bool:
 
 
 def _whole_storages(sizes: list[int], grads: Sequence[torch.Tensor | None], views: Sequence[int]) -> None:
-    """Gradients at ``views`` cover part of their storage (``.grad`` is no view by ``_base``): autograd
-    splits one gradient among parameters used through a concatenation (timm's EVA and BEiT
-    concatenate ``q_bias``, zeros and ``v_bias`` into one ``qkv`` bias: the q and v gradients are
-    views of the 3x-long gradient, which stays alive whole), and ``AccumulateGrad`` keeps such a
-    view as ``.grad``. The storage is counted once: each view keeps its own bytes, and the first of
-    a storage's views also carries the part none of them covers. ``sizes`` is changed in place."""
+    """Gradients at ``views`` cover part of their storage (found by its size: ``.grad`` has no
+    ``_base``). Autograd splits one gradient among parameters used through a concatenation
+    (timm's EVA and BEiT concatenate ``q_bias``, zeros and ``v_bias`` into one ``qkv`` bias: the
+    q and v gradients are parts of the 3x-long gradient, which stays alive whole), and
+    ``AccumulateGrad`` keeps each part as ``.grad``; DDP's ``gradient_as_bucket_view`` makes every
+    gradient a part of its bucket. The storage is counted once: each part keeps its own bytes,
+    and the first of a storage's parts also carries what none of them covers. ``sizes`` is
+    changed in place."""
     groups: dict[tuple[int, str], list[int]] = {}
     storages: dict[tuple[int, str], int] = {}
     for i in views:
