@@ -124,7 +124,9 @@ class MemoryProfiler:
     call it, as often as the others.
 
     Weights and buffers are counted when the profiler is made and again at
-    each :meth:`epoch_end`; gradients, feature maps and the rest every iteration.
+    each :meth:`epoch_end` (a buffer a module replaces in its forward, a cache
+    built at the first call, at the next fully measured iteration); gradients,
+    feature maps and the rest every iteration.
 
     On CUDA the profiler resets the allocator's peak statistics at each phase
     boundary of a reported iteration and once at ``record_stats()`` of the others

@@ -137,3 +137,29 @@ def test_transformers_and_torchvision_models_build_by_function_with_their_weight
     torchvision = _optional("torchvision")
     resnet = build_model(torchvision.models.resnet18)
     assert {p.device.type for p in resnet.parameters()} == {"meta", "cpu"}
+
+
+class ListedAnchors(nn.Module):
+    """Tensors kept in a list, not registered (torchvision's ``AnchorGenerator.cell_anchors``), and
+    moved to the input's device in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.anchors = [torch.randn(15, 4), torch.randn(15, 4)]
+        self.scales = {"small": (torch.ones(4),)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        anchors = torch.cat([a.to(x.device) for a in self.anchors]) * self.scales["small"][0].to(x.device)
+        return self.proj(x) @ anchors.t()
+
+
+def test_a_model_by_function_keeping_tensors_in_lists_and_dicts_estimates_as_measured():
+    from .helpers import measured_peak
+
+    estimate = estimate_memory(ListedAnchors, torch.randn(8, 4), device="cpu", fit=False)
+    measured = measured_peak(ListedAnchors, lambda: torch.randn(8, 4), torch.optim.AdamW)
+    assert estimate.weights == (4 * 4 + 4) * 4
+    assert estimate.peak == measured, (estimate.peak, measured)
+    # and the emulated CUDA step runs too: the plain tensors follow the model to its device
+    assert estimate_memory(ListedAnchors, torch.randn(8, 4), device="cuda", fit=False).peak > 0

@@ -112,6 +112,20 @@ class ConvNeXtBlock(nn.Module):
         return x + self.mlp(y).permute(0, 3, 1, 2)
 
 
+class LayerNorm2d(nn.Module):
+    """A layer norm over channels between two permutes, made contiguous for a convolution (as
+    PVT-v2's stages end) in a residual block. The gradient reaching the norm is a permuted view
+    of the convolution's input gradient: not contiguous."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.conv = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2).contiguous())
+
+
 class InvertedResidual(nn.Module):
     """MobileNet's block: pointwise expansion, depthwise 3x3, projection, each with BatchNorm."""
 
@@ -185,6 +199,10 @@ FAMILY = {
     ),
     "layernorm": (lambda: Blocks(nn.Linear(12, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 8)), _images(4, 5, 12), BF16, torch.optim.AdamW, None),
     "convnext-block": (lambda: Blocks(nn.Conv2d(3, 16, 4, stride=4), ConvNeXtBlock(16), ConvNeXtBlock(16)), _images(2, 3, 32, 32), BF16, torch.optim.AdamW, None),
+    # in float32 (no cast in between) the norm's backward gets the permuted gradient; its input gradient is contiguous
+    "layernorm2d-fp32": (
+        lambda: Blocks(nn.Conv2d(3, 16, 2, stride=2), LayerNorm2d(16), LayerNorm2d(16)), _images(2, 3, 16, 16), None, torch.optim.AdamW, None,
+    ),
     "mobilenet-block": (lambda: Blocks(nn.Conv2d(3, 8, 3, stride=2), InvertedResidual(8), InvertedResidual(8)), _images(2, 3, 16, 16), BF16, SGD_MOMENTUM, None),
     "mobilenet-block-channels-last": (
         lambda: Blocks(nn.Conv2d(3, 8, 3, stride=2), InvertedResidual(8)), _images(2, 3, 16, 16, memory_format=CHANNELS_LAST), BF16, SGD_MOMENTUM, CHANNELS_LAST,
@@ -249,7 +267,7 @@ def test_every_lstm_operator_returns_on_fake_tensors_what_the_cpu_kernel_returns
 def test_without_the_rules_the_check_sees_each_family_differ():
     """The operator check can fail: torch's fake kernels alone differ where the rules say."""
     differ = set()
-    for name in ("batchnorm3d-channels-last", "groupnorm", "layernorm", "groupnorm-channels-last"):
+    for name in ("batchnorm3d-channels-last", "groupnorm", "layernorm", "groupnorm-channels-last", "layernorm2d-fp32"):
         differ |= set(_check_operators(*FAMILY[name], None).differ)
     differ |= set(_check_operators(lambda: _lstm({}, False), _images(7, 3, 12), None, torch.optim.AdamW, None, None).differ)
     expected = {
@@ -258,6 +276,7 @@ def test_without_the_rules_the_check_sees_each_family_differ():
         "aten.native_group_norm.default",
         "aten.native_group_norm_backward.default",
         "aten.native_layer_norm.default",
+        "aten.native_layer_norm_backward.default",
     }
     if onednn_version() is not None and torch.backends.mkldnn.is_available():
         # (the backward's shared bias gradient shows only where the fake mode's cache missed)
@@ -431,3 +450,28 @@ def test_the_cpu_estimate_of_an_embedding_bag_equals_the_measured_peak(mode):
     build = lambda: nn.Sequential(nn.EmbeddingBag(100, 16, mode=mode), nn.Linear(16, 4))  # noqa: E731
     estimate, measured = _estimate_and_measure(build, lambda: torch.randint(0, 100, (8, 12)), None, functools.partial(torch.optim.SGD, lr=0.1), None)
     assert estimate.peak == measured, f"{mode}: estimated {estimate.peak:,} B, measured {measured:,} B"
+
+
+def test_for_cuda_only_the_rules_cudas_kernels_share_apply():
+    """CUDA's ``layer_norm_backward_cuda`` makes the input gradient contiguous as the CPU's does;
+    the CPU-only rules (normalization statistics, oneDNN) stay off for a CUDA estimate."""
+    aten = torch.ops.aten
+    x = torch.randn(2, 16, 8, 8).permute(0, 2, 3, 1)
+    weight, bias = torch.randn(16), torch.randn(16)
+    out, mean, rstd = aten.native_layer_norm(x, [16], weight, bias, 1e-5)
+    grad = torch.randn(2, 16, 8, 8).permute(0, 2, 3, 1)  # a permuted gradient, as PVT's stages hand back
+    real = aten.native_layer_norm_backward(grad, x, [16], mean, rstd, weight, bias, [True, True, True])
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in (grad, x, [16], mean, rstd, weight, bias, [True, True, True]))
+    for device_type in ("cpu", "cuda"):
+        with mode:
+            fake = aten.native_layer_norm_backward(*args)
+            assert not fake[0].is_contiguous()  # the fake kernel follows the gradient's strides
+            made = CpuKernels(device_type=device_type)(aten.native_layer_norm_backward.default, args, {}, fake)
+        assert made[0].stride() == real[0].stride() == (1024, 128, 16, 1), device_type
+        assert made[0].untyped_storage().nbytes() == real[0].untyped_storage().nbytes() == 2 * 16 * 64 * 4
+    with mode:
+        x16 = torch.empty(2, 8, 4, 4, dtype=BF16)
+        bn_args = (x16, torch.empty(8), torch.empty(8), None, None, True, 0.1, 1e-5)
+        statistics = lambda kernels: kernels(aten.native_batch_norm.default, bn_args, {}, aten.native_batch_norm(*bn_args))[1].dtype  # noqa: E731
+        assert (statistics(CpuKernels()), statistics(CpuKernels(device_type="cuda"))) == (torch.float32, BF16)

@@ -268,3 +268,22 @@ def test_a_mask_from_host_data_indexes_with_its_real_shape(batch):
     assert estimate.peak == measured
     # the fit's larger batches index by larger masks too, each its own number of rows
     assert estimate.fit is not None and estimate.fit.per_sample > 0
+
+
+def test_the_line_named_is_a_libraries_whose_folder_begins_like_torchs():
+    """torchvision's folder begins with torch's name: its frames are a library's, not torch's."""
+    import traceback
+    from pathlib import Path
+
+    from pytorch_mem_profiler.estimate.draws import user_line
+
+    torch_dir = Path(torch.__file__).resolve().parent
+    sibling = str(torch_dir.parent / "torchvision" / "models" / "detection" / "generalized_rcnn.py")
+    frames = [
+        traceback.FrameSummary(sibling, 104, "forward", line="if degenerate_boxes.any():"),
+        traceback.FrameSummary(str(torch_dir / "nn" / "modules" / "module.py"), 1837, "inner", line="result = forward_call()"),
+        traceback.FrameSummary(str(torch_dir / "_ops.py"), 916, "__call__", line="return self._op()"),
+    ]
+    assert user_line(frames) == f"{sibling}:104: if degenerate_boxes.any():"
+    # with no library frame, the innermost of torch.nn or torch.optim
+    assert user_line(frames[1:]) == f"{torch_dir / 'nn' / 'modules' / 'module.py'}:1837: result = forward_call()"

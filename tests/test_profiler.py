@@ -125,6 +125,44 @@ def test_batchnorm_buffers(stream):
     assert record.buffers == 8 * 4 * 2 + 8
 
 
+class LazyPositions(nn.Module):
+    """A buffer replaced in forward, as modules keep a cache they build at the first call
+    (timm's ConViT: relative positions for the sequence length it sees)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 4)
+        self.register_buffer("positions", torch.zeros(1, 3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.positions.shape[0] != x.shape[1]:
+            self.positions = torch.randn(x.shape[1], 3)
+        return x + self.proj(self.positions).sum(-1)
+
+
+def test_a_buffer_replaced_in_forward_is_counted_at_its_new_size(stream):
+    model = nn.Sequential(nn.BatchNorm1d(6), LazyPositions())
+    buffers = []
+    with make(model, stream) as profiler:
+        for _ in range(3):
+            model(torch.randn(4, 6)).sum().backward()
+            buffers.append(profiler.record_stats().buffers)
+    # the model's unique buffer storages after each step: BatchNorm's 56 B and the 6 x 3 positions
+    truth = sum({b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()}.values())
+    assert buffers == [truth] * 3 == [6 * 4 * 2 + 8 + 6 * 3 * 4] * 3
+
+
+def test_gradients_split_from_one_concatenation_count_its_whole_storage(stream):
+    from .test_accounting import ConcatenatedBias, _unique_grad_storages
+
+    model = ConcatenatedBias()
+    with make(model, stream) as profiler:
+        model(torch.randn(4, 16)).sum().backward()
+        record = profiler.record_stats()
+        truth = _unique_grad_storages(model)
+    assert record.gradients == truth == 48 * 16 * 4 + 48 * 4
+
+
 def test_adam_state_found_without_being_passed(stream):
     model = mlp()
     opt = torch.optim.Adam(model.parameters())

@@ -23,6 +23,15 @@ autocast; torch 2.13 and 2.14; ``tests/test_estimate_cpu_kernels.py`` does it):
   channels-last), the fake kernels make them contiguous; the fake
   ``native_group_norm_backward`` also makes its gradient float32 where the CPU
   keeps the input's dtype (twice the bytes under autocast).
+- **layer norm's input gradient is contiguous**: ``native_layer_norm_backward``
+  (CPU and CUDA alike: both take ``input.expect_contiguous()`` and make the
+  gradient ``empty_like`` it, contiguous) where the fake kernel gives it the
+  input's strides. A layer norm over a permuted tensor (PVT's and Swin's patch
+  merging, ``LayerNorm2d`` as a permute around ``F.layer_norm``) then hands the
+  backward a non-contiguous gradient that a later ``view`` cannot take: the
+  estimate copied it (``reshape``: ``clone``), 32,768 B over on timm's PVT-v2-b0,
+  and autograd's in-place accumulation of it took other paths. On CUDA this rule
+  is the only one applied (:class:`CpuKernels` with ``device_type="cuda"``).
 - **losses reduced in place**: ``mse_loss``, ``smooth_l1_loss``,
   ``binary_cross_entropy`` and ``soft_margin_loss`` with ``reduction="mean"`` or
   ``"sum"`` reduce into their elementwise buffer and shrink it: the 0-d loss
@@ -236,6 +245,14 @@ def _input_gradient_like_input(func: Any, args: tuple, kwargs: dict, out: Any) -
     return _replaced(out, {0: _like(grad, dtype=x.dtype, memory_format=fmt)})
 
 
+def _contiguous_input_gradient(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """The input's gradient (output 0) contiguous, as layer norm's CPU and CUDA kernels make it."""
+    grad = out[0]
+    if not isinstance(grad, torch.Tensor) or grad.is_contiguous():
+        return out
+    return _replaced(out, {0: _like(grad, memory_format=torch.contiguous_format)})
+
+
 def _reduced_in_place(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     """A loss reduced (mean or sum) into its own elementwise buffer: the 0-d result keeps the
     storage of the input and target broadcast together."""
@@ -295,7 +312,11 @@ def _both(first: Rule, second: Rule) -> Rule:
     return lambda func, args, kwargs, out: second(func, args, kwargs, first(func, args, kwargs, out))
 
 
-def _rules() -> dict[Any, Rule]:
+#: The rules CUDA's kernels share with the CPU's (the same ATen code makes the outputs).
+_ON_CUDA_TOO = frozenset({"native_layer_norm_backward.default"})
+
+
+def _rules(device_type: str = "cpu") -> dict[Any, Rule]:
     aten = torch.ops.aten
     by_name: dict[str, Rule] = {
         # (input, weight, bias, running_mean, running_var, ...) -> (output, save_mean, save_invstd, ...)
@@ -313,6 +334,8 @@ def _rules() -> dict[Any, Rule]:
         "native_batch_norm_backward.default": _input_gradient_like_input,
         "batch_norm_backward.default": _input_gradient_like_input,
         "native_group_norm_backward.default": _input_gradient_like_input,
+        # (grad_out, input, normalized_shape, mean, rstd, weight, bias, mask) -> (grad_input, ...)
+        "native_layer_norm_backward.default": _contiguous_input_gradient,
         "mse_loss.default": _reduced_in_place,
         "smooth_l1_loss.default": _reduced_in_place,
         "binary_cross_entropy.default": _reduced_in_place,
@@ -323,6 +346,8 @@ def _rules() -> dict[Any, Rule]:
     }
     rules = {}
     for name, rule in by_name.items():
+        if device_type != "cpu" and name not in _ON_CUDA_TOO:
+            continue
         packet, overload = name.split(".")
         op = getattr(getattr(aten, packet, None), overload, None)  # an operator this torch lacks: no rule
         if op is not None:
@@ -334,6 +359,10 @@ class CpuKernels:
     """``kernels(func, args, kwargs, out)``: ``out``, with the outputs the CPU makes otherwise
     than the fake kernel replaced (see the module's list); anything else unchanged.
 
+    Args:
+        device_type: the estimate's target; on ``"cuda"`` only the rules CUDA's kernels share
+            with the CPU's (layer norm's input gradient).
+
     Attributes:
         bounds: bytes the outputs made may be off by, per operation (``estimate.error_bounds``):
             only oneDNN's LSTM workspaces where this torch does not name its oneDNN version,
@@ -341,10 +370,10 @@ class CpuKernels:
             caller at each step.
     """
 
-    def __init__(self) -> None:
-        self._rules = _rules()
+    def __init__(self, *, device_type: str = "cpu") -> None:
+        self._rules = _rules(device_type)
         lstm = getattr(torch.ops.aten, "mkldnn_rnn_layer", None)
-        if lstm is not None:
+        if lstm is not None and device_type == "cpu":
             self._rules[lstm.default] = self._lstm_workspace
         self.bounds: dict[str, int] = {}
 

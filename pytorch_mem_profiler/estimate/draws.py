@@ -63,6 +63,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import traceback
 import weakref
@@ -93,8 +94,9 @@ def user_line(frames: list[traceback.FrameSummary]) -> str:
     """
     torch_dir = Path(torch.__file__).resolve().parent
     ours = Path(sys.modules[__name__.split(".")[0]].__file__).resolve().parent
-    skip = (str(torch_dir), str(ours))
-    public = (str(torch_dir / "optim"), str(torch_dir / "nn"))
+    # folders end in a separator: torchvision's and torchaudio's files are not torch's
+    skip = tuple(os.path.join(str(d), "") for d in (torch_dir, ours))
+    public = tuple(os.path.join(str(d), "") for d in (torch_dir / "optim", torch_dir / "nn"))
     for wanted in (lambda f: not f.startswith(skip), lambda f: f.startswith(public)):
         for frame in reversed(frames):
             if frame.filename and wanted(str(Path(frame.filename).resolve())):

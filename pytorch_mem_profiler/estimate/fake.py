@@ -161,7 +161,7 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
     by_storage: dict[Any, torch.Tensor] = {}
     for module in model.modules():
         # a model built for the estimate: tensors kept as plain attributes follow it to the device too
-        plain = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)} if owned else {}
+        plain = _plain_tensors(module) if owned else {}
         for store in (module._parameters, module._buffers, plain):
             for t in store.values():
                 if t is None or id(t) in memo:
@@ -179,6 +179,25 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
                     fake = nn.Parameter(fake, requires_grad=t.requires_grad)
                 memo[id(t)] = fake
     return copy.deepcopy(model, memo)
+
+
+def _plain_tensors(module: nn.Module) -> dict[int, torch.Tensor]:
+    """The tensors ``module`` keeps as plain attributes, alone or in lists, tuples and dicts
+    (torchvision's ``AnchorGenerator`` keeps its ``cell_anchors`` in a list), by ``id``.
+    ``copy.deepcopy`` of a real tensor inside the fake mode fails, so each must be in the memo."""
+    found: dict[int, torch.Tensor] = {}
+    pending: list[tuple[Any, int]] = [
+        (v, 0) for k, v in vars(module).items() if k not in ("_parameters", "_buffers", "_modules")
+    ]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, torch.Tensor):
+            found[id(value)] = value
+        elif depth < 4 and isinstance(value, (list, tuple)):
+            pending.extend((v, depth + 1) for v in value)
+        elif depth < 4 and isinstance(value, dict):
+            pending.extend((v, depth + 1) for v in value.values())
+    return found
 
 
 def _compile_wrapped(module: nn.Module) -> nn.Module | None:

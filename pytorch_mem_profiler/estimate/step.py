@@ -456,8 +456,8 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
     target = plan.device
     run_device = plan.run_device or target
     size_of = block_size if target.type == "cuda" else None
-    # the CPU's kernels where they return other dtypes, strides or buffers than the fake ones
-    outputs = CpuKernels() if target.type == "cpu" else None
+    # the CPU's kernels where they return other dtypes, strides or buffers than the fake ones (CUDA's: those it shares)
+    outputs = CpuKernels(device_type=target.type) if target.type in ("cpu", "cuda") else None
     counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch, outputs=outputs)
     mode = fake_mode()
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.

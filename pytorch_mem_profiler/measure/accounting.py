@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ __all__ = [
     "gradient_bytes",
     "GradientSizes",
     "buffer_bytes",
+    "buffers_total",
     "optimizer_state_tensors",
     "optimizer_state_bytes",
     "optimizer_holds_any",
@@ -196,8 +197,45 @@ def weight_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[tuple
 
 
 def gradient_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[int]:
-    """Bytes of each parameter's ``.grad`` (0 where it is ``None``), in order."""
-    return [0 if (grad := p.grad) is None else tensor_bytes(grad) for _, p in params]
+    """Bytes of each parameter's ``.grad`` (0 where it is ``None``), in order.
+
+    Gradients that are parts of one larger storage hold all of it: see :func:`_whole_storages`.
+    """
+    sizes = [0 if (grad := p.grad) is None else tensor_bytes(grad) for _, p in params]
+    views = [i for i, (_, p) in enumerate(params) if _part_of_a_storage(p.grad)]
+    if views:
+        _whole_storages(sizes, [p.grad for _, p in params], views)
+    return sizes
+
+
+def _part_of_a_storage(grad: torch.Tensor | None) -> bool:
+    return (
+        grad is not None
+        and type(grad) in _PLAIN_TENSORS
+        and grad.layout is torch.strided
+        and grad.untyped_storage().nbytes() != grad.nbytes
+    )
+
+
+def _whole_storages(sizes: list[int], grads: Sequence[torch.Tensor | None], views: Sequence[int]) -> None:
+    """Gradients at ``views`` cover part of their storage (found by its size: ``.grad`` has no
+    ``_base``). Autograd splits one gradient among parameters used through a concatenation
+    (timm's EVA and BEiT concatenate ``q_bias``, zeros and ``v_bias`` into one ``qkv`` bias: the
+    q and v gradients are parts of the 3x-long gradient, which stays alive whole), and
+    ``AccumulateGrad`` keeps each part as ``.grad``; DDP's ``gradient_as_bucket_view`` makes every
+    gradient a part of its bucket. The storage is counted once: each part keeps its own bytes,
+    and the first of a storage's parts also carries what none of them covers. ``sizes`` is
+    changed in place."""
+    groups: dict[tuple[int, str], list[int]] = {}
+    storages: dict[tuple[int, str], int] = {}
+    for i in views:
+        storage = grads[i].untyped_storage()  # type: ignore[union-attr]
+        key = (storage.data_ptr(), str(storage.device))
+        groups.setdefault(key, []).append(i)
+        storages[key] = storage.nbytes()
+    for key, members in groups.items():
+        covered = sum(sizes[i] for i in members)
+        sizes[members[0]] += max(0, storages[key] - covered)
 
 
 class GradientSizes:
@@ -229,6 +267,7 @@ class GradientSizes:
             return gradient_bytes(self._named)
         sizes = []
         append = sizes.append
+        views = None
         for p in self._params:
             grad = p.grad
             if grad is None:
@@ -237,25 +276,50 @@ class GradientSizes:
                 append(tensor_bytes(grad))
             else:
                 try:
-                    append(grad.nbytes)
+                    n = grad.nbytes
                 except RuntimeError:  # "nbytes is not defined for sparse tensors"
                     append(tensor_bytes(grad))
+                    continue
+                append(n)
+                if grad.untyped_storage().nbytes() != n:  # part of a larger storage (rare; 80 ns to ask)
+                    if views is None:
+                        views = []
+                    views.append(len(sizes) - 1)
+        if views is not None:
+            _whole_storages(sizes, [p.grad for p in self._params], views)
         return sizes
 
 
 def buffer_bytes(model: torch.nn.Module, device: torch.device) -> list[tuple[str, int]]:
     """``(name, bytes)`` of the model's registered buffers on ``device``, each once."""
+    return list(_unique_buffer_bytes(model.named_buffers(), device))
+
+
+def buffers_total(buffers: Iterable[torch.Tensor | None], device: torch.device) -> int:
+    """Bytes of ``buffers`` on ``device``, each piece of memory once (as :func:`buffer_bytes`
+    counts them), from tensors already listed: no walk of the module tree.
+
+    Example::
+
+        >>> bn = torch.nn.BatchNorm1d(4)   # running mean and variance (16 B each), a step count (8 B)
+        >>> buffers_total([*bn.buffers(), bn.running_mean], torch.device("cpu"))
+        40
+    """
+    return sum(n for _, n in _unique_buffer_bytes(((None, b) for b in buffers), device))
+
+
+def _unique_buffer_bytes(
+    named: Iterable[tuple[Any, torch.Tensor | None]], device: torch.device
+) -> Iterator[tuple[Any, int]]:
     seen: set[tuple[int, int, int]] = set()
-    result = []
-    for name, buf in model.named_buffers():
+    for name, buf in named:
         if buf is None or buf.device.type == "meta" or not same_device(buf, device):
             continue
         key = _memory_key(buf)
         if key[1] and key in seen:
             continue
         seen.add(key)
-        result.append((name, tensor_bytes(buf)))
-    return result
+        yield name, tensor_bytes(buf)
 
 
 def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:

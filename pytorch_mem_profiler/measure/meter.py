@@ -46,6 +46,7 @@ from ..torch_versions import COMPILE_YIELDS_TO_DISPATCH_MODES
 from ..stats import DETAIL_LEVELS, PHASES, IterationRecord, PhaseStats, records_like
 from .accounting import (
     buffer_bytes,
+    buffers_total,
     gradient_bytes,
     optimizer_holds_any,
     optimizer_state_bytes,
@@ -259,6 +260,7 @@ class Meter:
         self._weights_by_name = MappingProxyType(dict(weights))
         self._weights_total = sum(n for _, n in weights)
         self._buffers_total = sum(n for _, n in buffer_bytes(self.model, self.device))
+        self._buffer_ids: tuple[int, ...] | None = None  # which buffer tensors it counted (:meth:`_recount_replaced_buffers`)
         self._requires_grad = [p.requires_grad for _, p in self._params]
         self._last_gradient_sizes: list[int] | None = None
         self._gradients_by_name: Any = MappingProxyType({})
@@ -468,6 +470,24 @@ class Meter:
         if modules is None:
             modules = self._modules = list(self.model.modules())
         return [b for m in modules for b in m._buffers.values() if b is not None]
+
+    def _recount_replaced_buffers(self) -> None:
+        """A watched iteration counts the buffers again where a module replaced one since:
+        assigning a tensor to a registered buffer's name in ``forward`` is how modules keep a
+        cache they build lazily (timm's ConViT builds its relative positions at the first
+        forward, 12 bytes at construction, 3 KB after). Only the identities are compared each
+        time (a buffer replaced is a new tensor made while the old one lived); the bytes are
+        counted when they changed. A buffer resized in place waits for :meth:`refresh`."""
+        buffers = self._buffers()
+        ids = tuple(map(id, buffers))
+        if ids == self._buffer_ids:
+            return
+        self._buffer_ids = ids
+        total = buffers_total(buffers, self.device)
+        if total != self._buffers_total:
+            self._buffers_total = total
+            self._shared_figures = None  # they hold the old total
+            self._make_light = self._make_slept = None  # and so do the light records' templates
 
     def _optimizer_list(self) -> list[torch.optim.Optimizer]:
         return [opt for opt in (entry[0]() for entry in self._known_optimizers) if opt is not None]
@@ -716,6 +736,7 @@ class Meter:
             if peak.transient_in is not None:
                 transient = peak.transient
             transient_in = peak.transient_in if located or peak.transient_in in PHASES else None
+        self._recount_replaced_buffers()
         shared = self._shared()
         epoch, iteration, step = position
         forward_passes, backward_passes, optimizer_steps = counts
