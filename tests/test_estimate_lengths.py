@@ -109,3 +109,20 @@ def test_the_emulated_cuda_estimate_of_ctc_does_not_refuse_it():
     except EstimateUnsupported as err:  # pragma: no cover - the failure this guards against
         pytest.fail(str(err))
     assert sum(estimate.peak_breakdown.values()) == estimate.peak
+
+
+def test_rocms_kernel_question_is_answered_no_on_a_cuda_build():
+    """``ctc_loss`` on CUDA tensors asks ``_use_miopen_ctc_loss`` (torch 2.10 and newer), which has no
+    fake kernel: on a build without MIOpen the answer is no, whatever the tensors."""
+    from pytorch_mem_profiler.estimate.lengths import length_rule
+
+    ask = getattr(torch.ops.aten, "_use_miopen_ctc_loss", None)
+    if ask is None:
+        pytest.skip(f"torch {torch.__version__} does not ask it")
+    if torch.version.hip is not None:
+        assert length_rule(ask.default) is None  # left unanswered on ROCm: refused, naming it
+        return
+    log_probs, targets = torch.randn(30, 2, 5).log_softmax(2), torch.randint(1, 5, (2, 10))
+    for overload in ask.overloads():
+        rule = length_rule(getattr(ask, overload))
+        assert rule is not None and rule((log_probs, targets, [30, 30], [10, 10], 0), {}) is False

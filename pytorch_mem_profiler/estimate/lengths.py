@@ -22,7 +22,8 @@ the log-probabilities, contiguous, as both kernels make it.
 ``_use_cudnn_ctc_loss`` (CUDA's choice of cuDNN's kernel, asked before ``_ctc_loss``)
 is answered by its conditions on dtypes, devices and shapes (cuDNN takes 1-D ``int32``
 targets on the CPU and a blank of 0); where those hold, its answer depends on the
-lengths' values, and without them it is refused.
+lengths' values, and without them it is refused. ``_use_miopen_ctc_loss`` (ROCm's choice of
+MIOpen's kernel, asked too from torch 2.10) is answered no on a CUDA build, which has no MIOpen.
 
 Example::
 
@@ -113,6 +114,12 @@ def _use_cudnn_ctc_loss(func: Any) -> Callable[[tuple, dict], Any]:
     return rule
 
 
+def _use_miopen_ctc_loss(args: tuple, kwargs: dict) -> bool:
+    """ROCm's choice of MIOpen's kernel: never, on a CUDA build (it has no MIOpen); a question
+    that has no fake kernel, asked by ``ctc_loss`` on CUDA tensors (torch 2.10 and newer)."""
+    return False
+
+
 _RULES: dict[Any, Callable[[tuple, dict], Any]] = {
     aten._ctc_loss.default: _ctc_loss(aten._ctc_loss.default),
     aten._ctc_loss.Tensor: _ctc_loss(aten._ctc_loss.Tensor),
@@ -121,6 +128,10 @@ _RULES: dict[Any, Callable[[tuple, dict], Any]] = {
     aten._use_cudnn_ctc_loss.default: _use_cudnn_ctc_loss(aten._use_cudnn_ctc_loss.default),
     aten._use_cudnn_ctc_loss.Tensor: _use_cudnn_ctc_loss(aten._use_cudnn_ctc_loss.Tensor),
 }
+if torch.version.hip is None and hasattr(aten, "_use_miopen_ctc_loss"):
+    # (on ROCm the question stays unanswered: a refusal naming it, rather than a guess)
+    for _overload in aten._use_miopen_ctc_loss.overloads():
+        _RULES[getattr(aten._use_miopen_ctc_loss, _overload)] = _use_miopen_ctc_loss
 
 
 def length_rule(func: Any) -> Callable[[tuple, dict], Any] | None:
