@@ -58,6 +58,7 @@ from .fake import eager_modules, fake_inputs, fake_mode, fake_model, make_optimi
 from .parallel import PARALLEL_ROLES
 from .loss_rules import LossRules
 from .rnn import CudnnRNNRules, flatten_weights
+from .scripted import scripted_as_python
 from .scratch import KernelScratch
 
 __all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks", "moved_order"]
@@ -507,8 +508,9 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
             attribution = None
             gradients = optimizer_state = 0
             step_peaks = []
-            # tiny tensors the step makes from nothing get values (a LayerDrop draw read in Python)
-            with mode.draws.on():
+            # tiny tensors the step makes from nothing get values (a LayerDrop draw read in Python);
+            # scripted functions run as Python (a fused TorchScript kernel would read fake memory)
+            with mode.draws.on(), scripted_as_python(model, enabled=run_device.type == "cuda"):
                 for step_number in (1, 2):
                     counter.step = step_number
                     for bounded in (rnn, scratch, outputs):
