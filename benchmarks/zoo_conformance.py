@@ -75,9 +75,15 @@ def fresh(device: torch.device) -> None:
     torch.cuda.reset_peak_memory_stats(device)
 
 
+#: The batch of the warm-up step before a measurement (cuBLAS's and cuDNN's handles and workspaces
+#: made, kept in the base): two, since a BatchNorm after global pooling (DeepLabV3's ASPP, LeViT's
+#: head) refuses a batch of one in training.
+WARM_BATCH = 2
+
+
 def measure_step(entry: ZooModel, batch: int, device: torch.device) -> dict[str, int]:
     """Peak allocated over the first two steps above the persistent base, peak reserved, the base."""
-    warm = Training(entry, "real", device, 1)
+    warm = Training(entry, "real", device, min(WARM_BATCH, batch))
     warm.step()
     del warm
     fresh(device)

@@ -26,9 +26,17 @@ from benchmarks.zoo.holdout_text import HOLDOUT_TEXT  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
-#: Known misses on the GPU, each with its figures, to be removed when its fix lands (strict).
-#: None yet: this set has not run on a GPU.
-KNOWN: dict[str, str] = {}
+#: Known misses on the GPU, each with its figures, to be removed when its fix lands (strict). From
+#: an H200, torch 2.11, 2026-11-26, ``conform(..., quick=True)`` (no largest-batch check).
+KNOWN: dict[str, str] = {
+    "qwen2_checkpointed": "reserved +16.7% (peak +0.06%); cause not found yet",
+    "wav2vec2": "reserved -14.7% (peak +5.1%, inside its stated bound of 8.6%)",
+    "torch_encoder": "emulated peak +2.91% (fake CUDA -0.24%); cause not found yet",
+    "frozen_fastpath": "reserved -15.5% (peak -0.08%); cause not found yet",
+    "mha_masks": "reserved +8.2% (peak -0.05%); cause not found yet",
+    "normalized_cnn": "reserved -8.8% (peak -0.12%, stated bound 3.1%)",
+    "mixed_checkpoint": "reserved +14.9% (peak -0.04%); cause not found yet",
+}
 
 
 @pytest.mark.parametrize("name", list(HOLDOUT_TEXT))

@@ -27,9 +27,23 @@ from benchmarks.zoo.holdout_vision import HOLDOUT_VISION  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
-#: Known misses on the GPU, each with its figures, to be removed when its fix lands (strict).
-#: None measured yet: the first GPU run fills this in.
-KNOWN: dict[str, str] = {}
+#: Known misses on the GPU, each with its figures, to be removed when its fix lands (strict). From
+#: an H200, torch 2.11, 2026-11-26, ``conform(..., quick=True)`` (no largest-batch check): reserved,
+#: where cuDNN's convolution workspaces enter the allocator replay by the rules' sizes
+#: (``measure_kernels=True`` measures them: on the zoo's MobileNet and EfficientNet it brings
+#: reserved from +10.3% and +18.4% to -0.06% and -0.36%).
+_WORKSPACES = "(the convolution workspace rules as the replay takes them; measure_kernels=True measures them)"
+KNOWN: dict[str, str] = {
+    "squeezenet": f"reserved +13.5% {_WORKSPACES}",
+    "googlenet": f"reserved -10.3% {_WORKSPACES}",
+    "regnet": f"reserved +31.1% {_WORKSPACES}",
+    "mnasnet": f"reserved +10.0% {_WORKSPACES}",
+    "mobilenet_v3_small": f"reserved +18.5% {_WORKSPACES}",
+    "poolformer": f"reserved +9.8% {_WORKSPACES}",
+    "nf_resnet": f"reserved +6.7% {_WORKSPACES}",
+    "mobilevit": f"reserved +11.1% {_WORKSPACES}",
+    "fastvit": f"reserved +13.7% {_WORKSPACES}",
+}
 
 
 @pytest.mark.parametrize("name", list(HOLDOUT_VISION))

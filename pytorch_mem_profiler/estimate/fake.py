@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from .conv_workspace import memory_format
 from .draws import SMALL_VALUE_NUMEL, Draws
 from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rule
+from .kernel_fakes import kernel_rule
 from .lengths import length_rule
 
 __all__ = [
@@ -98,10 +99,10 @@ class EstimateFakeMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        by_lengths = length_rule(func)
-        if by_lengths is not None:
+        by_rule = length_rule(func) or kernel_rule(func)
+        if by_rule is not None:
             with self:
-                return by_lengths(args, kwargs)
+                return by_rule(args, kwargs)
         if func in MAKES_SPARSE or has_other_layout(args) or has_other_layout(kwargs.values()):
             name = getattr(getattr(func, "_schema", None), "name", "")
             rule = sparse_rule(func) or (
