@@ -1,7 +1,8 @@
 """The CPU checks every zoo model passes, for any registry of :class:`ZooModel` entries.
 
-``tests/test_zoo.py`` runs them on :data:`ZOO`, ``tests/test_zoo_holdout.py`` on the
-models held back from it (:data:`~benchmarks.zoo.holdout.HOLDOUT`): the same bar for both.
+``tests/test_zoo.py`` runs them on :data:`ZOO`, ``tests/test_zoo_holdout_text.py`` and
+``tests/test_zoo_holdout_vision.py`` on the models held back from it
+(:mod:`benchmarks.zoo.holdout_text`, :mod:`benchmarks.zoo.holdout_vision`): the same bar for all.
 
 - :func:`profiled_run`: three iterations under ``memory_profiler(model, print_period=1,
   by_layer=True)``, with the user's own ``saved_tensors_hooks`` pack hook around each forward,
