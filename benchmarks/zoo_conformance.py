@@ -37,6 +37,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import re
 import sys
 import tempfile
@@ -288,6 +289,24 @@ def _fmt(value: float | None) -> str:
 
 def _exact(pairs: list[tuple[int | None, int | None]]) -> str:
     return ", ".join("exact" if a == b else f"{a:,} vs {b:,}" if a is not None and b is not None else "-" for a, b in pairs)
+
+
+def assert_conforms(entry: ZooModel, device: torch.device) -> dict[str, Any]:
+    """:func:`conform` as the GPU tests check it: every goal met (``AssertionError`` naming the
+    misses); an entry refused by design must be refused by both estimates, naming its operation.
+    The row is appended to ``$ZOO_CONFORMANCE_OUT/zoo_conformance.json`` where that is set."""
+    row = conform(entry, device)
+    torch._dynamo.reset()
+    if os.environ.get("ZOO_CONFORMANCE_OUT"):  # the rows of a run, for --publish or a look
+        append_row(Path(os.environ["ZOO_CONFORMANCE_OUT"]) / "zoo_conformance.json", row, device, quick=False)
+    missed = verdict(row)
+    if entry.unsupported:
+        for key in ("fake_cuda", "emulated"):
+            assert entry.unsupported in row[key].get("error", ""), row[key]
+        missed = [m for m in missed if not m.startswith(("fake_cuda:", "emulated:"))]
+    assert "measured" in row and row["measured"]["allocated"] < 10e9, row.get("error")
+    assert missed == [], (missed, {k: v for k, v in row.items() if k != "traceback"})
+    return row
 
 
 def verdict(row: dict[str, Any]) -> list[str]:

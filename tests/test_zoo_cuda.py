@@ -10,7 +10,6 @@ batch running under the allocator limit and 1.1x of it running out of memory.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -49,16 +48,4 @@ def test_the_zoo_model_conforms_on_the_gpu(name, request):
         pytest.skip(reason)
     if name in KNOWN:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN[name]))
-    device = torch.device("cuda", torch.cuda.current_device())
-    row = zoo_conformance.conform(entry, device)
-    torch._dynamo.reset()
-    if os.environ.get("ZOO_CONFORMANCE_OUT"):  # the same rows feed the published table
-        zoo_conformance.append_row(Path(os.environ["ZOO_CONFORMANCE_OUT"]) / "zoo_conformance.json", row, device, quick=False)
-    missed = zoo_conformance.verdict(row)
-    if entry.unsupported:
-        # refused by design: both estimates name the operation; everything else must hold
-        for key in ("fake_cuda", "emulated"):
-            assert entry.unsupported in row[key].get("error", ""), row[key]
-        missed = [m for m in missed if not m.startswith(("fake_cuda:", "emulated:"))]
-    assert "measured" in row and row["measured"]["allocated"] < 10e9, row.get("error")
-    assert missed == [], (missed, {k: v for k, v in row.items() if k != "traceback"})
+    zoo_conformance.assert_conforms(entry, torch.device("cuda", torch.cuda.current_device()))

@@ -17,7 +17,6 @@ Known gaps are ``xfail(strict=True)`` with their figures.
 from __future__ import annotations
 
 import functools
-import re
 import sys
 from pathlib import Path
 
@@ -27,10 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.zoo import ZOO  # noqa: E402
-from benchmarks.zoo.checks import check_cpu_estimate, check_record, profiled_run  # noqa: E402
+from benchmarks.zoo.checks import check_cpu_estimate, check_emulated_estimate, check_record, profiled_run  # noqa: E402
 from benchmarks.zoo.holdout_text import HOLDOUT_TEXT  # noqa: E402
-from pytorch_mem_profiler import estimate_memory  # noqa: E402
-from pytorch_mem_profiler.estimate import EstimateUnsupported  # noqa: E402
 
 #: Where the CPU estimate is known to differ from the measured step: each must fail until fixed.
 ESTIMATE_GAPS: dict[str, str] = {
@@ -83,20 +80,7 @@ def test_the_cpu_estimate_equals_the_measured_step(name, request):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_cuda_estimate_without_a_gpu_is_consistent_or_names_the_operation(name):
-    entry = HOLDOUT_TEXT[name]
-    kwargs = dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cuda", fit=False)
-    try:
-        estimate = estimate_memory(**kwargs)
-    except EstimateUnsupported as err:
-        assert re.search(r"aten\.\w+", str(err)), str(err)
-        if entry.unsupported:
-            assert entry.unsupported in str(err), str(err)
-        return
-    assert not entry.unsupported, f"estimated, though {entry.unsupported} was to be refused"
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in entry.builder("small")().parameters()}
-    # on CUDA each weight is a block of the caching allocator: a multiple of 512 bytes
-    assert estimate.weights == sum(-(-nbytes // 512) * 512 for nbytes in storages.values())
-    assert sum(estimate.peak_breakdown.values()) == estimate.peak > estimate.weights
+    check_emulated_estimate(HOLDOUT_TEXT[name])
 
 
 def test_the_held_back_set_is_apart_from_the_zoo_and_covers_its_setups():

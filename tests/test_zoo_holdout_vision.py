@@ -25,10 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.zoo import ZOO  # noqa: E402
-from benchmarks.zoo.checks import check_cpu_estimate, check_record, profiled_run  # noqa: E402
+from benchmarks.zoo.checks import check_cpu_estimate, check_emulated_estimate, check_record, profiled_run  # noqa: E402
 from benchmarks.zoo.holdout_vision import HOLDOUT_VISION  # noqa: E402
-from pytorch_mem_profiler import estimate_memory  # noqa: E402
-from pytorch_mem_profiler.estimate import EstimateUnsupported  # noqa: E402
 
 #: Where a check is known to fail (the figures and the cause); each must fail until fixed.
 KNOWN_GAPS: dict[tuple[str, str], str] = {
@@ -75,18 +73,7 @@ def test_the_cpu_estimate_equals_the_measured_step(name, request):
 @pytest.mark.parametrize("name", NAMES)
 def test_the_emulated_cuda_estimate_adds_up_or_names_the_operation_it_refuses(name, request):
     _mark_known("cuda_estimate", name, request)
-    entry = HOLDOUT_VISION[name]
-    kwargs = dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cuda", fit=False)
-    try:
-        estimate = estimate_memory(**kwargs)
-    except EstimateUnsupported as err:
-        assert err.operation and err.operation.startswith("aten."), (name, err.operation, str(err))
-        assert err.operation in str(err)
-        return
-    assert estimate.peak > 0 and sum(estimate.peak_breakdown.values()) == estimate.peak, (name, estimate.peak_breakdown)
-    # weights: each parameter's storage as CUDA's caching allocator takes it (a multiple of 512 bytes)
-    model = entry.builder("small")()
-    assert estimate.weights == sum(-(-p.untyped_storage().nbytes() // 512) * 512 for p in model.parameters()), name
+    check_emulated_estimate(HOLDOUT_VISION[name])
 
 
 def test_the_held_back_set_is_apart_from_the_zoo_and_covers_its_setups():

@@ -9,7 +9,10 @@
   and the independent counts of each (unique storages, what the pack hook saw);
 - :func:`check_record`: the profiler's record against those counts;
 - :func:`check_cpu_estimate`: ``estimate_memory(..., device="cpu")`` equals the measured peak
-  to the byte (or refuses an operation the entry says it refuses, by name).
+  to the byte (or refuses an operation the entry says it refuses, by name);
+- :func:`check_emulated_estimate`: ``estimate_memory(..., device="cuda")`` without a GPU (fake
+  CPU tensors standing in for CUDA) adds up, its weights each a block of the caching allocator,
+  or it refuses the step naming an ``aten`` operation (the entry's, where it names one).
 
 Example::
 
@@ -35,7 +38,7 @@ from pytorch_mem_profiler.stats import IterationRecord
 from .registry import ZooModel
 from .training import SavedStorages, Training, storage_bytes
 
-__all__ = ["ITERATIONS", "Iteration", "profiled_run", "check_record", "check_cpu_estimate"]
+__all__ = ["ITERATIONS", "Iteration", "profiled_run", "check_record", "check_cpu_estimate", "check_emulated_estimate"]
 
 CPU = torch.device("cpu")
 ITERATIONS = 3
@@ -130,3 +133,22 @@ def check_cpu_estimate(entry: ZooModel, runs: tuple[Iteration, ...] | None = Non
     assert estimate.optimizer_state == runs[1].optimizer_state, entry.name
     assert sum(estimate.peak_breakdown.values()) == estimate.peak, entry.name
     assert estimate.peak == measured, f"{entry.name}: estimated {estimate.peak:,} B, measured {measured:,} B"
+
+
+def check_emulated_estimate(entry: ZooModel) -> None:
+    """The CUDA estimate of ``entry``'s small step on this machine's CPU (emulated where no GPU is
+    here) adds up, or refuses naming an ``aten`` operation (``AssertionError`` otherwise)."""
+    kwargs = dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cuda", fit=False)
+    try:
+        estimate = estimate_memory(**kwargs)
+    except EstimateUnsupported as err:
+        assert err.operation and err.operation.startswith("aten."), (entry.name, err.operation, str(err))
+        assert err.operation in str(err), (entry.name, str(err))
+        if entry.unsupported:
+            assert entry.unsupported in str(err), (entry.name, str(err))
+        return
+    assert not entry.unsupported, f"{entry.name}: estimated, though {entry.unsupported} was to be refused"
+    assert estimate.peak > 0 and sum(estimate.peak_breakdown.values()) == estimate.peak, (entry.name, estimate.peak_breakdown)
+    # weights: each parameter's storage as CUDA's caching allocator takes it (a multiple of 512 bytes)
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in entry.builder("small")().parameters()}
+    assert estimate.weights == sum(-(-nbytes // 512) * 512 for nbytes in storages.values()), entry.name
