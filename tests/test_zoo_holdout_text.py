@@ -31,16 +31,6 @@ from benchmarks.zoo.holdout_text import HOLDOUT_TEXT  # noqa: E402
 
 #: Where the CPU estimate is known to differ from the measured step: each must fail until fixed.
 ESTIMATE_GAPS: dict[str, str] = {
-    "qwen2_checkpointed": (
-        "estimated 1,981,872 B, measured 1,979,824 B (+2,048 B) on torch 2.14: with transformers' gradient "
-        "checkpointing the estimate is over by a constant that does not grow with the layers (fp32, SGD: +10,240 B "
-        "at 32 tokens and +512 B at 16, for 1, 2 and 3 layers, reentrant; Llama +10,240 B non-reentrant too, Qwen2 "
-        "non-reentrant exact); the plain-torch reentrant and non-reentrant checkpoints (mixed_checkpoint) are exact. "
-        "Cause: with use_cache=False (which gradient checkpointing sets) transformers looks for packed sequences in "
-        "the position ids (masking_utils.find_packed_sequence_indices), and its is_tracing() counts a FakeTensor as "
-        "tracing, so it takes them as packed and builds a causal mask (10*S*S + 256*S bytes more here) that the real "
-        "step, reading the values, skips (sdpa's is_causal)"
-    ),
 }
 
 #: Where the profiler's record is known to differ from the independent counts.

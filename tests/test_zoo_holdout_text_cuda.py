@@ -28,7 +28,6 @@ pytestmark = pytest.mark.cuda
 #: Known misses on the GPU, each with its figures, to be removed when its fix lands (strict). From
 #: an H200, torch 2.11, 2026-11-26, ``conform(..., quick=True)`` (no largest-batch check).
 KNOWN: dict[str, str] = {
-    "qwen2_checkpointed": "reserved +16.7% (peak +0.06%): with use_cache=False transformers takes fake position ids as packed and builds a causal mask the real step skips",
     "wav2vec2": "reserved -14.7% (peak +5.1%, inside its stated bound of 8.6%)",
     "torch_encoder": "emulated peak +2.91% (fake CUDA -0.24%); cause not found yet",
     "frozen_fastpath": "reserved -15.5% (peak -0.08%); cause not found yet",

@@ -58,6 +58,7 @@ from .fake import eager_modules, fake_inputs, fake_mode, fake_model, make_optimi
 from .parallel import PARALLEL_ROLES
 from .loss_rules import LossRules
 from .rnn import CudnnRNNRules, flatten_weights
+from .library_rules import library_rules
 from .scripted import scripted_as_python
 from .scratch import KernelScratch
 
@@ -510,7 +511,10 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
             step_peaks = []
             # tiny tensors the step makes from nothing get values (a LayerDrop draw read in Python);
             # scripted functions run as Python (a fused TorchScript kernel would read fake memory)
-            with mode.draws.on(), scripted_as_python(model, enabled=run_device.type == "cuda"):
+            # libraries' choices from values (transformers' packed sequences) as the real step makes them
+            with mode.draws.on(), scripted_as_python(model, enabled=run_device.type == "cuda"), library_rules(
+                [*tensors_in(inputs), *tensors_in(targets)]
+            ):
                 for step_number in (1, 2):
                     counter.step = step_number
                     for bounded in (rnn, scratch, outputs):

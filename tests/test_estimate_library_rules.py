@@ -1,0 +1,87 @@
+"""Libraries' choices from values, made for fake tensors as the real step makes them
+(``estimate/library_rules.py``): transformers' packed-sequence check without a cache."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pytorch_mem_profiler import estimate_memory
+from pytorch_mem_profiler.estimate.library_rules import library_rules
+
+from .helpers import measured_peak, transformers_or_skip
+
+VOCAB, SEQ = 128, 32
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def _decoder(kind: str, checkpointing: bool | None):
+    transformers = transformers_or_skip()
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+
+    def build():
+        torch.manual_seed(0)
+        config = config_class(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, use_cache=False)  # fmt: skip
+        model = model_class(config)
+        if checkpointing is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+        return model
+
+    return build
+
+
+def _loss(out, labels):
+    return F.cross_entropy(out.logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("checkpointing", [None, False, True], ids=["no_cache", "non_reentrant", "reentrant"])
+def test_a_decoder_trained_without_a_cache_is_estimated_to_the_byte(kind, checkpointing):
+    """Without a cache and an attention mask transformers checks the position ids for packed
+    sequences; the model's own ids are a range, so the real step builds no mask, nor may the estimate."""
+    build = _decoder(kind, checkpointing)
+    ids = lambda batch=2: torch.randint(0, VOCAB, (batch, SEQ))  # noqa: E731
+    measured = measured_peak(build, ids, SGD, loss_fn=_loss, make_targets=ids)
+    est = estimate_memory(build, lambda b: ids(b), batch_size=2, optimizer=SGD, targets=lambda b: ids(b), loss_fn=_loss,
+                          device="cpu", fit=False)  # fmt: skip
+    assert est.peak == measured
+
+
+def test_packed_position_ids_given_as_inputs_are_left_to_transformers():
+    """Position ids in the step's inputs carry the user's values, which the fake step does not keep:
+    transformers builds the packed sequences' mask, as the real step does for packed rows."""
+    build = _decoder("llama", None)
+    positions = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ // 2)]).repeat(2, 1)  # two sequences a row
+    inputs = lambda batch=2: {"input_ids": torch.randint(0, VOCAB, (batch, SEQ)), "position_ids": positions[:batch].clone()}  # noqa: E731
+    ids = lambda batch=2: torch.randint(0, VOCAB, (batch, SEQ))  # noqa: E731
+    sgd_step = measured_peak(lambda: _Keywords(build()), inputs, SGD, loss_fn=_loss, make_targets=ids)
+    est = estimate_memory(lambda: _Keywords(build()), lambda b: inputs(b), batch_size=2, optimizer=SGD,
+                          targets=lambda b: ids(b), loss_fn=_loss, device="cpu", fit=False)  # fmt: skip
+    assert est.peak == sgd_step
+
+
+class _Keywords(torch.nn.Module):
+    """The model given its inputs as one dict (as ``measured_peak`` calls it) or as keywords (as the
+    estimate calls a model whose example inputs are a dict)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict | None = None, **keywords: torch.Tensor) -> torch.Tensor:
+        return self.model(**(batch if batch is not None else keywords))
+
+
+def test_without_transformers_loaded_the_rules_change_nothing(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "transformers.masking_utils", raising=False)
+    with library_rules([torch.zeros(2)]):
+        assert "transformers.masking_utils" not in sys.modules
