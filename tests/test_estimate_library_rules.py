@@ -85,3 +85,22 @@ def test_without_transformers_loaded_the_rules_change_nothing(monkeypatch):
     monkeypatch.delitem(sys.modules, "transformers.masking_utils", raising=False)
     with library_rules([torch.zeros(2)]):
         assert "transformers.masking_utils" not in sys.modules
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "a decoder given an attention mask of ones: estimated 581,032 B against 548,264 B measured (+32,768 B, "
+        "Llama, 2 layers, batch 2 x 32, torch 2.14 and 2.13): the inputs are made under the fake mode, so the mask has no "
+        "values; transformers skips a mask of ones (sdpa's is_causal) and the fake step builds it"
+    ),
+)
+def test_a_decoder_given_an_attention_mask_of_ones_is_estimated_to_the_byte():
+    build = _decoder("llama", None)
+    inputs = lambda batch=2: {"input_ids": torch.randint(0, VOCAB, (batch, SEQ)),  # noqa: E731
+                              "attention_mask": torch.ones(batch, SEQ, dtype=torch.long)}  # fmt: skip
+    ids = lambda batch=2: torch.randint(0, VOCAB, (batch, SEQ))  # noqa: E731
+    measured = measured_peak(lambda: _Keywords(build()), inputs, SGD, loss_fn=_loss, make_targets=ids)
+    est = estimate_memory(lambda: _Keywords(build()), lambda b: inputs(b), batch_size=2, optimizer=SGD,
+                          targets=lambda b: ids(b), loss_fn=_loss, device="cpu", fit=False)  # fmt: skip
+    assert est.peak == measured
