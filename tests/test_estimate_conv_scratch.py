@@ -453,7 +453,6 @@ def test_measured_convolutions_take_their_measured_scratch_and_no_bound(monkeypa
     from pytorch_mem_profiler.estimate import kernel_probe
 
     monkeypatch.setattr(kernel_probe, "MEASURED", {})
-    monkeypatch.setattr("pytorch_mem_profiler.estimate.scratch.MEASURED", kernel_probe.MEASURED)
     aten = torch.ops.aten
     x, w = _meta((8, 64, 128, 128)), _meta((64, 64, 3, 3))
     args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)

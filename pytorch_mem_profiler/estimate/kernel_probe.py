@@ -43,7 +43,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["MEASURED", "convolution_key", "measure_convolutions", "recurrent_key"]
+__all__ = ["MEASURED", "convolution_key", "measure_convolutions", "measured_or_pending", "recurrent_key"]
 
 #: Scratch measured by call key (bytes; ``None``: not measured, too large for the free memory).
 MEASURED: dict[tuple, int | None] = {}
@@ -78,6 +78,22 @@ def convolution_key(func: Any, args: tuple, kwargs: dict) -> tuple:
             str(a["input"].dtype).removeprefix("torch."),
             (_ints(a["stride"]), _ints(a["padding"]), _ints(a["dilation"]), bool(a["transposed"]), _ints(a["output_padding"]),
              int(a["groups"])), tuple(bool(m) for m in a["output_mask"]), flags)  # fmt: skip
+
+
+def measured_or_pending(key: tuple, pending: set[tuple]) -> int | None:
+    """The scratch measured for ``key`` (bytes); ``None`` where there is none, and ``key`` added
+    to ``pending`` where it was not measured yet (not where it was tried and could not run).
+
+    Example::
+
+        >>> pending = set()
+        >>> measured_or_pending(("example",), pending), pending
+        (None, {('example',)})
+    """
+    value = MEASURED.get(key)
+    if value is None and key not in MEASURED:
+        pending.add(key)
+    return value
 
 
 def recurrent_key(

@@ -81,6 +81,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .allocator import block_size
+from .kernel_probe import measured_or_pending, recurrent_key
 
 __all__ = [
     "DROPOUT_STATE_PER_MULTIPROCESSOR",
@@ -369,8 +370,10 @@ class CudnnRNNRules(TorchFunctionMode):
             transposed = bool(batch_first) and not packed and x.dim() == 3
             workspace, bound = buffers.workspace, buffers.bound - buffers.reserve_bound
             if self.pending is not None and not packed:
-                measured = self._measured(mode, x, seq_len, batch, hidden, proj, layers, directions, _bias,
-                                          transposed, dtype, _drop, train)  # fmt: skip
+                key = recurrent_key(mode, seq_len=seq_len, batch=batch, input_size=x.shape[-1], hidden=hidden, proj=proj,
+                                    layers=layers, directions=directions, bias=_bias, batch_first=transposed, dtype=dtype,
+                                    dropout=_drop, train=train)  # fmt: skip
+                measured = measured_or_pending(key, self.pending)
                 if measured is not None:
                     # the probe's peak holds the input's transposed copy beside the workspace
                     workspace, bound = max(0, measured - (block_size(x.numel() * element) if transposed else 0)), 0
@@ -393,21 +396,6 @@ class CudnnRNNRules(TorchFunctionMode):
             reserve = f"{operation} reserve"
             self.reserve_bounds[reserve] = self.reserve_bounds.get(reserve, 0) + buffers.reserve_bound
         return tuple(outputs)
-
-    def _measured(
-        self, mode: str, x: torch.Tensor, seq_len: int, batch: int, hidden: int, proj: int, layers: int,
-        directions: int, bias: bool, batch_first: bool, dtype: torch.dtype, dropout: float, train: bool,
-    ) -> int | None:
-        """The probe's measurement of this call (:mod:`.kernel_probe`), or ``None`` (then pending)."""
-        from .kernel_probe import MEASURED, recurrent_key
-
-        key = recurrent_key(mode, seq_len=seq_len, batch=batch, input_size=x.shape[-1], hidden=hidden, proj=proj,
-                            layers=layers, directions=directions, bias=bias, batch_first=batch_first, dtype=dtype,
-                            dropout=dropout, train=train)  # fmt: skip
-        value = MEASURED.get(key)
-        if value is None and key not in MEASURED and self.pending is not None:
-            self.pending.add(key)
-        return value
 
     def _make_dropout_state(self, x: torch.Tensor) -> None:
         """ATen's ``get_dropout_state``: a seed drawn into a scalar on the device and read back

@@ -77,7 +77,7 @@ import torch
 
 from .allocator import block_size
 from .conv_workspace import convolution_backward_scratch, convolution_scratch, memory_format
-from .kernel_probe import MEASURED, convolution_key
+from .kernel_probe import convolution_key, measured_or_pending
 from .layout_copies import COPYING_OPERATORS
 
 __all__ = [
@@ -432,13 +432,8 @@ class KernelScratch:
         """The call's measured scratch, as one block; ``None`` where there is none (then pending)."""
         if not self.measured:
             return None
-        key = convolution_key(func, args, kwargs)
-        value = MEASURED.get(key)
-        if value is None:
-            if key not in MEASURED:
-                self.pending.add(key)
-            return None
-        return Passes((), ((value,),))
+        value = measured_or_pending(convolution_key(func, args, kwargs), self.pending)
+        return None if value is None else Passes((), ((value,),))
 
     def _convolution(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         measured = self._measured(torch.ops.aten.convolution.default, args, kwargs)
