@@ -34,8 +34,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from .conv_workspace import memory_format
 from .draws import SMALL_VALUE_NUMEL, Draws
 from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rule
-from .kernel_fakes import kernel_rule
-from .lengths import length_rule
+from .kernel_fakes import KERNEL_RULES
+from .lengths import LENGTH_RULES
 
 __all__ = [
     "EstimateFakeMode",
@@ -58,6 +58,12 @@ HOST_VALUE_NUMEL = 1 << 20
 #: Device types whose optimizers take the ``foreach`` path by default (real tensors only:
 #: torch's check looks at the tensor's Python type, so fake ones would take the loop).
 FOREACH_DEVICES = ("cuda", "xpu")
+
+
+#: Operators the fake mode runs by a rule of the estimate's, not by torch's fake kernel: those whose
+#: shapes follow a lengths tensor's values (:mod:`.lengths`), and CUDA operators torch gives no fake
+#: kernel (:mod:`.kernel_fakes`). One lookup for every operator the step runs.
+_OPERATOR_RULES: dict[Any, Any] = {**LENGTH_RULES, **KERNEL_RULES}
 
 
 class EstimateFakeMode(FakeTensorMode):
@@ -99,7 +105,7 @@ class EstimateFakeMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        by_rule = length_rule(func) or kernel_rule(func)
+        by_rule = _OPERATOR_RULES.get(func)
         if by_rule is not None:
             with self:
                 return by_rule(args, kwargs)

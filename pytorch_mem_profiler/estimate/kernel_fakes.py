@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["kernel_rule"]
+__all__ = ["KERNEL_RULES", "kernel_rule"]
 
 aten = torch.ops.aten
 
@@ -56,13 +56,14 @@ def _grid_sampler_backward(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tor
     return x.new_empty(x.shape), grid.new_empty(grid.shape)
 
 
-_RULES: dict[Any, Callable[[tuple, dict], Any]] = {}
+#: The rules by operator (the fake mode looks them up with the others of its kind).
+KERNEL_RULES: dict[Any, Callable[[tuple, dict], Any]] = {}
 if hasattr(aten, "cudnn_grid_sampler"):
-    _RULES[aten.cudnn_grid_sampler.default] = _grid_sampler
+    KERNEL_RULES[aten.cudnn_grid_sampler.default] = _grid_sampler
 if hasattr(aten, "cudnn_grid_sampler_backward"):
-    _RULES[aten.cudnn_grid_sampler_backward.default] = _grid_sampler_backward
+    KERNEL_RULES[aten.cudnn_grid_sampler_backward.default] = _grid_sampler_backward
 
 
 def kernel_rule(func: Any) -> Callable[[tuple, dict], Any] | None:
     """The rule for ``func`` (a CUDA operator without a fake kernel), or ``None``. Call it inside the fake mode."""
-    return _RULES.get(func)
+    return KERNEL_RULES.get(func)

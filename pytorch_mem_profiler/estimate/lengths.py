@@ -46,7 +46,7 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 
-__all__ = ["length_rule"]
+__all__ = ["LENGTH_RULES", "length_rule"]
 
 aten = torch.ops.aten
 
@@ -120,7 +120,8 @@ def _use_miopen_ctc_loss(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-_RULES: dict[Any, Callable[[tuple, dict], Any]] = {
+#: The rules by operator (the fake mode looks them up with the others of its kind).
+LENGTH_RULES: dict[Any, Callable[[tuple, dict], Any]] = {
     aten._ctc_loss.default: _ctc_loss(aten._ctc_loss.default),
     aten._ctc_loss.Tensor: _ctc_loss(aten._ctc_loss.Tensor),
     aten._ctc_loss_backward.default: _ctc_loss_backward,
@@ -131,10 +132,10 @@ _RULES: dict[Any, Callable[[tuple, dict], Any]] = {
 if torch.version.hip is None and hasattr(aten, "_use_miopen_ctc_loss"):
     # (on ROCm the question stays unanswered: a refusal naming it, rather than a guess)
     for _overload in aten._use_miopen_ctc_loss.overloads():
-        _RULES[getattr(aten._use_miopen_ctc_loss, _overload)] = _use_miopen_ctc_loss
+        LENGTH_RULES[getattr(aten._use_miopen_ctc_loss, _overload)] = _use_miopen_ctc_loss
 
 
 def length_rule(func: Any) -> Callable[[tuple, dict], Any] | None:
     """The rule for ``func`` (an operator whose shapes follow a lengths tensor's values), or
     ``None``. Call it inside the fake mode."""
-    return _RULES.get(func)
+    return LENGTH_RULES.get(func)
