@@ -108,6 +108,8 @@ class Tool:
     note: str = ""
     #: this profiler: how many reported iterations ran at each level of detail, over every block
     levels: dict[str, int] = field(default_factory=dict)
+    #: this profiler: the cost budget it ran with (``overhead=``; ``None``: no limit)
+    overhead: float | None = None
     #: this profiler with a budget: the seconds its budget counted as spent and as earned, over every
     #: block (their ratio times ``overhead`` is the share of the run the budget believes it cost)
     budget_seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
@@ -125,9 +127,6 @@ class Tool:
             note += f"; the budget's own count: {100 * self.overhead * spent / allowed:.1f}%"
         return note
 
-    @property
-    def overhead(self) -> float | None:
-        return 0.03 if self.ours and not self.by_layer else None
 
 
 # -- the tools -----------------------------------------------------------------
@@ -156,7 +155,8 @@ def profiler_tool(print_period: int, by_layer: bool = False) -> Tool:
 
     name = f"profiler{' by_layer' if by_layer else ''}, print_period={print_period}"
     tool = Tool(
-        name, open_, ours=True, by_layer=by_layer, print_period=print_period, note=f"overhead={overhead}"
+        name, open_, ours=True, by_layer=by_layer, print_period=print_period, overhead=overhead,
+        note=f"overhead={overhead}",
     )
     return tool
 
