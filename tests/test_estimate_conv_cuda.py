@@ -79,26 +79,6 @@ def test_the_rule_is_within_its_bound_of_this_gpus_convolutions(x_shape, w_shape
         assert abs(sum(rule.blocks) - measured) <= rule.bound, f"backward {mask}: rule {sum(rule.blocks):,} measured {measured:,} bound {rule.bound:,}"
 
 
-def _measure(entry, batch: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    """As benchmarks/zoo_conformance.py measures: a step at a batch of one dropped, then from an empty
-    cache two steps: the peak allocated above what was allocated before the model, the peak reserved."""
-    from zoo import Training
-
-    warm = Training(entry, "real", CUDA, 2)  # as zoo_conformance.measure_step warms up
-    warm.step()
-    del warm
-    _fresh()
-    base = torch.cuda.memory_allocated()
-    run = Training(entry, "real", CUDA, batch)
-    for _ in range(2):
-        run.step()
-    torch.cuda.synchronize()
-    allocated, reserved = torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved()
-    del run
-    _fresh()
-    return allocated, reserved
-
-
 def test_the_probe_measures_what_this_process_measures():
     from pytorch_mem_profiler.estimate.kernel_probe import MEASURED, convolution_key, measure_convolutions
 
@@ -134,7 +114,10 @@ def test_conv_nets_estimate_within_the_goals_or_the_stated_bound(name, emulate, 
     if reason:
         pytest.skip(reason)
     batch = entry.batch["real"]
-    allocated, reserved = _measure(entry, batch)
+    from zoo_conformance import measure_step
+
+    measured = measure_step(entry, batch, CUDA)  # as the conformance table measures
+    allocated, reserved = measured["allocated"], measured["reserved"]
     est = estimate_memory(**entry.estimate_kwargs("real"), batch_size=batch, device=CUDA, fit=False, emulate=emulate,
                           measure_kernels=measure)  # fmt: skip
     if measure:  # every convolution measured: nothing left to bound
