@@ -21,7 +21,6 @@ operation. Known gaps of the estimate are marked ``xfail(strict=True)`` with the
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
@@ -31,47 +30,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.zoo import ZOO  # noqa: E402
-from benchmarks.zoo.checks import check_cpu_estimate, check_record, profiled_run  # noqa: E402
-from pytorch_mem_profiler.torch_versions import COMPILE_YIELDS_TO_DISPATCH_MODES  # noqa: E402
+from benchmarks.zoo.checks import check_cpu_estimate, check_record  # noqa: E402
+
+from .zoo_cases import ProfiledRuns, cases  # noqa: E402
 
 #: Where the CPU estimate is known to differ from the measured step (estimated vs measured
 #: peak in bytes, on torch 2.14 and 2.13): each must fail until the estimate is fixed.
 ESTIMATE_GAPS: dict[str, str] = {
 }
 
-
-def _available(name: str):
-    reason = ZOO[name].unavailable()
-    if reason is None and ZOO[name].needs_compile and not COMPILE_YIELDS_TO_DISPATCH_MODES:
-        reason = f"torch {torch.__version__} runs compiled code past the CPU counter: the measured step misses its tensors"
-    return pytest.param(name, marks=pytest.mark.skip(reason=reason)) if reason else name
-
-
-NAMES = [_available(name) for name in ZOO]
-
-
-@functools.lru_cache(maxsize=None)
-def _runs(name: str):
-    return profiled_run(ZOO[name])
+_runs = ProfiledRuns(ZOO)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_runs():
     yield
-    _runs.cache_clear()
+    _runs.clear()
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", cases(ZOO))
 def test_the_profilers_record_equals_independent_counts(name):
     check_record(ZOO[name], _runs(name))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_cpu_estimate_equals_the_measured_step(name, request):
+@pytest.mark.parametrize("name", cases(ZOO, ESTIMATE_GAPS))
+def test_the_cpu_estimate_equals_the_measured_step(name):
     entry = ZOO[name]
-    if name in ESTIMATE_GAPS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=ESTIMATE_GAPS[name]))
     check_cpu_estimate(entry, None if entry.unsupported else _runs(name))
 
 

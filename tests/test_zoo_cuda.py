@@ -22,6 +22,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmarks.zoo import ZOO  # noqa: E402
 
+from .zoo_cases import cases  # noqa: E402
+
 pytestmark = pytest.mark.cuda
 
 #: Known misses on the GPU (two H200s and one, torch 2.11, 2026-11-25: the table in docs/benchmarks.md),
@@ -38,14 +40,8 @@ KNOWN: dict[str, str] = {
 }
 
 
-@pytest.mark.parametrize("name", list(ZOO))
-def test_the_zoo_model_conforms_on_the_gpu(name, request):
+@pytest.mark.parametrize("name", cases(ZOO, KNOWN, on_cpu=False))
+def test_the_zoo_model_conforms_on_the_gpu(name):
     import zoo_conformance
 
-    entry = ZOO[name]
-    reason = entry.unavailable()
-    if reason:
-        pytest.skip(reason)
-    if name in KNOWN:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN[name]))
-    zoo_conformance.assert_conforms(entry, torch.device("cuda", torch.cuda.current_device()))
+    zoo_conformance.assert_conforms(ZOO[name], torch.device("cuda", torch.cuda.current_device()))

@@ -16,7 +16,6 @@ Known gaps are ``xfail(strict=True)`` with their figures.
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
@@ -26,52 +25,37 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.zoo import ZOO  # noqa: E402
-from benchmarks.zoo.checks import check_cpu_estimate, check_emulated_estimate, check_record, profiled_run  # noqa: E402
+from benchmarks.zoo.checks import check_cpu_estimate, check_emulated_estimate, check_record  # noqa: E402
 from benchmarks.zoo.holdout_text import HOLDOUT_TEXT  # noqa: E402
 
-#: Where the CPU estimate is known to differ from the measured step: each must fail until fixed.
-ESTIMATE_GAPS: dict[str, str] = {
-}
+from .zoo_cases import ProfiledRuns, cases  # noqa: E402
 
-#: Where the profiler's record is known to differ from the independent counts.
+#: Where a check is known to fail, with its figures: each must fail until fixed.
 RECORD_GAPS: dict[str, str] = {}
+ESTIMATE_GAPS: dict[str, str] = {}
+EMULATED_GAPS: dict[str, str] = {}
 
-
-def _available(name: str):
-    reason = HOLDOUT_TEXT[name].unavailable()
-    return pytest.param(name, marks=pytest.mark.skip(reason=reason)) if reason else name
-
-
-NAMES = [_available(name) for name in HOLDOUT_TEXT]
-
-
-@functools.lru_cache(maxsize=None)
-def _runs(name: str):
-    return profiled_run(HOLDOUT_TEXT[name])
+_runs = ProfiledRuns(HOLDOUT_TEXT)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_runs():
     yield
-    _runs.cache_clear()
+    _runs.clear()
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_profilers_record_equals_independent_counts(name, request):
-    if name in RECORD_GAPS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=RECORD_GAPS[name]))
+@pytest.mark.parametrize("name", cases(HOLDOUT_TEXT, RECORD_GAPS))
+def test_the_profilers_record_equals_independent_counts(name):
     check_record(HOLDOUT_TEXT[name], _runs(name))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_cpu_estimate_equals_the_measured_step(name, request):
+@pytest.mark.parametrize("name", cases(HOLDOUT_TEXT, ESTIMATE_GAPS))
+def test_the_cpu_estimate_equals_the_measured_step(name):
     entry = HOLDOUT_TEXT[name]
-    if name in ESTIMATE_GAPS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=ESTIMATE_GAPS[name]))
     check_cpu_estimate(entry, None if entry.unsupported else _runs(name))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", cases(HOLDOUT_TEXT, EMULATED_GAPS))
 def test_the_cuda_estimate_without_a_gpu_is_consistent_or_names_the_operation(name):
     check_emulated_estimate(HOLDOUT_TEXT[name])
 

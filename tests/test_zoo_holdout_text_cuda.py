@@ -6,7 +6,6 @@ CUDA and emulated, reserved within 5%, the predicted largest batch fitting and 1
 
     PYTHONPATH=. python3 -m pytest tests/test_zoo_holdout_text_cuda.py -m cuda -q
     ZOO_CONFORMANCE_OUT=$OUT/holdout_text PYTHONPATH=. python3 -m pytest tests/test_zoo_holdout_text_cuda.py -m cuda -q
-    python3 benchmarks/zoo_conformance.py --publish $OUT/holdout_text/zoo_conformance.json   # a table of them
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmarks.zoo.holdout_text import HOLDOUT_TEXT  # noqa: E402
 
+from .zoo_cases import cases  # noqa: E402
+
 pytestmark = pytest.mark.cuda
 
 #: Known misses on the GPU, each with its figures, to be removed when its fix lands (strict). From
@@ -37,14 +38,8 @@ KNOWN: dict[str, str] = {
 }
 
 
-@pytest.mark.parametrize("name", list(HOLDOUT_TEXT))
-def test_the_held_back_model_conforms_on_the_gpu(name, request):
+@pytest.mark.parametrize("name", cases(HOLDOUT_TEXT, KNOWN, on_cpu=False))
+def test_the_held_back_model_conforms_on_the_gpu(name):
     import zoo_conformance
 
-    entry = HOLDOUT_TEXT[name]
-    reason = entry.unavailable()
-    if reason:
-        pytest.skip(reason)
-    if name in KNOWN:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN[name]))
-    zoo_conformance.assert_conforms(entry, torch.device("cuda", torch.cuda.current_device()))
+    zoo_conformance.assert_conforms(HOLDOUT_TEXT[name], torch.device("cuda", torch.cuda.current_device()))

@@ -15,7 +15,6 @@ Known gaps are marked ``xfail(strict=True)`` with their figures.
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
@@ -25,54 +24,38 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.zoo import ZOO  # noqa: E402
-from benchmarks.zoo.checks import check_cpu_estimate, check_emulated_estimate, check_record, profiled_run  # noqa: E402
+from benchmarks.zoo.checks import check_cpu_estimate, check_emulated_estimate, check_record  # noqa: E402
 from benchmarks.zoo.holdout_vision import HOLDOUT_VISION  # noqa: E402
 
-#: Where a check is known to fail (the figures and the cause); each must fail until fixed.
-KNOWN_GAPS: dict[tuple[str, str], str] = {
-}
+from .zoo_cases import ProfiledRuns, cases  # noqa: E402
 
+#: Where a check is known to fail, with its figures: each must fail until fixed.
+RECORD_GAPS: dict[str, str] = {}
+ESTIMATE_GAPS: dict[str, str] = {}
+EMULATED_GAPS: dict[str, str] = {}
 
-def _param(name: str):
-    reason = HOLDOUT_VISION[name].unavailable()
-    return pytest.param(name, marks=pytest.mark.skip(reason=reason)) if reason else name
-
-
-NAMES = [_param(name) for name in HOLDOUT_VISION]
-
-
-def _mark_known(check: str, name: str, request) -> None:
-    if (check, name) in KNOWN_GAPS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[check, name]))
-
-
-@functools.lru_cache(maxsize=None)
-def _runs(name: str):
-    return profiled_run(HOLDOUT_VISION[name])
+_runs = ProfiledRuns(HOLDOUT_VISION)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_runs():
     yield
-    _runs.cache_clear()
+    _runs.clear()
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_profilers_record_equals_independent_counts(name, request):
-    _mark_known("record", name, request)
+@pytest.mark.parametrize("name", cases(HOLDOUT_VISION, RECORD_GAPS))
+def test_the_profilers_record_equals_independent_counts(name):
     check_record(HOLDOUT_VISION[name], _runs(name))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_cpu_estimate_equals_the_measured_step(name, request):
-    _mark_known("cpu_estimate", name, request)
+@pytest.mark.parametrize("name", cases(HOLDOUT_VISION, ESTIMATE_GAPS))
+def test_the_cpu_estimate_equals_the_measured_step(name):
     entry = HOLDOUT_VISION[name]
     check_cpu_estimate(entry, None if entry.unsupported else _runs(name))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_emulated_cuda_estimate_adds_up_or_names_the_operation_it_refuses(name, request):
-    _mark_known("cuda_estimate", name, request)
+@pytest.mark.parametrize("name", cases(HOLDOUT_VISION, EMULATED_GAPS))
+def test_the_emulated_cuda_estimate_adds_up_or_names_the_operation_it_refuses(name):
     check_emulated_estimate(HOLDOUT_VISION[name])
 
 

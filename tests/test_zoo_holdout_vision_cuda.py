@@ -24,6 +24,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmarks.zoo.holdout_vision import HOLDOUT_VISION  # noqa: E402
 
+from .zoo_cases import cases  # noqa: E402
+
 pytestmark = pytest.mark.cuda
 
 #: Known misses on the GPU, each with its figures, to be removed when its fix lands (strict). From
@@ -45,14 +47,8 @@ KNOWN: dict[str, str] = {
 }
 
 
-@pytest.mark.parametrize("name", list(HOLDOUT_VISION))
-def test_the_held_back_model_conforms_on_the_gpu(name, request):
+@pytest.mark.parametrize("name", cases(HOLDOUT_VISION, KNOWN, on_cpu=False))
+def test_the_held_back_model_conforms_on_the_gpu(name):
     import zoo_conformance
 
-    entry = HOLDOUT_VISION[name]
-    reason = entry.unavailable()
-    if reason:
-        pytest.skip(reason)
-    if name in KNOWN:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN[name]))
-    zoo_conformance.assert_conforms(entry, torch.device("cuda", torch.cuda.current_device()))
+    zoo_conformance.assert_conforms(HOLDOUT_VISION[name], torch.device("cuda", torch.cuda.current_device()))
