@@ -287,3 +287,43 @@ def test_the_line_named_is_a_libraries_whose_folder_begins_like_torchs():
     assert user_line(frames) == f"{sibling}:104: if degenerate_boxes.any():"
     # with no library frame, the innermost of torch.nn or torch.optim
     assert user_line(frames[1:]) == f"{torch_dir / 'nn' / 'modules' / 'module.py'}:1837: result = forward_call()"
+
+
+def test_the_inputs_keep_the_values_the_user_fixed_and_none_they_did_not():
+    """While the inputs are made: integer and boolean factories that are not random keep their values,
+    and so do host tensors read and what is computed from them alone; random draws (token ids),
+    floating-point data and ``empty`` stay without (their values are not the user's)."""
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    positions = torch.arange(8).repeat(2, 1)
+    mode = fake_mode()
+    with mode, mode.draws.inputs():
+        ones = torch.ones(3, 8, dtype=torch.long)
+        mask = torch.full((3, 8), True)
+        arange = torch.arange(8)
+        padded = ones.clone()
+        padded[0, -2:] = 0
+        read = positions[:1] + 1
+        ids = torch.randint(0, 10, (3, 8))
+        floats = torch.ones(3, 8)
+        empty = torch.empty(3, 8, dtype=torch.long)
+    assert torch.equal(ones.constant, torch.ones(3, 8, dtype=torch.long))
+    assert bool(mask.constant.all()) and torch.equal(arange.constant, torch.arange(8))
+    assert int(padded.constant.sum()) == 22 and int(ones.constant.sum()) == 24
+    assert torch.equal(read.constant, torch.arange(1, 9)[None])
+    assert ids.constant is None and floats.constant is None and empty.constant is None
+    # the step writing into its input never writes into the user's tensor
+    with mode, mode.draws.inputs():
+        given = positions[0]
+    with mode:
+        given.add_(100)
+    assert torch.equal(positions, torch.arange(8).repeat(2, 1))
+
+
+def test_without_inputs_being_made_nothing_gets_values():
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    mode = fake_mode()
+    with mode:
+        ones = torch.ones(3, 8, dtype=torch.long)
+    assert ones.constant is None

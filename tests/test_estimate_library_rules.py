@@ -87,20 +87,69 @@ def test_without_transformers_loaded_the_rules_change_nothing(monkeypatch):
         assert "transformers.masking_utils" not in sys.modules
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a decoder given an attention mask of ones: estimated 581,032 B against 548,264 B measured (+32,768 B, "
-        "Llama, 2 layers, batch 2 x 32, torch 2.14 and 2.13): the inputs are made under the fake mode, so the mask has no "
-        "values; transformers skips a mask of ones (sdpa's is_causal) and the fake step builds it"
-    ),
-)
-def test_a_decoder_given_an_attention_mask_of_ones_is_estimated_to_the_byte():
-    build = _decoder("llama", None)
-    inputs = lambda batch=2: {"input_ids": torch.randint(0, VOCAB, (batch, SEQ)),  # noqa: E731
-                              "attention_mask": torch.ones(batch, SEQ, dtype=torch.long)}  # fmt: skip
+def _language_model(kind: str):
+    """A small transformers model built from its config: a decoder (Llama, GPT-2) or an encoder (BERT)."""
+    if kind == "llama":
+        return _decoder("llama", None)
+    transformers = transformers_or_skip()
+
+    def build():
+        torch.manual_seed(0)
+        if kind == "gpt2":
+            config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+            return transformers.GPT2LMHeadModel(config)
+        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+        return transformers.BertForMaskedLM(config)
+
+    return build
+
+
+def _mask(batch: int, padded: bool) -> torch.Tensor:
+    """An attention mask: all ones, or the first row's last quarter padding (zeros)."""
+    mask = torch.ones(batch, SEQ, dtype=torch.long)
+    if padded:
+        mask[0, -SEQ // 4 :] = 0
+    return mask
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("padded", [False, True], ids=["ones", "padded"])
+def test_an_attention_mask_made_by_the_inputs_function_is_read_as_the_real_step_reads_it(kind, padded):
+    """transformers skips a mask without padding (scaled dot-product attention's ``is_causal``, or no mask
+    for an encoder) and builds one with padding: the mask the inputs' function makes keeps its values, so
+    the fake step decides as the real one, to the byte (the unpadded step is the smaller)."""
+    build = _language_model(kind)
+    inputs = lambda batch=2: {"input_ids": torch.randint(0, VOCAB, (batch, SEQ)), "attention_mask": _mask(batch, padded)}  # noqa: E731
     ids = lambda batch=2: torch.randint(0, VOCAB, (batch, SEQ))  # noqa: E731
     measured = measured_peak(lambda: _Keywords(build()), inputs, SGD, loss_fn=_loss, make_targets=ids)
     est = estimate_memory(lambda: _Keywords(build()), lambda b: inputs(b), batch_size=2, optimizer=SGD,
                           targets=lambda b: ids(b), loss_fn=_loss, device="cpu", fit=False)  # fmt: skip
     assert est.peak == measured
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["ones", "padded"])
+def test_a_templates_mask_keeps_its_values_row_after_row_at_another_batch(padded):
+    """Inputs given as real tensors (a template of batch 2) estimated at batch 3: the mask's rows repeat
+    (row 0, row 1, row 0), as the step measured on those rows has them."""
+    build = _language_model("llama")
+    template = {"input_ids": torch.randint(0, VOCAB, (2, SEQ)), "attention_mask": _mask(2, padded)}
+    rows = torch.tensor([0, 1, 0])
+    at_three = lambda: {"input_ids": torch.randint(0, VOCAB, (3, SEQ)), "attention_mask": template["attention_mask"][rows].clone()}  # noqa: E731
+    ids = lambda: torch.randint(0, VOCAB, (3, SEQ))  # noqa: E731
+    measured = measured_peak(lambda: _Keywords(build()), at_three, SGD, loss_fn=_loss, make_targets=ids)
+    est = estimate_memory(lambda: _Keywords(build()), template, batch_size=3, optimizer=SGD,
+                          targets=lambda b: torch.randint(0, VOCAB, (b, SEQ)), loss_fn=_loss, device="cpu", fit=False)  # fmt: skip
+    assert est.peak == measured
+    assert template["attention_mask"].sum() == 2 * SEQ - (SEQ // 4 if padded else 0)  # the user's tensor untouched
+
+
+def test_the_unpadded_mask_is_skipped_and_the_padded_one_built():
+    """The two estimates differ as the two real steps do: the exactness above is not two equal wrong figures."""
+    build = _language_model("llama")
+    figures = []
+    for padded in (False, True):
+        inputs = lambda b, padded=padded: {"input_ids": torch.randint(0, VOCAB, (b, SEQ)), "attention_mask": _mask(b, padded)}  # noqa: E731
+        figures.append(estimate_memory(lambda: _Keywords(build()), inputs, batch_size=2, optimizer=SGD,
+                                       targets=lambda b: torch.randint(0, VOCAB, (b, SEQ)), loss_fn=_loss, device="cpu", fit=False).peak)  # fmt: skip
+    assert figures[0] < figures[1]

@@ -74,10 +74,13 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["SMALL_VALUE_NUMEL", "SEED", "Draws", "user_line"]
+__all__ = ["SMALL_VALUE_NUMEL", "HOST_VALUE_NUMEL", "SEED", "Draws", "user_line"]
 
 #: Tensors of at most this many elements that a step makes from nothing get real values.
 SMALL_VALUE_NUMEL = 256
+#: Integer and boolean tensors with values the user gave (host data, the inputs' masks and
+#: positions) keep them up to this many elements, and so do those computed from values alone.
+HOST_VALUE_NUMEL = 1 << 20
 #: The seed of the estimate's own generator, at the start of each fake step.
 SEED = 0
 
@@ -144,6 +147,22 @@ def _small(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.layout is torch.strided and t.numel() <= SMALL_VALUE_NUMEL
 
 
+def _input_sized(t: Any) -> bool:
+    """An integer or boolean tensor small enough to keep the value the user gave it (a mask, positions)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.layout is torch.strided
+        and not (t.is_floating_point() or t.is_complex())
+        and t.numel() <= HOST_VALUE_NUMEL
+    )
+
+
+def _uninitialized(func: Any) -> bool:
+    """``empty``-like factories: their values are whatever memory held, never the user's."""
+    name = getattr(getattr(func, "_schema", None), "name", "").split("::")[-1]
+    return "empty" in name
+
+
 class Draws:
     """One fake mode's real values for tiny tensors made from nothing, and the reads of drawn ones.
 
@@ -154,6 +173,9 @@ class Draws:
     def __init__(self, seed: int = SEED) -> None:
         self.seed = seed
         self.active = False
+        #: while the step's inputs are made (see :meth:`inputs`)
+        self.making_inputs = False
+        self._host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self.reads: dict[str, int] = {}
         self._state: torch.Tensor | None = None
         self._drawn: dict[int, weakref.ref] = {}
@@ -172,10 +194,45 @@ class Draws:
         finally:
             self.active = False
 
+    @contextlib.contextmanager
+    def inputs(self) -> Iterator[Draws]:
+        """While the step's inputs are made: what the user fixed keeps its values.
+
+        Integer and boolean tensors (up to :data:`HOST_VALUE_NUMEL` elements) that a factory
+        which is not random makes (``torch.ones(b, s, dtype=torch.long)``: an attention mask with
+        no padding; ``torch.arange``), host tensors the inputs' function reads (position ids kept
+        in a closure), and what is computed from them alone keep their values, so a library that
+        reads them (transformers skips a mask of ones) decides as the real step does. Random ones
+        (``torch.randint`` token ids) stand for data the estimate does not have, and floating-point
+        ones for data the step computes on: both stay without values.
+        """
+        self.making_inputs = True
+        try:
+            yield self
+        finally:
+            self.making_inputs = False
+            self._host.clear()
+
+    def host_value(self, mode: Any, real: torch.Tensor) -> torch.Tensor:
+        """A real CPU tensor the user gave, as a fake one with its value (a copy: the step never
+        writes into the user's tensor); the same fake for the same tensor. Others as they are."""
+        if type(real) not in _PLAIN or mode.is_our_fake(real) or real.device.type != "cpu" or not _input_sized(real):
+            return real
+        known = self._host.get(id(real))
+        if known is not None and known[0]() is real:
+            return known[1]
+        with no_dispatch():
+            copy = real.detach().clone()
+        fake = mode.fake_tensor_converter.from_real_tensor(mode, copy, make_constant=True)
+        self._host[id(real)] = (weakref.ref(real), fake)
+        return fake
+
     # -- what the fake mode asks ----------------------------------------------------
     def dispatch(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any]) -> Any:
         """``func`` under ``mode``: with real values where the rules give them, else ``fallback``'s
         fake result; values read from drawn tensors are noted."""
+        if self.making_inputs and not self.active:
+            return self._input_values(mode, func, args, kwargs, fallback)
         flat = _flat(args, kwargs)
         fakes = []
         for v in flat:
@@ -209,6 +266,25 @@ class Draws:
         return ref is not None and ref() is t and getattr(t, "constant", None) is not None
 
     # -- the rules --------------------------------------------------------------------
+    def _input_values(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any]) -> Any:
+        """While inputs are made: deterministic integer and boolean factories give their values;
+        host tensors read come in with theirs (:meth:`inputs`)."""
+        if func in getattr(mode, "lift_fns", ()):  # torch.tensor(data): the fake mode's own (see may_turn_const)
+            return fallback(func, args, kwargs)
+        if isinstance(func, torch._ops.OpOverload) and _makes_tensors(func):
+            makes_from_nothing = not any(isinstance(v, torch.Tensor) for v in _flat(args, kwargs))
+            if (makes_from_nothing or _reads_metadata_only(func)) and not _tag(func, "nondeterministic_seeded") and not _uninitialized(func):
+                fake = fallback(func, args, kwargs)
+                results = fake if isinstance(fake, (list, tuple)) else [fake]
+                if not results or not all(_input_sized(t) for t in results if isinstance(t, torch.Tensor)):
+                    return fake
+                real_args, real_kwargs = tree_map(
+                    lambda v: _stand_in(func, v) if isinstance(v, torch.Tensor) and mode.is_our_fake(v) else v, (args, kwargs)
+                )
+                return self._as_values(mode, self._run(func, real_args, _on_cpu(real_kwargs), False), fake, False)
+        args, kwargs = tree_map(lambda v: self.host_value(mode, v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+        return fallback(func, args, kwargs)
+
     def _made(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any], random: bool) -> Any:
         """A factory: the fake result first (its shapes), then, if it is small, its real value (a
         random one); a factory's result that is not random gets its value only when one element

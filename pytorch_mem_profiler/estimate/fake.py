@@ -24,15 +24,17 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._mode_utils import no_dispatch
 
 from .conv_workspace import memory_format
-from .draws import SMALL_VALUE_NUMEL, Draws
+from .draws import HOST_VALUE_NUMEL, SMALL_VALUE_NUMEL, Draws
 from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rule
 from .kernel_fakes import KERNEL_RULES
 from .lengths import LENGTH_RULES
@@ -47,13 +49,9 @@ __all__ = [
     "batch_of",
     "make_optimizer",
     "FOREACH_DEVICES",
+    "HOST_VALUE_NUMEL",
 ]
 
-#: Integer and boolean tensors with values (host data given to ``torch.tensor``, and what is
-#: computed from values alone) keep them up to this many elements while the step runs: a mask
-#: made with numpy, then used to index, gives the indexing its real shape. Floating-point ones
-#: keep them up to :data:`~.draws.SMALL_VALUE_NUMEL` (values cost the fake mode its cache).
-HOST_VALUE_NUMEL = 1 << 20
 
 #: Device types whose optimizers take the ``foreach`` path by default (real tensors only:
 #: torch's check looks at the tensor's Python type, so fake ones would take the loop).
@@ -78,6 +76,8 @@ class EstimateFakeMode(FakeTensorMode):
       real step takes it; the values read are noted in ``draws.reads``. Integer and boolean
       tensors made from host data (a mask from numpy) keep theirs up to
       :data:`HOST_VALUE_NUMEL` elements, so indexing by them has its real shape.
+    - While the inputs are made (:meth:`.Draws.inputs`), what the user fixed in them (a mask of
+      ones, position ids) keeps its values up to :data:`HOST_VALUE_NUMEL` elements.
 
     ``allow_fallback_kernels=False``: an operator without a fake implementation
     raises instead of running its real kernel on made-up data (which would allocate
@@ -93,7 +93,7 @@ class EstimateFakeMode(FakeTensorMode):
         # while the step runs, values computed from values stay up to the size draws get them;
         # integer and boolean ones (masks and indices made from host data, as wav2vec2's time
         # mask from numpy) up to HOST_VALUE_NUMEL, so that indexing by them has its real shape
-        if self.draws.active:
+        if self.draws.active or self.draws.making_inputs:
             limit = SMALL_VALUE_NUMEL if t.is_floating_point() or t.is_complex() else HOST_VALUE_NUMEL
             return (
                 t.numel() <= limit
@@ -120,7 +120,7 @@ class EstimateFakeMode(FakeTensorMode):
                 if out is not NotImplemented:
                     return out
         fallback = super().__torch_dispatch__
-        if self.draws.active:
+        if self.draws.active or self.draws.making_inputs:
             return self.draws.dispatch(self, func, args, kwargs, lambda f, a, k: fallback(f, types, a, k))
         return fallback(func, types, args, kwargs)
 
@@ -276,25 +276,48 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def fake_inputs(example: Any, batch_size: int | None, device: torch.device) -> Any:
+def fake_inputs(example: Any, batch_size: int | None, device: torch.device, mode: EstimateFakeMode | None = None) -> Any:
     """Fake inputs on ``device`` (call inside the fake mode) for a batch of ``batch_size``.
 
     ``example`` is a tensor, a tuple, list or dict of them (or other values, passed
     on), or a function ``batch_size -> inputs`` (called here, so big inputs cost
     nothing). Tensors of a template whose first dimension is the template's batch
     get ``batch_size`` there; the others keep their shapes.
+
+    With ``mode`` given, what the user fixed keeps its values where the step runs on the CPU
+    (:meth:`.Draws.inputs`): a function's integer and boolean tensors made without randomness,
+    and a template's integer and boolean tensors, their rows repeated to ``batch_size``.
     """
-    if callable(example) and not isinstance(example, torch.Tensor):
-        made = example(batch_size) if batch_size is not None else example()
-        return _map(made, lambda t: t if _on(t, device) else fake_like(t, device))
-    template_batch = batch_of(example)
+    values = mode.draws.inputs() if mode is not None else contextlib.nullcontext()
+    with values:
+        if callable(example) and not isinstance(example, torch.Tensor):
+            made = example(batch_size) if batch_size is not None else example()
+            return _map(made, lambda t: t if _on(t, device) else fake_like(t, device))
+        template_batch = batch_of(example)
 
-    def resize(t: torch.Tensor) -> torch.Tensor:
-        if batch_size is None or t.dim() == 0 or t.shape[0] != template_batch:
-            return fake_like(t, device, tuple(t.shape))
-        return fake_like(t, device, (batch_size, *t.shape[1:]))
+        def resize(t: torch.Tensor) -> torch.Tensor:
+            rows = batch_size if batch_size is not None and t.dim() > 0 and t.shape[0] == template_batch else None
+            if mode is not None and device.type == "cpu" and not isinstance(t, FakeTensor):
+                kept = _template_values(t, rows)
+                if kept is not None:  # made by an operator, as every input is: the step counts it
+                    return mode.draws.host_value(mode, kept).clone()
+            return fake_like(t, device, tuple(t.shape) if rows is None else (rows, *t.shape[1:]))
 
-    return _map(example, resize)
+        return _map(example, resize)
+
+
+def _template_values(t: torch.Tensor, rows: int | None) -> torch.Tensor | None:
+    """A template's integer or boolean CPU tensor with its rows repeated to ``rows`` (a batch of
+    another size has the template's masks and positions, row after row), else ``None``."""
+    if t.device.type != "cpu" or t.layout is not torch.strided or t.is_floating_point() or t.is_complex():
+        return None
+    numel = t.numel() if rows is None or t.shape[0] == 0 else t.numel() // t.shape[0] * rows
+    if numel > HOST_VALUE_NUMEL or (rows is not None and t.shape[0] == 0):
+        return None
+    with no_dispatch():
+        if rows is None:
+            return t.detach().clone()
+        return t.detach()[torch.arange(rows) % t.shape[0]].contiguous()
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -11,8 +11,13 @@ the estimate answers for it, for the length of its step:
   packed and builds a causal mask (and, on CUDA, attention with a mask) that the real step skips
   (scaled dot-product attention's ``is_causal``). Position ids the model made itself (from its
   cache positions: a range in every row) are one sequence per row: not packed. Position ids the
-  step's inputs hold, whose values the estimate does not keep, are left to transformers (a mask
-  built: what packed inputs need).
+  step's inputs hold are left to transformers, which reads their values where the estimate kept
+  them (see :meth:`.Draws.inputs`) and builds the mask packed rows need where it did not.
+- **transformers, tensors with values** (``is_tracing``): transformers takes any fake tensor for
+  one being traced, whose values it may not read, and then never skips work by them (a mask of
+  ones: scaled dot-product attention's ``is_causal`` instead of a mask built). A fake tensor that
+  has its values (the inputs' attention mask of ones, see :meth:`.Draws.inputs`) is not traced:
+  transformers reads it as the real step does.
 
 Example::
 
@@ -45,24 +50,55 @@ def _fake_without_values(t: Any) -> bool:
     return isinstance(t, FakeTensor) and getattr(t, "constant", None) is None
 
 
+def _fake_with_values(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) and getattr(t, "constant", None) is not None
+
+
+@contextlib.contextmanager
+def _replaced(modules: Iterable[Any], name: str, original: Any, replacement: Any) -> Iterator[None]:
+    """``name`` set to ``replacement`` in each of ``modules`` that holds ``original`` under it."""
+    holders = [m for m in modules if getattr(m, "__dict__", {}).get(name) is original]
+    for module in holders:
+        setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        for module in holders:
+            setattr(module, name, original)
+
+
+def _transformers_modules() -> list[Any]:
+    # read from each module's __dict__, never getattr: transformers' lazy modules import on getattr
+    return [m for key, m in list(sys.modules.items()) if key.split(".")[0] == "transformers" and m is not None]
+
+
 @contextlib.contextmanager
 def library_rules(inputs: Iterable[torch.Tensor]) -> Iterator[None]:
     """For the ``with`` block: the libraries' value-dependent choices as the real step makes them
     (see the module); ``inputs``: the step's input tensors (their values are the user's)."""
-    masking = sys.modules.get("transformers.masking_utils")
-    find = getattr(masking, "find_packed_sequence_indices", None)
-    if find is None:
-        yield
-        return
-    given = {key for key in map(_storage_key, inputs) if key is not None}
+    with contextlib.ExitStack() as rules:
+        if "transformers" in sys.modules:
+            modules = _transformers_modules()
+            masking = sys.modules.get("transformers.masking_utils")
+            find = getattr(masking, "__dict__", {}).get("find_packed_sequence_indices")
+            if find is not None:
+                given = {key for key in map(_storage_key, inputs) if key is not None}
 
-    def find_packed_sequence_indices(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if _fake_without_values(position_ids) and _storage_key(position_ids) not in given:
-            return None  # the model's own positions: a range in every row, one sequence each
-        return find(position_ids, *args, **kwargs)
+                def find_packed_sequence_indices(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                    if _fake_without_values(position_ids) and _storage_key(position_ids) not in given:
+                        return None  # the model's own positions: a range in every row, one sequence each
+                    return find(position_ids, *args, **kwargs)
 
-    masking.find_packed_sequence_indices = find_packed_sequence_indices
-    try:
+                rules.enter_context(_replaced([masking], "find_packed_sequence_indices", find, find_packed_sequence_indices))
+            utils = sys.modules.get("transformers.utils.import_utils")
+            traced = getattr(utils, "__dict__", {}).get("is_tracing")
+            if traced is not None:
+
+                def is_tracing(tensor: Any = None) -> bool:
+                    # a fake tensor with values is read as the real one is; tracing itself still counts
+                    return bool(traced(None if _fake_with_values(tensor) else tensor))
+
+                rules.enter_context(_replaced(modules, "is_tracing", traced, is_tracing))
         yield
-    finally:
-        masking.find_packed_sequence_indices = find

@@ -497,8 +497,9 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
             # on the device in the order model.to(device) copies them: what the replay starts from
             _adopt_weights(counter, model, flattened)
             _adopt_set_up(counter, set_up)
-            inputs = fake_inputs(plan.example_inputs, batch_size, run_device)
-            targets = fake_inputs(plan.targets, batch_size, run_device) if plan.targets is not None else None
+            # what the user fixed in the inputs (a mask of ones) keeps its values: libraries read them
+            inputs = fake_inputs(plan.example_inputs, batch_size, run_device, mode)
+            targets = fake_inputs(plan.targets, batch_size, run_device, mode) if plan.targets is not None else None
             # Loop variables would keep the last tensor alive past its time: give roles in a call.
             _give_role(counter, [*tensors_in(inputs), *tensors_in(targets)], "inputs")
             args = inputs if isinstance(inputs, tuple) else (inputs,)
