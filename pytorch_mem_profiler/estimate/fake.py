@@ -41,6 +41,7 @@ from .lengths import LENGTH_RULES
 
 __all__ = [
     "EstimateFakeMode",
+    "FakeKernelRefused",
     "eager_modules",
     "fake_mode",
     "fake_model",
@@ -62,6 +63,15 @@ FOREACH_DEVICES = ("cuda", "xpu")
 #: shapes follow a lengths tensor's values (:mod:`.lengths`), and CUDA operators torch gives no fake
 #: kernel (:mod:`.kernel_fakes`). One lookup for every operator the step runs.
 _OPERATOR_RULES: dict[Any, Any] = {**LENGTH_RULES, **KERNEL_RULES}
+
+
+class FakeKernelRefused(RuntimeError):
+    """torch's fake (meta) kernel for :attr:`func` raised a plain ``RuntimeError`` (a check stricter
+    than the real kernel's, or the step's own error): the message is torch's, the operator named."""
+
+    def __init__(self, func: Any, err: RuntimeError) -> None:
+        super().__init__(str(err))
+        self.func = func
 
 
 class EstimateFakeMode(FakeTensorMode):
@@ -120,9 +130,14 @@ class EstimateFakeMode(FakeTensorMode):
                 if out is not NotImplemented:
                     return out
         fallback = super().__torch_dispatch__
-        if self.draws.active or self.draws.making_inputs:
-            return self.draws.dispatch(self, func, args, kwargs, lambda f, a, k: fallback(f, types, a, k))
-        return fallback(func, types, args, kwargs)
+        try:
+            if self.draws.active or self.draws.making_inputs:
+                return self.draws.dispatch(self, func, args, kwargs, lambda f, a, k: fallback(f, types, a, k))
+            return fallback(func, types, args, kwargs)
+        except RuntimeError as err:
+            if type(err) is not RuntimeError:  # the fake mode's own refusals, already named
+                raise
+            raise FakeKernelRefused(func, err) from err
 
 
 def fake_mode() -> EstimateFakeMode:

@@ -1,10 +1,18 @@
-"""Fake kernels for CUDA operators torch gives none: what they return, for fake tensors.
+"""Fake kernels for operators whose fake kernel is missing or refuses what the real one runs.
 
 A CUDA-only operator without a fake (meta) implementation makes the fake step refuse the model
-("has no fake (meta) implementation"), though its outputs follow from its inputs' shapes alone.
-Each rule here returns what the operator returns (shapes, dtypes, contiguous as ATen makes
-them) and makes what it allocates inside (contiguous copies of non-contiguous inputs), freed
-before it returns:
+("has no fake (meta) implementation"), though its outputs follow from its inputs' shapes alone;
+a meta implementation stricter than the kernels (one dtype where the kernels take others) makes
+it fail with the meta's own error. Each rule here returns what the operator returns (shapes,
+dtypes, strides as ATen makes them) and makes what it allocates inside (contiguous copies of
+non-contiguous inputs), freed before it returns:
+
+- ``aten._grouped_mm`` (``F.grouped_mm``: a mixture of experts' per-expert matmuls in one call,
+  transformers 5's default MoE path): the meta implementation takes bfloat16 and float16 only,
+  while the CPU kernel (and CUDA's fallback) takes float32 too. The output's shape follows the
+  operands' (2-D or 3-D each, the groups' offsets where one is 2-D), in ``out_dtype`` or the first
+  operand's, its rows padded to 16 bytes as ATen's ``create_grouped_gemm_output_tensor`` pads them
+  for the tensor-memory-access kernels (on every build but ROCm's);
 
 - ``aten.cudnn_grid_sampler`` (``F.grid_sample`` on CUDA, bilinear, zero padding, 4-D, where
   cuDNN takes it): the output ``(N, C, H_out, W_out)`` from the input ``(N, C, H, W)`` and the
@@ -56,6 +64,27 @@ def _grid_sampler_backward(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tor
     return x.new_empty(x.shape), grid.new_empty(grid.shape)
 
 
+def _grouped_mm(args: tuple, kwargs: dict) -> torch.Tensor:
+    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+    given = {**dict(zip(names, args)), **kwargs}
+    a, b, offs = given["mat_a"], given["mat_b"], given.get("offs")
+    if a.dim() == 2 and b.dim() == 2:
+        size = [offs.shape[0], a.shape[0], b.shape[1]]  # the contraction split into groups
+    elif a.dim() == 2:
+        size = [a.shape[0], b.shape[-1]]  # the rows split into groups
+    elif b.dim() == 2:
+        size = [a.shape[1], b.shape[1]]  # the columns split into groups
+    else:
+        size = [a.shape[0], a.shape[1], b.shape[-1]]  # one matmul per group
+    dtype = given.get("out_dtype") or a.dtype
+    if torch.version.hip:
+        return a.new_empty(size, dtype=dtype)
+    alignment = max(1, 16 // dtype.itemsize)
+    padded = (size[-1] + alignment - 1) // alignment * alignment
+    stride = [size[1] * padded, padded, 1] if len(size) == 3 else [padded, 1]
+    return torch.empty_strided(size, stride, dtype=dtype, device=a.device)
+
+
 #: The rules by operator (the fake mode looks them up with the others of its kind).
 KERNEL_RULES: dict[Any, Callable[[tuple, dict], Any]] = {}
 if hasattr(aten, "cudnn_grid_sampler"):
@@ -63,7 +92,11 @@ if hasattr(aten, "cudnn_grid_sampler"):
 if hasattr(aten, "cudnn_grid_sampler_backward"):
     KERNEL_RULES[aten.cudnn_grid_sampler_backward.default] = _grid_sampler_backward
 
+if hasattr(aten, "_grouped_mm"):
+    KERNEL_RULES[aten._grouped_mm.default] = _grouped_mm
+
 
 def kernel_rule(func: Any) -> Callable[[tuple, dict], Any] | None:
-    """The rule for ``func`` (a CUDA operator without a fake kernel), or ``None``. Call it inside the fake mode."""
+    """The rule for ``func`` (an operator without a fake kernel, or whose fake kernel refuses what the
+    real one runs), or ``None``. Call it inside the fake mode."""
     return KERNEL_RULES.get(func)

@@ -54,7 +54,7 @@ from .emulation import cuda_rules
 from .build import build_model
 from .draws import user_line
 from .compiled import CompiledModules
-from .fake import eager_modules, fake_inputs, fake_mode, fake_model, make_optimizer
+from .fake import FakeKernelRefused, eager_modules, fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
 from .loss_rules import LossRules
 from .rnn import CudnnRNNRules, flatten_weights
@@ -210,6 +210,14 @@ def _unsupported_as_errors() -> Iterator[None]:
         # torch.library.custom_op without register_fake says so in a plain RuntimeError
         found = re.search(r"no fake impl registered for <CustomOpDef\((.+?)\)>", str(err))
         if found is None:
+            if isinstance(err, FakeKernelRefused):
+                name = str(err.func)
+                raise EstimateUnsupported(
+                    f"{name}{_reading_line(err)}: torch's fake kernel for it refused the call ({err}). Where "
+                    f"the real step runs this call, that kernel is stricter than the real one and the "
+                    f"estimate has no rule for it. {REAL_PROFILER}",
+                    name,
+                ) from err
             raise
         name = found.group(1)
         raise EstimateUnsupported(
