@@ -117,3 +117,59 @@ def test_allocation_bytes_of_expanded_view():
     ones = torch.ones(())
     assert allocation_bytes(ones.expand(1000)) == 4
     assert allocation_bytes(torch.empty(10)) == 40
+
+
+class PartsOfStorages(nn.Module):
+    """Weights and buffers that are parts of larger storages: two parameters sliced from one flat
+    buffer (with a gap neither covers), a periodic window (``torch.hann_window(n)`` keeps ``n`` of
+    ``n + 1`` values), and two overlapping buffers over one storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        flat = torch.randn(100)
+        self.w = nn.Parameter(flat[:48].view(6, 8))
+        self.b = nn.Parameter(flat[60:66])
+        self.register_buffer("window", torch.hann_window(8))
+        shared = torch.zeros(20)
+        self.register_buffer("left", shared[:12])
+        self.register_buffer("right", shared[8:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x * self.window, self.w, self.b) + self.left[:6] + self.right[:6]
+
+
+def _unique_storage_bytes(tensors) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def test_weights_and_buffers_that_are_parts_of_a_storage_hold_all_of_it_once():
+    model = PartsOfStorages()
+    assert model.window.untyped_storage().nbytes() == 9 * 4  # torch's periodic window: a slice
+    params = unique_parameters(model, CPU)
+    assert sum(n for _, n in weight_bytes(params)) == _unique_storage_bytes(model.parameters()) == 100 * 4
+    assert dict(weight_bytes(params)) == {"w": 48 * 4 + (100 - 54) * 4, "b": 6 * 4}
+    truth = _unique_storage_bytes(model.buffers())
+    assert truth == 9 * 4 + 20 * 4
+    assert sum(n for _, n in buffer_bytes(model, CPU)) == buffers_total(model.buffers(), CPU) == truth
+    assert dict(buffer_bytes(model, CPU))["window"] == 9 * 4
+
+
+def test_the_profiler_and_the_estimate_count_parts_of_storages_whole():
+    """The record's weights and buffers are the storages', and the CPU estimate equals the measured peak."""
+    import functools
+    import io
+
+    from pytorch_mem_profiler import MemoryProfiler, estimate_memory
+
+    from .helpers import measured_peak
+
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    model = PartsOfStorages()
+    with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True) as profiler:
+        model(torch.randn(4, 8)).sum().backward()
+        record = profiler.record_stats()
+    assert record.weights == _unique_storage_bytes(model.parameters())
+    assert record.buffers == _unique_storage_bytes(model.buffers())
+    measured = measured_peak(PartsOfStorages, lambda: torch.randn(4, 8), sgd)
+    est = estimate_memory(PartsOfStorages, lambda b: torch.randn(b, 8), batch_size=4, optimizer=sgd, device="cpu", fit=False)
+    assert est.peak == measured and est.weights == record.weights and est.buffers == record.buffers

@@ -181,6 +181,7 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
         return model
     memo: dict[int, Any] = {}
     by_storage: dict[Any, torch.Tensor] = {}
+    bases: dict[Any, torch.Tensor] = {}  # a larger storage that tensors are parts of, made once
     for module in model.modules():
         # a model built for the estimate: tensors kept as plain attributes follow it to the device too
         plain = _plain_tensors(module) if owned else {}
@@ -194,13 +195,36 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
                 key = _storage_identity(t)
                 fake: torch.Tensor | None = by_storage.get(key) if key is not None else None
                 if fake is None:
-                    fake = fake_like(t, device)
+                    fake = _fake_part(t, device, bases, key[0]) if key is not None and _part_of_more(t) else fake_like(t, device)
                     if key is not None:
                         by_storage[key] = fake
                 if isinstance(t, nn.Parameter):
                     fake = nn.Parameter(fake, requires_grad=t.requires_grad)
                 memo[id(t)] = fake
     return copy.deepcopy(model, memo)
+
+
+def _part_of_more(t: torch.Tensor) -> bool:
+    """A strided tensor whose storage holds more than its elements (a slice kept as a buffer or a
+    parameter, ``torch.hann_window(n)``'s ``n`` of ``n + 1`` values): the storage is what it holds."""
+    if t.layout is not torch.strided or t.device.type == "meta" or type(t) not in (torch.Tensor, nn.Parameter):
+        return False
+    try:
+        return t.untyped_storage().nbytes() > t.nbytes
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _fake_part(t: torch.Tensor, device: torch.device, bases: dict[Any, torch.Tensor], anchor: Any) -> torch.Tensor:
+    """``t`` as a fake view, at its offset and strides, of a fake storage as large as its own (one
+    per storage, shared by the storage's other parts)."""
+    base = bases.get(anchor)
+    if base is None:
+        nbytes = t.untyped_storage().nbytes()
+        base = bases[anchor] = torch.empty(-(-nbytes // t.element_size()), dtype=t.dtype, device=device)
+    if base.dtype != t.dtype:
+        return fake_like(t, device)  # parts of one storage in two dtypes: each its own
+    return base.as_strided(tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
 
 def _plain_tensors(module: nn.Module) -> dict[int, torch.Tensor]:

@@ -4,7 +4,8 @@ Pure functions over modules, parameters and optimizers; no device counters.
 A tensor's bytes are ``numel() * element_size()``; a sparse tensor's (COO, CSR,
 CSC, BSR, BSC: ``nn.Embedding(sparse=True)`` gradients) are the bytes of its index
 and value storages. Two tensors over the same memory (tied weights, views) count
-once, under the first name met.
+once, under the first name met; tensors that are parts of a larger storage (a flat
+buffer of weights, a slice kept as a buffer) hold all of it, once.
 
 Example::
 
@@ -192,8 +193,23 @@ def unique_parameters(
 
 
 def weight_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, int]]:
-    """``(name, bytes)`` of each parameter, in order."""
-    return [(name, tensor_bytes(p)) for name, p in params]
+    """``(name, bytes)`` of each parameter, in order.
+
+    Parameters that are parts of one larger storage hold all of it (a flat buffer of weights,
+    a slice kept as a parameter): see :func:`_whole_storages`.
+
+    Example::
+
+        >>> flat = torch.zeros(10)                       # one storage of 40 B, two parameters in it
+        >>> a, b = torch.nn.Parameter(flat[:3]), torch.nn.Parameter(flat[5:7])
+        >>> weight_bytes([("a", a), ("b", b)])
+        [('a', 32), ('b', 8)]
+    """
+    sizes = [tensor_bytes(p) for _, p in params]
+    views = [i for i, (_, p) in enumerate(params) if _part_of_a_storage(p)]
+    if views:
+        _whole_storages(sizes, [p for _, p in params], views)
+    return [(name, n) for (name, _), n in zip(params, sizes)]
 
 
 def gradient_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[int]:
@@ -208,34 +224,45 @@ def gradient_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[int
     return sizes
 
 
-def _part_of_a_storage(grad: torch.Tensor | None) -> bool:
+def _part_of_a_storage(tensor: torch.Tensor | None) -> bool:
     return (
-        grad is not None
-        and type(grad) in _PLAIN_TENSORS
-        and grad.layout is torch.strided
-        and grad.untyped_storage().nbytes() != grad.nbytes
+        tensor is not None
+        and type(tensor) in _PLAIN_TENSORS
+        and tensor.layout is torch.strided
+        and tensor.device.type != "meta"
+        and tensor.untyped_storage().nbytes() != tensor.nbytes
     )
 
 
-def _whole_storages(sizes: list[int], grads: Sequence[torch.Tensor | None], views: Sequence[int]) -> None:
-    """Gradients at ``views`` cover part of their storage (found by its size: ``.grad`` has no
-    ``_base``). Autograd splits one gradient among parameters used through a concatenation
-    (timm's EVA and BEiT concatenate ``q_bias``, zeros and ``v_bias`` into one ``qkv`` bias: the
-    q and v gradients are parts of the 3x-long gradient, which stays alive whole), and
-    ``AccumulateGrad`` keeps each part as ``.grad``; DDP's ``gradient_as_bucket_view`` makes every
-    gradient a part of its bucket. The storage is counted once: each part keeps its own bytes,
-    and the first of a storage's parts also carries what none of them covers. ``sizes`` is
-    changed in place."""
+def _whole_storages(sizes: list[int], tensors: Sequence[torch.Tensor | None], views: Sequence[int]) -> None:
+    """Tensors at ``views`` cover part of their storage (found by its size: ``.grad`` has no
+    ``_base``), which stays alive whole while any of them does.
+
+    Autograd splits one gradient among parameters used through a concatenation (timm's EVA and
+    BEiT concatenate ``q_bias``, zeros and ``v_bias`` into one ``qkv`` bias: the q and v gradients
+    are parts of the 3x-long gradient), and ``AccumulateGrad`` keeps each part as ``.grad``; DDP's
+    ``gradient_as_bucket_view`` makes every gradient a part of its bucket. Weights and buffers may
+    be parts too: a flat buffer of parameters, a slice registered as a buffer
+    (``torch.hann_window(n)`` is the first ``n`` of ``n + 1`` values). The storage is counted once:
+    each part keeps its own bytes, and the first of a storage's parts also carries what none of
+    them covers; parts that overlap, or an expanded one, are cut so that together they are the
+    storage. ``sizes`` is changed in place."""
     groups: dict[tuple[int, str], list[int]] = {}
     storages: dict[tuple[int, str], int] = {}
     for i in views:
-        storage = grads[i].untyped_storage()  # type: ignore[union-attr]
+        storage = tensors[i].untyped_storage()  # type: ignore[union-attr]
         key = (storage.data_ptr(), str(storage.device))
         groups.setdefault(key, []).append(i)
         storages[key] = storage.nbytes()
     for key, members in groups.items():
         covered = sum(sizes[i] for i in members)
-        sizes[members[0]] += max(0, storages[key] - covered)
+        if covered <= storages[key]:
+            sizes[members[0]] += storages[key] - covered
+            continue
+        left = storages[key]
+        for i in members:
+            sizes[i] = min(sizes[i], left)
+            left -= sizes[i]
 
 
 class GradientSizes:
@@ -312,6 +339,8 @@ def _unique_buffer_bytes(
     named: Iterable[tuple[Any, torch.Tensor | None]], device: torch.device
 ) -> Iterator[tuple[Any, int]]:
     seen: set[tuple[int, int, int]] = set()
+    names: list[Any] = []
+    kept: list[torch.Tensor] = []
     for name, buf in named:
         if buf is None or buf.device.type == "meta" or not same_device(buf, device):
             continue
@@ -319,7 +348,13 @@ def _unique_buffer_bytes(
         if key[1] and key in seen:
             continue
         seen.add(key)
-        yield name, tensor_bytes(buf)
+        names.append(name)
+        kept.append(buf)
+    sizes = [tensor_bytes(b) for b in kept]
+    views = [i for i, b in enumerate(kept) if _part_of_a_storage(b)]
+    if views:  # parts of one larger storage hold all of it
+        _whole_storages(sizes, kept, views)
+    yield from zip(names, sizes)
 
 
 def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
