@@ -32,6 +32,7 @@ import torch
 
 from pytorch_mem_profiler import estimate_memory, memory_profiler
 from pytorch_mem_profiler.estimate import EstimateUnsupported
+from pytorch_mem_profiler.estimate.rnn import cudnn_flattens
 from pytorch_mem_profiler.measure.saved_tensors import can_chain
 from pytorch_mem_profiler.stats import IterationRecord
 
@@ -149,6 +150,14 @@ def check_emulated_estimate(entry: ZooModel) -> None:
         return
     assert not entry.unsupported, f"{entry.name}: estimated, though {entry.unsupported} was to be refused"
     assert estimate.peak > 0 and sum(estimate.peak_breakdown.values()) == estimate.peak, (entry.name, estimate.peak_breakdown)
-    # weights: each parameter's storage as CUDA's caching allocator takes it (a multiple of 512 bytes)
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in entry.builder("small")().parameters()}
+    # weights: each parameter's storage as CUDA's caching allocator takes it (a multiple of 512 bytes);
+    # a recurrent layer's weights, which model.to("cuda") copies into one flat buffer of cuDNN's, one block
+    model = entry.builder("small")()
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    for module in model.modules():
+        if cudnn_flattens(module):
+            weights = list(module._flat_weights)
+            for w in weights:
+                storages.pop(w.untyped_storage().data_ptr(), None)
+            storages[id(module)] = sum(w.nbytes for w in weights)
     assert estimate.weights == sum(-(-nbytes // 512) * 512 for nbytes in storages.values()), entry.name

@@ -4,14 +4,16 @@
 zoo (:data:`~benchmarks.zoo.ZOO`: GPT-2, Llama, BERT, T5, BART) does not, each of another kind of
 operation: sliding-window and grouped-query attention (Mistral, Qwen2 with tied embeddings),
 partial rotary (GPT-NeoX, Phi), ALiBi (Bloom), learned positions (OPT), multi-query attention
-with a parallel block (Falcon), GeGLU and a scaled embedding (Gemma), one layer's weights shared
+with a parallel block (Falcon), GeGLU and a scaled embedding (Gemma), a mixture of experts in
+grouped matmuls given an attention mask of ones (Mixtral), one layer's weights shared
 by all layers (ALBERT), distillation-style and relative-position encoders (DistilBERT, RoBERTa,
 DeBERTa-v2, ELECTRA's discriminator), audio (Whisper's convolutional front end and
 encoder-decoder, Wav2Vec2's convolutional feature extractor with group norm, weight-normed
 positional convolution, time masking and CTC loss), two towers and a contrastive loss (CLIP);
 and, written with torch alone: ``nn.TransformerEncoder`` with a key padding mask,
 ``nn.Transformer`` with causal and padding masks, ``nn.MultiheadAttention`` with its own key and
-value widths and additive masks, a bidirectional LSTM over ``pack_padded_sequence``,
+value widths and additive masks, a bidirectional LSTM over ``pack_padded_sequence``, a GRU
+encoder-decoder,
 ``EmbeddingBag`` with offsets beside one module called twice and tied input/output embeddings,
 ``weight_norm``/``spectral_norm`` parametrizations, and ``torch.utils.checkpoint`` reentrant and
 non-reentrant in one model.
@@ -82,6 +84,12 @@ def _ids_padded(shapes: dict[str, tuple[int, ...]]) -> Callable[[str, int], dict
         return {"input_ids": ids, "attention_mask": (ids != 0).long()}
 
     return make
+
+
+def _ids_unpadded(shapes: dict[str, tuple[int, ...]]) -> Callable[[str, int], dict[str, torch.Tensor]]:
+    """Token ids and an attention mask of ones (a batch without padding), as a collator gives them."""
+    return lambda size, batch: {"input_ids": torch.randint(1, shapes[size][0], (batch, shapes[size][1])),
+                                "attention_mask": torch.ones(batch, shapes[size][1], dtype=torch.long)}
 
 
 def _id_targets(shapes: dict[str, tuple[int, ...]]) -> Callable[[str, int], torch.Tensor]:
@@ -219,6 +227,18 @@ def gemma(size: str) -> nn.Module:
         config = GemmaConfig(vocab_size=32_000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
                              num_attention_heads=8, num_key_value_heads=1, head_dim=256, max_position_embeddings=2048)
     return GemmaForCausalLM(_sdpa(config))
+
+
+def mixtral(size: str) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    if size == "small":
+        config = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    else:
+        config = MixtralConfig(vocab_size=32_000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                               num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=2048)
+    return MixtralForCausalLM(_sdpa(config))
 
 
 def albert(size: str) -> nn.Module:
@@ -452,6 +472,23 @@ class CrossAttentionClassifier(nn.Module):
         return self.head((y * mixed).mean(1))
 
 
+class GRUSeq2Seq(nn.Module):
+    """A 2-layer GRU encoder whose last hidden state starts a GRU decoder (teacher forcing): biases of
+    3 x hidden, so the weights' flat cuDNN buffer on CUDA is smaller than their separate blocks."""
+
+    def __init__(self, vocab: int, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width, padding_idx=0)
+        self.encoder = nn.GRU(width, 2 * width, num_layers=2, batch_first=True)
+        self.decoder = nn.GRU(width, 2 * width, batch_first=True)
+        self.head = nn.Linear(2 * width, vocab)
+
+    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        _, hidden = self.encoder(self.embed(source))
+        out, _ = self.decoder(self.embed(target), hidden[-1:].contiguous())
+        return self.head(out)
+
+
 class PackedLSTM(nn.Module):
     """A bidirectional LSTM over ``pack_padded_sequence`` (unsorted lengths), padded back, a classifier."""
 
@@ -542,6 +579,11 @@ def _seq2seq_targets(size: str, batch: int) -> torch.Tensor:
     return torch.randint(0, SEQ2SEQ_SHAPES[size][0], (batch, SEQ2SEQ_SHAPES[size][2]))
 
 
+def _seq2seq_tokens(size: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab, source, target = SEQ2SEQ_SHAPES[size]
+    return torch.randint(1, vocab, (batch, source)), torch.randint(1, vocab, (batch, target))
+
+
 def _packed(size: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     vocab, seq = TEXT_SHAPES[size]
     return _padded(TEXT_SHAPES)(size, batch), _lengths(seq, batch)
@@ -587,6 +629,8 @@ def _entries() -> list[ZooModel]:
                  phi, _ids(phi_shapes), _id_targets(phi_shapes), token_loss, ADAMW, torch.bfloat16, {**small2, "real": 8}, HF),
         ZooModel("gemma", "decoder", "transformers Gemma: head dim 256 with one key-value head, GeGLU, scaled embedding, (1+w) RMSNorm",
                  gemma, _ids(lm), _id_targets(lm), token_loss, ADAMW, None, {**small2, "real": 4}, HF),
+        ZooModel("mixtral", "mixture of experts", "transformers Mixtral: top-2 of 4 experts in grouped matmuls (F.grouped_mm), "
+                 "an attention mask of ones", mixtral, _ids_unpadded(lm), _id_targets(lm), token_loss, ADAMW, None, {**small2, "real": 4}, HF),
         ZooModel("albert", "encoder", "transformers ALBERT-base: one layer's weights run by all twelve, factorized embedding",
                  albert, _ids(albert_shapes), _id_targets(albert_shapes), token_loss, SGD_MOMENTUM, None, {**small2, "real": 16}, HF),
         ZooModel("distilbert", "encoder", "transformers DistilBERT: sequence classification from the first token",
@@ -628,6 +672,9 @@ def _entries() -> list[ZooModel]:
                  # the packed data's rows are the sum of the lengths, and the LSTM's packed kernel loops
                  # over batch_sizes' values in C++: refused by design, naming the operator
                  unsupported="aten._pack_padded_sequence"),
+        ZooModel("gru_seq2seq", "RNN", "GRU encoder-decoder: the encoder's last hidden state starts the decoder, teacher forcing",
+                 _plain(lambda: GRUSeq2Seq(512, 32), lambda: GRUSeq2Seq(32_000, 512)),
+                 _seq2seq_tokens, _seq2seq_targets, token_loss, ADAMW, None, {**small2, "real": 32}),
         ZooModel("bags_tied", "embeddings", "EmbeddingBag (mean, offsets), token embedding tied to the output, one block called twice",
                  _plain(lambda: BagsAndTiedLM(512, 32), lambda: BagsAndTiedLM(32_000, 1024)),
                  _bags, _bag_targets, token_loss, ADAMW, torch.bfloat16, {**small2, "real": 16}),
