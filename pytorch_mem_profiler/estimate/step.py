@@ -253,20 +253,57 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     return forward(*args, **kwargs)
 
 
+def _transformers_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost transformers models inside ``model`` (itself included) that checkpoint their own
+    layers (``supports_gradient_checkpointing``), by name."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name == n or name.startswith(n + ".") or not n for n, _ in found):
+            continue
+        enable = getattr(module, "activation_checkpointing_enable", None) or getattr(module, "gradient_checkpointing_enable", None)
+        if getattr(module, "supports_gradient_checkpointing", False) and callable(enable):
+            found.append((name, module))
+    return found
+
+
+def _checkpoint_own_layers(name: str, module: nn.Module) -> list[str]:
+    """A transformers model's own checkpointing, non-reentrant, as its users turn it on: it also turns
+    the key-value cache off, which a wrapper around each layer would leave to be filled in forward and
+    filled again in recomputation (T5 and Marian then save other tensors; Gemma2 attends over its keys
+    stored twice). The names of the modules it checkpoints."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(module, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    prefix = f"{name}." if name else ""
+    return [f"{prefix}{sub}" if sub else name for sub, m in module.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+
+
 def checkpoint_blocks(model: nn.Module, which: bool | Callable[[str, nn.Module], bool]) -> list[str]:
     """Run the chosen modules' forward through ``torch.utils.checkpoint`` (non-reentrant).
 
     ``which``: ``True`` for :func:`repeated_blocks`, or a function ``(name, module) -> bool``.
-    Changes ``model`` (the estimate's own copy); returns the names of the modules wrapped.
+    With ``True``, a transformers model inside checkpoints its own layers, as its users turn it on
+    (:func:`_checkpoint_own_layers`), and the repeated blocks elsewhere are wrapped. Changes
+    ``model`` (the estimate's own copy); returns the names of the modules checkpointed.
     """
+    names: set[str] = set()
     if which is True:
-        names = set(repeated_blocks(model))
+        own = _transformers_models(model)
+        for name, module in own:
+            names.update(_checkpoint_own_layers(name, module))
+        inside = [n for n, _ in own]
+        wrapped = {
+            n for n in repeated_blocks(model) if not any(not o or n == o or n.startswith(o + ".") for o in inside)
+        }
     else:
-        names = {name for name, module in model.named_modules() if name and which(name, module)}  # type: ignore[operator]
+        wrapped = {name for name, module in model.named_modules() if name and which(name, module)}  # type: ignore[operator]
     for name, module in model.named_modules():
-        if name in names:
+        if name in wrapped:
             module.forward = functools.partial(_checkpointed, module.forward)  # type: ignore[method-assign]
-    return sorted(names)
+    return sorted(names | wrapped)
 
 
 # -- autocast ----------------------------------------------------------------------
