@@ -1,0 +1,151 @@
+"""The CPU checks on the sweep's 49 models (``benchmarks/zoo/sweep.py``), and on each in other set-ups.
+
+For each model, on the CPU, each a line of ``name: check ok | check FAILED: why``:
+
+- ``record``: three profiled iterations against the independent counts (``checks.check_record``);
+- ``estimate``: ``estimate_memory(device="cpu")`` equals the measured peak to the byte;
+- ``emulated``: the CUDA estimate without a GPU adds up (``checks.check_emulated_estimate``);
+- ``swapped``: the record and the estimate again with the other optimizer (AdamW for SGD with
+  momentum and back) and bf16 autocast switched;
+- ``checkpointing``: ``estimate_memory(checkpointing=True)`` equals the measured peak of the same
+  model checkpointed for real (``estimate.step.checkpoint_blocks``, which the estimate applies);
+- ``unchanged``: three training steps with the profiler (default, then ``by_layer=True``) give the
+  losses and weights of three without it, bit for bit.
+
+Usage::
+
+    python benchmarks/zoo_sweep.py                    # every model, every check (about 15 minutes on 2 cores)
+    python benchmarks/zoo_sweep.py --only gemma2 tcn  # models whose names contain these
+    python benchmarks/zoo_sweep.py --checks estimate checkpointing
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.zoo.checks import check_cpu_estimate, check_emulated_estimate, check_record, profiled_run  # noqa: E402
+from benchmarks.zoo.registry import ADAMW, SGD_MOMENTUM, ZooModel  # noqa: E402
+from benchmarks.zoo.sweep import SWEEP  # noqa: E402
+from pytorch_mem_profiler import estimate_memory, memory_profiler  # noqa: E402
+from pytorch_mem_profiler.estimate.step import checkpoint_blocks  # noqa: E402
+
+
+def _estimate(entry: ZooModel) -> None:
+    check_cpu_estimate(entry, profiled_run(entry))
+
+
+def _record(entry: ZooModel) -> None:
+    check_record(entry, profiled_run(entry))
+
+
+def _swapped(entry: ZooModel) -> None:
+    other = dataclasses.replace(
+        entry,
+        optimizer=SGD_MOMENTUM if entry.optimizer is ADAMW else ADAMW,
+        autocast=None if entry.autocast is torch.bfloat16 else torch.bfloat16,
+    )
+    runs = profiled_run(other)
+    check_record(other, runs)
+    check_cpu_estimate(other, runs)
+
+
+def _checkpointing(entry: ZooModel) -> None:
+    def checkpointed(size: str) -> torch.nn.Module:
+        model = entry.build(size)
+        checkpoint_blocks(model, True)
+        return model
+
+    runs = profiled_run(dataclasses.replace(entry, build=checkpointed))
+    measured = max(it.record.iteration_peak_allocated for it in runs[:2])
+    est = estimate_memory(**dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cpu", fit=False, checkpointing=True))
+    assert est.peak == measured, f"estimated {est.peak:,} B, measured {measured:,} B"
+
+
+def _train(entry: ZooModel, by_layer: bool | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Three steps from the same seeds: the losses and the weights after (``by_layer=None``: unprofiled)."""
+    torch.manual_seed(0)
+    model = entry.build("small")
+    optimizer = entry.optimizer(model.parameters())
+    torch.manual_seed(1)
+    batches = [(entry.make_inputs("small", 2), entry.make_targets("small", 2)) for _ in range(3)]
+    torch.manual_seed(2)
+    profiler = None
+    if by_layer is not None:
+        profiler = memory_profiler(model, print_period=1, by_layer=by_layer, stream=io.StringIO(), strict=True, optimizer=optimizer, overhead=None)
+    losses = []
+    try:
+        for inputs, targets in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=entry.autocast is not None):
+                if isinstance(inputs, dict):
+                    out = model(**inputs)
+                else:
+                    out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            loss = entry.loss(out, *(targets if isinstance(targets, tuple) else (targets,)))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach().clone())
+            if profiler is not None:
+                profiler.record_stats()
+    finally:
+        if profiler is not None:
+            profiler.close()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _unchanged(entry: ZooModel) -> None:
+    plain = _train(entry, None)
+    for by_layer in (False, True):
+        losses, weights = _train(entry, by_layer)
+        same = all(map(torch.equal, plain[0], losses)) and all(map(torch.equal, plain[1], weights))
+        assert same, f"by_layer={by_layer}: the profiled run computed other losses or weights"
+
+
+CHECKS: dict[str, Callable[[ZooModel], None]] = {
+    "record": _record,
+    "estimate": _estimate,
+    "emulated": check_emulated_estimate,
+    "swapped": _swapped,
+    "checkpointing": _checkpointing,
+    "unchanged": _unchanged,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=[], help="models whose names contain one of these")
+    parser.add_argument("--checks", nargs="*", choices=sorted(CHECKS), default=list(CHECKS), help="which checks (default: all)")
+    args = parser.parse_args(argv)
+    failed = 0
+    for name, entry in SWEEP.items():
+        if args.only and not any(part in name for part in args.only):
+            continue
+        why = entry.unavailable()
+        if why:
+            print(f"{name}: skipped ({why})", flush=True)
+            continue
+        started, results = time.time(), []
+        for check in args.checks:
+            try:
+                CHECKS[check](entry)
+                results.append(f"{check} ok")
+            except Exception as err:  # a line per model: one failure does not stop the sweep
+                failed += 1
+                results.append(f"{check} FAILED: {type(err).__name__}: {str(err)[:300]}")
+        print(f"{name} ({time.time() - started:.0f} s): " + " | ".join(results), flush=True)
+    print(f"{failed} check(s) failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""``benchmarks/zoo_sweep.py``'s checks on the sweep's plain-torch models (the others need transformers,
+timm and torchvision, and take the sweep's own run: ``python benchmarks/zoo_sweep.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.zoo.sweep import SWEEP
+from benchmarks.zoo_sweep import CHECKS, main
+
+PLAIN = [name for name, entry in SWEEP.items() if not entry.needs]
+
+
+@pytest.mark.parametrize("name", PLAIN)
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_the_sweeps_plain_torch_models_pass_every_check(name, check):
+    CHECKS[check](SWEEP[name])
+
+
+def test_the_sweep_reports_a_failing_check_and_goes_on(monkeypatch, capsys):
+    def fails(entry):
+        raise AssertionError("off by 4 B")
+
+    monkeypatch.setitem(CHECKS, "estimate", fails)
+    assert main(["--only", "tcn", "unfold_fold", "--checks", "estimate", "record"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("estimate FAILED: AssertionError: off by 4 B") == 2 and out.count("record ok") == 2
+    assert "2 check(s) failed" in out
