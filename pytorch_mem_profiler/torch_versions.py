@@ -36,6 +36,7 @@ __all__ = [
     "SDPA_ENABLE_GQA",
     "TORCH_VERSION",
     "attention_softmax",
+    "fake_tolist_reads_values",
     "math_attention_upcasts",
     "release",
 ]
@@ -102,3 +103,30 @@ def math_attention_upcasts() -> bool:
     """
     allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", None)
     return allowed is not None and not allowed()
+
+
+_FAKE_TOLIST: list[bool] = []
+
+
+def fake_tolist_reads_values() -> bool:
+    """Whether a fake tensor's ``tolist()`` reads each element as ``item()`` does (a value it holds
+    is read; torch 2.5 and later), rather than making a new unbacked symbol per element, which
+    needs a shape environment and ignores the value (torch 2.4). Asked of torch once.
+
+    Example::
+
+        >>> fake_tolist_reads_values() == (TORCH_VERSION >= (2, 5))
+        True
+    """
+    if not _FAKE_TOLIST:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():  # no shape environment: 2.4's symbols cannot be made, 2.5's reads are refused
+            try:
+                torch.empty(3).tolist()
+                _FAKE_TOLIST.append(True)
+            except AttributeError:  # "'NoneType' object has no attribute 'create_unbacked_symint'"
+                _FAKE_TOLIST.append(False)
+            except RuntimeError:  # the data-dependent read of item()
+                _FAKE_TOLIST.append(True)
+    return _FAKE_TOLIST[0]

@@ -19,6 +19,7 @@ from pytorch_mem_profiler.torch_versions import (
     SDPA_ENABLE_GQA,
     TORCH_VERSION,
     attention_softmax,
+    fake_tolist_reads_values,
     math_attention_upcasts,
     release,
 )
@@ -191,3 +192,20 @@ def test_the_cpu_profiler_says_where_compiled_code_goes_unseen(caplog):
         assert record.weights == (64 * 64 + 64) * 4  # what the counter adopted is still right
     finally:
         torch._dynamo.reset()
+
+
+def test_fake_tolist_reads_values_answers_as_fake_tensors_read_a_value():
+    """Where the answer is yes, ``tolist()`` of a fake tensor with a value gives the value under a mode
+    that keeps values; where it is no, torch's ``tolist`` makes symbols (torch 2.4)."""
+    import inspect
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    makes_symbols = "create_unbacked_symint" in inspect.getsource(FakeTensor.tolist)
+    assert fake_tolist_reads_values() is not makes_symbols
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    mode = fake_mode()
+    with mode, mode.draws.on():
+        drawn = torch.randperm(3)
+        assert sorted(drawn.tolist()) == [0, 1, 2]  # on every torch, the estimate's step reads the draw

@@ -190,7 +190,8 @@ class Draws:
             self._state = torch.Generator().manual_seed(self.seed).get_state()
         self.active = True
         try:
-            yield self
+            with _tolist_by_items():
+                yield self
         finally:
             self.active = False
 
@@ -381,6 +382,32 @@ class Draws:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and mode.is_our_fake(t) and t.constant is not None:
                 self._drawn[id(t)] = weakref.ref(t)
+
+
+@contextlib.contextmanager
+def _tolist_by_items() -> Iterator[None]:
+    """``tolist()`` of a fake tensor read element by element (``item()``), as torch 2.5 and later
+    read it: torch 2.4 makes a symbol per element, which needs a shape environment and ignores a
+    drawn value (``torch.randperm(3)[:2].tolist()``). Nothing changes on other releases."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from ..torch_versions import fake_tolist_reads_values
+
+    if fake_tolist_reads_values():
+        yield
+        return
+    original = FakeTensor.__dict__["tolist"]
+
+    def tolist(self: torch.Tensor) -> Any:
+        if self.dim() == 0:
+            return self.item()
+        return [element.tolist() for element in self]
+
+    FakeTensor.tolist = tolist  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FakeTensor.tolist = original  # type: ignore[method-assign]
 
 
 def _on_cpu(kwargs: dict) -> dict:
