@@ -14,7 +14,7 @@ For each model, on the CPU, each a line of ``name: check ok | check FAILED: why`
 
 Usage::
 
-    python benchmarks/zoo_sweep.py                    # every model, every check (about 15 minutes on 2 cores)
+    python benchmarks/zoo_sweep.py                    # every model, every check (about 25 minutes on two cores)
     python benchmarks/zoo_sweep.py --only gemma2 tcn  # models whose names contain these
     python benchmarks/zoo_sweep.py --checks estimate checkpointing
 """
