@@ -10,7 +10,10 @@ For each model, on the CPU, each a line of ``name: check ok | check FAILED: why`
 - ``checkpointing``: ``estimate_memory(checkpointing=True)`` equals the measured peak of the same
   model checkpointed for real (``estimate.step.checkpoint_blocks``, which the estimate applies);
 - ``unchanged``: three training steps with the profiler (default, then ``by_layer=True``) give the
-  losses and weights of three without it, bit for bit.
+  losses and weights of three without it, bit for bit;
+- ``largest_batch``: under a limit of six times the measured step at batch 2, the largest batch
+  the estimate finds on the CPU (``max_batch_size(limit, margin=0)``, verified with fake steps)
+  measures within the limit, and one more does not.
 
 Usage::
 
@@ -111,6 +114,19 @@ def _unchanged(entry: ZooModel) -> None:
         assert same, f"by_layer={by_layer}: the profiled run computed other losses or weights"
 
 
+def _measured_at(entry: ZooModel, batch: int) -> int:
+    runs = profiled_run(dataclasses.replace(entry, batch={"small": batch, "real": batch}))
+    return max(it.record.iteration_peak_allocated for it in runs[:2])
+
+
+def _largest_batch(entry: ZooModel) -> None:
+    limit = 6 * _measured_at(entry, 2)
+    est = estimate_memory(**dict(entry.estimate_kwargs("small"), batch_size=2, device="cpu", fit=True, outside=0))
+    batch = est.max_batch_size(limit, margin=0.0, outside=0)
+    at, above = _measured_at(entry, batch), _measured_at(entry, batch + 1)
+    assert at <= limit < above, f"limit {limit:,} B: batch {batch} measures {at:,} B, batch {batch + 1} {above:,} B"
+
+
 CHECKS: dict[str, Callable[[ZooModel], None]] = {
     "record": _record,
     "estimate": _estimate,
@@ -118,6 +134,7 @@ CHECKS: dict[str, Callable[[ZooModel], None]] = {
     "swapped": _swapped,
     "checkpointing": _checkpointing,
     "unchanged": _unchanged,
+    "largest_batch": _largest_batch,
 }
 
 

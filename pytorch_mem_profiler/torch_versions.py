@@ -33,6 +33,7 @@ import torch.utils._python_dispatch
 __all__ = [
     "COMPILE_YIELDS_TO_DISPATCH_MODES",
     "FSDP2_ON_CPU",
+    "INDUCTOR_PLAN_MODELLED",
     "SDPA_ENABLE_GQA",
     "TORCH_VERSION",
     "attention_softmax",
@@ -61,6 +62,12 @@ SDPA_ENABLE_GQA = any(
 #: FSDP2 (``fully_shard``) on CPU tensors: torch 2.6 and later. Torch 2.4 and 2.5 make CUDA
 #: streams for it whatever the device, which fails where CUDA's driver is missing.
 FSDP2_ON_CPU = TORCH_VERSION >= (2, 6)
+
+#: The estimate's model of Inductor (its partition, fusion and memory planning) follows torch 2.11 to
+#: 2.14, where it was measured; on torch 2.4 Inductor plans otherwise (the zoo's test models measured
+#: -6% to +3.6% from that model), so a compiled module is estimated uncompiled there, with its bound.
+#: Releases 2.5 to 2.10 are not measured.
+INDUCTOR_PLAN_MODELLED = TORCH_VERSION >= (2, 5)
 
 #: ``torch.compile`` runs a frame eagerly while a ``TorchDispatchMode`` is active (2.13 does), so
 #: a mode that counts tensors (the CPU counter) sees every operator of a compiled model. Torch 2.4

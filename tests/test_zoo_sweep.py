@@ -10,7 +10,7 @@ from benchmarks.zoo.sweep import SWEEP
 from benchmarks.zoo_sweep import CHECKS, main
 
 PLAIN = [name for name, entry in SWEEP.items() if not entry.needs]
-ESTIMATES = ("estimate", "swapped", "checkpointing")
+ESTIMATES = ("estimate", "swapped", "checkpointing", "largest_batch")
 
 
 def _fake_fft_runs() -> bool:

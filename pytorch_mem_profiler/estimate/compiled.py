@@ -45,6 +45,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from ..torch_versions import INDUCTOR_PLAN_MODELLED
 from .graph_breaks import graph_breaks, remembered_breaks
 from .inductor_plan import layout_optimized, channels_last_inputs, plan_graph, storage_key
 
@@ -68,6 +69,9 @@ class GraphRun:
     def __init__(
         self, graph_module: fx.GraphModule, counter: Any, *, kept: frozenset[Any] = frozenset(), device_type: str | None = None
     ) -> None:
+        # an instance attribute too: torch 2.4's runtime wrappers copy the compiled function's
+        # __dict__ (functools.wraps) and box the call only where they find it there
+        self._boxed_call = True
         self.graph_module = graph_module
         self.counter = counter
         self.plan = plan_graph(graph_module.graph, kept=kept, device_type=device_type)
@@ -212,7 +216,11 @@ def compile_options(module: nn.Module) -> CompileOptions:
     while link is not None and id(link) not in seen:
         seen.add(id(link))
         chain.append(link)
-        link = getattr(link, "_torchdynamo_orig_backend", None) or getattr(link, "_inner_convert", None)
+        link = (  # the wrappers around the backend; torch 2.4 links the last ones by _torchdynamo_orig_callable
+            getattr(link, "_torchdynamo_orig_backend", None)
+            or getattr(link, "_inner_convert", None)
+            or getattr(link, "_torchdynamo_orig_callable", None)
+        )
     backend = chain[-1] if chain else None
     name = getattr(backend, "compiler_name", None)
     if name is None and backend is not None:
@@ -459,6 +467,8 @@ class CompiledModules:
             outcome.reason, outcome.exact = "backend='eager' runs the captured graphs uncompiled", True
         elif options.backend != "inductor":
             outcome.reason = f"backend={options.backend!r} is not estimated as compiled (Inductor is)"
+        elif not INDUCTOR_PLAN_MODELLED:
+            outcome.reason = f"torch {torch.__version__}'s Inductor plans memory otherwise than the releases the estimate models (2.5 and later)"
         elif options.cudagraphs and self.target.type == "cuda":
             outcome.reason = "CUDA graphs (mode='reduce-overhead' or 'max-autotune') keep memory pools of their own"
         return CompiledModule(inner, self.counter, outcome, self.check_breaks, self.target)
