@@ -30,8 +30,11 @@ Example::
     >>> from pytorch_mem_profiler.estimate import estimate_memory
     >>> model = torch.compile(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)))
     >>> est = estimate_memory(model, torch.zeros(32, 64), device="cpu", fit=False)
-    >>> est.notes
-    ("torch.compile'd model: estimated as compiled (Inductor's partition, fusion and memory planning)",)
+    >>> # est.notes[0]: "torch.compile'd model: estimated as compiled (Inductor's partition, fusion and
+    >>> # memory planning)"; on torch 2.4, "... estimated uncompiled: ..." and why
+    >>> from pytorch_mem_profiler.torch_versions import INDUCTOR_PLAN_MODELLED
+    >>> ("estimated as compiled" in est.notes[0]) == INDUCTOR_PLAN_MODELLED
+    True
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ Example::
     ...         x = x + 1
     ...         torch._dynamo.graph_break()
     ...         return x * 2
-    >>> graph_breaks(Twice(), torch.zeros(4))
-    '1 graph break (first: Call to `torch._dynamo.graph_break()`)'
+    >>> print(graph_breaks(Twice(), torch.zeros(4)))  # doctest: +ELLIPSIS
+    1 graph break (first: ...graph_break...)
 """
 
 from __future__ import annotations
