@@ -17,6 +17,8 @@ import functools
 
 import pytest
 import torch
+
+from pytorch_mem_profiler.torch_versions import TORCH_VERSION
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -275,9 +277,10 @@ def test_without_the_rules_the_check_sees_each_family_differ():
         "aten.native_batch_norm_backward.default",
         "aten.native_group_norm.default",
         "aten.native_group_norm_backward.default",
-        "aten.native_layer_norm.default",
         "aten.native_layer_norm_backward.default",
     }
+    if TORCH_VERSION >= (2, 13):  # 2.4's fake layer norm keeps float32 statistics for any half input, as the CPU does when mixed
+        expected.add("aten.native_layer_norm.default")
     if onednn_version() is not None and torch.backends.mkldnn.is_available():
         # (the backward's shared bias gradient shows only where the fake mode's cache missed)
         expected.add("aten.mkldnn_rnn_layer.default")
@@ -466,7 +469,8 @@ def test_for_cuda_only_the_rules_cudas_kernels_share_apply():
     for device_type in ("cpu", "cuda"):
         with mode:
             fake = aten.native_layer_norm_backward(*args)
-            assert not fake[0].is_contiguous()  # the fake kernel follows the gradient's strides
+            if TORCH_VERSION >= (2, 13):  # the fake kernel follows the gradient's strides (2.4's is contiguous already)
+                assert not fake[0].is_contiguous()
             made = CpuKernels(device_type=device_type)(aten.native_layer_norm_backward.default, args, {}, fake)
         assert made[0].stride() == real[0].stride() == (1024, 128, 16, 1), device_type
         assert made[0].untyped_storage().nbytes() == real[0].untyped_storage().nbytes() == 2 * 16 * 64 * 4

@@ -67,8 +67,9 @@ Example::
     ...     out = CpuKernels()(aten.native_batch_norm.default, args, {}, aten.native_batch_norm(*args))
     >>> plain[1].dtype, out[1].dtype, out[1].untyped_storage().nbytes()
     (torch.bfloat16, torch.float32, 32)
-    >>> onednn_lstm_workspace(seq_len=8, batch=2, input_size=32, hidden=32, element_size=4, cell_element_size=4)
-    53248
+    >>> sizes = dict(seq_len=8, batch=2, input_size=32, hidden=32, element_size=4, cell_element_size=4)
+    >>> onednn_lstm_workspace(**sizes, version=(3, 9)), onednn_lstm_workspace(**sizes, version=(3, 8))  # oneDNN 3.9+, older
+    (53248, 69632)
 """
 
 from __future__ import annotations
@@ -225,6 +226,16 @@ def _float32_statistics(params: slice, statistics: tuple[int, ...]) -> Rule:
     return rule
 
 
+def _layer_norm_statistics(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """Layer norm's saved mean and inverse standard deviation (outputs 1, 2) as the CPU keeps them:
+    float32 where the input and the parameters (arguments 2, 3) are of mixed precision, else in
+    the input's dtype (torch 2.4's fake kernel makes them float32 for any half-precision input)."""
+    if not isinstance(out, (tuple, list)) or not isinstance(args[0], torch.Tensor):
+        return out
+    dtype = torch.float32 if _mixed(args[0], args[2:4]) else args[0].dtype
+    return _replaced(out, {i: _like(out[i], dtype=dtype) for i in (1, 2) if isinstance(out[i], torch.Tensor) and out[i].dtype != dtype})
+
+
 def _output_like_input(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     """The output (0) in the input's (argument 0) memory format, as the CPU's group norm makes it."""
     y, x = out[0], args[0]
@@ -246,11 +257,19 @@ def _input_gradient_like_input(func: Any, args: tuple, kwargs: dict, out: Any) -
 
 
 def _contiguous_input_gradient(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-    """The input's gradient (output 0) contiguous, as layer norm's CPU and CUDA kernels make it."""
+    """The input's gradient (output 0) contiguous, as layer norm's CPU and CUDA kernels make it;
+    the weight's and the bias's gradients (outputs 1, 2) in the weight's and the bias's dtype
+    (arguments 5, 6), as the kernels make them (torch 2.4's fake kernel gives them the input's:
+    half the bytes under autocast, where the weights stay float32)."""
+    changes = {}
     grad = out[0]
-    if not isinstance(grad, torch.Tensor) or grad.is_contiguous():
-        return out
-    return _replaced(out, {0: _like(grad, memory_format=torch.contiguous_format)})
+    if isinstance(grad, torch.Tensor) and not grad.is_contiguous():
+        changes[0] = _like(grad, memory_format=torch.contiguous_format)
+    for i, param in ((1, args[5] if len(args) > 5 else None), (2, args[6] if len(args) > 6 else None)):
+        made = out[i]
+        if isinstance(made, torch.Tensor) and isinstance(param, torch.Tensor) and made.dtype != param.dtype:
+            changes[i] = _like(made, dtype=param.dtype)
+    return _replaced(out, changes) if changes else out
 
 
 def _reduced_in_place(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -301,11 +320,18 @@ def lstm_workspace_bound(**sizes: int) -> int:
 
 def _lstm_gradients(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     """``mkldnn_rnn_layer_backward``: every gradient a float32 storage of its own (the second
-    bias gradient is a copy of the first)."""
-    return tuple(
-        torch.empty(tuple(t.shape), dtype=torch.float32, device=t.device) if isinstance(t, torch.Tensor) else t
-        for t in out
-    )
+    bias gradient is a copy of the first); the bias gradients (outputs 3, 4) one value per gate
+    row, ``(4 * hidden,)``, also for a layer without biases (torch 2.4's fake kernel shapes them
+    as the weights)."""
+    gate_rows = out[1].shape[0] if isinstance(out[1], torch.Tensor) else None
+
+    def made(i: int, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = (gate_rows,) if i in (3, 4) and gate_rows is not None else tuple(t.shape)
+        return torch.empty(shape, dtype=torch.float32, device=t.device)
+
+    return tuple(made(i, t) for i, t in enumerate(out))
 
 
 def _both(first: Rule, second: Rule) -> Rule:
@@ -327,7 +353,7 @@ def _rules(device_type: str = "cpu") -> dict[Any, Rule]:
         "_batch_norm_with_update.default": _float32_statistics(slice(1, 5), (1, 2)),
         "_batch_norm_no_update.default": _float32_statistics(slice(1, 5), (1, 2)),
         # (input, normalized_shape, weight, bias, eps) -> (output, mean, rstd)
-        "native_layer_norm.default": _float32_statistics(slice(2, 4), (1, 2)),
+        "native_layer_norm.default": _layer_norm_statistics,
         # (input, weight, bias, N, C, HxW, group, eps) -> (output, mean, rstd)
         "native_group_norm.default": _both(_float32_statistics(slice(1, 3), (1, 2)), _output_like_input),
         # (grad_out, input, ...) -> (grad_input, grad_weight, grad_bias)
