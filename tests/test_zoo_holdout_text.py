@@ -33,6 +33,11 @@ from .zoo_cases import ProfiledRuns, cases  # noqa: E402
 #: Where a check is known to fail, with its figures: each must fail until fixed.
 RECORD_GAPS: dict[str, str] = {}
 ESTIMATE_GAPS: dict[str, str] = {}
+if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_transformer_encoder_layer_fwd", "Meta"):
+    ESTIMATE_GAPS["frozen_fastpath"] = (
+        f"torch {torch.__version__} has no fake kernel for the encoder's fused fast path: refused, naming "
+        "aten._transformer_encoder_layer_fwd (torch 2.13 and 2.14 have one, and are exact)"
+    )
 EMULATED_GAPS: dict[str, str] = {}
 
 _runs = ProfiledRuns(HOLDOUT_TEXT)

@@ -7,6 +7,8 @@ it fail with the meta's own error. Each rule here returns what the operator retu
 dtypes, strides as ATen makes them) and makes what it allocates inside (contiguous copies of
 non-contiguous inputs), freed before it returns:
 
+- ``aten._weight_norm_interface_backward`` (``weight_norm``'s fused backward; torch 2.4 has no fake
+  kernel for it): the gradients of ``v`` and ``g``, each like its tensor;
 - ``aten._grouped_mm`` (``F.grouped_mm``: a mixture of experts' per-expert matmuls in one call,
   transformers 5's default MoE path): the meta implementation takes bfloat16 and float16 only,
   while the CPU kernel (and CUDA's fallback) takes float32 too. The output's shape follows the
@@ -85,6 +87,13 @@ def _grouped_mm(args: tuple, kwargs: dict) -> torch.Tensor:
     return torch.empty_strided(size, stride, dtype=dtype, device=a.device)
 
 
+def _weight_norm_backward(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    names = ("grad_w", "saved_v", "saved_g", "saved_norms", "dim")
+    given = {**dict(zip(names, args)), **kwargs}
+    v, g = given["saved_v"], given["saved_g"]
+    return torch.empty_like(v, memory_format=torch.contiguous_format), torch.empty_like(g, memory_format=torch.contiguous_format)
+
+
 #: The rules by operator (the fake mode looks them up with the others of its kind).
 KERNEL_RULES: dict[Any, Callable[[tuple, dict], Any]] = {}
 if hasattr(aten, "cudnn_grid_sampler"):
@@ -94,6 +103,8 @@ if hasattr(aten, "cudnn_grid_sampler_backward"):
 
 if hasattr(aten, "_grouped_mm"):
     KERNEL_RULES[aten._grouped_mm.default] = _grouped_mm
+if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_norm_interface_backward", "Meta"):
+    KERNEL_RULES[aten._weight_norm_interface_backward.default] = _weight_norm_backward  # torch 2.4: no fake kernel
 
 
 def kernel_rule(func: Any) -> Callable[[tuple, dict], Any] | None:
