@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -112,9 +113,7 @@ def math_attention_upcasts() -> bool:
     return allowed is not None and not allowed()
 
 
-_FAKE_TOLIST: list[bool] = []
-
-
+@functools.lru_cache(maxsize=None)
 def fake_tolist_reads_values() -> bool:
     """Whether a fake tensor's ``tolist()`` reads each element as ``item()`` does (a value it holds
     is read; torch 2.5 and later), rather than making a new unbacked symbol per element, which
@@ -125,15 +124,13 @@ def fake_tolist_reads_values() -> bool:
         >>> fake_tolist_reads_values() == (TORCH_VERSION >= (2, 5))
         True
     """
-    if not _FAKE_TOLIST:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-        with FakeTensorMode():  # no shape environment: 2.4's symbols cannot be made, 2.5's reads are refused
-            try:
-                torch.empty(3).tolist()
-                _FAKE_TOLIST.append(True)
-            except AttributeError:  # "'NoneType' object has no attribute 'create_unbacked_symint'"
-                _FAKE_TOLIST.append(False)
-            except RuntimeError:  # the data-dependent read of item()
-                _FAKE_TOLIST.append(True)
-    return _FAKE_TOLIST[0]
+    with FakeTensorMode():  # no shape environment: 2.4's symbols cannot be made, 2.5's reads are refused
+        try:
+            torch.empty(3).tolist()
+        except AttributeError:  # "'NoneType' object has no attribute 'create_unbacked_symint'"
+            return False
+        except RuntimeError:  # the data-dependent read of item()
+            return True
+    return True

@@ -113,9 +113,14 @@ def _tag(func: Any, name: str) -> bool:
     return tag is not None and tag in getattr(func, "tags", ())
 
 
+def _op_name(func: Any) -> str:
+    """An operator's name without its namespace (``empty_like``), ``""`` for other callables."""
+    return getattr(getattr(func, "_schema", None), "name", "").split("::")[-1]
+
+
 def _reads_metadata_only(func: Any) -> bool:
     """``*_like`` and ``new_*`` factories: their tensor argument gives a shape, dtype and device."""
-    name = getattr(getattr(func, "_schema", None), "name", "").split("::")[-1]
+    name = _op_name(func)
     return name.endswith("_like") or name.startswith("new_")
 
 
@@ -159,8 +164,7 @@ def _input_sized(t: Any) -> bool:
 
 def _uninitialized(func: Any) -> bool:
     """``empty``-like factories: their values are whatever memory held, never the user's."""
-    name = getattr(getattr(func, "_schema", None), "name", "").split("::")[-1]
-    return "empty" in name
+    return "empty" in _op_name(func)
 
 
 class Draws:
@@ -279,10 +283,8 @@ class Draws:
                 results = fake if isinstance(fake, (list, tuple)) else [fake]
                 if not results or not all(_input_sized(t) for t in results if isinstance(t, torch.Tensor)):
                     return fake
-                real_args, real_kwargs = tree_map(
-                    lambda v: _stand_in(func, v) if isinstance(v, torch.Tensor) and mode.is_our_fake(v) else v, (args, kwargs)
-                )
-                return self._as_values(mode, self._run(func, real_args, _on_cpu(real_kwargs), False), fake, False)
+                real_args, real_kwargs = _real_arguments(mode, func, args, kwargs)
+                return self._as_values(mode, self._run(func, real_args, real_kwargs, False), fake, False)
         args, kwargs = tree_map(lambda v: self.host_value(mode, v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
         return fallback(func, args, kwargs)
 
@@ -295,8 +297,7 @@ class Draws:
         if not results or not all(_small(t) for t in results if isinstance(t, torch.Tensor)):
             return fake
         # the factory's arguments with real stand-ins for its tensors: kept, they keep no fake alive
-        real_args, real_kwargs = tree_map(lambda v: _stand_in(func, v) if isinstance(v, torch.Tensor) and mode.is_our_fake(v) else v, (args, kwargs))
-        real_kwargs = _on_cpu(real_kwargs)
+        real_args, real_kwargs = _real_arguments(mode, func, args, kwargs)
         if not random and not all(t.numel() <= 1 for t in results if isinstance(t, torch.Tensor)):
             if isinstance(fake, torch.Tensor):
                 self._fresh[id(fake)] = (weakref.ref(fake), func, real_args, real_kwargs)
@@ -422,11 +423,18 @@ def _on_cpu(kwargs: dict) -> dict:
     return out
 
 
+def _real_arguments(mode: Any, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A factory's arguments to run it for real on the CPU: real stand-ins for its fake tensors
+    (:func:`_stand_in`), its keywords made for the CPU (:func:`_on_cpu`)."""
+    real_args, real_kwargs = tree_map(lambda v: _stand_in(func, v) if isinstance(v, torch.Tensor) and mode.is_our_fake(v) else v, (args, kwargs))
+    return real_args, _on_cpu(real_kwargs)
+
+
 def _stand_in(func: Any, t: torch.Tensor) -> torch.Tensor:
     """A real CPU tensor standing in for a factory's tensor argument: ``new_*`` read its dtype
     only (an empty one), ``*_like`` its shape too (as small as their result)."""
     with no_dispatch():
-        if func._schema.name.split("::")[-1].startswith("new_"):
+        if _op_name(func).startswith("new_"):
             return torch.empty((0,), dtype=t.dtype, device=_CPU)
         return torch.empty(tuple(t.shape), dtype=t.dtype, device=_CPU)
 

@@ -33,6 +33,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 
+from ..measure.accounting import part_of_a_storage
 from .conv_workspace import memory_format
 from .draws import HOST_VALUE_NUMEL, SMALL_VALUE_NUMEL, Draws
 from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rule
@@ -195,7 +196,7 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
                 key = _storage_identity(t)
                 fake: torch.Tensor | None = by_storage.get(key) if key is not None else None
                 if fake is None:
-                    fake = _fake_part(t, device, bases, key[0]) if key is not None and _part_of_more(t) else fake_like(t, device)
+                    fake = _fake_part(t, device, bases, key[0]) if key is not None and part_of_a_storage(t) else fake_like(t, device)
                     if key is not None:
                         by_storage[key] = fake
                 if isinstance(t, nn.Parameter):
@@ -204,20 +205,10 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
     return copy.deepcopy(model, memo)
 
 
-def _part_of_more(t: torch.Tensor) -> bool:
-    """A strided tensor whose storage holds more than its elements (a slice kept as a buffer or a
-    parameter, ``torch.hann_window(n)``'s ``n`` of ``n + 1`` values): the storage is what it holds."""
-    if t.layout is not torch.strided or t.device.type == "meta" or type(t) not in (torch.Tensor, nn.Parameter):
-        return False
-    try:
-        return t.untyped_storage().nbytes() > t.nbytes
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
 def _fake_part(t: torch.Tensor, device: torch.device, bases: dict[Any, torch.Tensor], anchor: Any) -> torch.Tensor:
-    """``t`` as a fake view, at its offset and strides, of a fake storage as large as its own (one
-    per storage, shared by the storage's other parts)."""
+    """``t``, a part of a larger storage (a slice kept as a buffer or a parameter,
+    ``torch.hann_window(n)``'s ``n`` of ``n + 1`` values), as a fake view at its offset and strides
+    of a fake storage as large as its own: one per storage, shared by the storage's other parts."""
     base = bases.get(anchor)
     if base is None:
         nbytes = t.untyped_storage().nbytes()

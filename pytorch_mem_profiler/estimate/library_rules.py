@@ -44,16 +44,11 @@ def _storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
-def _fake_without_values(t: Any) -> bool:
+def _fake(t: Any, *, with_values: bool) -> bool:
+    """Whether ``t`` is a fake tensor with (``with_values``) or without its values."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(t, FakeTensor) and getattr(t, "constant", None) is None
-
-
-def _fake_with_values(t: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor) and getattr(t, "constant", None) is not None
+    return isinstance(t, FakeTensor) and (getattr(t, "constant", None) is not None) is with_values
 
 
 @contextlib.contextmanager
@@ -87,7 +82,7 @@ def library_rules(inputs: Iterable[torch.Tensor]) -> Iterator[None]:
                 given = {key for key in map(_storage_key, inputs) if key is not None}
 
                 def find_packed_sequence_indices(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                    if _fake_without_values(position_ids) and _storage_key(position_ids) not in given:
+                    if _fake(position_ids, with_values=False) and _storage_key(position_ids) not in given:
                         return None  # the model's own positions: a range in every row, one sequence each
                     return find(position_ids, *args, **kwargs)
 
@@ -98,7 +93,7 @@ def library_rules(inputs: Iterable[torch.Tensor]) -> Iterator[None]:
 
                 def is_tracing(tensor: Any = None) -> bool:
                     # a fake tensor with values is read as the real one is; tracing itself still counts
-                    return bool(traced(None if _fake_with_values(tensor) else tensor))
+                    return bool(traced(None if _fake(tensor, with_values=True) else tensor))
 
                 rules.enter_context(_replaced(modules, "is_tracing", traced, is_tracing))
         yield

@@ -30,7 +30,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -253,12 +253,17 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     return forward(*args, **kwargs)
 
 
+def _inside(name: str, outer: Iterable[str]) -> bool:
+    """Whether the module ``name`` is one of ``outer`` or inside one (``""``, the model, holds all)."""
+    return any(not o or name == o or name.startswith(o + ".") for o in outer)
+
+
 def _transformers_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost transformers models inside ``model`` (itself included) that checkpoint their own
     layers (``supports_gradient_checkpointing``), by name."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
-        if any(name == n or name.startswith(n + ".") or not n for n, _ in found):
+        if _inside(name, (n for n, _ in found)):
             continue
         enable = getattr(module, "activation_checkpointing_enable", None) or getattr(module, "gradient_checkpointing_enable", None)
         if getattr(module, "supports_gradient_checkpointing", False) and callable(enable):
@@ -294,10 +299,7 @@ def checkpoint_blocks(model: nn.Module, which: bool | Callable[[str, nn.Module],
         own = _transformers_models(model)
         for name, module in own:
             names.update(_checkpoint_own_layers(name, module))
-        inside = [n for n, _ in own]
-        wrapped = {
-            n for n in repeated_blocks(model) if not any(not o or n == o or n.startswith(o + ".") for o in inside)
-        }
+        wrapped = {n for n in repeated_blocks(model) if not _inside(n, [o for o, _ in own])}
     else:
         wrapped = {name for name, module in model.named_modules() if name and which(name, module)}  # type: ignore[operator]
     for name, module in model.named_modules():

@@ -39,6 +39,7 @@ __all__ = [
     "optimizer_state_tensors",
     "optimizer_state_bytes",
     "optimizer_holds_any",
+    "part_of_a_storage",
 ]
 
 
@@ -205,11 +206,7 @@ def weight_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[tuple
         >>> weight_bytes([("a", a), ("b", b)])
         [('a', 32), ('b', 8)]
     """
-    sizes = [tensor_bytes(p) for _, p in params]
-    views = [i for i, (_, p) in enumerate(params) if _part_of_a_storage(p)]
-    if views:
-        _whole_storages(sizes, [p for _, p in params], views)
-    return [(name, n) for (name, _), n in zip(params, sizes)]
+    return [(name, n) for (name, _), n in zip(params, _held_bytes([p for _, p in params]))]
 
 
 def gradient_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[int]:
@@ -217,14 +214,22 @@ def gradient_bytes(params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[int
 
     Gradients that are parts of one larger storage hold all of it: see :func:`_whole_storages`.
     """
-    sizes = [0 if (grad := p.grad) is None else tensor_bytes(grad) for _, p in params]
-    views = [i for i, (_, p) in enumerate(params) if _part_of_a_storage(p.grad)]
+    return _held_bytes([p.grad for _, p in params])
+
+
+def _held_bytes(tensors: Sequence[torch.Tensor | None]) -> list[int]:
+    """Bytes of each tensor (0 for ``None``), in order; tensors that are parts of one larger
+    storage hold all of it, once (:func:`_whole_storages`)."""
+    sizes = [0 if t is None else tensor_bytes(t) for t in tensors]
+    views = [i for i, t in enumerate(tensors) if part_of_a_storage(t)]
     if views:
-        _whole_storages(sizes, [p.grad for _, p in params], views)
+        _whole_storages(sizes, tensors, views)
     return sizes
 
 
-def _part_of_a_storage(tensor: torch.Tensor | None) -> bool:
+def part_of_a_storage(tensor: torch.Tensor | None) -> bool:
+    """Whether ``tensor`` (a plain strided one) covers other than its whole storage: a part of a
+    larger storage (a slice, a member of a flat buffer), or an expanded view of a smaller one."""
     return (
         tensor is not None
         and type(tensor) in _PLAIN_TENSORS
@@ -350,11 +355,7 @@ def _unique_buffer_bytes(
         seen.add(key)
         names.append(name)
         kept.append(buf)
-    sizes = [tensor_bytes(b) for b in kept]
-    views = [i for i, b in enumerate(kept) if _part_of_a_storage(b)]
-    if views:  # parts of one larger storage hold all of it
-        _whole_storages(sizes, kept, views)
-    yield from zip(names, sizes)
+    yield from zip(names, _held_bytes(kept))  # parts of one larger storage hold all of it
 
 
 def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
