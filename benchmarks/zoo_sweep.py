@@ -36,19 +36,39 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.zoo.checks import check_cpu_estimate, check_emulated_estimate, check_record, profiled_run  # noqa: E402
+from benchmarks.zoo.checks import (  # noqa: E402
+    CPU,
+    Iteration,
+    check_cpu_estimate,
+    check_emulated_estimate,
+    check_record,
+    measured_peak,
+    profiled_run,
+)
 from benchmarks.zoo.registry import ADAMW, SGD_MOMENTUM, ZooModel  # noqa: E402
+from benchmarks.zoo.training import Training  # noqa: E402
 from benchmarks.zoo.sweep import SWEEP  # noqa: E402
 from pytorch_mem_profiler import estimate_memory, memory_profiler  # noqa: E402
 from pytorch_mem_profiler.estimate.step import checkpoint_blocks  # noqa: E402
 
 
+_RUNS: dict[str, tuple[Iteration, ...]] = {}
+
+
+def _profiled(entry: ZooModel) -> tuple[Iteration, ...]:
+    """``entry``'s profiled run, made once for the record's check and the estimate's (:func:`main`
+    lets go of it after the model's checks)."""
+    if entry.name not in _RUNS:
+        _RUNS[entry.name] = profiled_run(entry)
+    return _RUNS[entry.name]
+
+
 def _estimate(entry: ZooModel) -> None:
-    check_cpu_estimate(entry, profiled_run(entry))
+    check_cpu_estimate(entry, _profiled(entry))
 
 
 def _record(entry: ZooModel) -> None:
-    check_record(entry, profiled_run(entry))
+    check_record(entry, _profiled(entry))
 
 
 def _swapped(entry: ZooModel) -> None:
@@ -68,55 +88,42 @@ def _checkpointing(entry: ZooModel) -> None:
         checkpoint_blocks(model, True)
         return model
 
-    runs = profiled_run(dataclasses.replace(entry, build=checkpointed))
-    measured = max(it.record.iteration_peak_allocated for it in runs[:2])
+    measured = measured_peak(profiled_run(dataclasses.replace(entry, build=checkpointed)))
     est = estimate_memory(**dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cpu", fit=False, checkpointing=True))
     assert est.peak == measured, f"estimated {est.peak:,} B, measured {measured:,} B"
 
 
-def _train(entry: ZooModel, by_layer: bool | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Three steps from the same seeds: the losses and the weights after (``by_layer=None``: unprofiled)."""
-    torch.manual_seed(0)
-    model = entry.build("small")
-    optimizer = entry.optimizer(model.parameters())
-    torch.manual_seed(1)
-    batches = [(entry.make_inputs("small", 2), entry.make_targets("small", 2)) for _ in range(3)]
-    torch.manual_seed(2)
+def _train(entry: ZooModel, by_layer: bool | None) -> tuple[list[float], list[torch.Tensor]]:
+    """Three steps from the same seeds, a new batch each: the losses and the weights after
+    (``by_layer=None``: unprofiled)."""
+    run = Training(entry, "small", CPU)
     profiler = None
     if by_layer is not None:
-        profiler = memory_profiler(model, print_period=1, by_layer=by_layer, stream=io.StringIO(), strict=True, optimizer=optimizer, overhead=None)
+        profiler = memory_profiler(run.model, print_period=1, by_layer=by_layer, stream=io.StringIO(), strict=True, optimizer=run.optimizer, overhead=None)  # fmt: skip
+    torch.manual_seed(1)
     losses = []
     try:
-        for inputs, targets in batches:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=entry.autocast is not None):
-                if isinstance(inputs, dict):
-                    out = model(**inputs)
-                else:
-                    out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            loss = entry.loss(out, *(targets if isinstance(targets, tuple) else (targets,)))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach().clone())
+        for _ in range(3):
+            run.make_batch()
+            losses.append(run.step())
             if profiler is not None:
                 profiler.record_stats()
     finally:
         if profiler is not None:
             profiler.close()
-    return losses, [p.detach().clone() for p in model.parameters()]
+    return losses, [p.detach().clone() for p in run.model.parameters()]
 
 
 def _unchanged(entry: ZooModel) -> None:
     plain = _train(entry, None)
     for by_layer in (False, True):
         losses, weights = _train(entry, by_layer)
-        same = all(map(torch.equal, plain[0], losses)) and all(map(torch.equal, plain[1], weights))
+        same = losses == plain[0] and all(map(torch.equal, plain[1], weights))
         assert same, f"by_layer={by_layer}: the profiled run computed other losses or weights"
 
 
 def _measured_at(entry: ZooModel, batch: int) -> int:
-    runs = profiled_run(dataclasses.replace(entry, batch={"small": batch, "real": batch}))
-    return max(it.record.iteration_peak_allocated for it in runs[:2])
+    return measured_peak(profiled_run(dataclasses.replace(entry, batch={"small": batch, "real": batch})))
 
 
 def _largest_batch(entry: ZooModel) -> None:
@@ -159,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as err:  # a line per model: one failure does not stop the sweep
                 failed += 1
                 results.append(f"{check} FAILED: {type(err).__name__}: {str(err)[:300]}")
+        _RUNS.clear()
         print(f"{name} ({time.time() - started:.0f} s): " + " | ".join(results), flush=True)
     print(f"{failed} check(s) failed")
     return 1 if failed else 0

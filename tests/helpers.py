@@ -151,3 +151,15 @@ def measured_peak(build, make_input, optimizer, *, autocast=None, loss_fn=None, 
             del out, loss
             peaks.append(profiler.record_stats().iteration_peak_allocated)
     return max(peaks)
+
+
+class KeywordInputs(torch.nn.Module):
+    """A model given its inputs as one dict (as ``measured_peak`` calls it) or as keywords (as the
+    estimate calls a model whose example inputs are a dict): a transformers model's batch."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict | None = None, **keywords: torch.Tensor):  # type: ignore[no-untyped-def]
+        return self.model(**(batch if batch is not None else keywords))

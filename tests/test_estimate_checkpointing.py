@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from pytorch_mem_profiler import estimate_memory
 
-from .helpers import measured_peak, transformers_or_skip
+from .helpers import KeywordInputs, measured_peak, transformers_or_skip
 
 VOCAB, SEQ = 128, 16
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
@@ -39,15 +39,6 @@ def _model(kind: str):
     return transformers.Gemma2ForCausalLM(config)
 
 
-class _Keywords(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: dict | None = None, **keywords: torch.Tensor) -> torch.Tensor:
-        return self.model(**(batch if batch is not None else keywords)).logits
-
-
 def _inputs(kind: str, batch: int) -> dict[str, torch.Tensor]:
     made = {"input_ids": torch.randint(1, VOCAB, (batch, SEQ)), "attention_mask": torch.ones(batch, SEQ, dtype=torch.long)}
     if kind != "gemma2":
@@ -55,8 +46,8 @@ def _inputs(kind: str, batch: int) -> dict[str, torch.Tensor]:
     return made
 
 
-def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+def _loss(out, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
 @pytest.mark.parametrize("kind", ["t5", "marian", "gemma2"])
@@ -66,7 +57,7 @@ def test_a_transformers_model_checkpoints_its_own_layers_and_is_estimated_to_the
         model = _model(kind)
         if checkpointing:  # what the model's users do
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return _Keywords(model)
+        return KeywordInputs(model)
 
     width = SEQ if kind == "gemma2" else SEQ // 2
     labels = lambda batch=2: torch.randint(0, VOCAB, (batch, width))  # noqa: E731

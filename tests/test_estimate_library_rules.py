@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pytorch_mem_profiler import estimate_memory
 from pytorch_mem_profiler.estimate.library_rules import library_rules
 
-from .helpers import measured_peak, transformers_or_skip
+from .helpers import KeywordInputs, measured_peak, transformers_or_skip
 
 VOCAB, SEQ = 128, 32
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
@@ -61,22 +61,10 @@ def test_packed_position_ids_given_as_inputs_are_left_to_transformers():
     positions = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ // 2)]).repeat(2, 1)  # two sequences a row
     inputs = lambda batch=2: {"input_ids": torch.randint(0, VOCAB, (batch, SEQ)), "position_ids": positions[:batch].clone()}  # noqa: E731
     ids = lambda batch=2: torch.randint(0, VOCAB, (batch, SEQ))  # noqa: E731
-    sgd_step = measured_peak(lambda: _Keywords(build()), inputs, SGD, loss_fn=_loss, make_targets=ids)
-    est = estimate_memory(lambda: _Keywords(build()), lambda b: inputs(b), batch_size=2, optimizer=SGD,
+    sgd_step = measured_peak(lambda: KeywordInputs(build()), inputs, SGD, loss_fn=_loss, make_targets=ids)
+    est = estimate_memory(lambda: KeywordInputs(build()), lambda b: inputs(b), batch_size=2, optimizer=SGD,
                           targets=lambda b: ids(b), loss_fn=_loss, device="cpu", fit=False)  # fmt: skip
     assert est.peak == sgd_step
-
-
-class _Keywords(torch.nn.Module):
-    """The model given its inputs as one dict (as ``measured_peak`` calls it) or as keywords (as the
-    estimate calls a model whose example inputs are a dict)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: dict | None = None, **keywords: torch.Tensor) -> torch.Tensor:
-        return self.model(**(batch if batch is not None else keywords))
 
 
 def test_without_transformers_loaded_the_rules_change_nothing(monkeypatch):
@@ -122,8 +110,8 @@ def test_an_attention_mask_made_by_the_inputs_function_is_read_as_the_real_step_
     build = _language_model(kind)
     inputs = lambda batch=2: {"input_ids": torch.randint(0, VOCAB, (batch, SEQ)), "attention_mask": _mask(batch, padded)}  # noqa: E731
     ids = lambda batch=2: torch.randint(0, VOCAB, (batch, SEQ))  # noqa: E731
-    measured = measured_peak(lambda: _Keywords(build()), inputs, SGD, loss_fn=_loss, make_targets=ids)
-    est = estimate_memory(lambda: _Keywords(build()), lambda b: inputs(b), batch_size=2, optimizer=SGD,
+    measured = measured_peak(lambda: KeywordInputs(build()), inputs, SGD, loss_fn=_loss, make_targets=ids)
+    est = estimate_memory(lambda: KeywordInputs(build()), lambda b: inputs(b), batch_size=2, optimizer=SGD,
                           targets=lambda b: ids(b), loss_fn=_loss, device="cpu", fit=False)  # fmt: skip
     assert est.peak == measured
 
@@ -137,8 +125,8 @@ def test_a_templates_mask_keeps_its_values_row_after_row_at_another_batch(padded
     rows = torch.tensor([0, 1, 0])
     at_three = lambda: {"input_ids": torch.randint(0, VOCAB, (3, SEQ)), "attention_mask": template["attention_mask"][rows].clone()}  # noqa: E731
     ids = lambda: torch.randint(0, VOCAB, (3, SEQ))  # noqa: E731
-    measured = measured_peak(lambda: _Keywords(build()), at_three, SGD, loss_fn=_loss, make_targets=ids)
-    est = estimate_memory(lambda: _Keywords(build()), template, batch_size=3, optimizer=SGD,
+    measured = measured_peak(lambda: KeywordInputs(build()), at_three, SGD, loss_fn=_loss, make_targets=ids)
+    est = estimate_memory(lambda: KeywordInputs(build()), template, batch_size=3, optimizer=SGD,
                           targets=lambda b: torch.randint(0, VOCAB, (b, SEQ)), loss_fn=_loss, device="cpu", fit=False)  # fmt: skip
     assert est.peak == measured
     assert template["attention_mask"].sum() == 2 * SEQ - (SEQ // 4 if padded else 0)  # the user's tensor untouched
@@ -150,6 +138,6 @@ def test_the_unpadded_mask_is_skipped_and_the_padded_one_built():
     figures = []
     for padded in (False, True):
         inputs = lambda b, padded=padded: {"input_ids": torch.randint(0, VOCAB, (b, SEQ)), "attention_mask": _mask(b, padded)}  # noqa: E731
-        figures.append(estimate_memory(lambda: _Keywords(build()), inputs, batch_size=2, optimizer=SGD,
+        figures.append(estimate_memory(lambda: KeywordInputs(build()), inputs, batch_size=2, optimizer=SGD,
                                        targets=lambda b: torch.randint(0, VOCAB, (b, SEQ)), loss_fn=_loss, device="cpu", fit=False).peak)  # fmt: skip
     assert figures[0] < figures[1]

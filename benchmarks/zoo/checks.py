@@ -39,7 +39,7 @@ from pytorch_mem_profiler.stats import IterationRecord
 from .registry import ZooModel
 from .training import SavedStorages, Training, storage_bytes
 
-__all__ = ["ITERATIONS", "Iteration", "profiled_run", "check_record", "check_cpu_estimate", "check_emulated_estimate"]
+__all__ = ["ITERATIONS", "Iteration", "profiled_run", "measured_peak", "check_record", "check_cpu_estimate", "check_emulated_estimate"]
 
 CPU = torch.device("cpu")
 ITERATIONS = 3
@@ -86,6 +86,11 @@ def profiled_run(entry: ZooModel) -> tuple[Iteration, ...]:
     return tuple(out)
 
 
+def measured_peak(runs: tuple[Iteration, ...]) -> int:
+    """The measured peak of the two steps ``estimate_memory`` runs: the larger of the first two iterations'."""
+    return max(it.record.iteration_peak_allocated for it in runs[:2])
+
+
 def check_record(entry: ZooModel, runs: tuple[Iteration, ...]) -> None:
     """The profiler's records of :func:`profiled_run` against the independent counts (``AssertionError``)."""
     name = entry.name
@@ -129,7 +134,7 @@ def check_cpu_estimate(entry: ZooModel, runs: tuple[Iteration, ...] | None = Non
         raise AssertionError(f"{entry.name}: estimated, though {entry.unsupported} was to be refused")
     estimate = estimate_memory(**kwargs)
     runs = runs if runs is not None else profiled_run(entry)
-    measured = max(it.record.iteration_peak_allocated for it in runs[:2])
+    measured = measured_peak(runs)
     assert estimate.weights == runs[0].weights, entry.name
     assert estimate.optimizer_state == runs[1].optimizer_state, entry.name
     assert sum(estimate.peak_breakdown.values()) == estimate.peak, entry.name

@@ -1,4 +1,4 @@
-"""A wide sweep of small models in neither the zoo nor the held-back sets, for the CPU checks only.
+"""A wide sweep of small models the zoo lacks, for the CPU checks only.
 
 :data:`SWEEP` (name -> :class:`~benchmarks.zoo.registry.ZooModel`) holds 49 small models, each
 built from a config or code at one size (``"small"`` and ``"real"`` build the same model: the
@@ -7,7 +7,9 @@ encoders, encoder-decoders, a state-space model and vision models, all given att
 ones where they take masks; timm and torchvision CNNs and vision transformers of kinds the zoo
 lacks; and plain-torch models of operations it lacks (dilated convolutions, a GRU
 encoder-decoder, message passing by ``index_add_``, an STFT front end, pixel shuffle,
-``max_norm`` embeddings, unfold and fold). ``benchmarks/zoo_sweep.py`` runs the checks on each.
+``max_norm`` embeddings, unfold and fold). Two of them, Mixtral and the GRU encoder-decoder (its
+class is the held-back set's), also joined :data:`~benchmarks.zoo.holdout_text.HOLDOUT_TEXT` for
+the GPU runs. ``benchmarks/zoo_sweep.py`` runs the checks on each.
 
 Example::
 
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .holdout_text import GRUSeq2Seq
 from .registry import ADAMW, SGD_MOMENTUM, ZooModel, class_loss, token_loss
 
 __all__ = ["SWEEP"]
@@ -127,22 +130,6 @@ class DilatedTCN(nn.Module):
         for conv in self.layers:
             h = h + F.relu(conv(h))
         return self.out(h.mean(-1))
-
-
-class GRUEncoderDecoder(nn.Module):
-    """A GRU encoder whose last hidden state starts a GRU decoder (teacher forcing)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, 32, padding_idx=0)
-        self.encoder = nn.GRU(32, 64, batch_first=True, num_layers=2)
-        self.decoder = nn.GRU(32, 64, batch_first=True)
-        self.out = nn.Linear(64, VOCAB)
-
-    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        _, hidden = self.encoder(self.embed(source))
-        out, _ = self.decoder(self.embed(target), hidden[-1:].contiguous())
-        return self.out(out)
 
 
 class MessagePassing(nn.Module):
@@ -287,7 +274,7 @@ def _entries() -> list[ZooModel]:
          lambda output, labels: F.cross_entropy(output["out"], labels), ADAMW, None, tv),
         ("tcn", "plain torch", "dilated residual Conv1d", _plain(DilatedTCN), lambda size, batch: torch.randn(batch, 8, 64), _classes, class_loss,
          ADAMW, None, ()),
-        ("gru_encoder_decoder", "plain torch", "GRU encoder-decoder, teacher forcing", _plain(GRUEncoderDecoder),
+        ("gru_encoder_decoder", "plain torch", "GRU encoder-decoder, teacher forcing", _plain(lambda: GRUSeq2Seq(VOCAB, 32)),
          lambda size, batch: (torch.randint(1, VOCAB, (batch, SEQ)), torch.randint(1, VOCAB, (batch, SEQ))), _token_targets, token_loss, ADAMW, None, ()),
         ("message_passing", "plain torch", "index_add_ over a fixed edge list", _plain(MessagePassing),
          lambda size, batch: torch.randn(batch, 64, 16), lambda size, batch: torch.randint(0, 4, (batch,)), class_loss, ADAMW, None, ()),
