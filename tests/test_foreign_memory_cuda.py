@@ -29,11 +29,19 @@ def device():
 
 
 @pytest.fixture(scope="module")
-def baselines(device):
+def already_allocated(device):
+    """What earlier tests of this process left allocated (another handle's workspace, a cached
+    tensor): 'other' to the profiler too, so the bound below allows it."""
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
+@pytest.fixture(scope="module")
+def baselines(device, already_allocated):
     return {name: run(setup, device, None, SIZE)[0] for name, setup in SETUPS.items()}
 
 
-def test_the_setups_get_advice_of_their_own(baselines):
+def test_the_setups_get_advice_of_their_own(baselines, already_allocated):
     # the rule the issue caught reading foreign memory as the step's temporaries; the 8-bit rule
     # (optimizer state >= 40% of the peak) is checked on the CPU: here the workspaces in the
     # peak put Adam's state just under its threshold
@@ -41,11 +49,13 @@ def test_the_setups_get_advice_of_their_own(baselines):
     assert "checkpointing" in {a.kind for a in advise(baselines["activation-heavy"])}
     for name, record in baselines.items():
         # the model alone leaves there cuBLAS's two workspaces (forward's and backward's thread, 32 MiB
-        # each) and the loop's batches made before the profiler, less the one in use (an input)
+        # each; already allocated where an earlier test made them) and the loop's batches made
+        # before the profiler, less the one in use (an input)
         setup = SETUPS[name]
         batches = (CHECKED - 1) * setup.batch * setup.width * 4
         assert record.peak_other_before is not None
-        assert batches <= record.peak_other_before <= (64 << 20) + batches + 2 * TOLERANCE, (name, record.peak_other_before)
+        assert batches <= record.peak_other_before <= already_allocated + (64 << 20) + batches + 2 * TOLERANCE, (
+            name, record.peak_other_before, already_allocated)
 
 
 @pytest.mark.parametrize("setup", sorted(SETUPS))

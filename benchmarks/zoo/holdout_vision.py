@@ -355,7 +355,8 @@ def eva02(size: str) -> nn.Module:
     if size == "small":  # q and v biases concatenated around zeros: their gradients share one storage
         return timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32, num_heads=2,
                                  depth=2, num_classes=10)
-    return timm.create_model("eva02_small_patch14_224", pretrained=False, drop_path_rate=0.1)
+    # the small EVA-02 is made for masked image modelling: without num_classes its head is an identity
+    return timm.create_model("eva02_small_patch14_224", pretrained=False, drop_path_rate=0.1, num_classes=_num_classes(size))
 
 
 def pvt_v2(size: str) -> nn.Module:
