@@ -19,7 +19,10 @@ spread (lowest and highest). Tools:
 - this profiler, ``print_period`` 1 and 10, by default (its cost budget,
   ``overhead=0.03``) and with ``by_layer=True, overhead=None`` (every reported
   iteration at the ``"full"`` level); each row's note gives the share of
-  reported iterations at each level of detail;
+  reported iterations at each level of detail. With a budget, each fresh
+  profiler first runs its start untimed (its first reported iteration at the
+  richest level, one at ``"light"`` for the base, one try of each detailed
+  level: what a run pays once), and the note gives what that start cost;
 - ``torch.profiler.profile(profile_memory=True, record_shapes=True)``;
 - ``torch.cuda.memory._record_memory_history``, ``stacks="python"`` and ``"all"``;
 - the same history as an engine for detailed iterations: on for each step, read back with
@@ -64,6 +67,7 @@ from benchutil import environment_line, markdown_table, mb, output_dir, quiet_co
 from workloads import SCALING, WORKLOADS, Workload, WorkloadUnavailable, build, median  # noqa: E402
 
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
+from pytorch_mem_profiler.measure.budget import DETAIL_LEVELS, richest_level  # noqa: E402
 
 #: This profiler's four configurations: (label, print_period, by_layer), in the order of the columns.
 CONFIGS = (
@@ -113,6 +117,21 @@ class Tool:
     #: this profiler with a budget: the seconds its budget counted as spent and as earned, over every
     #: block (their ratio times ``overhead`` is the share of the run the budget believes it cost)
     budget_seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    #: steps run with the tool before each timed block: its own warm-up, and for this profiler with
+    #: a budget its start, which a run pays once (see :func:`profiler_tool`)
+    start_steps: int = 2
+    #: this profiler with a budget: the start's extra seconds over the steps without the tool, by
+    #: round, and how many of its steps ran (fewer where the steps are long)
+    start_seconds: list[float] = field(default_factory=list)
+    start_steps_run: int = 0
+
+    def next_row(self) -> None:
+        """Forget what this row's blocks counted (levels, the budget's seconds, the start), so that
+        the next workload's row counts its own alone."""
+        self.levels.clear()
+        self.budget_seconds[:] = [0.0, 0.0]
+        self.start_seconds.clear()
+        self.start_steps_run = 0
 
     def level_note(self) -> str:
         """``levels: phases 12%, light 88%`` (this profiler), else the note."""
@@ -125,6 +144,11 @@ class Tool:
         if allowed > 0 and self.overhead:
             # what the budget itself counted: set against the measured ratio, what it cannot see
             note += f"; the budget's own count: {100 * self.overhead * spent / allowed:.1f}%"
+        if self.start_seconds:
+            note += (
+                f"; its start, once a run, untimed ({self.start_steps_run} of its {self.start_steps} steps): "
+                f"+{1e3 * median(self.start_seconds):.2f} ms"
+            )
         return note
 
 
@@ -133,7 +157,15 @@ class Tool:
 
 
 def profiler_tool(print_period: int, by_layer: bool = False) -> Tool:
-    """The default (``overhead=0.03``), or per-layer mode with no budget (``overhead=None``)."""
+    """The default (``overhead=0.03``), or per-layer mode with no budget (``overhead=None``).
+
+    With a budget, a run starts by measuring what its levels cost: its first reported iteration at
+    the richest level (warm-up, not a cost estimate), an iteration at ``"light"`` (the base), then
+    one at each detailed level. A run pays that once; a block of a few long steps timed right after
+    a fresh profiler's two warm-up steps would count it in every round (half the reported
+    iterations of a 110 ms step at ``"phases"``). So those iterations run before each timed block,
+    and their cost shows apart in the row's note.
+    """
     overhead = None if by_layer else 0.03
 
     @contextlib.contextmanager
@@ -148,15 +180,19 @@ def profiler_tool(print_period: int, by_layer: bool = False) -> Tool:
             finally:
                 profiler.close()
                 for record in profiler.records:
-                    tool.levels[record.detail] = tool.levels.get(record.detail, 0) + 1
+                    if record.iteration > tool.start_steps_run:  # the timed steps' records, not the start's
+                        tool.levels[record.detail] = tool.levels.get(record.detail, 0) + 1
                 budget = profiler._budget  # noqa: SLF001 - the benchmark reads the budget's own account
                 tool.budget_seconds[0] += budget.spent
                 tool.budget_seconds[1] += budget.allowed
 
     name = f"profiler{' by_layer' if by_layer else ''}, print_period={print_period}"
+    detailed = DETAIL_LEVELS[1 : DETAIL_LEVELS.index(richest_level(by_layer)) + 1]
+    # the start counts reported iterations: print_period steps each
+    start = 2 if overhead is None else (2 + len(detailed)) * print_period
     tool = Tool(
         name, open_, ours=True, by_layer=by_layer, print_period=print_period, overhead=overhead,
-        note=f"overhead={overhead}",
+        note=f"overhead={overhead}", start_steps=start,
     )
     return tool
 
@@ -387,7 +423,13 @@ def measure_loop(work: Workload, device: torch.device, tool: Tool, rounds: int, 
         cm = tool.open(work, device)
         per_step = cm.__enter__()
         try:
-            time_steps(work, device, 2, per_step)  # the tool's own warm-up (CUPTI starts, caches fill)
+            # the tool's own warm-up (CUPTI starts, caches fill), or this profiler's start; on
+            # steps so long that the start would outlast five blocks, as much of it as fits
+            start = min(tool.start_steps, max(2, int(5 * s.round_seconds / max(base_step_s, 1e-9))))
+            started = time_steps(work, device, start, per_step)
+            if tool.overhead is not None:
+                tool.start_seconds.append(max(0.0, started - before) * start)
+                tool.start_steps_run = start
             if not row.tool_steps:
                 # Slow tools (MemReporter) get fewer steps, so each block lasts about the same.
                 estimate = time_steps(work, device, 2, per_step)
@@ -456,7 +498,7 @@ def measure_tool(work: Workload, device: torch.device, tool: Tool, base_step_s: 
         return Row(work.name, tool.name, status=f"unavailable: {type(exc).__name__}: {message}", note=tool.note)
     row.goal = goal_for(tool, work.name)
     row.note = tool.level_note()
-    tool.levels.clear()
+    tool.next_row()
     return row
 
 

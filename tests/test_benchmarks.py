@@ -122,6 +122,37 @@ def test_overhead_runs_every_tool_or_says_why_not(tmp_path):
     assert "Host memory of the profiler's records" in (tmp_path / "overhead.md").read_text()
 
 
+def test_the_budgets_start_runs_before_the_timed_steps_and_shows_apart(monkeypatch, tmp_path):
+    # A fresh profiler with a budget spends its first reported iterations measuring its levels (the
+    # richest, then "light" for the base, then one try of each detailed level): once a run. The
+    # rounds run them before timing, keep their records out of the levels, and note their cost.
+    assert overhead.profiler_tool(1).start_steps == 3
+    assert overhead.profiler_tool(10).start_steps == 30
+    assert overhead.profiler_tool(1, by_layer=True).start_steps == 2  # overhead=None: no start to measure
+    tool = overhead.profiler_tool(1)
+    tools = {"profiler, print_period=1": tool}
+    seen = [0]
+    level_note = tool.level_note
+
+    def counted() -> str:
+        seen[0] = sum(tool.levels.values())
+        return level_note()
+
+    tool.level_note = counted
+    monkeypatch.setattr(overhead, "make_tools", lambda max_entries: tools)
+    rows = overhead.main(
+        [*CPU_QUICK, "--workloads", "tiny_mlp", "--rounds", "3", "--records", "5", "--round-seconds", "0.01",
+         "--warmup", "1", "--out", str(tmp_path)]
+    )
+    row = rows[0]
+    assert row.status == "ok"
+    assert "its start, once a run, untimed (3 of its 3 steps): +" in row.note
+    # each round's records: the start's three, then the timed steps'; only the timed ones are counted
+    assert seen[0] == 3 * row.tool_steps + 2  # + the first round's two sizing steps
+    # the row's counts are its own: the next workload starts from nothing
+    assert not tool.levels and tool.budget_seconds == [0.0, 0.0] and not tool.start_seconds
+
+
 def test_overhead_goes_on_after_a_failing_tool(monkeypatch, tmp_path):
     def broken(work, device):
         raise RuntimeError("tool exploded")
