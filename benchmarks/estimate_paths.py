@@ -79,12 +79,19 @@ def model_configurations(names: str | None, quick: bool) -> list[tuple[str, str,
 
 
 def zoo_configurations(names: list[str], size: str) -> list[tuple[str, str, Any, dict[str, Any], int]]:
-    """The same for zoo models (``benchmarks/zoo``), each in its own precision and at its batch for ``size``."""
+    """The same for zoo models (``benchmarks/zoo``: the zoo, the held-back sets and the sweep), each in
+    its own precision and at its batch for ``size``."""
     from zoo import ZOO
+    from zoo.holdout_text import HOLDOUT_TEXT
+    from zoo.holdout_vision import HOLDOUT_VISION
+    from zoo.sweep import SWEEP
 
+    registry = {**SWEEP, **HOLDOUT_VISION, **HOLDOUT_TEXT, **ZOO}
     configurations = []
     for name in names:
-        entry = ZOO[name]
+        if name not in registry:
+            raise SystemExit(f"--zoo: {name!r} is in none of the zoo's registries (zoo, held-back text and vision, sweep)")
+        entry = registry[name]
         kwargs = entry.estimate_kwargs(size)
         autocast = kwargs.pop("autocast")
         configurations.append((name, "bf16" if autocast is torch.bfloat16 else "fp32", autocast, kwargs, entry.batch[size]))
@@ -187,7 +194,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--budget", type=float, default=85.0, help="seconds: no configuration starts after this (default 85)")
     parser.add_argument("--skip-done", action="store_true", help="skip configurations whose JSON is already in --out")
     parser.add_argument("--against", action="append", default=[], help="a JSON this script wrote on a GPU: without a GPU, its fake CUDA path stands in for the one not run here (repeatable)")
-    parser.add_argument("--zoo", default=None, help="comma-separated zoo models (benchmarks/zoo) at their real size, in their own precision, instead of --models")
+    parser.add_argument("--zoo", default=None, help="comma-separated zoo models (benchmarks/zoo: the zoo, held-back and sweep registries) at their real size, in their own precision, instead of --models")
     args = parser.parse_args(argv)
     out = output_dir(args.out)
     started = time.perf_counter()
