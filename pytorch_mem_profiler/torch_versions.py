@@ -60,6 +60,13 @@ SDPA_ENABLE_GQA = any(
     argument.name == "enable_gqa" for argument in torch.ops.aten.scaled_dot_product_attention.default._schema.arguments
 )
 
+#: cuDNN's attention takes an additive mask (``attn_bias``): torch 2.5 and later. Where it does, torch
+#: 2.11 on Hopper runs masked half-precision attention through it; torch 2.4's takes none.
+CUDNN_ATTENTION_TAKES_MASK = any(
+    argument.name == "attn_bias"
+    for argument in torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema.arguments
+)
+
 #: FSDP2 (``fully_shard``) on CPU tensors: torch 2.6 and later. Torch 2.4 and 2.5 make CUDA
 #: streams for it whatever the device, which fails where CUDA's driver is missing.
 FSDP2_ON_CPU = TORCH_VERSION >= (2, 6)

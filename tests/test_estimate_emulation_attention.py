@@ -20,7 +20,13 @@ from torch._subclasses import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytorch_mem_profiler.estimate.emulation import cuda_backend, cuda_rules
-from pytorch_mem_profiler.torch_versions import SDPA_ENABLE_GQA, attention_softmax, math_attention_upcasts
+from pytorch_mem_profiler.estimate import emulation
+from pytorch_mem_profiler.torch_versions import (
+    CUDNN_ATTENTION_TAKES_MASK,
+    SDPA_ENABLE_GQA,
+    attention_softmax,
+    math_attention_upcasts,
+)
 
 B, H, L, D = 2, 4, 32, 16
 
@@ -132,7 +138,10 @@ def test_a_bool_mask_becomes_an_additive_mask_with_one_where():
         assert not {"aten.zeros", "aten.masked_fill", "aten.bitwise_not"} & set(names), names
         wheres = [(d, n) for name, d, n in ops if name == "aten.where"]
         assert wheres == [((str(dtype),), B * L * L * torch.finfo(dtype).bits // 8)], wheres
-        assert type(out.grad_fn).__name__ == "ScaledDotProductEfficientAttentionBackward0"
+        # in half precision with a mask, Hopper runs cuDNN's attention where it takes a mask
+        cudnn = dtype == torch.bfloat16 and CUDNN_ATTENTION_TAKES_MASK
+        node = "ScaledDotProductCudnnAttentionBackward0" if cudnn else "ScaledDotProductEfficientAttentionBackward0"
+        assert type(out.grad_fn).__name__ == node
 
 
 def test_cudas_backend_rules():
@@ -141,7 +150,12 @@ def test_cudas_backend_rules():
     kv = torch.empty(B, 1, L, D)
     assert cuda_backend(f32, f32, f32) == "efficient"
     assert cuda_backend(bf16, bf16, bf16) == "flash"
-    assert cuda_backend(bf16, bf16, bf16, torch.zeros(1, 1, L, L, dtype=torch.bfloat16)) == "efficient"
+    mask = torch.zeros(1, 1, L, L, dtype=torch.bfloat16)
+    assert cuda_backend(bf16, bf16, bf16, mask) == ("cudnn" if CUDNN_ATTENTION_TAKES_MASK else "efficient")
+    # a learned bias (T5's): cuDNN gives the mask no gradient, so the efficient kernel runs
+    assert cuda_backend(bf16, bf16, bf16, mask.clone().requires_grad_()) == "efficient"
+    wide = torch.empty(B, H, L, 160, dtype=torch.bfloat16)  # past cuDNN's 128
+    assert cuda_backend(wide, wide, wide, mask) == "efficient"
     assert cuda_backend(bf16, kv.bfloat16(), kv.bfloat16(), enable_gqa=True) == "flash"
     assert cuda_backend(f32, kv, kv, enable_gqa=True) == "math"
     assert cuda_backend(f32, f32, f32, torch.zeros(L, L, H).permute(2, 0, 1)) == "math"  # strided mask
@@ -229,3 +243,39 @@ def test_the_math_path_saves_what_atens_math_attention_saves_on_this_torch():
         assert saved == expected, (dtype, saved, expected)
         assert sum(saved.values()) >= 2 * B * H * L * L * torch.finfo(dtype).bits // 8
         assert out.dtype == reference.dtype == dtype
+
+
+def _encoder_layer_step(cudnn_takes_mask: bool, monkeypatch) -> tuple[Counter[tuple[str, str]], list]:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(emulation, "CUDNN_ATTENTION_TAKES_MASK", cudnn_takes_mask)
+    S, N, E = 16, 2, 64  # nn.MultiheadAttention lays heads out (sequence, batch x heads, head size)
+
+    def run():  # type: ignore[no-untyped-def]
+        layer = nn.TransformerEncoderLayer(E, 4, 128, dropout=0.0)
+        padding = torch.zeros(N, S, dtype=torch.bool)
+        padding[:, -3:] = True
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(torch.empty(S, N, E), src_key_padding_mask=padding)
+        out.float().sum().backward()
+        return out
+
+    saved, ops, _ = _saved(run)
+    return saved, ops
+
+
+@pytest.mark.skipif(not CUDNN_ATTENTION_TAKES_MASK, reason=f"torch {torch.__version__}'s cuDNN attention takes no mask")
+def test_masked_half_precision_attention_keeps_the_querys_layout_as_cudnn_does(monkeypatch):
+    # nn.TransformerEncoder in bf16 with a padding mask on the H100 (torch 2.11): cuDNN's attention laid its
+    # output out as the query (sequence, batch, heads, head size), so MultiheadAttention's
+    # permute(2, 0, 1, 3).contiguous() copied nothing; the emulation's efficient kernel laid it out (batch,
+    # sequence, heads, head size) and copied it in every layer (+3.16% of the step's peak at 12 layers).
+    saved, ops = _encoder_layer_step(True, monkeypatch)
+    assert ("ScaledDotProductCudnnAttentionBackward0", "bfloat16") in saved
+    attention_output = 16 * 2 * 64 * 2  # S x N x E in bf16
+    copies = [n for name, dtypes, n in ops if name == "aten.clone" and dtypes == ("torch.bfloat16",) and n == attention_output]
+    assert copies == [], copies
+    # where cuDNN takes no mask (torch 2.4), the efficient kernel runs: its output, and in backward what
+    # its layout asks for, are copied
+    saved, ops = _encoder_layer_step(False, monkeypatch)
+    assert ("ScaledDotProductEfficientAttentionBackward0", "bfloat16") in saved
+    copies = [n for name, dtypes, n in ops if name == "aten.clone" and dtypes == ("torch.bfloat16",) and n == attention_output]
+    assert copies and set(copies) == {attention_output}, copies

@@ -30,7 +30,6 @@ pytestmark = pytest.mark.cuda
 #: an H200, torch 2.11, 2026-11-26, ``conform(..., quick=True)`` (no largest-batch check).
 KNOWN: dict[str, str] = {
     "wav2vec2": "reserved -14.7% (peak +5.1%, inside its stated bound of 8.6%)",
-    "torch_encoder": "emulated peak +2.91% (fake CUDA -0.24%); cause not found yet",
     "frozen_fastpath": "reserved -15.5% (peak -0.08%); cause not found yet",
     "mha_masks": "reserved +8.2% (peak -0.05%); cause not found yet",
     "normalized_cnn": "reserved -8.8% (peak -0.12%, stated bound 3.1%)",

@@ -46,10 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..torch_versions import SDPA_ENABLE_GQA, attention_softmax, math_attention_upcasts
+from ..torch_versions import CUDNN_ATTENTION_TAKES_MASK, SDPA_ENABLE_GQA, attention_softmax, math_attention_upcasts
 from .autocast_policy import cuda_autocast
 
 __all__ = ["cuda_backend", "cuda_rules"]
+
+#: Head sizes cuDNN's attention takes on Hopper with a mask (torch 2.11, cuDNN 9).
+CUDNN_MAX_HEAD_DIM = 128
 
 #: Head sizes flash attention takes on CUDA (sm80 and newer).
 FLASH_MAX_HEAD_DIM = 256
@@ -91,19 +94,24 @@ def cuda_backend(
     attn_mask: torch.Tensor | None = None,
     enable_gqa: bool = False,
 ) -> str:
-    """The kernel CUDA's ``scaled_dot_product_attention`` picks on an sm80+ GPU (H100, A100), by its rules.
+    """The kernel CUDA's ``scaled_dot_product_attention`` picks on a Hopper GPU (H100), by its rules.
 
     Follows ATen's ``select_sdp_backend`` (``sdp_utils.cpp``) for dense inputs
-    as torch 2.11 ships it: ``"flash"`` (half precision, no mask, equal head
-    sizes up to 256), ``"efficient"`` (float32 or half precision, head sizes
-    aligned, the same number of heads in query, key and value), else
-    ``"math"``. Every fused kernel wants 4-d inputs whose last dimension is
-    contiguous, and a mask whose last dimension is too. cuDNN's attention
-    (first in the order on Hopper) takes half precision with or without a mask
-    and allocates what the efficient kernel does (the H100 diff of
-    ``benchmarks/estimate_paths.py``: bert-bf16 and t5-bf16, equal bytes in
-    forward, backward and what it saves), so it stands in as ``"efficient"``
-    (with a mask) or ``"flash"`` (without).
+    as torch 2.11 ships it: ``"cudnn"`` (half precision with a mask that needs
+    no gradient, equal head sizes, a multiple of 8 up to 128: cuDNN's attention
+    is first in the order on Hopper), ``"flash"`` (half precision, no mask, equal head sizes up to
+    256), ``"efficient"`` (float32 or half precision, head sizes aligned, the
+    same number of heads in query, key and value), else ``"math"``. Every fused
+    kernel wants 4-d inputs whose last dimension is contiguous, and a mask whose
+    last dimension is too. Without a mask cuDNN's attention allocates and saves
+    what flash attention does (the H100 diff of ``benchmarks/estimate_paths.py``),
+    so ``"flash"`` stands in for it. With one it differs from the efficient
+    kernel in its output's layout: cuDNN's follows the query's, so that
+    ``nn.MultiheadAttention``'s ``permute(...).contiguous()`` afterwards copies
+    nothing (an ``nn.TransformerEncoder`` in bf16 on the H100: 2.1 GB of copies
+    the efficient kernel's layout would make). Torch 2.4's cuDNN attention takes
+    no mask (:data:`~pytorch_mem_profiler.torch_versions.CUDNN_ATTENTION_TAKES_MASK`):
+    there a masked one is ``"efficient"``.
 
     Example::
 
@@ -131,6 +139,17 @@ def cuda_backend(
         and (heads_equal or (enable_gqa and query.size(1) % key.size(1) == 0 and query.size(1) % value.size(1) == 0))
     ):
         return "flash"
+    if (
+        CUDNN_ATTENTION_TAKES_MASK
+        and dtype in _HALF
+        and attn_mask is not None
+        and not attn_mask.requires_grad  # cuDNN gives no gradient for the mask (T5's learned position bias)
+        and heads_equal
+        and head_dim == key.size(-1) == value_dim
+        and head_dim % 8 == 0
+        and head_dim <= CUDNN_MAX_HEAD_DIM
+    ):
+        return "cudnn"
     alignment = 8 if dtype in _HALF else 4  # minimum_gemm_alignment on sm80+: 128 bits, at least 4
     if (
         dtype in (torch.float32, *_HALF)
@@ -224,6 +243,10 @@ def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
                 return _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             bias = attn_mask.to(query.dtype) if attn_mask is not None else None
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            if backend == "cudnn":  # its meta kernel lays the output out as CUDA's does
+                return torch.ops.aten._scaled_dot_product_cudnn_attention(
+                    query, key, value, bias, grad, dropout_p, is_causal, False, scale=scale
+                )[0]
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, bias, grad, dropout_p, is_causal, scale=scale
             )[0]
