@@ -1,9 +1,12 @@
 """The registries' real sizes are run only on the GPU machine, where a label past a model's last
-class is a device-side assert that breaks every later test of the process. Here every classifier
-of every registry is built at its ``real`` size on the meta device (no memory, no arithmetic) and
-run once: its logits must have a column for each class its targets draw.
+class (or a token id past its vocabulary) is a device-side assert that breaks every later test of
+the process. Here every model of every registry trained with a class or token loss is built at its
+``real`` size on the meta device (no memory, no arithmetic) and run once at a batch of two: each
+label its targets draw must have a logit, and each token id its inputs draw an embedding row.
 
 A model whose constructor reads a tensor's value is built on the CPU and moved to the meta device.
+Where the forward itself reads values (transformers' mask checks, packed sequences), the logits'
+width is the model's output embedding's or its configured number of labels.
 """
 
 from __future__ import annotations
@@ -20,17 +23,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.zoo import ZOO  # noqa: E402
 from benchmarks.zoo.holdout_text import HOLDOUT_TEXT  # noqa: E402
 from benchmarks.zoo.holdout_vision import HOLDOUT_VISION  # noqa: E402
-from benchmarks.zoo.registry import ZooModel, _class_targets, _logits, _num_classes  # noqa: E402
+from benchmarks.zoo.registry import ZooModel, _logits, class_loss, token_loss  # noqa: E402
 from benchmarks.zoo.sweep import SWEEP  # noqa: E402
 
 from .zoo_cases import cases  # noqa: E402
 
 REGISTRIES = {"zoo": ZOO, "holdout_text": HOLDOUT_TEXT, "holdout_vision": HOLDOUT_VISION, "sweep": SWEEP}
-CLASSIFIERS = {
+LABELLED = {
     f"{registry}:{name}": entry
     for registry, models in REGISTRIES.items()
     for name, entry in models.items()
-    if entry.make_targets is _class_targets
+    if entry.loss in (class_loss, token_loss)
 }
 
 
@@ -42,21 +45,81 @@ def _build_on_meta(entry: ZooModel) -> torch.nn.Module:
         return entry.build("real").to("meta")
 
 
-def _class_columns(output: Any) -> list[int]:
-    outputs = output if isinstance(output, tuple) else (output,)  # a distilled model's two heads
-    return [_logits(o).shape[-1] for o in outputs]
+def _on_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, dict):
+        return {k: _on_meta(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_meta(v) for v in value)
+    return value
 
 
-def test_the_classifiers_are_found():
-    assert len(CLASSIFIERS) >= 20
+def _call(model: torch.nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
 
 
-@pytest.mark.parametrize("key", cases(CLASSIFIERS, on_cpu=False))
-def test_each_class_label_has_a_logit_at_the_real_size(key):
-    entry = CLASSIFIERS[key]
+def _embeddings(model: torch.nn.Module, which: str) -> torch.nn.Module | None:
+    """``model.get_input_embeddings()`` (``which="input"``) or the output's, where the model has them."""
+    try:
+        return getattr(model, f"get_{which}_embeddings")()
+    except (AttributeError, NotImplementedError):  # not a transformers model, or one without them
+        return None
+
+
+def _configured_width(model: torch.nn.Module) -> int | None:
+    """The logits' width a transformers model declares: its output embedding's, else its labels'."""
+    out = _embeddings(model, "output")
+    if out is not None and hasattr(out, "out_features"):
+        return int(out.out_features)
+    config = getattr(model, "config", None)
+    return int(config.num_labels) if config is not None and hasattr(config, "num_labels") else None
+
+
+def _logit_widths(entry: ZooModel, model: torch.nn.Module, inputs: Any) -> list[int]:
+    try:
+        with torch.no_grad():
+            output = _call(model, _on_meta(inputs))
+    except (NotImplementedError, RuntimeError, AttributeError):  # the forward reads values (or, on torch 2.4,
+        # checkpointing looks for a `torch.meta` device module)
+        width = _configured_width(model)
+        if width is not None:
+            return [width]
+        # a model of torch's own (packed sequences, routing by nonzero): one real forward on the CPU
+        with torch.no_grad():
+            output = _call(entry.build("real"), inputs)
+    outputs = output if isinstance(output, tuple) and not hasattr(output, "logits") else (output,)
+    return [_logits(o).shape[-1] for o in outputs]  # a distilled model's two heads
+
+
+def _integers(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [] if value.is_floating_point() or value.dtype == torch.bool else [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _integers(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _integers(v)]
+    return []
+
+
+def test_the_labelled_models_are_found():
+    assert len(LABELLED) >= 80
+
+
+@pytest.mark.parametrize("key", cases(LABELLED, on_cpu=False))
+def test_each_label_has_a_logit_and_each_token_an_embedding_at_the_real_size(key):
+    entry = LABELLED[key]
     model = _build_on_meta(entry)
-    inputs = entry.make_inputs("real", 2)
-    inputs = inputs.to("meta") if isinstance(inputs, torch.Tensor) else inputs
-    with torch.no_grad():
-        output = model(inputs)
-    assert _class_columns(output) and all(c == _num_classes("real") for c in _class_columns(output)), (key, _class_columns(output))
+    inputs, targets = entry.make_inputs("real", 2), entry.make_targets("real", 2)
+    widths = _logit_widths(entry, model, inputs)
+    largest_label = max(int(t.max()) for t in _integers(targets))
+    assert largest_label < min(widths), (key, largest_label, widths)
+    embeddings = _embeddings(model, "input")
+    if isinstance(inputs, dict) and isinstance(embeddings, torch.nn.Embedding):
+        for name, ids in inputs.items():
+            if name.endswith("input_ids"):
+                assert int(ids.max()) < embeddings.num_embeddings, (key, name, int(ids.max()), embeddings.num_embeddings)
