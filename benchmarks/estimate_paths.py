@@ -81,12 +81,12 @@ def model_configurations(names: str | None, quick: bool) -> list[tuple[str, str,
 def zoo_configurations(names: list[str], size: str) -> list[tuple[str, str, Any, dict[str, Any], int]]:
     """The same for zoo models (``benchmarks/zoo``: the zoo, the held-back sets and the sweep), each in
     its own precision and at its batch for ``size``."""
-    from zoo import ZOO
-    from zoo.holdout_text import HOLDOUT_TEXT
-    from zoo.holdout_vision import HOLDOUT_VISION
-    from zoo.sweep import SWEEP
+    from zoo import registries
 
-    registry = {**SWEEP, **HOLDOUT_VISION, **HOLDOUT_TEXT, **ZOO}
+    registry: dict[str, Any] = {}
+    for models in registries().values():  # a name in two registries: the first one's (the zoo's first)
+        for name, entry in models.items():
+            registry.setdefault(name, entry)
     configurations = []
     for name in names:
         if name not in registry:

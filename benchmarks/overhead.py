@@ -67,7 +67,7 @@ from benchutil import environment_line, markdown_table, mb, output_dir, quiet_co
 from workloads import SCALING, WORKLOADS, Workload, WorkloadUnavailable, build, median  # noqa: E402
 
 from pytorch_mem_profiler import MemoryProfiler  # noqa: E402
-from pytorch_mem_profiler.measure.budget import DETAIL_LEVELS, richest_level  # noqa: E402
+from pytorch_mem_profiler.measure.budget import detailed_levels, richest_level  # noqa: E402
 
 #: This profiler's four configurations: (label, print_period, by_layer), in the order of the columns.
 CONFIGS = (
@@ -187,9 +187,8 @@ def profiler_tool(print_period: int, by_layer: bool = False) -> Tool:
                 tool.budget_seconds[1] += budget.allowed
 
     name = f"profiler{' by_layer' if by_layer else ''}, print_period={print_period}"
-    detailed = DETAIL_LEVELS[1 : DETAIL_LEVELS.index(richest_level(by_layer)) + 1]
     # the start counts reported iterations: print_period steps each
-    start = 2 if overhead is None else (2 + len(detailed)) * print_period
+    start = 2 if overhead is None else (2 + len(detailed_levels(richest_level(by_layer)))) * print_period
     tool = Tool(
         name, open_, ours=True, by_layer=by_layer, print_period=print_period, overhead=overhead,
         note=f"overhead={overhead}", start_steps=start,

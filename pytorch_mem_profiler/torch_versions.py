@@ -33,6 +33,7 @@ import torch.utils._python_dispatch
 
 __all__ = [
     "COMPILE_YIELDS_TO_DISPATCH_MODES",
+    "CUDNN_ATTENTION_TAKES_MASK",
     "FSDP2_ON_CPU",
     "INDUCTOR_PLAN_MODELLED",
     "SDPA_ENABLE_GQA",

@@ -20,18 +20,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.zoo import ZOO  # noqa: E402
-from benchmarks.zoo.holdout_text import HOLDOUT_TEXT  # noqa: E402
-from benchmarks.zoo.holdout_vision import HOLDOUT_VISION  # noqa: E402
+from benchmarks.zoo import registries  # noqa: E402
 from benchmarks.zoo.registry import ZooModel, _logits, class_loss, token_loss  # noqa: E402
-from benchmarks.zoo.sweep import SWEEP  # noqa: E402
+from benchmarks.zoo.training import call, tensors_of, to_device  # noqa: E402
 
 from .zoo_cases import cases  # noqa: E402
 
-REGISTRIES = {"zoo": ZOO, "holdout_text": HOLDOUT_TEXT, "holdout_vision": HOLDOUT_VISION, "sweep": SWEEP}
+META = torch.device("meta")
 LABELLED = {
     f"{registry}:{name}": entry
-    for registry, models in REGISTRIES.items()
+    for registry, models in registries().items()
     for name, entry in models.items()
     if entry.loss in (class_loss, token_loss)
 }
@@ -39,28 +37,10 @@ LABELLED = {
 
 def _build_on_meta(entry: ZooModel) -> torch.nn.Module:
     try:
-        with torch.device("meta"):
+        with META:
             return entry.build("real")
     except (NotImplementedError, RuntimeError):  # the constructor reads a value: build it for real
-        return entry.build("real").to("meta")
-
-
-def _on_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to("meta")
-    if isinstance(value, dict):
-        return {k: _on_meta(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_on_meta(v) for v in value)
-    return value
-
-
-def _call(model: torch.nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
+        return entry.build("real").to(META)
 
 
 def _embeddings(model: torch.nn.Module, which: str) -> torch.nn.Module | None:
@@ -83,7 +63,7 @@ def _configured_width(model: torch.nn.Module) -> int | None:
 def _logit_widths(entry: ZooModel, model: torch.nn.Module, inputs: Any) -> list[int]:
     try:
         with torch.no_grad():
-            output = _call(model, _on_meta(inputs))
+            output = call(model, to_device(inputs, META))
     except (NotImplementedError, RuntimeError, AttributeError):  # the forward reads values (or, on torch 2.4,
         # checkpointing looks for a `torch.meta` device module)
         width = _configured_width(model)
@@ -91,19 +71,9 @@ def _logit_widths(entry: ZooModel, model: torch.nn.Module, inputs: Any) -> list[
             return [width]
         # a model of torch's own (packed sequences, routing by nonzero): one real forward on the CPU
         with torch.no_grad():
-            output = _call(entry.build("real"), inputs)
+            output = call(entry.build("real"), inputs)
     outputs = output if isinstance(output, tuple) and not hasattr(output, "logits") else (output,)
     return [_logits(o).shape[-1] for o in outputs]  # a distilled model's two heads
-
-
-def _integers(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [] if value.is_floating_point() or value.dtype == torch.bool else [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _integers(v)]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _integers(v)]
-    return []
 
 
 def test_the_labelled_models_are_found():
@@ -116,7 +86,8 @@ def test_each_label_has_a_logit_and_each_token_an_embedding_at_the_real_size(key
     model = _build_on_meta(entry)
     inputs, targets = entry.make_inputs("real", 2), entry.make_targets("real", 2)
     widths = _logit_widths(entry, model, inputs)
-    largest_label = max(int(t.max()) for t in _integers(targets))
+    labels = [t for t in tensors_of(targets) if not t.is_floating_point() and t.dtype != torch.bool]
+    largest_label = max(int(t.max()) for t in labels)
     assert largest_label < min(widths), (key, largest_label, widths)
     embeddings = _embeddings(model, "input")
     if isinstance(inputs, dict) and isinstance(embeddings, torch.nn.Embedding):

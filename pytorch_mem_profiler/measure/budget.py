@@ -75,7 +75,7 @@ from typing import Callable
 
 from ..stats import DETAIL_LEVELS
 
-__all__ = ["DETAIL_LEVELS", "CostBudget", "check_overhead", "richest_level"]
+__all__ = ["DETAIL_LEVELS", "CostBudget", "check_overhead", "detailed_levels", "richest_level"]
 
 
 #: How much a new measurement moves an average (of the base, and of each level's cost).
@@ -111,6 +111,17 @@ def richest_level(by_layer: bool) -> str:
     return "full" if by_layer else "phases"
 
 
+def detailed_levels(richest: str) -> tuple[str, ...]:
+    """The levels above ``"light"`` up to ``richest``, the poorest first.
+
+    Example::
+
+        >>> detailed_levels("phases"), detailed_levels("full")
+        (('phases',), ('phases', 'full'))
+    """
+    return DETAIL_LEVELS[1 : DETAIL_LEVELS.index(richest) + 1]
+
+
 class CostBudget:
     """Measures the profiler's cost in the run and chooses each reported iteration's level.
 
@@ -140,7 +151,7 @@ class CostBudget:
         #: seconds the profiler spent, and seconds the budget allowed, since the start
         self.spent = 0.0
         self.allowed = 0.0
-        self._levels = DETAIL_LEVELS[1 : DETAIL_LEVELS.index(richest) + 1][::-1]  # richest first
+        self._levels = detailed_levels(richest)[::-1]  # richest first
         # each detailed level's account: seconds it may still spend (see the module's text)
         self._accounts = dict.fromkeys(self._levels, 0.0)
         self._count = len(self._accounts)
