@@ -483,3 +483,61 @@ def test_the_measured_path_is_off_where_the_step_runs_on_fake_cpu_tensors():
                     run_device=torch.device("cpu"), measure_kernels=True)  # fmt: skip
     assert run_step(plan, 4).kernel_scratch == 3_155_456  # the rule's, as without measuring
     assert kernel_scratch(torch.device("cpu"), measured=True) is None
+
+
+#: Pointwise calls of the zoo's and the held-back models' training steps on an H100 (torch 2.11,
+#: cuDNN 9.19, ``estimate_memory(..., measure_kernels=True)``): (call, input, C_out, dtype, output
+#: mask, measured scratch). From 13x13 positions up NCHW pointwise convolutions run as GEMMs: the
+#: forward takes none, the backward one fp32 partial weight gradient per image (or the transforms
+#: where those are fewer bytes: the 1000-class head); at 7x7 they take the transforms.
+POINTWISE_MEASURED = [
+    ("backward", (64, 512, 14, 14), 128, BF16, (True, True, False), 16_777_216),  # GoogLeNet: the partials
+    ("backward", (128, 48, 56, 56), 104, F32, (True, True, False), 2_555_904),  # RegNet
+    ("backward", (128, 16, 112, 112), 64, BF16, (True, True, False), 524_288),  # MobileNetV3
+    ("backward", (128, 512, 13, 13), 1000, F32, (True, True, True), 139_215_872),  # SqueezeNet's head: the transforms
+    ("backward", (64, 832, 7, 7), 256, BF16, (True, True, False), 6_824_448),  # 7x7: the transforms
+    ("backward", (64, 192, 7, 7), 1152, F32, (True, True, False), 56_623_104),  # 7x7 fp32: the partials (in the bound)
+    ("forward", (64, 832, 7, 7), 384, BF16, None, 7_627_264),  # 7x7: the transforms
+    ("forward", (64, 672, 14, 14), 112, F32, None, 512),  # a GEMM: none
+]  # fmt: skip
+
+
+def _pointwise(call, x_shape, c_out, dtype, mask, stride=1):
+    x = _meta(x_shape, dtype)
+    w = _meta((c_out, x_shape[1], 1, 1), dtype)
+    geometry = {"stride": [stride] * 2, "padding": [0, 0], "dilation": [1, 1], "transposed": False, "groups": 1, "benchmark": False}
+    if call == "forward":
+        return convolution_scratch(x, w, **geometry)
+    size = (x_shape[2] - 1) // stride + 1
+    return convolution_backward_scratch(_meta((x_shape[0], c_out, size, size), dtype), x, w, output_mask=mask, **geometry)
+
+
+@pytest.mark.parametrize("call, x, c_out, dtype, mask, measured", POINTWISE_MEASURED)
+def test_pointwise_convolutions_take_what_their_plan_takes(call, x, c_out, dtype, mask, measured):
+    from pytorch_mem_profiler.estimate.conv_workspace import POINTWISE_GEMM_POSITIONS
+
+    found = _pointwise(call, x, c_out, dtype, mask)
+    assert abs(sum(found.blocks) - measured) <= found.bound, (sum(found.blocks), measured, found.bound)
+    if x[2] * x[3] >= POINTWISE_GEMM_POSITIONS or dtype == BF16:  # the GEMMs, and the transforms at 7x7 in bf16
+        assert abs(sum(found.blocks) - measured) <= 8_400_000, (sum(found.blocks), measured)
+
+
+def test_a_pointwise_backward_takes_one_fp32_weight_gradient_per_image():
+    from pytorch_mem_profiler.estimate.conv_workspace import pointwise_filter_partials
+
+    found = _pointwise("backward", (128, 48, 56, 56), 104, F32, (True, True, False))  # RegNet: 2,555,904 measured
+    assert found.passes == ((pointwise_filter_partials((128, 48, 56, 56), (128, 104, 56, 56)),),)  # no data-pass block
+    assert pointwise_filter_partials((128, 48, 56, 56), (128, 104, 56, 56)) == 128 * 48 * 104 * 4 == 2_555_904
+    # grouped, channels_last and transposed pointwise convolutions keep their own classes
+    grouped = convolution_backward_scratch(
+        _meta((64, 128, 14, 14), BF16), _meta((64, 512, 14, 14), BF16), _meta((128, 128, 1, 1), BF16), stride=[1, 1],
+        padding=[0, 0], dilation=[1, 1], transposed=False, groups=4, output_mask=(True, True, False), benchmark=False,
+    )  # fmt: skip
+    assert sum(grouped.blocks) != 64 * 512 * 128 * 4 // 4
+
+
+def test_a_strided_1x1_that_took_none_is_below_the_rule():
+    # RegNet's fp32 (128, 32, 112, 112) -> 48, stride 2, measured 0 forward and backward: the rule's
+    # transforms are above it, on the safe side
+    for call, mask in (("forward", None), ("backward", (True, True, False))):
+        assert sum(_pointwise(call, (128, 32, 112, 112), 48, F32, mask, stride=2).blocks) > 0

@@ -121,3 +121,16 @@ def test_a_model_run_again_replaces_its_row_when_runs_are_merged(tmp_path):
     merged = zoo_conformance.merged(paths)
     assert [(r["name"], r["batch"]) for r in merged["rows"]] == [(first, 2), (second, 1)]
     assert merged["seconds"] == 20
+
+
+def test_known_misses_are_strict_and_unsteady_ones_are_not():
+    runnable = [p for p in cases(ZOO) if isinstance(p, str)]  # the entries not skipped here
+    if len(runnable) < 3:
+        pytest.skip("fewer than three zoo models run here")
+    first, second, third = runnable[:3]
+    params = {p.values[0] if hasattr(p, "values") else p: p for p in cases(ZOO, {first: "a known miss"}, unsteady={second: "at the edge"})}
+    strict = [m for m in params[first].marks if m.name == "xfail"]
+    loose = [m for m in params[second].marks if m.name == "xfail"]
+    assert [m.kwargs for m in strict] == [{"strict": True, "reason": "a known miss"}]
+    assert [m.kwargs for m in loose] == [{"strict": False, "reason": "at the edge"}]
+    assert params[third] == third  # neither: a plain parameter

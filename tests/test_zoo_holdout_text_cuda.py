@@ -36,13 +36,22 @@ KNOWN: dict[str, str] = {
     "mixed_checkpoint": "reserved +14.9% (peak -0.04%); cause not found yet",
     # an H100, torch 2.11, 2026-11-26, the whole check (largest batch included), each run alone
     "qwen2_checkpointed": "reserved -14.3% (peak -0.02%); cause not found yet",
-    "mixtral": "reserved -5.3% (emulated -0.95%; peak -0.13%); the predicted 20 under 16.25 GiB runs out of memory",
     "electra": "the predicted 160 under 9 GiB runs out of memory (peak -1.0%, reserved 0.0%)",
     "gru_seq2seq": "reserved -12.4% (peak -0.5%, inside its stated cuDNN bound of 4.3%)",
 }
 
 
-@pytest.mark.parametrize("name", cases(HOLDOUT_TEXT, KNOWN, on_cpu=False))
+#: At the edge of a goal: seen to miss it and to meet it on the same H100, torch 2.11, 2026-11-26.
+UNSTEADY: dict[str, str] = {
+    "mixtral": (
+        "reserved -5.3% (emulated -0.95%; peak -0.13%) and the predicted 20 under 16.25 GiB out of memory, "
+        "run alone; every check met in a later call, sharing the card: reserved depends on where the driver "
+        "puts the segments"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", cases(HOLDOUT_TEXT, KNOWN, on_cpu=False, unsteady=UNSTEADY))
 def test_the_held_back_model_conforms_on_the_gpu(name):
     import zoo_conformance
 

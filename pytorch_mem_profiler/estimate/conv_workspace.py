@@ -100,6 +100,7 @@ __all__ = [
     "nhwc_bytes",
     "transforms_bytes",
     "cudnn_pass_workspace",
+    "pointwise_filter_partials",
     "convolution_scratch",
     "convolution_backward_scratch",
     "rule_for_sweep_case",
@@ -126,6 +127,16 @@ STEM_KERNEL_AREA = 49
 #: Up to this many input channels (images, audio) such a forward took no workspace in every call
 #: measured; from there to 8 one did (5 channels, bf16).
 FIRST_LAYER_CHANNELS = 4
+#: A pointwise (1x1, stride 1, unpadded) 2-D NCHW convolution of at least this many output positions
+#: per image runs as GEMMs on NCHW, without the transforms: its forward and data passes take none, its
+#: filter pass one fp32 partial weight gradient per image (:func:`pointwise_filter_partials`) or,
+#: where those are larger, the transforms. Measured on an H100 (cuDNN 9.19) in the training steps of
+#: EfficientNet-B0, MobileNetV2, RegNet, MobileNetV3, SqueezeNet and GoogLeNet: of 89 backward calls
+#: of 13x13 to 112x112 positions, 78 took the partials (to 0.1%), 87 the smaller of the two within
+#: 2.3 MiB and all within 8.4 MB of it; the 89 forwards there took none. At 7x7 the forwards took the
+#: transforms, and 13 of 19 backward calls (the other 6, fp32, more: up to 3.4 times them, the
+#: partials). Between 7x7 and 13x13 nothing was measured: the threshold lies there.
+POINTWISE_GEMM_POSITIONS = 100
 #: fp32 without TF32 (``torch.backends.cudnn.allow_tf32 = False``): the filter pass takes this many
 #: times the transforms (2.25 to 4.2 measured), forward and data passes none on NCHW; bound: twice them.
 NO_TF32_FILTER_SHARE = 2.5
@@ -302,6 +313,18 @@ def transforms_bytes(
     return block_size(sum(-(-p // 256) * 256 for p in parts) + TRANSFORM_HEADER)
 
 
+def pointwise_filter_partials(x_shape: Sequence[int], y_shape: Sequence[int]) -> int:
+    """Bytes of the fp32 partial weight gradients, one per image, that a pointwise NCHW filter pass
+    sums: ``N * C_in * C_out * 4`` (see :data:`POINTWISE_GEMM_POSITIONS`).
+
+    Example::
+
+        >>> pointwise_filter_partials((64, 512, 14, 14), (64, 128, 14, 14)) == 16 << 20   # GoogLeNet, 16 MiB measured
+        True
+    """
+    return x_shape[0] * x_shape[1] * y_shape[1] * 4
+
+
 def cudnn_pass_workspace(
     kind: str,
     x_shape: Sequence[int],
@@ -315,6 +338,7 @@ def cudnn_pass_workspace(
     depthwise: bool = False,
     allow_tf32: bool = True,
     benchmark: bool = False,
+    transposed: bool = False,
 ) -> tuple[int, int]:
     """``(bytes, bound)`` of cuDNN's workspace for one pass (``kind``: ``"forward"``, ``"data"``,
     ``"filter"``) of the convolution ``x -> y`` with filter ``w`` (see the module).
@@ -331,11 +355,18 @@ def cudnn_pass_workspace(
       bound ``spread``, unless a 2-D 7x7 stem (``T``); a pointwise (1x1, stride 1, unpadded)
       one none (a GEMM on NCHW) and one of 5 to 7 channels none, bound ``T + floor``; a
       strided 1x1 ``T``, bound ``T + floor`` (measured with and without the transforms);
+    - NCHW, pointwise, 2-D, not transposed, 8 channels or more in and out, with at least
+      :data:`POINTWISE_GEMM_POSITIONS` output positions: GEMMs on NCHW, the forward and data passes
+      none, the filter pass the smaller of :func:`pointwise_filter_partials` and ``T``; bound the
+      floor (8.4 MB the farthest measured); with fewer positions (7x7), forward and backward ``T``
+      (the filter pass in fp32 bound ``2 T`` plus the floor: some took the partials);
     - NCHW, backward passes: ``T``, the filter pass ``T`` rounded up to 2 MiB where it is 10 MiB or
       more (a little more than ``T``, handed the whole block ``T`` left; in fp32
       :data:`FP32_FILTER_EXCESS` past it), bound ``spread``; a 2-D fp32 first layer (not a stem) none, and
-      pointwise ones, fp32 ones under 8 input channels and any under 8 output channels ``T``,
-      bound ``T + floor``;
+      pointwise ones (other than the GEMM class above), fp32 ones under 8 input channels and any
+      under 8 output channels ``T``, bound ``T + floor``; some strided 1x1 ones (RegNet's, fp32,
+      28x28 outputs and larger) took none: the rule is above them, on the safe side (a bound states
+      what a call may take beyond the rule);
     - ``channels_last``: the tensors whose channels are not a multiple of 8 padded (exact
       for the stem and 3-channel first layers), else none; bound ``spread``; in fp32 and for
       strided 1x1 ones ``T + floor`` (fp32 plans re-lay inputs: 96 channels measured), five
@@ -360,6 +391,18 @@ def cudnn_pass_workspace(
     small_in, small_out = x_shape[1] < HALF_CHANNEL_MULTIPLE, y_shape[1] < HALF_CHANNEL_MULTIPLE
     fp32 = dtype == torch.float32
     stem = len(kernel) == 2 and math.prod(kernel) >= STEM_KERNEL_AREA and not small_out
+    positions = math.prod(y_shape[2:])
+    # a pointwise NCHW convolution, not grouped, as the GEMM classes were measured (2-D, default flags)
+    gemm = (pointwise and len(kernel) == 2 and w_shape[1] == x_shape[1] and not transposed and not channels_last
+            and not (small_in or small_out) and allow_tf32 and not benchmark)  # fmt: skip
+    if gemm and positions >= POINTWISE_GEMM_POSITIONS:
+        # the filter pass takes the partials, or the transforms where those are smaller (a 1000-class
+        # head at 13x13; 512 channels at 14x14 in bf16): the smaller of the two, within 8.4 MB measured
+        partials = pointwise_filter_partials(x_shape, y_shape)
+        estimate = min(partials, transforms) if kind == "filter" else 0
+        return estimate, WORKSPACE_FLOOR
+    if gemm and positions > 1 and kind == "forward":
+        return transforms, loose  # 7x7: the transforms, as for the backward passes
     if fp32 and not allow_tf32:
         if kind == "filter":
             estimate = math.ceil(NO_TF32_FILTER_SHARE * transforms)
@@ -395,6 +438,9 @@ def cudnn_pass_workspace(
         estimate = -(-transforms // ROUND_LARGE) * ROUND_LARGE
         if fp32:  # in fp32 more, past the block (8 of 9 measured): the smallest excess seen, a segment of its own
             estimate += FP32_FILTER_EXCESS
+    if gemm and kind == "filter" and fp32:
+        # 7x7 in fp32: 6 of 13 took more than the transforms, up to 3.4 times them (the partials)
+        bound = max(bound, 2 * transforms + WORKSPACE_FLOOR)
     if benchmark:
         bound += BENCHMARK_SEARCH_BOUND + 2 * transforms
     return estimate, bound
@@ -446,7 +492,7 @@ def _passes(
         x_shape, y_shape = in_shape, out_shape
     common = {"dtype": input.dtype, "channels_last": channels_last, "benchmark": benchmark, "stride": stride,
               "padding": padding, "allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-              "depthwise": groups > 1 and groups == in_shape[1] and not transposed}  # fmt: skip
+              "depthwise": groups > 1 and groups == in_shape[1] and not transposed, "transposed": transposed}  # fmt: skip
     passes = {kind: cudnn_pass_workspace(kind, x_shape, y_shape, w_shape, **common) for kind in ("forward", "data", "filter")}
     if transposed:
         passes["forward"], passes["data"] = passes["data"], passes["forward"]
