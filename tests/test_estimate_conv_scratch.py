@@ -5,6 +5,7 @@ standing in for CUDA taking them at their operator (CPU estimates take none)."""
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -502,14 +503,14 @@ POINTWISE_MEASURED = [
 ]  # fmt: skip
 
 
-def _pointwise(call, x_shape, c_out, dtype, mask, stride=1):
-    x = _meta(x_shape, dtype)
-    w = _meta((c_out, x_shape[1], 1, 1), dtype)
-    geometry = {"stride": [stride] * 2, "padding": [0, 0], "dilation": [1, 1], "transposed": False, "groups": 1, "benchmark": False}
+def _pointwise(call, x_shape, c_out, dtype, mask, stride=1, fmt=None):
+    x = _meta(x_shape, dtype, fmt)
+    w = _meta((c_out, x_shape[1], 1, 1), dtype, fmt)
     if call == "forward":
-        return convolution_scratch(x, w, **geometry)
+        return _forward(x, w, stride)
     size = (x_shape[2] - 1) // stride + 1
-    return convolution_backward_scratch(_meta((x_shape[0], c_out, size, size), dtype), x, w, output_mask=mask, **geometry)
+    geometry = {"stride": [stride] * 2, "padding": [0, 0], "dilation": [1, 1], "transposed": False, "groups": 1, "benchmark": False}
+    return convolution_backward_scratch(_meta((x_shape[0], c_out, size, size), dtype, fmt), x, w, output_mask=mask, **geometry)
 
 
 @pytest.mark.parametrize("call, x, c_out, dtype, mask, measured", POINTWISE_MEASURED)
@@ -528,12 +529,29 @@ def test_a_pointwise_backward_takes_one_fp32_weight_gradient_per_image():
     found = _pointwise("backward", (128, 48, 56, 56), 104, F32, (True, True, False))  # RegNet: 2,555,904 measured
     assert found.passes == ((pointwise_filter_partials((128, 48, 56, 56), (128, 104, 56, 56)),),)  # no data-pass block
     assert pointwise_filter_partials((128, 48, 56, 56), (128, 104, 56, 56)) == 128 * 48 * 104 * 4 == 2_555_904
-    # grouped, channels_last and transposed pointwise convolutions keep their own classes
-    grouped = convolution_backward_scratch(
-        _meta((64, 128, 14, 14), BF16), _meta((64, 512, 14, 14), BF16), _meta((128, 128, 1, 1), BF16), stride=[1, 1],
-        padding=[0, 0], dilation=[1, 1], transposed=False, groups=4, output_mask=(True, True, False), benchmark=False,
-    )  # fmt: skip
-    assert sum(grouped.blocks) != 64 * 512 * 128 * 4 // 4
+
+
+def test_grouped_channels_last_and_transposed_pointwise_ones_keep_their_own_classes(monkeypatch):
+    from pytorch_mem_profiler.estimate import conv_workspace
+
+    geometry = {"stride": [1, 1], "padding": [0, 0], "dilation": [1, 1], "benchmark": False}
+    go, x = _meta((64, 128, 14, 14), BF16), _meta((64, 512, 14, 14), BF16)
+    calls = {
+        "plain": lambda: _pointwise("backward", (64, 512, 14, 14), 128, BF16, (True, True, False)),
+        "grouped": lambda: convolution_backward_scratch(
+            go, x, _meta((128, 128, 1, 1), BF16), transposed=False, groups=4, output_mask=(True, True, False), **geometry
+        ),
+        "channels_last": lambda: _pointwise("backward", (64, 512, 14, 14), 128, BF16, (True, True, False), fmt=torch.channels_last),
+        "transposed": lambda: convolution_backward_scratch(
+            x, go, _meta((128, 512, 1, 1), BF16), transposed=True, groups=1, output_mask=(True, True, False), **geometry
+        ),
+    }  # fmt: skip
+    with_class = {name: call() for name, call in calls.items()}
+    monkeypatch.setattr(conv_workspace, "POINTWISE_GEMM_POSITIONS", math.inf)  # the GEMM class off
+    without = {name: call() for name, call in calls.items()}
+    assert with_class["plain"] != without["plain"]  # the class applies to the plain one ...
+    for name in ("grouped", "channels_last", "transposed"):
+        assert with_class[name] == without[name], name  # ... and to none of these
 
 
 def test_a_strided_1x1_that_took_none_is_below_the_rule():

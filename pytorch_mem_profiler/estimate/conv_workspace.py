@@ -353,7 +353,7 @@ def cudnn_pass_workspace(
       fp32 and bf16), bound ``spread`` (in fp32 at least the floor plus the output: one plan
       writes the output in NCHW); a first layer of up to 4 channels none (all 7 measured),
       bound ``spread``, unless a 2-D 7x7 stem (``T``); a pointwise (1x1, stride 1, unpadded)
-      one none (a GEMM on NCHW) and one of 5 to 7 channels none, bound ``T + floor``; a
+      one outside the GEMM class below none and one of 5 to 7 channels none, bound ``T + floor``; a
       strided 1x1 ``T``, bound ``T + floor`` (measured with and without the transforms);
     - NCHW, pointwise, 2-D, not transposed, 8 channels or more in and out, with at least
       :data:`POINTWISE_GEMM_POSITIONS` output positions: GEMMs on NCHW, the forward and data passes
@@ -439,7 +439,7 @@ def cudnn_pass_workspace(
         if fp32:  # in fp32 more, past the block (8 of 9 measured): the smallest excess seen, a segment of its own
             estimate += FP32_FILTER_EXCESS
     if gemm and kind == "filter" and fp32:
-        # 7x7 in fp32: 6 of 13 took more than the transforms, up to 3.4 times them (the partials)
+        # 7x7 in fp32: 6 of 9 took more than the transforms, up to 3.4 times them (the partials)
         bound = max(bound, 2 * transforms + WORKSPACE_FLOOR)
     if benchmark:
         bound += BENCHMARK_SEARCH_BOUND + 2 * transforms
