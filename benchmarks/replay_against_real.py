@@ -3,9 +3,11 @@
     PYTHONPATH=. python3 benchmarks/replay_against_real.py --out $OUT      # six zoo models, about 4 minutes on an H200
     PYTHONPATH=. python3 benchmarks/replay_against_real.py --only neumf --batch 329065 --card-gib 2.25 --out $OUT
     PYTHONPATH=. python3 benchmarks/replay_against_real.py --only vit --batch predicted --out $OUT  # the estimate's answer now
+    PYTHONPATH=. python3 benchmarks/replay_against_real.py --only googlenet --batch 64 --card-gib 8 --out $OUT  # a held-back model
 
-Per zoo model (``benchmarks/zoo``) at a batch (by default the largest batch the estimate predicted
-under the card of the conformance run, where the real run ran out of memory: :data:`CASES`), twice:
+Per model of the zoo or a held-back set (``benchmarks/zoo``) at a batch (by default the largest batch
+the estimate predicted under the card of the conformance run, where the real run ran out of memory:
+:data:`CASES`), twice:
 without a limit, and under ``torch.cuda.set_per_process_memory_fraction`` of the card:
 
 - **the real run**, as ``benchmarks/zoo_conformance.py`` measures it: a warm-up step at batch 1 (the
@@ -840,11 +842,20 @@ def render(payload: Mapping[str, Any]) -> str:
 # =====================================================================================
 # driving it
 # =====================================================================================
+def models() -> dict[str, Any]:
+    """Every model the registries hold (the zoo, the held-back text and vision sets, the sweep), by
+    name: the zoo's name wins where two registries share one."""
+    from benchmarks.zoo import registries
+
+    merged: dict[str, Any] = {}
+    for registry in reversed(list(registries().values())):
+        merged.update(registry)
+    return merged
+
+
 def one_model(name: str, batch: int | str, card_gib: float, device: torch.device, *, max_entries: int, stacks: str,
               snapshots: Path | None) -> dict[str, Any]:  # fmt: skip
-    from benchmarks.zoo import ZOO
-
-    entry = ZOO[name]
+    entry = models()[name]
     row: dict[str, Any] = {"name": name, "card": int(card_gib * 2**30)}
     total = torch.cuda.mem_get_info(device)[1]
     fraction = row["card"] / total
@@ -896,7 +907,7 @@ def one_model(name: str, batch: int | str, card_gib: float, device: torch.device
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder for replay_against_real.md and .json (default: $OUT, else a new temporary folder)")
-    parser.add_argument("--only", help=f"comma-separated zoo models (default: {','.join(CASES)})")
+    parser.add_argument("--only", help=f"comma-separated models of any registry: the zoo, the held-back sets (default: {','.join(CASES)})")
     parser.add_argument("--batch", help="the batch (one model), or 'predicted': the estimate's max_batch_size under the card now")
     parser.add_argument("--card-gib", type=float, help="the card's size in GiB (one model; default: the conformance run's)")
     parser.add_argument("--max-entries", type=int, default=1_000_000, help="the allocator history's ring buffer (default 1,000,000)")
@@ -905,12 +916,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the real runs need a CUDA GPU")
-    from benchmarks.zoo import ZOO
-
+    known = models()
     names = args.only.split(",") if args.only else list(CASES)
-    unknown = [n for n in names if n not in ZOO]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        parser.error(f"--only: unknown zoo models {', '.join(unknown)}; known: {', '.join(ZOO)}")
+        parser.error(f"--only: unknown models {', '.join(unknown)}; known: {', '.join(known)}")
     if (args.batch or args.card_gib) and len(names) != 1 and args.batch != "predicted":
         parser.error("--batch N and --card-gib are for one model (--only NAME)")
     out = output_dir(args.out) or Path(tempfile.mkdtemp(prefix="replay_against_real_"))
@@ -920,14 +930,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                                "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "rows": []}  # fmt: skip
     started = time.perf_counter()
     for name in names:
-        batch, card = CASES.get(name, (ZOO[name].batch["real"], 0.0))
+        batch, card = CASES.get(name, (known[name].batch["real"], 0.0))
         if args.batch:
             batch = args.batch if args.batch == "predicted" else int(args.batch)
         if args.card_gib:
             card = args.card_gib
         if not card:
             parser.error(f"{name}: give --card-gib (no conformance card known for it)")
-        reason = ZOO[name].unavailable()
+        reason = known[name].unavailable()
         if reason:
             payload["rows"].append({"name": name, "batch": batch if isinstance(batch, int) else 0, "error": f"skipped: {reason}"})
             continue

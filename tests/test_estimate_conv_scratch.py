@@ -559,3 +559,39 @@ def test_a_strided_1x1_that_took_none_is_below_the_rule():
     # transforms are above it, on the safe side
     for call, mask in (("forward", None), ("backward", (True, True, False))):
         assert sum(_pointwise(call, (128, 32, 112, 112), 48, F32, mask, stride=2).blocks) > 0
+
+
+#: 2-D fp32 first layers (3 channels in, not a 7x7 stem), backward, measured on an H100 (torch 2.11):
+#: none took a workspace. (x, output channels, stride, padding, output mask).
+FIRST_LAYER_FP32_BACKWARD = [
+    ((128, 3, 224, 224), 64, 2, 0, (False, True, True)),  # SqueezeNet 1.0's, in its step
+    ((128, 3, 224, 224), 32, 2, 1, (False, True, False)),  # EfficientNet's and MobileNetV2's stems
+    ((128, 3, 224, 224), 16, 2, 1, (False, True, False)),  # MobileNetV3's
+    ((64, 3, 224, 224), 32, 2, 1, (False, True, False)),  # RegNet's
+    ((8, 3, 256, 256), 32, 1, 1, (True, True, True)),  # a UNet's, every gradient asked for
+    ((256, 3, 32, 32), 32, 1, 1, (True, True, True)),  # a CIFAR net's
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("x_shape, c_out, stride, padding, mask", FIRST_LAYER_FP32_BACKWARD)
+def test_an_fp32_first_layer_backward_takes_none_within_the_forward_bound(x_shape, c_out, stride, padding, mask):
+    from pytorch_mem_profiler.estimate.conv_workspace import WORKSPACE_FLOOR, WORKSPACE_SHARE, transforms_bytes
+
+    size = (x_shape[2] + 2 * padding - 3) // stride + 1
+    y_shape = (x_shape[0], c_out, size, size)
+    geometry = {"stride": [stride] * 2, "padding": [padding] * 2, "dilation": [1, 1], "transposed": False, "groups": 1, "benchmark": False}
+    found = convolution_backward_scratch(_meta(y_shape), _meta(x_shape), _meta((c_out, 3, 3, 3)), output_mask=mask, **geometry)
+    assert sum(found.blocks) == 0  # measured: 0 on every one
+    transforms = transforms_bytes(x_shape, y_shape, (c_out, 3, 3, 3), torch.float32)
+    assert found.bound == WORKSPACE_FLOOR + math.ceil(WORKSPACE_SHARE * transforms)  # the forward's, not T + floor
+    assert found.bound < transforms  # what it was before: the transforms plus the floor
+
+
+def test_an_fp32_layer_of_five_to_seven_channels_keeps_the_loose_bound():
+    from pytorch_mem_profiler.estimate.conv_workspace import WORKSPACE_FLOOR, transforms_bytes
+
+    x_shape, y_shape, w_shape = (64, 6, 64, 64), (64, 32, 64, 64), (32, 6, 3, 3)
+    geometry = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "transposed": False, "groups": 1, "benchmark": False}
+    found = convolution_backward_scratch(_meta(y_shape), _meta(x_shape), _meta(w_shape), output_mask=(False, True, False), **geometry)
+    assert sum(found.blocks) == 0
+    assert found.bound == transforms_bytes(x_shape, y_shape, w_shape, torch.float32) + WORKSPACE_FLOOR  # not measured

@@ -322,3 +322,15 @@ def test_a_real_run_of_the_same_step_pairs_every_allocation_at_any_size(batch_mi
     part = result["estimate on the real base"]
     assert part["paired"] == sum(1 for _, n in step.events if n > 0)
     assert part["first"]["reserved"] is None and part["first"]["segment"] is None
+
+
+def test_any_registry_s_model_can_be_compared_and_the_zoo_s_name_wins():
+    from benchmarks.zoo import registries
+
+    known = rar.models()
+    everything = registries()
+    assert known["googlenet"] is everything["holdout_vision"]["googlenet"]
+    assert known["electra"] is everything["holdout_text"]["electra"]
+    for name, entry in everything["zoo"].items():
+        assert known[name] is entry
+    assert set(known) == {name for registry in everything.values() for name in registry}

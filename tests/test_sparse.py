@@ -230,7 +230,11 @@ def test_the_cpu_counter_counts_sparse_tensors_rewritten_in_place(bag, foreach):
 
 class _EveryStorage(TorchDispatchMode):
     """An independent count: every storage seen in an operator's arguments or results (a sparse
-    tensor's indices and values), summed while alive, read after each operator; the highest sum."""
+    tensor's indices and values), summed while alive, read after each operator; the highest sum.
+    A kernel writing a sparse tensor in place (``add_``) makes its new indices and values before
+    it lets the old ones go (they are its locals until it returns): the old ones are held here
+    until the operator's results are counted (the model has one sparse weight, so no operator
+    writes two sparse tensors)."""
 
     def __init__(self, tensors=()) -> None:
         super().__init__()
@@ -255,9 +259,17 @@ class _EveryStorage(TorchDispatchMode):
         self.peak = self.total()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        held = [
+            part
+            for value in (*args, *(kwargs or {}).values())
+            for t in (value if isinstance(value, (list, tuple)) else (value,))
+            if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo
+            for part in (t._indices(), t._values())
+        ]
         out = func(*args, **(kwargs or {}))
         self._see([*args, *(kwargs or {}).values(), *(out if isinstance(out, (list, tuple)) else [out])])
         self.peak = max(self.peak, self.total())
+        del held
         return out
 
 

@@ -119,11 +119,12 @@ class _LifeMode(TorchDispatchMode):
         if self.counter.paused_depth:
             return out
         if rewrites is not None:
-            written, before = rewrites
-            for tensor in written:
+            written, before, held = rewrites
+            for tensor, old in zip(written, held):
                 for part in storage_parts(tensor):
                     if part is not tensor and made_inside(part, before):
                         self.counter._track(part, op=func)
+                old.clear()  # its old parts die after its new ones are born, as in the kernel
         if getattr(func, "namespace", None) == "c10d":
             self.counter._collective(args)
         if self.counter.outputs is not None:

@@ -96,9 +96,12 @@ class EstimateFakeMode(FakeTensorMode):
     constant kept in a closure) are converted.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: str | None = None) -> None:
         super().__init__(allow_non_fake_inputs=True, allow_fallback_kernels=False)
         self.draws = Draws()
+        #: The device type whose kernels the sparse rules follow (``"cuda"`` for fake CPU tensors
+        #: standing in for CUDA ones); ``None``: the tensors' own.
+        self.kernels = kernels
 
     def may_turn_const(self, t: torch.Tensor) -> bool:
         # while the step runs, values computed from values stay up to the size draws get them;
@@ -122,7 +125,7 @@ class EstimateFakeMode(FakeTensorMode):
                 return by_rule(args, kwargs)
         if func in MAKES_SPARSE or has_other_layout(args) or has_other_layout(kwargs.values()):
             name = getattr(getattr(func, "_schema", None), "name", "")
-            rule = sparse_rule(func) or (
+            rule = sparse_rule(func, self.kernels or _device_type(args)) or (
                 (lambda a, k: foreach_as_loop(func, a, k)) if name.startswith("aten::_foreach_") else None
             )
             if rule is not None:
@@ -141,9 +144,19 @@ class EstimateFakeMode(FakeTensorMode):
             raise FakeKernelRefused(func, err) from err
 
 
-def fake_mode() -> EstimateFakeMode:
-    """A fake mode for the estimate's step (:class:`EstimateFakeMode`)."""
-    return EstimateFakeMode()
+def _device_type(args: tuple) -> str:
+    """The device type of the first tensor among ``args`` (or in a list among them); ``"cpu"`` if none."""
+    for value in args:
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                return t.device.type
+    return "cpu"
+
+
+def fake_mode(kernels: str | None = None) -> EstimateFakeMode:
+    """A fake mode for the estimate's step (:class:`EstimateFakeMode`); ``kernels``: the device
+    type whose kernels its sparse rules follow (default: the tensors' own)."""
+    return EstimateFakeMode(kernels)
 
 
 def fake_like(tensor: torch.Tensor, device: torch.device, shape: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -10,8 +10,10 @@ give each such operator the index and value tensors its CPU and CUDA kernels
 make, by their code (``SparseTensorMath.cpp``, ``SparseCUDATensorMath.cu``):
 
 - ``clone``, ``copy_``: a copy of the source's indices and values;
-- ``mul``/``div`` by a scalar (or a 0-dimensional tensor): in place, nothing new;
-  not in place, a copy of the indices and new values;
+- ``mul``/``div`` by a scalar (or a 0-dimensional tensor): in place, nothing new, but
+  CUDA's ``mul_`` makes a copy of the indices and new values and drops the old ones
+  (measured on an H100, torch 2.11: SGD's momentum ``_foreach_mul_`` over sparse
+  buffers); not in place, a copy of the indices and new values;
 - ``add`` of a sparse tensor to a dense one (the weight's update): the dense result, in place
   or new;
 - ``add`` of two sparse tensors (``buf.add_(grad)``: SGD's momentum): new
@@ -138,8 +140,21 @@ def _scaled(inplace: bool, op: Callable[..., torch.Tensor]) -> Callable[[tuple, 
     return rule
 
 
-def _sum(inplace: bool) -> Callable[[tuple, dict], Any]:
-    """``add`` of two sparse tensors: new indices and values with room for both operands' entries."""
+def _scaled_anew(op: Callable[..., torch.Tensor]) -> Callable[[tuple, dict], Any]:
+    """CUDA's ``mul_`` of a sparse tensor by a scalar: a copy of the indices and new values (in
+    that order) take the old ones' place, as ``mul`` into a new tensor would make them."""
+    anew = _scaled(False, op)
+
+    def rule(args: tuple, kwargs: dict) -> Any:
+        made = anew(args, kwargs)
+        return made if made is NotImplemented else _replace(args[0], made)
+
+    return rule
+
+
+def _sum(inplace: bool, kernels: str = "cpu") -> Callable[[tuple, dict], Any]:
+    """``add`` of two sparse tensors: new indices and values with room for both operands' entries
+    (``kernels``: the device type whose kernel runs: only the CPU's merge keeps a result coalesced)."""
 
     def rule(args: tuple, kwargs: dict) -> Any:
         self, other = args[0], args[1] if len(args) > 1 else kwargs.get("other")
@@ -161,7 +176,7 @@ def _sum(inplace: bool) -> Callable[[tuple, dict], Any]:
         else:
             indices = torch.cat([self._indices(), other._indices()], 1)
             values = torch.cat([self._values().to(dtype), other._values().to(dtype)], 0)
-            coalesced = self.is_coalesced() and other.is_coalesced() and self.device.type == "cpu"
+            coalesced = self.is_coalesced() and other.is_coalesced() and kernels == "cpu"
             made = sparse_like(self, indices, values, coalesced)
         return _replace(self, made) if inplace else made
 
@@ -214,14 +229,24 @@ _RULES: dict[Any, Callable[[tuple, dict], Any]] = {
     aten._embedding_bag_backward.default: _embedding_bag_backward,
 }
 
+#: Where CUDA's kernels hold other memory than the CPU's (measured on an H100, torch 2.11).
+_CUDA_RULES: dict[Any, Callable[[tuple, dict], Any]] = {
+    **_RULES,
+    aten.mul_.Tensor: _scaled_anew(torch.mul),
+    aten.mul_.Scalar: _scaled_anew(torch.mul),
+    aten.add_.Tensor: _sum(True, "cuda"),
+    aten.add.Tensor: _sum(False, "cuda"),
+}
+
 #: Operators that make a sparse tensor from strided ones and whose fake kernel gets it wrong.
 MAKES_SPARSE = frozenset({aten._embedding_bag_backward.default})
 
 
-def sparse_rule(func: Any) -> Callable[[tuple, dict], Any] | None:
+def sparse_rule(func: Any, kernels: str = "cpu") -> Callable[[tuple, dict], Any] | None:
     """The rule for ``func`` on sparse COO tensors (it returns ``NotImplemented`` for other
-    arguments), or ``None``. Call it inside the fake mode."""
-    return _RULES.get(func)
+    arguments) as ``kernels``' (a device type) kernels hold memory, or ``None``. Call it inside
+    the fake mode."""
+    return (_CUDA_RULES if kernels == "cuda" else _RULES).get(func)
 
 
 # -- _foreach_ operators as loops ------------------------------------------------------

@@ -508,7 +508,7 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
     # the CPU's kernels where they return other dtypes, strides or buffers than the fake ones (CUDA's: those it shares)
     outputs = CpuKernels(device_type=target.type) if target.type in ("cpu", "cuda") else None
     counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch, outputs=outputs)
-    mode = fake_mode()
+    mode = fake_mode(kernels=target.type)  # the target's sparse kernels, on fake CPU tensors standing in too
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
     # cuDNN's recurrent layers, with its reserve, workspace and weight buffer, on fake tensors

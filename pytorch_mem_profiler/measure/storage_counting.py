@@ -327,25 +327,30 @@ def _written_non_strided(func: Any, args: tuple, kwargs: dict) -> list[torch.Ten
     return out
 
 
-def layout_rewrites(func: Any, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], dict[int, weakref.ref]] | None:
-    """Before ``func(*args, **kwargs)`` runs: the non-strided tensors it writes in place, and
-    every input's storages now, as weak references by ``id`` (``None`` when it writes none).
+def layout_rewrites(
+    func: Any, args: tuple, kwargs: dict
+) -> tuple[list[torch.Tensor], dict[int, weakref.ref], list[torch.Tensor]] | None:
+    """Before ``func(*args, **kwargs)`` runs: the non-strided tensors it writes in place, every
+    input's storages now, as weak references by ``id``, and the written tensors' parts now
+    (``None`` when it writes none).
 
     After the call, a part (:func:`~.accounting.storage_parts`) of a written tensor whose
     storage is not one of those (:func:`made_inside`) was made inside the kernel: a sparse
-    ``add_`` on the CPU merges into new index and value tensors, on CUDA it concatenates them.
-    The references are weak: the old parts die inside the kernel, as they do without a
-    counter, and a new storage may take a dead one's ``id``.
+    ``add_`` on the CPU merges into new index and value tensors, on CUDA it concatenates them
+    (CUDA's ``mul_`` copies them). The kernel makes a tensor's new parts before it drops its old
+    ones, so both are held at once: the caller keeps each written tensor's old parts (the third
+    item, one list per written tensor) until it has counted that tensor's new ones, then drops
+    them; a ``_foreach_`` operator's loop so holds one tensor's old and new parts at a time.
 
     Example::
 
         >>> import torch
         >>> buf = torch.eye(3).to_sparse()
         >>> args = (buf, torch.eye(3).to_sparse())
-        >>> written, before = layout_rewrites(torch.ops.aten.add_.Tensor, args, {})
+        >>> written, before, held = layout_rewrites(torch.ops.aten.add_.Tensor, args, {})
         >>> _ = buf.add_(args[1])
-        >>> [made_inside(p, before) for p in storage_parts(buf)]
-        [True, True]
+        >>> [made_inside(p, before) for p in storage_parts(buf)], [len(parts) for parts in held]
+        ([True, True], [2])
     """
     written = _written_non_strided(func, args, kwargs)
     if not written:
@@ -360,7 +365,8 @@ def layout_rewrites(func: Any, args: tuple, kwargs: dict) -> tuple[list[torch.Te
                     except (RuntimeError, NotImplementedError, TypeError):
                         continue
                     before[id(storage)] = weakref.ref(storage)
-    return written, before
+    held = [[part for part in storage_parts(tensor) if part is not tensor] for tensor in written]
+    return written, before, held
 
 
 def made_inside(part: torch.Tensor, before: dict[int, weakref.ref]) -> bool:
@@ -598,19 +604,22 @@ class StorageRegistry:
             for mode in (*self._modes.values(), *self._waiting.values()):
                 mode.sparse = True
 
-    def rewritten(self, written: list[torch.Tensor], before: dict[int, weakref.ref], tallies: tuple[Tally, ...]) -> None:
+    def rewritten(
+        self, written: list[torch.Tensor], before: dict[int, weakref.ref], held: list[list[torch.Tensor]], tallies: tuple[Tally, ...]
+    ) -> None:
         """Count the parts of ``written`` (non-strided tensors an operator wrote in place) that
-        are new: no input's storage before the call (:func:`layout_rewrites`), not counted yet."""
-        for tensor in written:
-            if not tensor.is_cpu:
-                continue
-            for part in storage_parts(tensor):
-                if part is tensor:
-                    continue
-                storage = part.untyped_storage()
-                key = id(storage)
-                if key not in self.live and made_inside(part, before):
-                    self.add(storage, key, tallies)
+        are new: no input's storage before the call (:func:`layout_rewrites`), not counted yet;
+        each tensor's old parts (``held``) are let go after its new ones are counted."""
+        for tensor, old in zip(written, held):
+            if tensor.is_cpu:
+                for part in storage_parts(tensor):
+                    if part is tensor:
+                        continue
+                    storage = part.untyped_storage()
+                    key = id(storage)
+                    if key not in self.live and made_inside(part, before):
+                        self.add(storage, key, tallies)
+            old.clear()  # its old parts die now, after its new ones are born
 
     def add(self, storage: torch.UntypedStorage, key: int, tallies: tuple[Tally, ...]) -> None:
         """Count a storage not counted yet into ``tallies``."""
