@@ -32,14 +32,28 @@ pytestmark = pytest.mark.cuda
 KNOWN: dict[str, str] = {
     "gru_lm": "reserved -6.9% (cuDNN's RNN workspace: 376,219,136 bytes a call on the H200 against 186,122,240 estimated; measure_kernels=True: -1.1%)",
     "lstm_lm": "reserved -9.4% (cuDNN's RNN workspaces; measure_kernels=True: -1.1%); largest batch: 83 predicted with their stated bound (8.8% of the peak) left free, and 92 (1.1x) runs",
-    "resnet18_bf16": "reserved -11.1% (the measured reserved moves between fresh processes: 2,789.2 and 2,900.4 MB for one estimate)",
+    "resnet18_bf16": (
+        "reserved -17.4% (-11.1% before gradient sums were made in place: the backward's 186 allocations now are the "
+        "device's 186, and the gap is the bf16 3x3 convolutions' workspaces, 16 real requests of 102.8-104.8 MB sized otherwise)"
+    ),
     "unet": "largest batch: 19 predicted with the convolution workspaces' stated bound (4.8% of the peak) left free, and 21 (1.1x) runs: the bound is loose here (measure_kernels=True measures the workspaces instead)",
-    "sparse_recommender": "largest batch: the predicted 44,353 under 6.5 GiB runs out of memory (peak -0.08%, reserved +0.00%: under deterministic algorithms dense += sparse takes buffers the estimate leaves out)",
     "compiled_mlp": "fake CUDA +3.2% (the last blocks' outputs kept to the end of forward); the predicted largest batch runs out of memory",
 }
 
+#: At the edge of a goal: seen to miss it and to meet it on the same H100, torch 2.11, 2026-11-26.
+UNSTEADY: dict[str, str] = {
+    "sparse_recommender": (
+        "the predicted 44,353 under 6.5 GiB ran out of memory in one process and fit (1.1x out) in the next, the "
+        "estimate the same (peak -0.08%): under deterministic algorithms dense += sparse takes buffers it leaves out"
+    ),
+    "batchnorm_cnn": (
+        "reserved -1.9% and -7.7% for one estimate: the measured reserved was 6,851.4 and 7,281.3 MB in two fresh "
+        "processes (where the driver puts the segments)"
+    ),
+}
 
-@pytest.mark.parametrize("name", cases(ZOO, KNOWN, on_cpu=False))
+
+@pytest.mark.parametrize("name", cases(ZOO, KNOWN, on_cpu=False, unsteady=UNSTEADY))
 def test_the_zoo_model_conforms_on_the_gpu(name):
     import zoo_conformance
 

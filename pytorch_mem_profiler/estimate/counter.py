@@ -47,11 +47,13 @@ from ..measure.storage_counting import (
     unwatch_storage_resizes,
     watch_storage_resizes,
 )
+from .accumulation import ENGINE_SUM, EngineAccumulation
 
 __all__ = ["Life", "StorageLifeCounter", "born_as", "COLLECTIVE_ROLE"]
 
 #: The role of every tensor a collective (a ``c10d`` operator) is handed: a communication buffer.
 COLLECTIVE_ROLE = "comm_buffers"
+_ADD_IN_PLACE = torch.ops.aten.add_.Tensor
 
 _BIRTH = threading.local()
 
@@ -113,6 +115,9 @@ class _LifeMode(TorchDispatchMode):
         self.counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        sums = self.counter.accumulation
+        if func is ENGINE_SUM and sums is not None and sums.in_place(args, kwargs or {}):
+            func = _ADD_IN_PLACE  # the engine's sum of gradient pieces, in place as on the device
         # a sparse tensor written in place gets new index and value tensors inside the kernel
         rewrites = layout_rewrites(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
@@ -165,6 +170,9 @@ class StorageLifeCounter(MemoryCounter):
             target's kernel makes them, where the fake kernel differs (see
             :class:`~.cpu_kernels.CpuKernels`); what it returns is counted, and is
             what the operator returns; default: the fake kernel's.
+        accumulation: where autograd's engine sums gradient pieces in place on the target
+            (:class:`~.accumulation.EngineAccumulation`, calibrated after :meth:`start`);
+            default: every sum a new tensor, as under a dispatch mode.
     """
 
     shares_peaks = False  # it counts by itself
@@ -175,11 +183,13 @@ class StorageLifeCounter(MemoryCounter):
         size_of: Callable[[int], int] | None = None,
         scratch: Callable[[Any, tuple, dict], Sequence[int]] | None = None,
         outputs: Callable[[Any, tuple, dict, Any], Any] | None = None,
+        accumulation: EngineAccumulation | None = None,
     ) -> None:
         super().__init__(device)
         self.device = device
         self.scratch = scratch
         self.outputs = outputs
+        self.accumulation = accumulation
         self._mode: _LifeMode | None = None
         self._size_of = size_of or (lambda n: n)
         self._live: dict[int, Life] = {}

@@ -50,6 +50,7 @@ from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFea
 from .allocator import StepEvents, block_size, simulate_reserved
 from .counter import COLLECTIVE_ROLE, Life, StorageLifeCounter
 from .cpu_kernels import CpuKernels
+from .accumulation import EngineAccumulation
 from .emulation import cuda_rules
 from .build import build_model
 from .draws import user_line
@@ -507,7 +508,9 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
     size_of = block_size if target.type == "cuda" else None
     # the CPU's kernels where they return other dtypes, strides or buffers than the fake ones (CUDA's: those it shares)
     outputs = CpuKernels(device_type=target.type) if target.type in ("cpu", "cuda") else None
-    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch, outputs=outputs)
+    # on CUDA no mode watches the real step: autograd's engine sums gradient pieces in place there
+    sums = EngineAccumulation() if target.type == "cuda" else None
+    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch, outputs=outputs, accumulation=sums)
     mode = fake_mode(kernels=target.type)  # the target's sparse kernels, on fake CPU tensors standing in too
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
@@ -540,6 +543,9 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
         optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
         buffers = [b for b in model.buffers() if b is not None]
         counter.start()
+        if sums is not None:
+            with counter.paused():
+                sums.calibrate()  # under the step's modes, before anything is counted
         try:
             # on the device in the order model.to(device) copies them: what the replay starts from
             _adopt_weights(counter, model, flattened)
