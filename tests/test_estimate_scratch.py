@@ -195,3 +195,64 @@ def test_a_cuda_estimate_takes_the_embedding_backwards_buffers_in_atens_order_ar
     assert len(firsts) == 4 and [i - 1 for i in firsts if i - 1 in copies] == copies
     for start in firsts:
         assert [size for _, size in events[start : start + len(expected_sizes)]] == expected_sizes
+
+
+#: cuDNN's attention backward on an H100 (torch 2.11, bf16): the one block it takes inside the
+#: operator, from the allocator's history; the same with and without dropout and a causal mask.
+CUDNN_ATTENTION_BACKWARD = [
+    ((8, 4, 128, 64), 1_065_216),
+    ((8, 12, 512, 128), 25_362_688),
+    ((64, 4, 1024, 64), 68_157_696),
+    ((64, 12, 512, 64), 102_236_416),
+    ((160, 4, 512, 64), 85_197_056),
+    ((160, 12, 128, 64), 63_897_856),  # the 12 requests of 63,898,112 B (its block) ELECTRA's backward makes at batch 160
+    ((160, 12, 1024, 128), 1_014_497_536),
+]
+
+
+@pytest.mark.parametrize("query, measured", CUDNN_ATTENTION_BACKWARD)
+def test_cudnn_attention_backward_takes_the_measured_block(query, measured):
+    from pytorch_mem_profiler.estimate.scratch import cudnn_attention_backward_scratch
+
+    assert cudnn_attention_backward_scratch(query) == (measured,)
+    rules = KernelScratch(132)
+    with torch.device("meta"):
+        q = torch.empty(query, dtype=torch.bfloat16)
+    op = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+    assert rules(op, (q, q, q, q, q), {}) == (measured,)
+
+
+class _Attention(nn.Module):
+    def __init__(self, heads: int = 4, dim: int = 256, masked: bool = False) -> None:
+        super().__init__()
+        self.heads, self.masked = heads, masked
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril() if self.masked else None
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d)
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["cudnn", "flash standing in for cudnn"])
+def test_an_emulated_cuda_estimate_takes_the_attention_backward_block(masked):
+    """Half precision on an H100: cuDNN's attention (a mask), or flash attention standing in for it in
+    the emulation (no mask): after the query's, key's and value's gradients the backward takes its
+    block, and gives it back at its return."""
+    batch = torch.zeros(8, 512, 256)
+    est = estimate_memory(
+        _Attention(masked=masked), batch, optimizer=SGD, device="cuda", emulate=True, fit=False,
+        autocast=torch.bfloat16,
+    )  # fmt: skip
+    events = est.step_events
+    backward = [(key, n) for i, (key, n) in enumerate(events.events) if events.phase_at(i) == (2, "backward")]
+    attention = [(key, n) for key, n in backward if "_attention_backward" in events.sources.get(key, "")]
+    gradient = 8 * 4 * 512 * 64 * 2  # each of dq, dk, dv in bf16
+    block = 4 * 8 * 4 * 512 * 64 + 4 * 8 * 4 * 512 + 256  # measured layout (the table above)
+    from pytorch_mem_profiler.torch_versions import CUDNN_ATTENTION_TAKES_MASK
+
+    if masked and not CUDNN_ATTENTION_TAKES_MASK:  # torch 2.4: a mask sends it to the efficient kernel, not measured
+        assert all("efficient" in events.sources[key] for key, _ in attention) and block not in [n for _, n in attention]
+    else:
+        assert [n for _, n in attention][:5] == [gradient, gradient, gradient, block, -block]
