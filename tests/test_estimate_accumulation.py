@@ -119,3 +119,18 @@ def test_a_gradient_the_engine_does_not_hold_alone_is_summed_into_a_new_tensor()
     assert _backward_births(plain).count(ADD) == 0
     assert _backward_births(residual).count(ADD) == 1
     assert _backward_births(two).count(ADD) == 1  # the second branch's piece is added in place
+
+
+def test_a_calibration_that_fails_leaves_every_sum_a_new_tensor(monkeypatch):
+    """A fault in the calibration switches the rule off, not the estimate: the sums are new tensors,
+    as under a mode."""
+    from pytorch_mem_profiler.estimate import accumulation
+
+    def broken(self, args, kwargs):
+        if self._calibrating:
+            raise RuntimeError("calibration broke")
+        return self.signature is not None and (args, kwargs) is None
+
+    monkeypatch.setattr(accumulation.EngineAccumulation, "in_place", broken)
+    est = estimate_memory(Branches(width=3), torch.randn(32, 64), device="cuda", fit=False)
+    assert _backward_births(est).count(ADD) == 2

@@ -92,10 +92,12 @@ def test_the_probe_measures_what_this_process_measures():
     assert measure_convolutions([key], CUDA) == {key: here}
 
 
-#: Known gaps on the GPU (an H200, torch 2.11): reserved, which no stated bound covers yet (strict).
+#: Known gaps on the GPU (an H200, torch 2.11; ResNet-18's rule figures again on an H100 since gradient
+#: sums are made in place: its backward's allocations are the device's, its reserved left to the bf16
+#: 3x3 convolutions' workspace sizes): reserved, which no stated bound covers yet (strict).
 CONV_KNOWN = {
-    ("resnet18_bf16", "fake_cuda"): "reserved 2,577.4 MB estimated against 2,791.3 MB measured (-7.7%)",
-    ("resnet18_bf16", "emulated"): "reserved 2,577.4 MB estimated against 2,791.3 MB measured (-7.7%)",
+    ("resnet18_bf16", "fake_cuda"): "reserved 2,397.0 MB estimated against 2,791.3 MB measured (-14.1%)",
+    ("resnet18_bf16", "emulated"): "reserved 2,397.0 MB estimated against 2,791.3 MB measured (-14.1%)",
     ("resnet18_bf16", "measured"): "reserved 2,604.7 MB estimated against 2,791.3 MB measured (-6.7%)",
     ("unet", "measured"): "with measured workspaces, reserved 2,235.6 MB against 2,487.2 MB measured (-10.1%)",
 }
