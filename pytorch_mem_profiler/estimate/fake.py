@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 
 from ..measure.accounting import part_of_a_storage
+from ..measure.trees import tensors_in
 from .conv_workspace import memory_format
 from .draws import HOST_VALUE_NUMEL, SMALL_VALUE_NUMEL, Draws
 from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rule
@@ -145,12 +146,9 @@ class EstimateFakeMode(FakeTensorMode):
 
 
 def _device_type(args: tuple) -> str:
-    """The device type of the first tensor among ``args`` (or in a list among them); ``"cpu"`` if none."""
-    for value in args:
-        for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, torch.Tensor):
-                return t.device.type
-    return "cpu"
+    """The device type of a tensor among ``args`` (an operator's tensors share one); ``"cpu"`` if none."""
+    found = tensors_in(args, limit=1)
+    return found[0].device.type if found else "cpu"
 
 
 def fake_mode(kernels: str | None = None) -> EstimateFakeMode:

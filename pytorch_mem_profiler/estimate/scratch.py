@@ -440,13 +440,10 @@ class KernelScratch:
             aten.embedding_dense_backward.default: self._embedding_backward,
             aten.convolution.default: self._convolution,
             aten.convolution_backward.default: self._convolution_backward,
+            aten._scaled_dot_product_cudnn_attention_backward.default: self._attention_backward(cudnn_attention_backward_scratch),
+            aten._scaled_dot_product_flash_attention_backward.default: self._attention_backward(flash_attention_backward_scratch),
             **COPYING_OPERATORS,
         }
-        for name, rule in (("_scaled_dot_product_cudnn_attention_backward", cudnn_attention_backward_scratch),
-                           ("_scaled_dot_product_flash_attention_backward", flash_attention_backward_scratch)):  # fmt: skip
-            op = getattr(aten, name, None)
-            if op is not None:
-                self._rules[op.default] = self._attention_backward(rule)
         for op in (aten.cudnn_batch_norm.default, aten.cudnn_batch_norm_backward.default, aten.native_batch_norm.default,
                    aten._native_batch_norm_legit.default, aten.native_batch_norm_backward.default):  # fmt: skip
             self._rules[op] = self._batch_norm_bound(self._rules.get(op))

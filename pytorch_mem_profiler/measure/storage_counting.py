@@ -329,7 +329,7 @@ def _written_non_strided(func: Any, args: tuple, kwargs: dict) -> list[torch.Ten
 
 def layout_rewrites(
     func: Any, args: tuple, kwargs: dict
-) -> tuple[list[torch.Tensor], dict[int, weakref.ref], list[torch.Tensor]] | None:
+) -> tuple[list[torch.Tensor], dict[int, weakref.ref], list[list[torch.Tensor]]] | None:
     """Before ``func(*args, **kwargs)`` runs: the non-strided tensors it writes in place, every
     input's storages now, as weak references by ``id``, and the written tensors' parts now
     (``None`` when it writes none).
