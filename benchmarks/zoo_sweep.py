@@ -1,4 +1,4 @@
-"""The CPU checks on the sweep's 49 models (``benchmarks/zoo/sweep.py``), and on each in other set-ups.
+"""The CPU checks on the sweep's 52 models (``benchmarks/zoo/sweep.py``), and on each in other set-ups.
 
 For each model, on the CPU, each a line of ``name: check ok | check FAILED: why``:
 

@@ -1,14 +1,16 @@
 """Autograd's engine sums a tensor's gradient pieces in place where it holds the last reference
 (``InputBuffer::accumulate``), unless a dispatch mode is on: the fake step, always under one, sums
-them into new tensors. A CUDA estimate makes the sums as the device does (``estimate.accumulation``).
+them into new tensors. A CUDA estimate makes the sums as the device does (``measure.engine_sums``).
 
 The truth on the CPU: a real step without any mode (the data pointers of the pieces and of the
 sum), and the estimate's own allocator events; on the GPU (``cuda``): the allocator's count of
-allocations in backward against the estimate's. The CPU estimate keeps the new tensors (the
-profiler counts the CPU through a dispatch mode): the zoo's CPU tests hold it to the byte.
+allocations in backward against the estimate's. The CPU estimate sums in place too, as the
+profiled CPU step does (``tests/test_engine_sums.py``): the zoo's CPU tests hold it to the byte.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -87,7 +89,7 @@ def test_under_a_dispatch_mode_it_makes_a_new_tensor():
 
 
 def _without_in_place_sums(monkeypatch) -> None:
-    from pytorch_mem_profiler.estimate import accumulation
+    from pytorch_mem_profiler.measure import engine_sums as accumulation
 
     monkeypatch.setattr(accumulation.EngineAccumulation, "in_place", lambda self, args, kwargs: False)
 
@@ -124,7 +126,7 @@ def test_a_gradient_the_engine_does_not_hold_alone_is_summed_into_a_new_tensor()
 def test_a_calibration_that_fails_leaves_every_sum_a_new_tensor(monkeypatch):
     """A fault in the calibration switches the rule off, not the estimate: the sums are new tensors,
     as under a mode."""
-    from pytorch_mem_profiler.estimate import accumulation
+    from pytorch_mem_profiler.measure import engine_sums as accumulation
 
     def broken(self, args, kwargs):
         if self._calibrating:
@@ -134,3 +136,32 @@ def test_a_calibration_that_fails_leaves_every_sum_a_new_tensor(monkeypatch):
     monkeypatch.setattr(accumulation.EngineAccumulation, "in_place", broken)
     est = estimate_memory(Branches(width=3), torch.randn(32, 64), device="cuda", fit=False)
     assert _backward_births(est).count(ADD) == 2
+
+
+class Fan(nn.Module):
+    """A wide hidden state read by four narrow heads: its gradient's sums hold the step's peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(64, 2048)
+        self.heads = nn.ModuleList(nn.Linear(2048, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        return sum(head(h) for head in self.heads)
+
+
+def test_a_cpu_estimate_sums_in_place_and_equals_the_profiled_cpu_step(monkeypatch):
+    """The profiled CPU step sums in place (the counter's mode puts the engine's sums back), and
+    the CPU estimate does too: its peak is the profiler's to the byte. With the sums out of place
+    it would be three pieces above it."""
+    from .helpers import measured_peak
+
+    make = lambda: torch.randn(64, 64)  # noqa: E731
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    measured = measured_peak(Fan, make, sgd)
+    est = estimate_memory(Fan(), make(), device="cpu", optimizer=sgd, fit=False)
+    assert est.peak_allocated == measured
+    _without_in_place_sums(monkeypatch)
+    out_of_place = estimate_memory(Fan(), make(), device="cpu", optimizer=sgd, fit=False)
+    assert out_of_place.peak_allocated - measured == 64 * 2048 * 4  # one piece more, at the peak

@@ -295,7 +295,8 @@ def test_the_line_named_is_a_libraries_whose_folder_begins_like_torchs():
 def test_the_inputs_keep_the_values_the_user_fixed_and_none_they_did_not():
     """While the inputs are made: integer and boolean factories that are not random keep their values,
     and so do host tensors read and what is computed from them alone; random draws (token ids),
-    floating-point data and ``empty`` stay without (their values are not the user's)."""
+    floating-point data and ``empty`` stay without (their values are not the user's); a fill
+    factory's values are the user's whatever its dtype (a floating-point mask of ones)."""
     from pytorch_mem_profiler.estimate.fake import fake_mode
 
     positions = torch.arange(8).repeat(2, 1)
@@ -308,13 +309,15 @@ def test_the_inputs_keep_the_values_the_user_fixed_and_none_they_did_not():
         padded[0, -2:] = 0
         read = positions[:1] + 1
         ids = torch.randint(0, 10, (3, 8))
-        floats = torch.ones(3, 8)
+        floats = torch.randn(3, 8)
+        float_mask = torch.ones(3, 8)
         empty = torch.empty(3, 8, dtype=torch.long)
     assert torch.equal(ones.constant, torch.ones(3, 8, dtype=torch.long))
     assert bool(mask.constant.all()) and torch.equal(arange.constant, torch.arange(8))
     assert int(padded.constant.sum()) == 22 and int(ones.constant.sum()) == 24
     assert torch.equal(read.constant, torch.arange(1, 9)[None])
     assert ids.constant is None and floats.constant is None and empty.constant is None
+    assert torch.equal(float_mask.constant, torch.ones(3, 8))
     # the step writing into its input never writes into the user's tensor
     with mode, mode.draws.inputs():
         given = positions[0]
@@ -330,3 +333,25 @@ def test_without_inputs_being_made_nothing_gets_values():
     with mode:
         ones = torch.ones(3, 8, dtype=torch.long)
     assert ones.constant is None
+
+
+def test_in_the_step_fill_factories_keep_their_values_of_any_dtype():
+    """A mask of ones the model makes itself carries its values (a library reads them), up to
+    HOST_VALUE_NUMEL elements; an ``arange``, ``empty`` and what is computed from the data do not."""
+    from pytorch_mem_profiler.estimate.fake import HOST_VALUE_NUMEL, fake_mode
+
+    mode = fake_mode()
+    with mode:
+        data = torch.empty(3, 400)
+        with mode.draws.on():
+            ones = torch.ones(3, 400)
+            full = data.new_full((3, 400), 7, dtype=torch.long)
+            zeros = torch.zeros_like(data, dtype=torch.bool)
+            too_big = torch.ones(HOST_VALUE_NUMEL + 1)
+            positions = torch.arange(400)
+            empty = torch.empty(3, 400)
+            skipped = bool(ones.bool().all())
+    assert torch.equal(ones.constant, torch.ones(3, 400)) and int(full.constant.sum()) == 7 * 1200
+    assert zeros.constant is not None and not bool(zeros.constant.any())
+    assert too_big.constant is None and positions.constant is None and empty.constant is None
+    assert skipped

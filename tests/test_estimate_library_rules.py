@@ -141,3 +141,29 @@ def test_the_unpadded_mask_is_skipped_and_the_padded_one_built():
         figures.append(estimate_memory(lambda: KeywordInputs(build()), inputs, batch_size=2, optimizer=SGD,
                                        targets=lambda b: torch.randint(0, VOCAB, (b, SEQ)), loss_fn=_loss, device="cpu", fit=False).peak)  # fmt: skip
     assert figures[0] < figures[1]
+
+
+@pytest.mark.parametrize("kind", ["pegasus", "bart"])
+def test_a_decoder_given_no_attention_mask_makes_one_of_ones_that_transformers_skips(kind):
+    """An encoder-decoder's decoder given no mask makes one of ones itself (``torch.ones(batch,
+    length)``, floating point); transformers reads it (``fast_all``) and builds no causal mask, as
+    the real step does: the fill factory's values are kept in the fake step."""
+    transformers = transformers_or_skip()
+    config_class, model_class = {
+        "pegasus": (transformers.PegasusConfig, transformers.PegasusForConditionalGeneration),
+        "bart": (transformers.BartConfig, transformers.BartForConditionalGeneration),
+    }[kind]
+
+    def build():
+        torch.manual_seed(0)
+        config = config_class(vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64)  # fmt: skip
+        return KeywordInputs(model_class(config))
+
+    def batch(size: int = 2) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.randint(3, VOCAB, (size, SEQ)), "decoder_input_ids": torch.randint(3, VOCAB, (size, SEQ))}
+
+    loss = lambda out: out.logits.float().sum()  # noqa: E731
+    measured = measured_peak(build, batch, SGD, loss_fn=loss)
+    est = estimate_memory(build, batch(), optimizer=SGD, loss_fn=loss, device="cpu", fit=False)
+    assert est.peak == measured

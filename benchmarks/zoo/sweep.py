@@ -1,6 +1,6 @@
 """A wide sweep of small models the zoo lacks, for the CPU checks only.
 
-:data:`SWEEP` (name -> :class:`~benchmarks.zoo.registry.ZooModel`) holds 49 small models, each
+:data:`SWEEP` (name -> :class:`~benchmarks.zoo.registry.ZooModel`) holds 52 small models, each
 built from a config or code at one size (``"small"`` and ``"real"`` build the same model: the
 sweep is for the CPU, where a model's figures are exact at any size): transformers decoders,
 encoders, encoder-decoders, a state-space model and vision models, all given attention masks of
@@ -243,6 +243,16 @@ def _entries() -> list[ZooModel]:
         ("t5_bf16", "encoder-decoder", "T5: relative position buckets, bf16 autocast", _transformers("T5Config", "T5ForConditionalGeneration",
          vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0), _seq2seq, _seq2seq_targets, token_loss,
          ADAMW, torch.bfloat16, hf),
+        ("fnet", "encoder", "FNet: Fourier token mixing, and a pooler whose output the masked-LM loss never uses",
+         _transformers("FNetConfig", "FNetForMaskedLM", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                       max_position_embeddings=64, use_tpu_fourier_optimizations=False), _tokens, _token_targets, token_loss, ADAMW, None, hf),
+        ("pegasus", "encoder-decoder", "Pegasus given no decoder mask: its decoder makes one of ones, which transformers skips",
+         _transformers("PegasusConfig", "PegasusForConditionalGeneration", vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
+                       encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                       max_position_embeddings=64, pad_token_id=0, decoder_start_token_id=0), _seq2seq, _seq2seq_targets, token_loss, ADAMW, None, hf),
+        ("beit", "vision transformer", "BEiT: a relative position index memoized in a cache every instance shares",
+         _transformers("BeitConfig", "BeitForImageClassification", **vit, intermediate_size=128, use_relative_position_bias=True),
+         _pixels(32), _classes, class_loss, ADAMW, None, hf),
         ("hf_vit", "vision transformer", "transformers ViT", _transformers("ViTConfig", "ViTForImageClassification", **vit, intermediate_size=128),
          _pixels(32), _classes, class_loss, ADAMW, None, hf),
         ("dinov2", "vision transformer", "DINOv2: layer scale, interpolated positions", _transformers("Dinov2Config", "Dinov2ForImageClassification",

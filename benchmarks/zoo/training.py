@@ -85,7 +85,10 @@ class SavedStorages:
             key = (str(s.device), s.data_ptr())
             if key not in self.skip and s.data_ptr() != 0:
                 self.seen[key] = s.nbytes()
-        return t
+        # A saved output comes with the node that saves it: kept as it is, the two would hold each
+        # other through C++ and a branch backward never reaches would stay allocated. Without hooks
+        # autograd keeps it without its node; so does this hook.
+        return t.detach() if t.grad_fn is not None else t
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:

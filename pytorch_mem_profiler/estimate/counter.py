@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..measure.accounting import same_device, storage_holder, storage_parts
 from ..measure.devices import MemoryCounter, Reading
+from ..measure.engine_sums import ENGINE_SUM, EngineAccumulation
 from ..measure.storage_counting import (
     NEW,
     RESIZED,
@@ -47,7 +48,6 @@ from ..measure.storage_counting import (
     unwatch_storage_resizes,
     watch_storage_resizes,
 )
-from .accumulation import ENGINE_SUM, EngineAccumulation
 
 __all__ = ["Life", "StorageLifeCounter", "born_as", "COLLECTIVE_ROLE"]
 
@@ -171,7 +171,7 @@ class StorageLifeCounter(MemoryCounter):
             :class:`~.cpu_kernels.CpuKernels`); what it returns is counted, and is
             what the operator returns; default: the fake kernel's.
         accumulation: where autograd's engine sums gradient pieces in place on the target
-            (:class:`~.accumulation.EngineAccumulation`, calibrated after :meth:`start`);
+            (:class:`~pytorch_mem_profiler.measure.engine_sums.EngineAccumulation`, calibrated after :meth:`start`);
             default: every sum a new tensor, as under a dispatch mode.
     """
 

@@ -22,9 +22,13 @@ real value (FakeTensor's ``constant``) to a tensor of at most
   made that no operator has touched since (``torch.empty(n).uniform_()``,
   ``x.new_empty(()).bernoulli_(0.5)``: it gets its factory's value first),
 - a factory that is not random makes with one element (``torch.zeros(())``, as
-  torch's own ``torch.tensor(x)`` does). Larger ones (position ids, masks) stay
-  without values unless a random operator writes into them: values cost the fake
-  mode its cache and real computation on every operator that reads them.
+  torch's own ``torch.tensor(x)`` does), or that fills every element with one number
+  (``torch.ones``, ``zeros``, ``full``, their ``new_*`` and ``*_like`` forms), of any
+  dtype, up to :data:`HOST_VALUE_NUMEL` elements: a decoder given no attention mask
+  makes one of ones, which transformers reads to skip it, as the real step does.
+  Other larger ones (position ids from ``arange``) stay without values unless a random
+  operator writes into them: values cost the fake mode its cache and real
+  computation on every operator that reads them.
 
 The fake mode computes on tensors with values as torch's own constant
 propagation does (up to the same size here, so that a slice of a drawn vector
@@ -162,6 +166,22 @@ def _input_sized(t: Any) -> bool:
     )
 
 
+#: factories that fill every element with one number (a mask of ones, a zero start): their
+#: values cost one fill, whatever their dtype
+_FILLS = frozenset(
+    {"ones", "zeros", "full", "new_ones", "new_zeros", "new_full", "ones_like", "zeros_like", "full_like", "scalar_tensor"}
+)
+
+
+def _fill(func: Any) -> bool:
+    return _op_name(func) in _FILLS
+
+
+def _fill_sized(t: Any) -> bool:
+    """A tensor a fill factory made that is small enough to carry its value (of any dtype)."""
+    return isinstance(t, torch.Tensor) and t.layout is torch.strided and t.numel() <= HOST_VALUE_NUMEL
+
+
 def _uninitialized(func: Any) -> bool:
     """``empty``-like factories: their values are whatever memory held, never the user's."""
     return "empty" in _op_name(func)
@@ -207,9 +227,10 @@ class Draws:
         which is not random makes (``torch.ones(b, s, dtype=torch.long)``: an attention mask with
         no padding; ``torch.arange``), host tensors the inputs' function reads (position ids kept
         in a closure), and what is computed from them alone keep their values, so a library that
-        reads them (transformers skips a mask of ones) decides as the real step does. Random ones
-        (``torch.randint`` token ids) stand for data the estimate does not have, and floating-point
-        ones for data the step computes on: both stay without values.
+        reads them (transformers skips a mask of ones) decides as the real step does; so do tensors
+        a fill factory makes, of any dtype (``torch.ones(b, s)``: a floating-point mask). Random
+        ones (``torch.randint`` token ids) stand for data the estimate does not have, and other
+        floating-point ones for data the step computes on: both stay without values.
         """
         self.making_inputs = True
         try:
@@ -281,7 +302,8 @@ class Draws:
             if (makes_from_nothing or _reads_metadata_only(func)) and not _tag(func, "nondeterministic_seeded") and not _uninitialized(func):
                 fake = fallback(func, args, kwargs)
                 results = fake if isinstance(fake, (list, tuple)) else [fake]
-                if not results or not all(_input_sized(t) for t in results if isinstance(t, torch.Tensor)):
+                sized = _fill_sized if _fill(func) else _input_sized
+                if not results or not all(sized(t) for t in results if isinstance(t, torch.Tensor)):
                     return fake
                 real_args, real_kwargs = _real_arguments(mode, func, args, kwargs)
                 return self._as_values(mode, self._run(func, real_args, real_kwargs, False), fake, False)
@@ -294,6 +316,11 @@ class Draws:
         (as torch's own ``torch.tensor(x)``) or, else, when a random operator first writes into it."""
         fake = fallback(func, args, kwargs)
         results = fake if isinstance(fake, (list, tuple)) else [fake]
+        if not random and _fill(func) and results and all(_fill_sized(t) for t in results):
+            # a mask of ones the model makes itself (a decoder given no attention mask): a library
+            # reads it (transformers skips a mask of ones) as the real step does
+            real_args, real_kwargs = _real_arguments(mode, func, args, kwargs)
+            return self._as_values(mode, self._run(func, real_args, real_kwargs, False), fake, False)
         if not results or not all(_small(t) for t in results if isinstance(t, torch.Tensor)):
             return fake
         # the factory's arguments with real stand-ins for its tensors: kept, they keep no fake alive

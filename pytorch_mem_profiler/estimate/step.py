@@ -45,16 +45,18 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from ..measure.accounting import optimizer_state_tensors
 from ..measure.devices import cuda_multiprocessors
+from ..measure.engine_sums import EngineAccumulation
+from ..measure.saved_tensors import kept_without_node
 from ..measure.trees import tensors_in
 from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFeatureMaps
 from .allocator import StepEvents, block_size, simulate_reserved
 from .counter import COLLECTIVE_ROLE, Life, StorageLifeCounter
 from .cpu_kernels import CpuKernels
-from .accumulation import EngineAccumulation
 from .emulation import cuda_rules
 from .build import build_model
 from .draws import user_line
 from .compiled import CompiledModules
+from .global_caches import fake_values_left_out_of_caches
 from .fake import FakeKernelRefused, eager_modules, fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
 from .loss_rules import LossRules
@@ -365,18 +367,23 @@ class _SavedByModule:
             self.stack.pop()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # a saved output kept with its node would keep a branch backward never reaches alive
+        self._note(t)
+        return kept_without_node(t)
+
+    def _note(self, t: torch.Tensor) -> None:
         if self.counter.paused_depth:
-            return t
+            return
         life = self.counter.life_of(t)
         if life is None or id(life) in self.seen:
-            return t
+            return
         self.seen.add(id(life))
         if "weights" in life.roles:
-            return t
+            return
         if isinstance(t, nn.Parameter):
             # a parameter not among the model's weights: FSDP2's gathered (unsharded) one
             life.roles.add("regrown")
-            return t
+            return
         if "inputs" in life.roles:
             slot = (INPUT, ACTIVATIONS)
         else:
@@ -384,7 +391,6 @@ class _SavedByModule:
             life.roles.add("activations")
             life.saved_by = self.stack[-1]
         self.by_module[slot] = self.by_module.get(slot, 0) + life.nbytes
-        return t
 
     def _is_weight_copy(self, t: torch.Tensor) -> bool:
         if t._is_view() and t._base is not None:
@@ -503,13 +509,20 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
 
 
 def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | None) -> StepMemory:
+    # a library's process-wide cache keeps no fake tensor for the user's real model to compute on
+    with fake_values_left_out_of_caches():
+        return _fake_step(plan, batch_size, scratch)
+
+
+def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | None) -> StepMemory:
     target = plan.device
     run_device = plan.run_device or target
     size_of = block_size if target.type == "cuda" else None
     # the CPU's kernels where they return other dtypes, strides or buffers than the fake ones (CUDA's: those it shares)
     outputs = CpuKernels(device_type=target.type) if target.type in ("cpu", "cuda") else None
-    # on CUDA no mode watches the real step: autograd's engine sums gradient pieces in place there
-    sums = EngineAccumulation() if target.type == "cuda" else None
+    # no mode watches the real step (the CPU counter's restores the engine's in-place sums):
+    # autograd's engine sums gradient pieces in place there
+    sums = EngineAccumulation()
     counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch, outputs=outputs, accumulation=sums)
     mode = fake_mode(kernels=target.type)  # the target's sparse kernels, on fake CPU tensors standing in too
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
@@ -543,9 +556,8 @@ def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | N
         optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
         buffers = [b for b in model.buffers() if b is not None]
         counter.start()
-        if sums is not None:
-            with counter.paused():
-                sums.calibrate()  # under the step's modes, before anything is counted
+        with counter.paused():
+            sums.calibrate()  # under the step's modes, before anything is counted
         try:
             # on the device in the order model.to(device) copies them: what the replay starts from
             _adopt_weights(counter, model, flattened)

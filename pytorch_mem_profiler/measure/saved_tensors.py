@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ChainedSavedTensorsHooks", "can_chain", "top_saved_tensors_hooks"]
+__all__ = ["ChainedSavedTensorsHooks", "can_chain", "kept_without_node", "top_saved_tensors_hooks"]
 
 _log = logging.getLogger("pytorch_mem_profiler")
 
@@ -96,6 +96,24 @@ def _unchecked(exc: BaseException) -> None:
             exc,
             exc_info=exc,
         )
+
+
+def kept_without_node(tensor: torch.Tensor) -> torch.Tensor:
+    """What a watcher's own pack keeps of ``tensor``: itself, or where it has a ``grad_fn`` an alias
+    without it (same storage and version counter). Autograd hands a pack hook an operator's saved
+    *output* with its ``grad_fn``, the node that saves it: kept as it is, node and tensor would hold
+    each other through C++, where no garbage collection sees them, and a branch backward never
+    reaches (a pooler's output the loss does not use) would stay alive for good. Without hooks
+    autograd saves an output without its node; so does this."""
+    return tensor.detach() if tensor.grad_fn is not None else tensor
+
+
+def _kept(tensor: torch.Tensor, watcher: ChainedSavedTensorsHooks) -> torch.Tensor:
+    try:  # autograd calls this: a fault keeps the tensor itself, as autograd would be handed back
+        return kept_without_node(tensor)
+    except Exception as exc:  # noqa: BLE001 - watching must never break the forward
+        watcher._fault(exc)
+        return tensor
 
 
 def _own_watcher(pair: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]) -> ChainedSavedTensorsHooks | None:
@@ -162,7 +180,7 @@ class ChainedSavedTensorsHooks:
             self.observe(tensor)
         except Exception as exc:  # noqa: BLE001 - watching must never break the forward
             self._fault(exc)
-        return tensor, tensor._version
+        return _kept(tensor, self), tensor._version
 
     def _beside(self, below: ChainedSavedTensorsHooks) -> Callable[[torch.Tensor], tuple[torch.Tensor, int]]:
         """What chaining to ``below``'s own pack (:meth:`_watch`) would do, in one frame: ``below``
@@ -180,7 +198,7 @@ class ChainedSavedTensorsHooks:
                 self.observe(tensor)
             except Exception as exc:  # noqa: BLE001 - watching must never break the forward
                 self._fault(exc)
-            return tensor, tensor._version
+            return _kept(tensor, self), tensor._version
 
         return pack
 

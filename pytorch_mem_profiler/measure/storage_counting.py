@@ -63,6 +63,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from .accounting import PLAIN_TENSORS, storage_holder, storage_parts
+from .engine_sums import ENGINE_SUM, EngineAccumulation
 
 __all__ = [
     "Tally",
@@ -80,6 +81,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("pytorch_mem_profiler")
+_ADD_IN_PLACE = torch.ops.aten.add_.Tensor
 
 
 # -- storage resizes the dispatcher never sees ------------------------------------------
@@ -395,6 +397,19 @@ class _CountingMode(TorchDispatchMode):
         self.tallies: tuple[Tally, ...] = ()
         #: a non-strided tensor was counted: operators writing one in place are looked at
         self.sparse = registry.sparse
+        #: autograd's engine sums gradient pieces in place where no mode is on, and out of
+        #: place under any mode: this one's sums are put back in place (:meth:`calibrate`)
+        self.sums = EngineAccumulation(plain=True)
+
+    def calibrate(self) -> None:
+        """Note how a gradient only the engine holds looks from here (this mode on top, counting
+        nothing yet), so that the step's sums are made in place as without the mode. A fault here
+        leaves every sum out of place (as under any mode), and the counting on."""
+        try:
+            self.sums.calibrate()
+        except Exception as exc:  # noqa: BLE001 - the sums' rule off, never the counter
+            self.sums = EngineAccumulation(plain=True)  # not calibrated: no sum in place
+            _log.debug("gradient sums left out of place: %r", exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # The operator runs exactly once, outside any try (its errors are the user's);
@@ -404,6 +419,9 @@ class _CountingMode(TorchDispatchMode):
         try:
             tallies = self.tallies
             rewrites = layout_rewrites(func, args, kwargs or {}) if self.sparse and tallies else None
+            if func is ENGINE_SUM and not kwargs and self.sums.in_place(args, {}):
+                # the engine's sum of gradient pieces, into the first: as the step makes it unwatched
+                func = _ADD_IN_PLACE
         except Exception as exc:  # noqa: BLE001 - never break the user's operator
             tallies, rewrites = (), None
             self.registry.fail(exc)
@@ -484,6 +502,7 @@ class StorageRegistry:
             if mode is None or not _on_stack(mode):
                 mode = _CountingMode(self)
                 mode.__enter__()
+                mode.calibrate()
             mode.sparse = self.sparse
             # A mode still on the stack, switched off, is switched on again: nothing is pushed.
             self._modes[ident] = mode
