@@ -23,20 +23,7 @@ from pytorch_mem_profiler import memory_profiler
 from pytorch_mem_profiler.measure import engine_sums
 from pytorch_mem_profiler.measure.storage_counting import Tally, shared_registry
 
-
-class Tap(torch.autograd.Function):
-    """Identity whose backward notes the data pointer of the gradient piece it hands on."""
-
-    @staticmethod
-    def forward(ctx, x, log):  # type: ignore[override]
-        ctx.log = log
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        piece = grad * 1.0  # a piece only the engine will hold
-        ctx.log.append(piece.data_ptr())
-        return piece, None
+from .test_estimate_accumulation import Tap
 
 
 def _summed_into_a_piece() -> bool:
