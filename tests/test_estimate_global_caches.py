@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
 from torch import nn
 
 from pytorch_mem_profiler import estimate_memory
 
-from .helpers import measured_peak
+from .helpers import measured_peak, transformers_or_skip
 
 SIDE = 13  # a size no other test caches under
 
@@ -91,7 +90,7 @@ def test_the_estimate_counts_the_cached_tensor_as_the_real_first_step_makes_it()
 def test_transformers_beit_after_an_estimate():
     """BEiT memoizes its relative position index in a cache shared by every instance
     (``compile_compatible_method_lru_cache``): the model built after the estimate is real."""
-    transformers = pytest.importorskip("transformers")
+    transformers = transformers_or_skip()
     config = transformers.BeitConfig(
         image_size=40, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=64, use_relative_position_bias=True, num_labels=3,
