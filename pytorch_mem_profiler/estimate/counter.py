@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..measure.accounting import same_device, storage_holder, storage_parts
 from ..measure.devices import MemoryCounter, Reading
-from ..measure.engine_sums import ENGINE_SUM, EngineAccumulation
+from ..measure.engine_sums import ENGINE_SUM, ENGINE_SUM_IN_PLACE, EngineAccumulation
 from ..measure.storage_counting import (
     NEW,
     RESIZED,
@@ -53,7 +53,6 @@ __all__ = ["Life", "StorageLifeCounter", "born_as", "COLLECTIVE_ROLE"]
 
 #: The role of every tensor a collective (a ``c10d`` operator) is handed: a communication buffer.
 COLLECTIVE_ROLE = "comm_buffers"
-_ADD_IN_PLACE = torch.ops.aten.add_.Tensor
 
 _BIRTH = threading.local()
 
@@ -117,7 +116,7 @@ class _LifeMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         sums = self.counter.accumulation
         if func is ENGINE_SUM and sums is not None and sums.in_place(args, kwargs or {}):
-            func = _ADD_IN_PLACE  # the engine's sum of gradient pieces, in place as on the device
+            func = ENGINE_SUM_IN_PLACE  # the engine's sum of gradient pieces, in place as on the device
         # a sparse tensor written in place gets new index and value tensors inside the kernel
         rewrites = layout_rewrites(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))

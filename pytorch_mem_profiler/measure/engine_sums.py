@@ -62,10 +62,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENGINE_SUM", "EngineAccumulation"]
+__all__ = ["ENGINE_SUM", "ENGINE_SUM_IN_PLACE", "EngineAccumulation"]
 
 #: The operator the engine sums gradient pieces with when it cannot add in place.
 ENGINE_SUM = torch.ops.aten.add.Tensor
+#: The one it sums them with in place: what a mode runs for a sum :meth:`EngineAccumulation.in_place` answers.
+ENGINE_SUM_IN_PLACE = torch.ops.aten.add_.Tensor
 
 
 def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:

@@ -63,7 +63,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from .accounting import PLAIN_TENSORS, storage_holder, storage_parts
-from .engine_sums import ENGINE_SUM, EngineAccumulation
+from .engine_sums import ENGINE_SUM, ENGINE_SUM_IN_PLACE, EngineAccumulation
 
 __all__ = [
     "Tally",
@@ -81,7 +81,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("pytorch_mem_profiler")
-_ADD_IN_PLACE = torch.ops.aten.add_.Tensor
 
 
 # -- storage resizes the dispatcher never sees ------------------------------------------
@@ -421,7 +420,7 @@ class _CountingMode(TorchDispatchMode):
             rewrites = layout_rewrites(func, args, kwargs or {}) if self.sparse and tallies else None
             if func is ENGINE_SUM and not kwargs and self.sums.in_place(args, {}):
                 # the engine's sum of gradient pieces, into the first: as the step makes it unwatched
-                func = _ADD_IN_PLACE
+                func = ENGINE_SUM_IN_PLACE
         except Exception as exc:  # noqa: BLE001 - never break the user's operator
             tallies, rewrites = (), None
             self.registry.fail(exc)
