@@ -355,3 +355,82 @@ def test_in_the_step_fill_factories_keep_their_values_of_any_dtype():
     assert zeros.constant is not None and not bool(zeros.constant.any())
     assert too_big.constant is None and positions.constant is None and empty.constant is None
     assert skipped
+
+
+# -- values of fake tensors on another device than the CPU ------------------------------------------
+# A fake CUDA tensor can be made without a GPU (no runtime call): these run on any machine. Python
+# indexing and ``.to("cuda")`` go through C++ device checks that torch's CPU-only build refuses, so
+# the tests use ``unsqueeze``, ``narrow`` and ``select``, and sending to the GPU needs a CUDA build.
+
+
+def test_a_mask_of_ones_on_the_gpu_keeps_its_values_on_the_cpu():
+    """A fill factory on the GPU's device gets its value, kept on the CPU beside the fake tensor: views,
+    casts and reductions of it keep theirs on the GPU's device, a Python read gives the real answer,
+    and no GPU memory is touched (the values are CPU tensors)."""
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    mode = fake_mode()
+    with mode:
+        with mode.draws.on():
+            ones = torch.ones(4, 8, device="cuda")
+            expanded = ones.unsqueeze(1)
+            as_long = ones.long()
+            everything = ones.all()
+            skipped = bool(everything)
+            ones.narrow(1, 0, 1).zero_()  # written with a value: every alias follows
+            first_column_kept, rest = bool(ones.all()), bool(ones.narrow(1, 1, 7).all())
+    assert ones.device.type == expanded.device.type == as_long.device.type == everything.device.type == "cuda"
+    assert as_long.dtype == torch.long and int(as_long.constant.sum()) == 32
+    assert all(t.constant.device.type == "cpu" for t in (ones, expanded, as_long, everything))
+    assert skipped and not first_column_kept and rest
+    assert expanded.constant.shape == (4, 1, 8) and float(expanded.constant.sum()) == 28.0  # the view saw the write
+
+
+def test_a_gpu_value_written_by_data_without_one_is_dropped_from_every_alias():
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    mode = fake_mode()
+    with mode:
+        data = torch.empty(4, 8, device="cuda")  # a stand-in for data: no values
+        with mode.draws.on():
+            ones = torch.ones(4, 8, device="cuda")
+            row = ones.select(0, 0)
+            mixed = ones * data
+            ones.mul_(data)
+            with pytest.raises(Exception) as refused:
+                bool(row.all())
+    assert mixed.constant is None and ones.constant is None and row.constant is None
+    assert "DataDependent" in type(refused.value).__name__
+
+
+def test_a_draw_on_the_gpus_device_is_taken_and_its_read_noted():
+    """LayerDrop drawing on the model's device (``torch.rand([], device=x.device)``): the branch is
+    taken as on the CPU, from the estimate's generator, and the line that read it is noted."""
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    def taken(device: str) -> tuple[bool, float]:
+        mode = fake_mode()
+        with mode:
+            with mode.draws.on():
+                draw = torch.rand([], device=device)
+                skip = bool(draw < 0.5)
+        assert len(mode.draws.reads) == 1
+        return skip, float(draw.constant)
+
+    assert taken("cuda") == taken("cpu")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and (not torch.backends.cuda.is_built() or torch.torch_version.TorchVersion(torch.__version__) < "2.5"),
+    reason="without a GPU, torch's CPU-only build refuses .to('cuda') before any mode sees it, and torch 2.4's fake copy starts CUDA",
+)
+def test_a_value_sent_to_the_gpu_stays_on_the_cpu():
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    mode = fake_mode()
+    with mode:
+        with mode.draws.on():
+            sent = torch.ones(2, 3).to("cuda")
+            back = sent.cpu()
+    assert sent.device.type == "cuda" and sent.constant.device.type == "cpu" and torch.equal(sent.constant, torch.ones(2, 3))
+    assert back.device.type == "cpu" and torch.equal(back.constant, torch.ones(2, 3))

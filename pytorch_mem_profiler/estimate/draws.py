@@ -37,6 +37,14 @@ Everything computed from an input, a weight, or anything else without a value
 stays without one: reading it is refused as before, naming the operator and
 the line.
 
+A value on the GPU would be a real allocation there, which an estimate never makes. A fake
+tensor of another device than the CPU (a fake CUDA tensor) keeps its value on the CPU beside it:
+operators on such values run their fake kernel for the result's device, shape and strides, and
+the CPU for its value (:meth:`Draws._device_values`). So a mask of ones a model makes on its
+device (``torch.ones(batch, length, device=input_ids.device)``: OPT, BART and Pegasus given no
+mask) is read by transformers, and a LayerDrop draw on the device is taken, in a fake CUDA step
+as in a real one.
+
 Random operators draw from a generator of the estimate's own, seeded with
 :data:`SEED` at each fake step: every step an estimate runs (one per batch size
 it fits) makes the same draws, the same as another estimate of the same model,
@@ -206,6 +214,9 @@ class Draws:
         #: tensors a factory made, not random, of more than one element, that no operator has
         #: touched since: (the tensor, the factory, its arguments made real for the CPU)
         self._fresh: dict[int, tuple[weakref.ref, Any, tuple, dict]] = {}
+        #: whether a fake tensor of another device than the CPU holds a value (kept on the CPU):
+        #: operators on it then come here whether or not a step runs (see :meth:`_device_values`)
+        self.kept_elsewhere = False
 
     @contextlib.contextmanager
     def on(self) -> Iterator[Draws]:
@@ -257,9 +268,14 @@ class Draws:
     def dispatch(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any]) -> Any:
         """``func`` under ``mode``: with real values where the rules give them, else ``fallback``'s
         fake result; values read from drawn tensors are noted."""
+        flat = _flat(args, kwargs)
+        if _device_valued(flat, kwargs) and isinstance(func, torch._ops.OpOverload) and _makes_tensors(func):
+            if not _tag(func, "nondeterministic_seeded"):  # random ones: drawn below, as on the CPU
+                return self._device_values(mode, func, args, kwargs, flat, fallback)
+        if not (self.active or self.making_inputs):
+            return fallback(func, args, kwargs)
         if self.making_inputs and not self.active:
             return self._input_values(mode, func, args, kwargs, fallback)
-        flat = _flat(args, kwargs)
         fakes = []
         for v in flat:
             if isinstance(v, torch.Tensor):
@@ -285,6 +301,64 @@ class Draws:
                 else:
                     self._mark(out, mode)
         return out
+
+    def _device_values(self, mode: Any, func: Any, args: tuple, kwargs: dict, flat: list[Any], fallback: Callable[..., Any]) -> Any:
+        """An operator on a tensor of another device than the CPU that holds its value (or that
+        makes one there from values): the fake result from torch's fake kernel, and its value
+        computed on the CPU from the arguments' values and kept beside it.
+
+        A fake tensor's value is a real tensor that torch's own constant propagation computes
+        with and returns as a fake tensor of the value's device; a value on a GPU would be a real
+        allocation there, which an estimate never makes. So a fake CUDA tensor keeps its value on
+        the CPU, and operators on such values are run here: the fake kernel gives the result its
+        device, shape and strides, the CPU its value. Where some argument has no value, or the
+        result is too large to carry one, the result has none, and a value written into in place
+        is dropped from every tensor sharing it (as torch's constant propagation does).
+        """
+        valued = [(t, t.constant) for t in flat if isinstance(t, torch.Tensor) and getattr(t, "constant", None) is not None]
+        everything = all(getattr(t, "constant", None) is not None for t in flat if isinstance(t, torch.Tensor) and mode.is_our_fake(t))
+        written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        for t, _ in valued:
+            t.constant = None  # torch's constant propagation would return the result on the values' device
+        try:
+            out = fallback(func, args, kwargs)
+        finally:
+            for t, value in valued:
+                t.constant = value
+        real: Any = None
+        if everything:
+            try:
+                real_args, real_kwargs = tree_map(lambda v: _value_on_cpu(v, mode), (args, kwargs))
+                real = self._run(func, real_args, _on_cpu(real_kwargs), False)
+            except Exception:  # noqa: BLE001 - a value the CPU cannot compute: the result has none
+                real = None
+        if written and real is None:
+            for name, t in _named_arguments(func, args, kwargs):
+                if name in written and isinstance(t, torch.Tensor) and getattr(t, "constant", None) is not None:
+                    mode.fake_tensor_converter.invalidate_constant_aliases(t.constant)
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                self._fresh.pop(id(t), None)  # used: no longer untouched since its factory
+        if written or real is None:
+            return out  # written in place: the values were written on the CPU as well
+        real_flat, _ = tree_flatten(real)
+        out_flat, _ = tree_flatten(out)
+        if len(real_flat) == len(out_flat):
+            for r, o in zip(real_flat, out_flat):
+                if (
+                    isinstance(o, torch.Tensor) and mode.is_our_fake(o) and o.constant is None and isinstance(r, torch.Tensor)
+                    and r.shape == o.shape and r.dtype == o.dtype and mode.may_turn_const(r)
+                ):  # fmt: skip
+                    self._keep_value(mode, o, r)
+        if self._drawn and any(self.is_drawn(t) for t, _ in valued):
+            self._mark(out, mode)  # computed from a draw: reading it is noted, as on the CPU
+        return out
+
+    def _keep_value(self, mode: Any, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """``real`` (on the CPU) kept as ``fake``'s value, whatever ``fake``'s device."""
+        fake.constant = _dense_like(real, fake)
+        mode.fake_tensor_converter.add_constant_storage_mapping(fake)
+        self.kept_elsewhere = self.kept_elsewhere or fake.device.type != "cpu"
 
     def is_drawn(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s value came from a random draw (and it still holds it)."""
@@ -345,11 +419,10 @@ class Draws:
             if fresh is None or fresh[0]() is not target:
                 return NotImplemented
             _, factory, f_args, f_kwargs = fresh
-            placed = _placed(_dense_like(self._run(factory, f_args, f_kwargs, False), target), target.device)
-            if placed is None or placed.shape != target.shape or placed.stride() != target.stride():
+            placed = _dense_like(self._run(factory, f_args, f_kwargs, False), target)
+            if placed.shape != target.shape or placed.stride() != target.stride():
                 return NotImplemented
-            target.constant = placed
-            mode.fake_tensor_converter.add_constant_storage_mapping(target)
+            self._keep_value(mode, target, placed)
         if not all(t.constant is not None for t in fakes):
             return NotImplemented
         if written:
@@ -397,10 +470,11 @@ class Draws:
                 continue
             if not isinstance(r, torch.Tensor) or r.shape != f.shape or r.dtype != f.dtype:
                 return fake
-            placed = _placed(_dense_like(r, f), f.device)
-            if placed is None:
-                return fake
-            value = mode.fake_tensor_converter.from_real_tensor(mode, placed, make_constant=True)
+            if f.device.type == "cpu":
+                value = mode.fake_tensor_converter.from_real_tensor(mode, _dense_like(r, f), make_constant=True)
+            else:  # kept on the CPU beside the fake tensor: see _device_values
+                self._keep_value(mode, f, r)
+                value = f
             if drawn:
                 self._drawn[id(value)] = weakref.ref(value)
             made.append(value)
@@ -481,8 +555,23 @@ def _value_on_cpu(v: Any, mode: Any) -> Any:
     return v
 
 
-def _placed(real: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """``real`` where it can stand for a tensor on ``device``: on the CPU only. A value on another
-    device would be a real allocation there, and an estimate takes not one byte of the device
-    (a draw made on the GPU's device then gets no value, and reading it is refused by name)."""
-    return real if device.type == "cpu" else None
+def _device_valued(flat: list[Any], kwargs: dict) -> bool:
+    """Whether an operator's arguments hold a value for another device than the CPU: a fake tensor
+    of another device with its value (kept on the CPU), or a value sent to another device."""
+    valued = False
+    for v in flat:
+        if isinstance(v, torch.Tensor) and getattr(v, "constant", None) is not None:
+            if v.device.type != "cpu":
+                return True
+            valued = True
+    if not valued:
+        return False
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type != "cpu"
+
+
+def _named_arguments(func: Any, args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+    """``(name, value)`` of each argument of an operator's call, by its schema."""
+    for a, v in zip(func._schema.arguments, args):
+        yield a.name, v
+    yield from kwargs.items()

@@ -136,7 +136,7 @@ class EstimateFakeMode(FakeTensorMode):
                     return out
         fallback = super().__torch_dispatch__
         try:
-            if self.draws.active or self.draws.making_inputs:
+            if self.draws.active or self.draws.making_inputs or self.draws.kept_elsewhere:
                 return self.draws.dispatch(self, func, args, kwargs, lambda f, a, k: fallback(f, types, a, k))
             return fallback(func, types, args, kwargs)
         except RuntimeError as err:

@@ -1,0 +1,115 @@
+"""On a GPU: values a step reads from tensors it makes on the GPU's device (a mask of ones, a
+LayerDrop draw) are read in the fake CUDA step as the real step reads them (kept on the CPU, see
+``pytorch_mem_profiler.estimate.draws``), so the estimate takes the real step's branches: checked
+against ``torch.cuda.max_memory_allocated()`` of the same two steps."""
+
+from __future__ import annotations
+
+import functools
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from pytorch_mem_profiler import estimate_memory
+from pytorch_mem_profiler.estimate.draws import Draws
+
+from .helpers import transformers_or_skip
+
+pytestmark = pytest.mark.cuda
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
+BATCH, SEQ, VOCAB = 8, 512, 32_000
+
+
+def _measured(build, inputs, loss_fn) -> int:
+    """Peak allocated over two AdamW steps above what was allocated before the model (after a
+    warm-up step, whose libraries' workspaces stay), as the zoo's conformance run measures."""
+
+    def steps(n: int) -> None:
+        model = build().cuda()
+        opt = ADAMW(model.parameters())
+        x = {k: v.cuda() for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.cuda()
+        for _ in range(n):
+            out = model(**x) if isinstance(x, dict) else model(x)
+            loss = loss_fn(out)
+            loss.backward()  # the output held through backward, as in the estimate's step
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out, loss
+
+    steps(1)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    steps(2)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _opt():
+    transformers = transformers_or_skip()
+    config = transformers.OPTConfig(
+        hidden_size=512, num_hidden_layers=4, num_attention_heads=8, ffn_dim=2048, vocab_size=VOCAB,
+        max_position_embeddings=SEQ, word_embed_proj_dim=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.OPTForCausalLM(config)
+
+
+def _logits_loss(out) -> torch.Tensor:
+    return out.logits.float().mean()
+
+
+def test_a_mask_of_ones_made_on_the_gpu_is_skipped_as_the_real_step_skips_it(monkeypatch):
+    """OPT given no attention mask makes ``torch.ones(batch, length)`` on the GPU; transformers reads
+    it and, all ones, skips the causal mask for scaled dot-product attention's ``is_causal``. The fake
+    CUDA step reads it the same way; without the values it builds a (batch, 1, length, length) mask
+    the real step does not."""
+    inputs = {"input_ids": torch.randint(0, VOCAB, (BATCH, SEQ))}
+    measured = _measured(_opt, inputs, _logits_loss)
+    estimate = estimate_memory(_opt, inputs, optimizer=ADAMW, loss_fn=_logits_loss, device="cuda", fit=False)
+    assert abs(estimate.peak - measured) <= 0.005 * measured, (estimate.peak, measured)
+    assert _masks_built(estimate) == 0
+    monkeypatch.setattr(Draws, "_keep_value", lambda self, mode, fake, real: None)  # no values on the GPU's device
+    without = estimate_memory(_opt, inputs, optimizer=ADAMW, loss_fn=_logits_loss, device="cuda", fit=False)
+    assert _masks_built(without) > 0
+    assert without.peak > estimate.peak
+
+
+def _masks_built(estimate) -> int:
+    """Float (batch, 1, length, length) masks transformers' mask functions made (``torch.where``)."""
+    events = estimate.step_events
+    size = BATCH * SEQ * SEQ * 4
+    return sum(1 for key, n in events.events if n == size and events.sources.get(key, "").startswith("aten.where"))
+
+
+class DeviceLayerDrop(nn.Module):
+    """Layers skipped when a draw on the input's device falls below ``p``."""
+
+    def __init__(self, p: float, width: int = 1024, layers: int = 4) -> None:
+        super().__init__()
+        self.p = p
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and torch.rand([], device=x.device) < self.p:
+                continue
+            x = x + layer(x)
+        return x
+
+
+def test_a_draw_on_the_gpu_is_taken_in_the_fake_step_and_its_read_noted():
+    """With ``p = 0`` no layer is skipped whatever the draw: the estimate is of the real step, and the
+    line that read the draw is named (it was refused before values lived beside fake CUDA tensors)."""
+    x = torch.randn(512, 1024)
+    build = functools.partial(DeviceLayerDrop, 0.0)
+    loss = lambda out: out.float().pow(2).mean()  # noqa: E731
+    measured = _measured(build, x, loss)
+    estimate = estimate_memory(build, x, optimizer=ADAMW, loss_fn=loss, device="cuda", fit=False)
+    assert abs(estimate.peak - measured) <= 0.005 * measured, (estimate.peak, measured)
+    assert any("torch.rand([], device=x.device)" in line for line in estimate.random_reads)
