@@ -2,6 +2,7 @@
 
     python benchmarks/rnn_rules.py --out results/      # on a GPU: about a minute on an H100
     python benchmarks/rnn_rules.py --quick --device cpu  # the estimate's side only, seconds: a smoke test
+    python benchmarks/rnn_rules.py --grid 500 --out results/  # the rule against cuDNN's own answer, seconds on a GPU
 
 For a grid of ``nn.LSTM``/``nn.GRU`` configurations (layers, hidden and input size,
 sequence length, batch, bidirectional, ``batch_first``, fp32 and bf16 autocast), on
@@ -189,13 +190,67 @@ def estimated(config: dict[str, Any], device: torch.device) -> tuple[int, int]:
     return est.peak_allocated, est.error_bound
 
 
+#: The grid's axes (``--grid``): every layer kind cuDNN runs, the sizes of language and speech models.
+GRID_AXES = {
+    "mode": ["lstm", "gru", "rnn_tanh"], "layers": [1, 2, 3, 4], "hidden": [64, 128, 256, 512, 768, 1024, 2048],
+    "input": [32, 128, 256, 512, 1024], "seq": [8, 16, 32, 64, 128, 256, 512], "batch": [1, 4, 8, 16, 32, 64, 128, 256],
+    "bidirectional": [False, True], "dtype": [torch.float32, torch.float32, torch.float16], "dropout": [0.0, 0.0, 0.1],
+}  # fmt: skip
+
+
+def grid_configurations(count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``count`` configurations drawn from :data:`GRID_AXES` (the same for the same seed)."""
+    import random
+
+    draw = random.Random(seed)
+    return [{key: draw.choice(values) for key, values in GRID_AXES.items()} for _ in range(count)]
+
+
+def grid(device: torch.device, count: int) -> dict[str, Any]:
+    """The rule (:func:`cudnn_rnn_buffers`) against cuDNN's own answer (:func:`rnn_temp_sizes`, as
+    ATen asks it) over :func:`grid_configurations`: how often the rule's workspace bound holds, and the
+    reserve rule's exactness. Seconds on a GPU: nothing runs, cuDNN is asked."""
+    from pytorch_mem_profiler.measure.cudnn_sizes import rnn_temp_sizes
+
+    rows, outside, reserve_exact, asked = [], 0, 0, 0
+    for c in grid_configurations(count):
+        element = torch.empty((), dtype=c["dtype"]).element_size()
+        directions = 2 if c["bidirectional"] else 1
+        rule_buffers = cudnn_rnn_buffers(c["mode"], seq_len=c["seq"], batch=c["batch"], hidden=c["hidden"], proj=c["hidden"],
+                                         layers=c["layers"], directions=directions, element_size=element)  # fmt: skip
+        answer = rnn_temp_sizes(device, c["mode"], input_size=c["input"], hidden=c["hidden"], proj=0, layers=c["layers"],
+                                bidirectional=c["bidirectional"], seq_len=c["seq"], batch=c["batch"], dtype=c["dtype"],
+                                dropout=c["dropout"])  # fmt: skip
+        row = {**c, "dtype": str(c["dtype"]).removeprefix("torch."), "rule_workspace": rule_buffers.workspace,
+               "rule_bound": rule_buffers.bound - rule_buffers.reserve_bound, "rule_reserve": rule_buffers.reserve}  # fmt: skip
+        if answer is not None:
+            asked += 1
+            row.update(workspace=answer.forward_workspace, backward_workspace=answer.backward_workspace, reserve=answer.reserve)
+            worst = max(abs(answer.forward_workspace - rule_buffers.workspace), abs(answer.backward_workspace - rule_buffers.workspace))
+            outside += worst > row["rule_bound"]
+            reserve_exact += answer.reserve == rule_buffers.reserve
+        rows.append(row)
+    return {"configurations": count, "asked": asked, "outside_bound": outside, "reserve_exact": reserve_exact, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for rnn_rules.json and rnn_rules.md (default: $OUT)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes, six configurations")
+    parser.add_argument("--grid", type=int, metavar="N", help="instead: the rule against cuDNN's own answer on N drawn configurations")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.grid:
+        found = grid(device, args.grid)
+        line = (f"{environment_line(device)}: {found['configurations']} configurations, cuDNN answered {found['asked']}; "
+                f"the workspace outside the rule's bound on {found['outside_bound']}, the reserve rule exact on "
+                f"{found['reserve_exact']} (dropout's masks and plain RNNs are not in the rule)")  # fmt: skip
+        print(line)
+        out = output_dir(args.out)
+        if out is not None:
+            (out / "rnn_rules_grid.json").write_text(json.dumps(found, indent=1))
+        return found["rows"]
     on_gpu = device.type == "cuda"
     started = time.perf_counter()
     rows = []

@@ -301,7 +301,7 @@ MEASURE = PACKAGE / "measure"
 
 #: The readers: the only modules of measure/ that call a device's memory API. They know nothing of
 #: iterations (no plan, no phase, no observer), so they hold no per-iteration state.
-READERS = {"devices", "allocator", "outside", "kernel_scratch"}
+READERS = {"devices", "allocator", "outside", "kernel_scratch", "cudnn_sizes"}
 #: What makes an iteration's events: the hook set (torch's hooks) and the phase machine.
 EVENT_SOURCES = {"hooks", "entries", "phases"}
 #: The observers of an iteration (each a subclass of ``observers.Observer``).

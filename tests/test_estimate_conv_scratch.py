@@ -595,3 +595,23 @@ def test_an_fp32_layer_of_five_to_seven_channels_keeps_the_loose_bound():
     found = convolution_backward_scratch(_meta(y_shape), _meta(x_shape), _meta(w_shape), output_mask=(False, True, False), **geometry)
     assert sum(found.blocks) == 0
     assert found.bound == transforms_bytes(x_shape, y_shape, w_shape, torch.float32) + WORKSPACE_FLOOR  # not measured
+
+
+def test_matrices_cublas_cannot_read_in_place_are_copied_whole():
+    """ATen's ``prepare_matrix_for_cublas``: dense row- or column-major matrices, and slices whose
+    leading dimension still covers the other size, are read in place; anything else (a ``sum()``
+    loss's gradient expanded from one number, a slice strided both ways) is copied contiguous."""
+    aten = torch.ops.aten
+    with torch.device("meta"):
+        x, w = torch.empty(64, 32), torch.empty(32, 16)
+        expanded = torch.empty(()).expand(64, 32)
+    assert layout_copies(aten.mm.default, (expanded, w), {}) == (64 * 32 * 4,)
+    assert layout_copies(aten.mm.default, (expanded.t(), x), {}) == (64 * 32 * 4,)
+    assert layout_copies(aten.mm.default, (x, w), {}) == ()
+    assert layout_copies(aten.mm.default, (w.t(), x.t()), {}) == ()  # column-major
+    assert layout_copies(aten.mm.default, (x[:, :16], w[:16]), {}) == ()  # leading dimension covers the columns
+    assert layout_copies(aten.mm.default, (x[::2], w), {}) == ()  # rows strided, columns unit
+    assert layout_copies(aten.mm.default, (x[::2, ::2], w[:16]), {}) == (block_size(32 * 16 * 4),)
+    bias = torch.empty(16, device="meta")
+    assert layout_copies(aten.addmm.default, (bias, expanded, w), {}) == (64 * 32 * 4,)
+    assert layout_copies(aten.addmm.default, (bias.expand(64, 16), x, w), {}) == ()  # the bias is not a cuBLAS operand

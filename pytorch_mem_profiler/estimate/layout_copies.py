@@ -18,7 +18,15 @@ CUDA code is known to copy so:
 - ``max_pool2d_with_indices_backward``, ``avg_pool2d_backward``,
   ``_adaptive_avg_pool2d_backward``: the gradient, the input (and the indices)
   into the input's suggested layout;
-- ``cudnn_batch_norm_backward``: the gradient into the input's layout.
+- ``cudnn_batch_norm_backward``: the gradient into the input's layout;
+- ``mm``, ``addmm``: a matrix cuBLAS cannot read in place (ATen's
+  ``prepare_matrix_for_cublas``: not dense, and neither column- nor row-major
+  with a leading dimension at least its other size), into contiguous. The
+  gradient of a ``sum()`` or ``mean()`` loss reaches the last linear layer
+  expanded from one number (strides 0): its ``mm`` backward copies it whole,
+  once for the input's gradient and once for the weight's (a language model's
+  logits' size: 196,608,000 bytes for 48 x 128 x 8,000 fp32 on an H200, the
+  step's peak there).
 
 Measured on an H100 (``benchmarks/conv_workspace_rules.py``, fp32 and bf16, the
 gradient a channel slice): each of the first five operators' scratch is the sliced
@@ -35,6 +43,10 @@ Example::
     (134217728,)
     >>> layout_copies(torch.ops.aten.upsample_bilinear2d_backward.default, (grad.contiguous(), [256, 256], [8, 64, 128, 128], False), {})
     ()
+    >>> with torch.device("meta"):
+    ...     expanded, weight = torch.empty(()).expand(6144, 8000), torch.empty(8000, 128)  # a sum loss's gradient
+    >>> layout_copies(torch.ops.aten.mm.default, (expanded, weight), {}), layout_copies(torch.ops.aten.mm.default, (weight.t(), weight), {})
+    ((196608000,), ())
 """
 
 from __future__ import annotations
@@ -82,6 +94,31 @@ def _by_input_layout(grad_index: int, input_index: int, others: Sequence[int] = 
     return rule
 
 
+def _cublas_copy(matrix: Any) -> int:
+    """The block of the contiguous copy ATen's ``prepare_matrix_for_cublas`` makes of ``matrix`` (0: none)."""
+    if not isinstance(matrix, torch.Tensor) or matrix.dim() != 2 or matrix.numel() == 0:
+        return 0
+    (rows, cols), (row_stride, col_stride) = matrix.shape, matrix.stride()
+    # dense, without overlap or gaps: row- or column-major (a size-1 dimension's stride is free)
+    if (cols == 1 or col_stride == 1) and (rows == 1 or row_stride == cols):
+        return 0
+    if (rows == 1 or row_stride == 1) and (cols == 1 or col_stride == rows):
+        return 0
+    if row_stride == 1 and col_stride >= max(1, rows):  # column-major with its leading dimension
+        return 0
+    if col_stride == 1 and row_stride >= max(1, cols):  # row-major with its leading dimension
+        return 0
+    return block_size(matrix.numel() * matrix.element_size())
+
+
+def _matrices(*indices: int):  # type: ignore[no-untyped-def]
+    def rule(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
+        copies = [_cublas_copy(args[i]) for i in indices if i < len(args)]
+        return tuple(b for b in copies if b)
+
+    return rule
+
+
 _aten = torch.ops.aten
 #: The operators covered, and how each picks the layout it copies into.
 COPYING_OPERATORS = {
@@ -95,6 +132,9 @@ COPYING_OPERATORS = {
     _aten._adaptive_avg_pool2d_backward.default: _by_input_layout(0, 1),
     # (input, grad_output, weight, running_mean, running_var, save_mean, save_var, epsilon, reserve)
     _aten.cudnn_batch_norm_backward.default: _by_input_layout(1, 0),
+    # (self, mat2); (self, mat1, mat2, beta, alpha): the matrices cuBLAS reads
+    _aten.mm.default: _matrices(0, 1),
+    _aten.addmm.default: _matrices(1, 2),
 }
 
 

@@ -39,7 +39,8 @@ H100 (``benchmarks/rnn_rules.py``; ``docs/estimate.md`` has the table):
   backward (backward data, then backward weights).
 
 In backward, as ATen's ``_cudnn_rnn_backward`` allocates: a contiguous copy of the
-output's gradient where it is not contiguous (freed after the data pass), zeros for
+output's gradient where it is not contiguous in the kernel's time-major layout (for
+``batch_first`` always: ATen transposes the gradient first; freed after the data pass), zeros for
 final states without a gradient, the input's and states' gradients, then the weights'
 gradient as one flat buffer (in the compute dtype; under autocast cast to each
 float32 weight after), and for ``batch_first`` a transposed copy of the input beside
@@ -267,8 +268,9 @@ class _CudnnRNN(torch.autograd.Function):
         states = saved[1 : 1 + spec["n_states"]]
         weights = saved[3 + spec["n_states"] : 3 + spec["n_states"] + ctx.n_weights]
         dtype = spec["dtype"]
-        # backward data: the output's gradient made contiguous, the input's and states' gradients
-        grad_out = grads[0].contiguous()
+        # backward data: the output's gradient made contiguous in the kernel's time-major layout (for
+        # batch_first ATen transposes it first: a copy), the input's and states' gradients
+        grad_out = grads[0].transpose(0, 1).contiguous() if spec["batch_first"] else grads[0].contiguous()
         grad_x = x.new_empty(x.shape)
         grad_states = [s.new_empty(s.shape) for s in states]
         _inside_kernel(x, spec)
