@@ -6,7 +6,6 @@ weight's). The fake CUDA estimate makes those copies (``estimate.layout_copies``
 from __future__ import annotations
 
 import functools
-import gc
 
 import pytest
 import torch
@@ -14,6 +13,8 @@ from torch import nn
 
 from pytorch_mem_profiler import estimate_memory
 from pytorch_mem_profiler.estimate.layout_copies import COPYING_OPERATORS
+
+from .test_estimate_rnn_cuda import _measured
 
 pytestmark = pytest.mark.cuda
 
@@ -34,34 +35,12 @@ class TokenHead(nn.Module):
         return self.head(torch.relu(self.hidden(self.embed(x))))
 
 
-def _measured(loss) -> int:  # type: ignore[no-untyped-def]
-    for batch in (2, BATCH):
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        model = TokenHead().to(CUDA)
-        opt = torch.optim.AdamW(model.parameters())
-        x = torch.zeros(batch, SEQ, dtype=torch.long, device=CUDA)
-        for _ in range(2):
-            out = model(x)
-            loss(out).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del out
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        del model, opt, x
-    return peak
-
-
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_a_sum_losss_expanded_gradient_is_copied_inside_the_heads_mm(reduction, monkeypatch):
     """A ``sum()`` loss's gradient is copied (the step's peak rises by about the logits' size); a
     ``mean()`` loss's is not (its backward divides, which makes a dense tensor)."""
     loss = (lambda out: out.sum()) if reduction == "sum" else (lambda out: out.mean())
-    measured = _measured(loss)
+    measured = _measured(TokenHead, BATCH, SEQ, None, optimizer=torch.optim.AdamW, loss=loss)
     estimate = functools.partial(
         estimate_memory, TokenHead, lambda b: torch.zeros(b, SEQ, dtype=torch.long), batch_size=BATCH,
         optimizer=torch.optim.AdamW, loss_fn=loss, device=CUDA, workspace=0, fit=False,

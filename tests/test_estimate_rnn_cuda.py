@@ -30,8 +30,9 @@ class LanguageModel(nn.Module):
         return self.head(self.rnn(self.embed(x))[0])
 
 
-def _measured(build, batch: int, seq: int, autocast) -> int:
-    """max_memory_allocated over two SGD steps above what was allocated before the model (after a warm-up)."""
+def _measured(build, batch: int, seq: int, autocast, *, optimizer=SGD, loss=lambda out: out.float().sum()) -> int:  # type: ignore[no-untyped-def]
+    """max_memory_allocated over two steps (SGD, a sum loss by default) of token batches of ``seq``,
+    above what was allocated before the model (after a warm-up)."""
     for size in (1, batch):
         gc.collect()
         torch.cuda.synchronize()
@@ -39,12 +40,12 @@ def _measured(build, batch: int, seq: int, autocast) -> int:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         model = build().to(CUDA)
-        opt = SGD(model.parameters())
+        opt = optimizer(model.parameters())
         x = torch.zeros(size, seq, dtype=torch.long, device=CUDA)
         for _ in range(2):
             with torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):
                 out = model(x)
-            out.float().sum().backward()
+            loss(out).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             del out
