@@ -65,6 +65,39 @@ def test_estimate_equals_the_measured_cpu_peak_to_the_byte(build, shape, optimiz
     assert set(estimate.peak_breakdown) == set(PEAK_CATEGORIES)
 
 
+OPTIMIZERS = {
+    "adagrad": torch.optim.Adagrad,  # its state is made when it is built, not at its first step
+    "adagrad-loop": functools.partial(torch.optim.Adagrad, foreach=False),
+    "rmsprop-centered-momentum": functools.partial(torch.optim.RMSprop, momentum=0.9, centered=True),
+    "nadam": torch.optim.NAdam,
+    "radam": torch.optim.RAdam,
+    "adamax": torch.optim.Adamax,
+    "adadelta": torch.optim.Adadelta,
+    "asgd": torch.optim.ASGD,
+    "rprop": torch.optim.Rprop,
+    "adam-amsgrad": functools.partial(torch.optim.Adam, amsgrad=True),
+    "adamw-loop": functools.partial(torch.optim.AdamW, foreach=False),
+    "sgd-nesterov": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS.values()), ids=list(OPTIMIZERS))
+def test_every_torch_optimizer_is_estimated_to_the_byte(optimizer):
+    """torch's optimizers beside Adam and SGD, on the CPU: the estimate equals the measured peak, and
+    its optimizer state equals the state's unique storages after the real step."""
+    estimate = estimate_memory(mlp, torch.zeros(8, 64), optimizer=optimizer, device=CPU, fit=False)
+    assert estimate.peak == measured_peak(mlp, lambda: torch.randn(8, 64), optimizer)
+    model = mlp()
+    opt = optimizer(model.parameters())
+    for _ in range(2):
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
+             if isinstance(t, torch.Tensor)}  # fmt: skip
+    assert estimate.optimizer_state == sum(state.values())
+
+
 def test_model_state_figures_equal_bytes_counted_by_hand():
     model = mlp()
     estimate = estimate_memory(model, torch.zeros(16, 64), optimizer=torch.optim.Adam, device=CPU, fit=False)

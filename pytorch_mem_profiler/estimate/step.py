@@ -562,6 +562,10 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
             # on the device in the order model.to(device) copies them: what the replay starts from
             _adopt_weights(counter, model, flattened)
             _adopt_set_up(counter, set_up)
+            # state an optimizer makes when it is built (Adagrad's sums), after the weights, as a user's
+            # script makes it: counted from the start, as the step's own state is from its first step
+            if optimizer is not None:
+                counter.adopt(list(optimizer_state_tensors([optimizer])), role="optimizer_state")
             # what the user fixed in the inputs (a mask of ones) keeps its values: libraries read them
             inputs = fake_inputs(plan.example_inputs, batch_size, run_device, mode)
             targets = fake_inputs(plan.targets, batch_size, run_device, mode) if plan.targets is not None else None
