@@ -98,6 +98,16 @@ def test_every_torch_optimizer_is_estimated_to_the_byte(optimizer):
     assert estimate.optimizer_state == sum(state.values())
 
 
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_by_name():
+    """LBFGS runs the forward and backward inside its step, as often as the loss's value decides: refused
+    with its name, not a TypeError from inside the step."""
+    from pytorch_mem_profiler.estimate import EstimateUnsupported
+
+    with pytest.raises(EstimateUnsupported) as refused:
+        estimate_memory(mlp, torch.zeros(8, 64), optimizer=torch.optim.LBFGS, device=CPU, fit=False)
+    assert refused.value.operation == "LBFGS.step(closure)" and "MemoryProfiler" in str(refused.value)
+
+
 def test_model_state_figures_equal_bytes_counted_by_hand():
     model = mlp()
     estimate = estimate_memory(model, torch.zeros(16, 64), optimizer=torch.optim.Adam, device=CPU, fit=False)

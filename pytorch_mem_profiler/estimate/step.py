@@ -27,6 +27,7 @@ import bisect
 import contextlib
 import dataclasses
 import functools
+import inspect
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -554,6 +555,15 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
         dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params if p.is_floating_point()}))
         # a model with nothing to train has no optimizer step
         optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
+        if optimizer is not None and _step_needs_closure(optimizer):
+            name = type(optimizer).__name__
+            raise EstimateUnsupported(
+                f"{name}.step needs a closure: it runs the forward and backward again inside the step, as often as "
+                f"it decides from the loss's value (torch.optim.LBFGS reads it), which a fake step cannot read. "
+                f"Measure a real step on the device instead: MemoryProfiler(model, print_period=1) around one "
+                f"{name} iteration",
+                operation=f"{name}.step(closure)",
+            )
         buffers = [b for b in model.buffers() if b is not None]
         counter.start()
         with counter.paused():
@@ -676,6 +686,15 @@ def _moved_by_module(module: nn.Module) -> Iterator[tuple[nn.Module, list[torch.
         yield from _moved_by_module(child)
     own = [p for p in module._parameters.values() if p is not None]
     yield module, own + [b for b in module._buffers.values() if b is not None]
+
+
+def _step_needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` takes a closure it cannot do without (``torch.optim.LBFGS``)."""
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _adopt_weights(counter: StorageLifeCounter, model: nn.Module, flattened: Mapping[int, tuple[int, ...]]) -> None:
