@@ -79,6 +79,8 @@ OPTIMIZERS = {
     "adamw-loop": functools.partial(torch.optim.AdamW, foreach=False),
     "sgd-nesterov": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True),
 }
+if hasattr(torch.optim, "Adafactor"):  # torch 2.5 and later: its step reads each weight's norm (.item())
+    OPTIMIZERS["adafactor"] = torch.optim.Adafactor
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS.values()), ids=list(OPTIMIZERS))
@@ -96,6 +98,38 @@ def test_every_torch_optimizer_is_estimated_to_the_byte(optimizer):
     state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
              if isinstance(t, torch.Tensor)}  # fmt: skip
     assert estimate.optimizer_state == sum(state.values())
+
+
+def test_numbers_the_optimizers_step_reads_get_a_stand_in_and_a_note_but_the_models_are_refused():
+    """A number read inside ``optimizer.step()`` only scales an update in place: 1 stands in and the
+    report says which line read it. The same read in the model's forward is still refused."""
+    from pytorch_mem_profiler.estimate import EstimateUnsupported
+
+    class NormScaledSGD(torch.optim.Optimizer):
+        def __init__(self, params):  # type: ignore[no-untyped-def]
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):  # type: ignore[no-untyped-def]
+            for group in self.param_groups:
+                for p in group["params"]:
+                    scale = p.norm().item()  # a number the update is scaled by
+                    p.add_(p.grad, alpha=-group["lr"] * scale)
+
+    estimate = estimate_memory(mlp, torch.zeros(8, 64), optimizer=NormScaledSGD, device=CPU, fit=False)
+    assert estimate.peak == measured_peak(mlp, lambda: torch.randn(8, 64), NormScaledSGD)
+    assert any("scale = p.norm().item()" in note and "stood in" in note for note in estimate.notes), estimate.notes
+
+    class ReadsInForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(64, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) * x.norm().item()
+
+    with pytest.raises(EstimateUnsupported):
+        estimate_memory(ReadsInForward(), torch.zeros(8, 64), optimizer=NormScaledSGD, device=CPU, fit=False)
 
 
 def test_an_optimizer_whose_step_needs_a_closure_is_refused_by_name():

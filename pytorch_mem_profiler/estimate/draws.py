@@ -97,6 +97,7 @@ HOST_VALUE_NUMEL = 1 << 20
 SEED = 0
 
 _CPU = torch.device("cpu")
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -214,6 +215,10 @@ class Draws:
         #: tensors a factory made, not random, of more than one element, that no operator has
         #: touched since: (the tensor, the factory, its arguments made real for the CPU)
         self._fresh: dict[int, tuple[weakref.ref, Any, tuple, dict]] = {}
+        #: while the optimizer's step runs: a number read from a tensor without a value gets a
+        #: stand-in (see :meth:`stand_ins_in_step`); the lines that read one, and how often
+        self.standing_in = False
+        self.stand_ins: dict[str, int] = {}
         #: whether a fake tensor of another device than the CPU holds a value (kept on the CPU):
         #: operators on it then come here whether or not a step runs (see :meth:`_device_values`)
         self.kept_elsewhere = False
@@ -249,6 +254,31 @@ class Draws:
         finally:
             self.making_inputs = False
             self._host.clear()
+
+    @contextlib.contextmanager
+    def stand_ins_in_step(self) -> Iterator[Draws]:
+        """While an optimizer's step runs: a Python number read from a tensor without a value
+        (Adafactor's ``param.norm(2).item()`` scaling its update) is 1 (``True``), and the line is noted.
+
+        Such a number scales an update in place; what the step allocates does not follow it. A read
+        outside the optimizer's step is still refused, naming the line.
+        """
+        self.standing_in = True
+        try:
+            yield self
+        finally:
+            self.standing_in = False
+
+    def _stand_in(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A stand-in number for ``func`` (``aten._local_scalar_dense``) of a tensor without a value."""
+        tensor = args[0] if args else None
+        line = user_line(traceback.extract_stack()) or str(func)
+        self.stand_ins[line] = self.stand_ins.get(line, 0) + 1
+        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool:
+            return True
+        if isinstance(tensor, torch.Tensor) and (tensor.is_floating_point() or tensor.is_complex()):
+            return 1.0
+        return 1
 
     def host_value(self, mode: Any, real: torch.Tensor) -> torch.Tensor:
         """A real CPU tensor the user gave, as a fake one with its value (a copy: the step never
@@ -293,6 +323,8 @@ class Draws:
         for t in fakes:
             self._fresh.pop(id(t), None)  # used: no longer untouched since its factory
         if out is NotImplemented:
+            if self.standing_in and func is _LOCAL_SCALAR and fakes and all(getattr(t, "constant", None) is None for t in fakes):
+                return self._stand_in(func, args, kwargs)
             out = fallback(func, args, kwargs)
             if self._drawn and any(self.is_drawn(t) for t in fakes):
                 if _tag(func, "data_dependent_output"):  # .item(), a Python `if` on a tensor

@@ -614,7 +614,8 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
                     gradients = _give_role(counter, [p.grad for p in params if p.grad is not None], "gradients")
                     if optimizer is not None:
                         counter.enter_phase("optimizer")
-                        optimizer.step()
+                        with mode.draws.stand_ins_in_step():  # a number scaling an update (Adafactor)
+                            optimizer.step()
                         optimizer_state = _give_role(counter, list(optimizer_state_tensors([optimizer])), "optimizer_state")
                         counter.enter_phase("other")
                         optimizer.zero_grad(set_to_none=True)
@@ -648,7 +649,20 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
     }
     if bounds:
         step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds), transient_bounds=frozenset(transient))
-    return dataclasses.replace(step, notes=compiled.notes())
+    return dataclasses.replace(step, notes=(*compiled.notes(), *_stand_in_notes(mode.draws.stand_ins)))
+
+
+def _stand_in_notes(stand_ins: Mapping[str, int]) -> tuple[str, ...]:
+    """The report's note on numbers the optimizer's step read from tensors without values (see
+    :meth:`.Draws.stand_ins_in_step`)."""
+    if not stand_ins:
+        return ()
+    n = sum(stand_ins.values())
+    return (
+        f"The optimizer's step read {n} number{'s' if n != 1 else ''} from tensors without values "
+        f"({'; '.join(stand_ins)}): 1 stood in for each; they scale updates made in place, which allocate "
+        f"the same whatever the number",
+    )
 
 
 def kernel_scratch(target: torch.device, *, measured: bool = False) -> KernelScratch | None:
