@@ -80,7 +80,7 @@ import sys
 import traceback
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils._mode_utils import no_dispatch
@@ -269,10 +269,9 @@ class Draws:
         finally:
             self.standing_in = False
 
-    def _stand_in(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """A stand-in number for ``func`` (``aten._local_scalar_dense``) of a tensor without a value."""
-        tensor = args[0] if args else None
-        line = user_line(traceback.extract_stack()) or str(func)
+    def _stand_in(self, tensor: Any) -> Any:
+        """A stand-in number for ``aten._local_scalar_dense`` of ``tensor``, which has no value."""
+        line = user_line(traceback.extract_stack()) or str(_LOCAL_SCALAR)
         self.stand_ins[line] = self.stand_ins.get(line, 0) + 1
         if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool:
             return True
@@ -320,11 +319,10 @@ class Draws:
                 out = self._made(mode, func, args, kwargs, fallback, random)
             elif random:
                 out = self._redrawn(mode, func, args, kwargs, fallback, fakes)
-        for t in fakes:
-            self._fresh.pop(id(t), None)  # used: no longer untouched since its factory
+        self._used(fakes)
         if out is NotImplemented:
             if self.standing_in and func is _LOCAL_SCALAR and fakes and all(getattr(t, "constant", None) is None for t in fakes):
-                return self._stand_in(func, args, kwargs)
+                return self._stand_in(args[0] if args else None)
             out = fallback(func, args, kwargs)
             if self._drawn and any(self.is_drawn(t) for t in fakes):
                 if _tag(func, "data_dependent_output"):  # .item(), a Python `if` on a tensor
@@ -368,9 +366,7 @@ class Draws:
             for name, t in _named_arguments(func, args, kwargs):
                 if name in written and isinstance(t, torch.Tensor) and getattr(t, "constant", None) is not None:
                     mode.fake_tensor_converter.invalidate_constant_aliases(t.constant)
-        for t in flat:
-            if isinstance(t, torch.Tensor):
-                self._fresh.pop(id(t), None)  # used: no longer untouched since its factory
+        self._used(t for t in flat if isinstance(t, torch.Tensor))
         if written or real is None:
             return out  # written in place: the values were written on the CPU as well
         real_flat, _ = tree_flatten(real)
@@ -385,6 +381,11 @@ class Draws:
         if self._drawn and any(self.is_drawn(t) for t, _ in valued):
             self._mark(out, mode)  # computed from a draw: reading it is noted, as on the CPU
         return out
+
+    def _used(self, tensors: Iterable[torch.Tensor]) -> None:
+        """``tensors`` an operator read: no longer untouched since their factory (see ``_fresh``)."""
+        for t in tensors:
+            self._fresh.pop(id(t), None)
 
     def _keep_value(self, mode: Any, fake: torch.Tensor, real: torch.Tensor) -> None:
         """``real`` (on the CPU) kept as ``fake``'s value, whatever ``fake``'s device."""

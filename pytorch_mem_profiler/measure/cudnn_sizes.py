@@ -228,7 +228,7 @@ def _temp_sizes(
     shape = dict(input_size=input_size, hidden=hidden, proj=proj, layers=layers, bidirectional=bidirectional, seq_len=seq_len, batch=batch)
     answers = []
     for forward in (True, False):
-        algorithm = rnn_algorithm(mode, **{k: v for k, v in shape.items()}, half=half, double=double, forward=forward, device_properties=card)
+        algorithm = rnn_algorithm(mode, **shape, half=half, double=double, forward=forward, device_properties=card)
         answer = _ask(lib, handle, dropout, mode, algorithm=algorithm, data_type=data_type, math_type=math_type, **shape)
         if answer is None:
             return None
