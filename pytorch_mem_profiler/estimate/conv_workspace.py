@@ -135,7 +135,10 @@ FIRST_LAYER_CHANNELS = 4
 #: of 13x13 to 112x112 positions, 78 took the partials (to 0.1%), 87 the smaller of the two within
 #: 2.3 MiB and all within 8.4 MB of it; the 89 forwards there took none. At 7x7 the forwards took the
 #: transforms, and 13 of 19 backward calls (the other 6, fp32, more: up to 3.4 times them, the
-#: partials). Between 7x7 and 13x13 nothing was measured: the threshold lies there.
+#: partials); in bf16 MNASNet's expanding and contracting 1x1s took the partials in 6 of 10 calls,
+#: up to 12 times the transforms, where GoogLeNet's and ShuffleNetV2's took the transforms, so at 7x7
+#: the filter pass's bound covers the partials. Between 7x7 and 13x13 nothing was measured: the
+#: threshold lies there.
 POINTWISE_GEMM_POSITIONS = 100
 #: fp32 without TF32 (``torch.backends.cudnn.allow_tf32 = False``): the filter pass takes this many
 #: times the transforms (2.25 to 4.2 measured), forward and data passes none on NCHW; bound: twice them.
@@ -359,7 +362,8 @@ def cudnn_pass_workspace(
       :data:`POINTWISE_GEMM_POSITIONS` output positions: GEMMs on NCHW, the forward and data passes
       none, the filter pass the smaller of :func:`pointwise_filter_partials` and ``T``; bound the
       floor (8.4 MB the farthest measured); with fewer positions (7x7), forward and backward ``T``
-      (the filter pass in fp32 bound ``2 T`` plus the floor: some took the partials);
+      (the filter pass's bound covers the partials plus the floor, in fp32 at least ``2 T`` plus
+      the floor: some plans took the partials, in fp32 and in bf16);
     - NCHW, backward passes: ``T``, the filter pass ``T`` rounded up to 2 MiB where it is 10 MiB or
       more (a little more than ``T``, handed the whole block ``T`` left; in fp32
       :data:`FP32_FILTER_EXCESS` past it), bound ``spread``; a 2-D fp32 first layer (not a stem) none,
@@ -442,9 +446,13 @@ def cudnn_pass_workspace(
         estimate = -(-transforms // ROUND_LARGE) * ROUND_LARGE
         if fp32:  # in fp32 more, past the block (8 of 9 measured): the smallest excess seen, a segment of its own
             estimate += FP32_FILTER_EXCESS
-    if gemm and kind == "filter" and fp32:
-        # 7x7 in fp32: 6 of 9 took more than the transforms, up to 3.4 times them (the partials)
-        bound = max(bound, 2 * transforms + WORKSPACE_FLOOR)
+    if gemm and kind == "filter":
+        # 7x7: some plans take the per-image partials instead of the transforms, in fp32 (6 of 9, up to
+        # 3.4 times them) and in bf16 (MNASNet's 1152 <- 192, 320 <- 1152 and 1280 <- 320 at batch 64, 6
+        # of 10 calls, where GoogLeNet's and ShuffleNetV2's of like sizes took the transforms): no size
+        # tells which, so the bound covers the partials
+        partials = pointwise_filter_partials(x_shape, y_shape)
+        bound = max(bound, partials + WORKSPACE_FLOOR - estimate, 2 * transforms + WORKSPACE_FLOOR if fp32 else 0)
     if benchmark:
         bound += BENCHMARK_SEARCH_BOUND + 2 * transforms
     return estimate, bound
