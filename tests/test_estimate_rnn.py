@@ -267,7 +267,7 @@ def test_a_measured_workspace_replaces_the_rule_and_its_bound(batch_first):
     pending: set[tuple] = set()
     rules = CudnnRNNRules("cpu", pending=pending)
     # not measured yet: the rule's workspace (forward, backward data, backward weights) and its bound; the call pending
-    assert _uint8_buffers(layer, x, rules) == [rule.reserve, rule.workspace, rule.workspace, rule.workspace]
+    assert _uint8_buffers(layer, x, rules) == [rule.workspace, rule.reserve, rule.workspace, rule.workspace]  # ATen's order
     key = recurrent_key("lstm", seq_len=seq, batch=batch, input_size=32, hidden=64, proj=64, layers=2, directions=1,
                         bias=True, batch_first=batch_first, dtype=torch.float32, dropout=0.0, train=True)  # fmt: skip
     assert pending == {key} and rules.bounds == {"aten._cudnn_rnn (lstm)": rule.bound}
@@ -277,7 +277,7 @@ def test_a_measured_workspace_replaces_the_rule_and_its_bound(batch_first):
     try:
         pending.clear()
         rules = CudnnRNNRules("cpu", pending=pending)
-        assert _uint8_buffers(layer, x, rules) == [rule.reserve] + [3 * 2**20] * 3
+        assert _uint8_buffers(layer, x, rules) == [3 * 2**20, rule.reserve, 3 * 2**20, 3 * 2**20]
         assert not pending and rules.bounds == {}
     finally:
         del MEASURED[key]
@@ -289,5 +289,54 @@ def test_without_measuring_no_call_is_pending_and_the_rule_stands():
     rules = CudnnRNNRules("cpu")
     x = torch.randn(7, 3, 16)
     rule = cudnn_rnn_buffers("gru", seq_len=7, batch=3, hidden=24, proj=24, layers=1, directions=1, element_size=4)
-    assert _uint8_buffers(nn.GRU(16, 24), x, rules) == [rule.reserve] + [rule.workspace] * 3
+    assert _uint8_buffers(nn.GRU(16, 24), x, rules) == [rule.workspace, rule.reserve, rule.workspace, rule.workspace]
     assert rules.pending is None
+
+
+@pytest.mark.parametrize("exact", [True, False, "autocast"])
+def test_on_fake_cuda_tensors_cudnn_s_own_sizes_replace_the_rule(monkeypatch, exact):
+    """Where the estimate's tensors are fake CUDA ones (a GPU here), each training call asks cuDNN its
+    workspaces and reserve (``measure.cudnn_sizes.rnn_temp_sizes``, exact on the GPU) with the call's
+    own sizes and dropout, and leaves no bound; ``exact=False`` (emulated, no GPU) and a call under
+    autocast keep the rule."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pytorch_mem_profiler.estimate.rnn import CudnnRNNRules
+    from pytorch_mem_profiler.measure import cudnn_sizes
+
+    asked: list[tuple] = []
+
+    def answer(device, mode, **sizes):
+        asked.append((device.type, mode, sizes))
+        return cudnn_sizes.RNNTempSizes(forward_workspace=111 * 512, backward_workspace=222 * 512, reserve=333 * 512)
+
+    monkeypatch.setattr(cudnn_sizes, "rnn_temp_sizes", answer)
+    sizes: list[int] = []
+
+    class Buffers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.new_empty.default and (kwargs or {}).get("dtype") is torch.uint8:
+                sizes.append(out.numel())
+            return out
+
+    # the autocast state is read on the device type the rules are given (the CPU's here: no CUDA needed)
+    rules = CudnnRNNRules("cpu", exact=bool(exact))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        layer = nn.GRU(16, 24, num_layers=2, batch_first=True, dropout=0.25, device="cuda")
+        x = torch.empty(5, 7, 16, device="cuda")
+        with rules, Buffers(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=exact == "autocast"):
+            layer(x)  # the forward: fake CUDA tensors run backward only where a GPU is (the CUDA tests)
+    element = 2 if exact == "autocast" else 4
+    rule = cudnn_rnn_buffers("gru", seq_len=7, batch=5, hidden=24, proj=24, layers=2, directions=1, element_size=element)
+    buffers = [s for s in sizes if s != rules.dropout_state.numel()] if rules.dropout_state is not None else sizes
+    if exact is True:
+        assert buffers == [111 * 512, 333 * 512]  # the forward's workspace, then the reserve
+        assert asked == [("cuda", "gru", {"input_size": 16, "hidden": 24, "proj": 0, "layers": 2, "bidirectional": False,
+                                          "seq_len": 7, "batch": 5, "dtype": torch.float32, "dropout": 0.25})]  # fmt: skip
+        assert rules.bounds == {} and rules.reserve_bounds == {}
+    else:
+        weight_buf = [sum(p.numel() for p in layer.parameters()) * 2] if exact == "autocast" else []
+        assert buffers == weight_buf + [rule.workspace, rule.reserve] and asked == []
+        assert rules.bounds == {"aten._cudnn_rnn (gru)": rule.bound - rule.reserve_bound}

@@ -60,6 +60,7 @@ from .compiled import CompiledModules
 from .global_caches import fake_values_left_out_of_caches
 from .fake import FakeKernelRefused, eager_modules, fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
+from .linear_rules import LinearBiasRules
 from .loss_rules import LossRules
 from .rnn import CudnnRNNRules, flatten_weights
 from .library_rules import library_rules
@@ -530,12 +531,16 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
     # cuDNN's recurrent layers, with its reserve, workspace and weight buffer, on fake tensors
     pending = scratch.pending if scratch is not None and scratch.measured else None
-    rnn = CudnnRNNRules(run_device.type, multiprocessors=cuda_multiprocessors(target), pending=pending) if target.type == "cuda" else None
+    # on fake CUDA tensors (a GPU here) cuDNN is asked its sizes for each call, as ATen asks them
+    rnn = (CudnnRNNRules(run_device.type, multiprocessors=cuda_multiprocessors(target), pending=pending, exact=run_device.type == "cuda")
+           if target.type == "cuda" else None)  # fmt: skip
     # losses ATen's CUDA code writes as composites, with their temporaries
     losses = LossRules(run_device.type) if target.type == "cuda" else contextlib.nullcontext()
+    # a linear layer over a non-contiguous input adds its bias in place on the device (not under a mode)
+    linear = LinearBiasRules(run_device.type) if target.type == "cuda" else contextlib.nullcontext()
     made, build_error = _construct(plan)
     context = plan.context() if plan.context is not None else contextlib.nullcontext()
-    with context, mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext(), losses:
+    with context, mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext(), losses, linear:
         try:
             model, checkpointed = _build(plan, mode, run_device, made)
         except Exception as err:

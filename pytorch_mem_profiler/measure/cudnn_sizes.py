@@ -30,8 +30,9 @@ device memory for it, outside the caching allocator).
 Where it cannot be asked (no GPU here, a dtype cuDNN's RNN does not take, a cuDNN
 the call fails on), :func:`rnn_temp_sizes` returns ``None``.
 ``benchmarks/rnn_rules.py --grid N`` checks the estimate's rule
-(:mod:`pytorch_mem_profiler.estimate.rnn`) against it; the estimate does not take it
-by default yet (docs/estimate.md, "Recurrent layers", says what is left).
+(:mod:`pytorch_mem_profiler.estimate.rnn`) against it; an estimate on fake CUDA tensors
+takes its answer for every training call outside autocast (docs/estimate.md, "Recurrent
+layers").
 
 Example::
 
