@@ -8,6 +8,7 @@ import io
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytorch_mem_profiler.measure.saved_tensors import can_chain
 
@@ -163,3 +164,18 @@ class KeywordInputs(torch.nn.Module):
 
     def forward(self, batch: dict | None = None, **keywords: torch.Tensor):  # type: ignore[no-untyped-def]
         return self.model(**(batch if batch is not None else keywords))
+
+
+class ByteBuffers(TorchDispatchMode):
+    """While on: the sizes, in order, of the uint8 buffers made by ``new_empty`` (the estimate's
+    cuDNN reserve spaces, workspaces and dropout state), in ``sizes``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.new_empty.default and (kwargs or {}).get("dtype") is torch.uint8:
+            self.sizes.append(out.numel())
+        return out

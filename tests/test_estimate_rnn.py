@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from .helpers import ByteBuffers
+
 from pytorch_mem_profiler import estimate_memory
 from pytorch_mem_profiler.estimate.allocator import block_size
 from pytorch_mem_profiler.estimate.rnn import UNMEASURED_SHARE, WORKSPACE_FLOOR, cudnn_rnn_buffers, dropout_state_bytes, workspace_bound
@@ -236,23 +238,14 @@ def _uint8_buffers(layer: nn.Module, x: torch.Tensor, rules) -> list[int]:
     """The uint8 buffers (reserve, workspaces) the rules make for one training forward and backward
     of ``layer`` on fake tensors, in bytes, in order."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    sizes: list[int] = []
-
-    class Buffers(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten.new_empty.default and (kwargs or {}).get("dtype") is torch.uint8:
-                sizes.append(out.numel())
-            return out
-
+    recorded = ByteBuffers()
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake_layer = type(layer)(layer.input_size, layer.hidden_size, num_layers=layer.num_layers, batch_first=layer.batch_first)
         fake_x = mode.from_tensor(x)
-        with rules, Buffers():
+        with rules, recorded:
             fake_layer(fake_x)[0].sum().backward()
-    return sizes
+    return recorded.sizes
 
 
 @pytest.mark.parametrize("batch_first", [False, True])
@@ -293,7 +286,10 @@ def test_without_measuring_no_call_is_pending_and_the_rule_stands():
     assert rules.pending is None
 
 
-@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="torch's CPU-only build refuses a fake CUDA layer's construction")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and (not torch.backends.cuda.is_built() or torch.torch_version.TorchVersion(torch.__version__) < "2.5"),
+    reason="without a GPU, torch's CPU-only build refuses building a fake CUDA layer, and torch 2.4's fake initialization starts CUDA",
+)
 @pytest.mark.parametrize("exact", [True, False, "autocast"])
 def test_on_fake_cuda_tensors_cudnn_s_own_sizes_replace_the_rule(monkeypatch, exact):
     """Where the estimate's tensors are fake CUDA ones (a GPU here), each training call asks cuDNN its
@@ -301,7 +297,6 @@ def test_on_fake_cuda_tensors_cudnn_s_own_sizes_replace_the_rule(monkeypatch, ex
     own sizes and dropout, and leaves no bound; ``exact=False`` (emulated, no GPU) and a call under
     autocast keep the rule."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from pytorch_mem_profiler.estimate.rnn import CudnnRNNRules
     from pytorch_mem_profiler.measure import cudnn_sizes
@@ -313,24 +308,17 @@ def test_on_fake_cuda_tensors_cudnn_s_own_sizes_replace_the_rule(monkeypatch, ex
         return cudnn_sizes.RNNTempSizes(forward_workspace=111 * 512, backward_workspace=222 * 512, reserve=333 * 512)
 
     monkeypatch.setattr(cudnn_sizes, "rnn_temp_sizes", answer)
-    sizes: list[int] = []
-
-    class Buffers(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten.new_empty.default and (kwargs or {}).get("dtype") is torch.uint8:
-                sizes.append(out.numel())
-            return out
-
+    recorded = ByteBuffers()
     # the autocast state is read on the device type the rules are given (the CPU's here: no CUDA needed)
     rules = CudnnRNNRules("cpu", exact=bool(exact))
     with FakeTensorMode(allow_non_fake_inputs=True):
         layer = nn.GRU(16, 24, num_layers=2, batch_first=True, dropout=0.25, device="cuda")
         x = torch.empty(5, 7, 16, device="cuda")
-        with rules, Buffers(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=exact == "autocast"):
+        with rules, recorded, torch.autocast("cpu", dtype=torch.bfloat16, enabled=exact == "autocast"):
             layer(x)  # the forward: fake CUDA tensors run backward only where a GPU is (the CUDA tests)
     element = 2 if exact == "autocast" else 4
     rule = cudnn_rnn_buffers("gru", seq_len=7, batch=5, hidden=24, proj=24, layers=2, directions=1, element_size=element)
+    sizes = recorded.sizes
     buffers = [s for s in sizes if s != rules.dropout_state.numel()] if rules.dropout_state is not None else sizes
     if exact is True:
         assert buffers == [111 * 512, 333 * 512]  # the forward's workspace, then the reserve

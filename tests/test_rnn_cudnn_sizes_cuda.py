@@ -11,6 +11,8 @@ from torch import nn
 
 from pytorch_mem_profiler.measure.cudnn_sizes import rnn_temp_sizes
 
+from .helpers import ByteBuffers
+
 pytestmark = pytest.mark.cuda
 
 CUDA = torch.device("cuda")
@@ -73,29 +75,20 @@ def test_the_fake_cuda_estimate_takes_cudnn_s_answer_for_every_call(config):
     workspace and reserve, the backward's two workspaces, as ``rnn_temp_sizes`` answers (the test above
     holds that answer to what the real layer allocates), and leave no error bound."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from pytorch_mem_profiler.estimate.rnn import CudnnRNNRules
 
     mode, layers, hidden, input_size, steps, batch, bi, drop, dtype, _proj, batch_first = config
-    sizes: list[int] = []
-
-    class Buffers(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten.new_empty.default and (kwargs or {}).get("dtype") is torch.uint8:
-                sizes.append(out.numel())
-            return out
-
+    recorded = ByteBuffers()
     rules = CudnnRNNRules("cuda", exact=True)
     with FakeTensorMode(allow_non_fake_inputs=True):
         layer = KINDS[mode](input_size, hidden, num_layers=layers, bidirectional=bi, dropout=drop, batch_first=batch_first, device=CUDA)
         x = torch.empty((batch, steps, input_size) if batch_first else (steps, batch, input_size), device=CUDA)
-        with rules, Buffers():
+        with rules, recorded:
             layer(x)[0].sum().backward()
     asked = rnn_temp_sizes(CUDA, mode, input_size=input_size, hidden=hidden, proj=0, layers=layers, bidirectional=bi,
                            seq_len=steps, batch=batch, dtype=dtype, dropout=drop)  # fmt: skip
     state = [rules.dropout_state.numel()] if rules.dropout_state is not None else []
     assert asked is not None
-    assert sizes == state + [asked.forward_workspace, asked.reserve, asked.backward_workspace, asked.backward_workspace]
+    assert recorded.sizes == state + [asked.forward_workspace, asked.reserve, asked.backward_workspace, asked.backward_workspace]
     assert rules.bounds == {} and rules.reserve_bounds == {}
