@@ -60,6 +60,9 @@ _OVERRIDABLE = (
     "parallel",
     "world_size",
     "rank",
+    "accumulation_steps",
+    "max_grad_norm",
+    "set_to_none",
 )
 
 
@@ -114,6 +117,9 @@ def estimate_memory(
     world_size: int | None = None,
     rank: int = 0,
     measure_kernels: bool = False,
+    accumulation_steps: int = 1,
+    max_grad_norm: float | None = None,
+    set_to_none: bool = True,
 ) -> MemoryEstimate:
     """Estimate one training step's memory on ``device`` without allocating it (no GPU needed).
 
@@ -165,6 +171,14 @@ def estimate_memory(
             ``nn.RNN``) of the step once on the GPU, in a separate process, and take its
             measured scratch (cuDNN's workspace) instead of the rule and its bound
             (see :mod:`~pytorch_mem_profiler.estimate.kernel_probe`); off CUDA, or emulated, the rule stands.
+        accumulation_steps: forwards and backwards before each optimizer step (gradient
+            accumulation: ``batch_size`` is then each micro-batch's); from the second on the
+            gradients are alive through the whole backward, and each is summed into them.
+        max_grad_norm: clip the gradients' norm before each optimizer step
+            (``torch.nn.utils.clip_grad_norm_``, as Lightning's ``gradient_clip_val`` and the
+            Hugging Face Trainer's ``max_grad_norm`` do); ``None``: no clipping.
+        set_to_none: ``optimizer.zero_grad(set_to_none=...)``: with ``False`` the gradients
+            stay allocated (zeroed) from one step into the next.
 
     Raises:
         EstimateUnsupported: the step uses an operation the fake mode cannot run
@@ -187,6 +201,12 @@ def estimate_memory(
         raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
     if not isinstance(measure_kernels, bool):
         raise TypeError(f"measure_kernels must be True or False, got {measure_kernels!r}")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0):
+        raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
+    if not isinstance(set_to_none, bool):
+        raise TypeError(f"set_to_none must be True or False, got {set_to_none!r}")
     for name, value in (("outside", outside), ("workspace", workspace)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
@@ -205,6 +225,11 @@ def estimate_memory(
         raise ValueError(f"parallel={parallel!r} needs world_size= (the number of ranks)")
     if parallel_plan is None and world_size not in (None, 1):
         raise ValueError(f"world_size={world_size} needs parallel='ddp' or 'fsdp2'")
+    if parallel_plan is not None and (accumulation_steps != 1 or max_grad_norm is not None or not set_to_none):
+        raise ValueError(
+            "accumulation_steps, max_grad_norm and set_to_none=False are not estimated across ranks yet: "
+            "leave them at their defaults with parallel="
+        )
     ranks = world_size or 1
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
         raise ValueError(f"rank must be an integer in [0, world_size={ranks}), got {rank!r}")
@@ -221,6 +246,9 @@ def estimate_memory(
         checkpointing=checkpointing,
         run_device=run_device,
         measure_kernels=measure_kernels,
+        accumulation_steps=accumulation_steps,
+        max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+        set_to_none=set_to_none,
     )
     if parallel_plan is not None:
         rank_setup = RankSetup(parallel_plan, ranks, rank, run_device, target)
@@ -282,6 +310,7 @@ def estimate_memory(
         checkpointing=None if not checkpointing else REPEATED_BLOCKS if checkpointing is True else CHOSEN_BY_FUNCTION,
         checkpointed=step.checkpointed,
         optimizer=_optimizer_text(optimizer, step.optimizer_name),
+        training_loop=_loop_text(accumulation_steps, max_grad_norm, set_to_none),
         parameter_dtypes=step.parameter_dtypes,
         random_reads=step.random_reads,
         step_notes=step.notes,
@@ -299,6 +328,9 @@ def estimate_memory(
             parallel=parallel,
             world_size=world_size,
             rank=rank,
+            accumulation_steps=accumulation_steps,
+            max_grad_norm=max_grad_norm,
+            set_to_none=set_to_none,
         )
         alternatives = {
             name: estimate_memory(
@@ -314,6 +346,26 @@ def estimate_memory(
         }
         est = dataclasses.replace(est, alternatives=alternatives)
     return est
+
+
+def _loop_text(accumulation_steps: int, max_grad_norm: float | None, set_to_none: bool) -> str | None:
+    """The training loop's settings where they are not the default, for the report.
+
+    Example::
+
+        >>> _loop_text(2, 1.0, False)
+        '2 micro-batches a step (gradient accumulation), gradients clipped to norm 1.0, zero_grad(set_to_none=False)'
+        >>> _loop_text(1, None, True) is None
+        True
+    """
+    parts = []
+    if accumulation_steps > 1:
+        parts.append(f"{accumulation_steps} micro-batches a step (gradient accumulation)")
+    if max_grad_norm is not None:
+        parts.append(f"gradients clipped to norm {float(max_grad_norm)!r}")
+    if not set_to_none:
+        parts.append("zero_grad(set_to_none=False)")
+    return ", ".join(parts) or None
 
 
 def _optimizer_text(optimizer: Callable[..., Any], made: str | None) -> str:

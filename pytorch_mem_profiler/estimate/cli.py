@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--units", choices=list(UNITS), default="MB", help="the unit of the figures (default: MB)")
     parser.add_argument("--parallel", choices=("ddp", "fsdp2"), help="estimate one rank of DDP or FSDP2 (with --world-size)")
     parser.add_argument("--world-size", type=int, help="the number of ranks for --parallel (the batch size is per rank)")
+    parser.add_argument("--accumulation-steps", type=int, default=1, help="forwards and backwards per optimizer step (default: 1)")
+    parser.add_argument("--max-grad-norm", type=float, help="clip the gradients' norm to this before each step")
+    parser.add_argument("--keep-grads", action="store_true", help="zero_grad(set_to_none=False): gradients stay between steps")
     parser.add_argument(
         "--what-if",
         metavar="STRATEGY:N,...",
@@ -190,6 +193,9 @@ def run(args: argparse.Namespace, fail: Callable[[str], int]) -> int:
             compare=compare or None,
             parallel=args.parallel,
             world_size=args.world_size,
+            accumulation_steps=args.accumulation_steps,
+            max_grad_norm=args.max_grad_norm,
+            set_to_none=not args.keep_grads,
         )
     except (ValueError, TypeError, EstimateUnsupported) as err:
         return fail(str(err))

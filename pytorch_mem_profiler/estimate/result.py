@@ -308,6 +308,9 @@ class MemoryEstimate:
         checkpointed: the modules checkpointing wrapped, sorted (``None``: off; empty: it chose none).
         optimizer: the optimizer, as made (``"Adam"``, ``"SGD(lr=0.1, momentum=0.9)"``, ``"none
             (nothing to train)"``; ``None``: unknown).
+        training_loop: the loop's settings where they are not the default one step of
+            ``zero_grad(set_to_none=True)`` without clipping: ``"2 micro-batches a step,
+            gradients clipped to norm 1.0, zero_grad(set_to_none=False)"`` (``None``: the default).
         parameter_dtypes: the dtypes of the model's floating-point parameters (``"float32"``).
         random_reads: the lines of the step that read a value drawn at random (``torch.rand([])``
             compared in Python: LayerDrop, stochastic depth), with how often, over the two steps:
@@ -355,6 +358,7 @@ class MemoryEstimate:
     checkpointing: str | None = None
     checkpointed: tuple[str, ...] | None = None
     optimizer: str | None = None
+    training_loop: str | None = None
     parameter_dtypes: tuple[str, ...] = ()
     random_reads: Mapping[str, int] = field(default_factory=dict)
     step_notes: tuple[str, ...] = ()
@@ -554,6 +558,8 @@ class MemoryEstimate:
         lines.append(("Autocast", f"{self.autocast} (the forward under torch.autocast)" if self.autocast else "off (the model's own dtypes)"))
         lines.append(("Gradient checkpointing", checkpointing_text(self)))
         lines.append(("Optimizer", self.optimizer if self.optimizer is not None else "unknown"))
+        if self.training_loop is not None:
+            lines.append(("Training loop", self.training_loop))
         outside_why = "the CUDA context" if self.device.startswith("cuda") else "none off CUDA"
         lines.append(("Allowed outside PyTorch", f"{format_amount(self.outside, unit)} ({outside_why}; outside=)"))
         workspace_why = "cuBLAS" if self.device.startswith("cuda") else "none off CUDA"

@@ -9,7 +9,12 @@ does), the loss, ``loss.backward()``, ``optimizer.step()``,
 ``optimizer.zero_grad(set_to_none=True)``; the output and the loss are dropped at
 the end of each step, as they are when a step is a function. Phases are named as
 in the records: ``forward``, ``backward`` (the whole ``backward()`` call),
-``optimizer``, ``other`` (the loss, ``zero_grad``).
+``optimizer``, ``other`` (the loss, gradient clipping, ``zero_grad``). The loop's
+settings (:class:`StepPlan`): ``accumulation_steps`` forwards and backwards of the batch
+before each optimizer step (each micro-step's output and loss dropped after its backward,
+the last one's at the step's end), the gradients clipped to ``max_grad_norm``
+(``torch.nn.utils.clip_grad_norm_``) before the step, and ``zero_grad(set_to_none=...)``:
+with ``False`` the gradients stay allocated, zeroed, into the next step.
 
 Example::
 
@@ -109,6 +114,12 @@ class StepPlan:
     context: Callable[[], contextlib.AbstractContextManager] | None = None
     #: on fake CUDA tensors with the GPU here: measure each convolution's scratch on it (:mod:`.kernel_probe`)
     measure_kernels: bool = False
+    #: forwards and backwards of the batch before each optimizer step (gradient accumulation)
+    accumulation_steps: int = 1
+    #: ``torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)`` before each optimizer step (``None``: no clipping)
+    max_grad_norm: float | None = None
+    #: ``optimizer.zero_grad(set_to_none=...)`` after each optimizer step
+    set_to_none: bool = True
 
 
 @dataclass
@@ -608,22 +619,28 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
                     if rnn is not None:
                         rnn.reserve_bounds.clear()
                     counter.reset_peak()
-                    counter.enter_phase("forward")
-                    attribution = _SavedByModule(model, counter)
-                    with attribution, _autocast(run_device, plan.autocast):
-                        output = model(*args, **kwargs)
-                    counter.enter_phase("other")
-                    loss = plan.loss_fn(output, *target_args) if plan.loss_fn is not None else _default_loss(output)
-                    counter.enter_phase("backward")
-                    loss.backward()
+                    for micro_step in range(plan.accumulation_steps):
+                        if micro_step:
+                            del output, loss  # the previous micro-step's, dropped after its backward
+                        counter.enter_phase("forward")
+                        attribution = _SavedByModule(model, counter)
+                        with attribution, _autocast(run_device, plan.autocast):
+                            output = model(*args, **kwargs)
+                        counter.enter_phase("other")
+                        loss = plan.loss_fn(output, *target_args) if plan.loss_fn is not None else _default_loss(output)
+                        counter.enter_phase("backward")
+                        loss.backward()
                     gradients = _give_role(counter, [p.grad for p in params if p.grad is not None], "gradients")
                     if optimizer is not None:
+                        if plan.max_grad_norm is not None:
+                            counter.enter_phase("other")
+                            torch.nn.utils.clip_grad_norm_(params, plan.max_grad_norm)
                         counter.enter_phase("optimizer")
                         with mode.draws.stand_ins_in_step():  # a number scaling an update (Adafactor)
                             optimizer.step()
                         optimizer_state = _give_role(counter, list(optimizer_state_tensors([optimizer])), "optimizer_state")
                         counter.enter_phase("other")
-                        optimizer.zero_grad(set_to_none=True)
+                        optimizer.zero_grad(set_to_none=plan.set_to_none)
                     del output, loss
                     step_peaks.append(counter.read().peak_allocated)
             # what the set-up made while the steps ran (DDP's rebuilt buckets) has its role too
