@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,12 +56,14 @@ class LinearBiasRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func is not F.linear or not _adds_in_place(args, kwargs):
+        if func is not F.linear:
             return func(*args, **kwargs)
         input, weight, bias = _arguments(args, kwargs)
+        if not _adds_in_place(input, weight, bias):
+            return func(*args, **kwargs)
         if torch.is_autocast_enabled(self.autocast_device) and input.is_floating_point():
             # autocast casts a linear layer's input, weight and bias to its dtype before the call
-            dtype = _autocast_dtype(self.autocast_device)
+            dtype = torch.get_autocast_dtype(self.autocast_device)
             input, weight, bias = (t.to(dtype) for t in (input, weight, bias))
         with torch.autocast(self.autocast_device, enabled=False):
             output = torch.matmul(input, weight.t())
@@ -74,9 +77,8 @@ def _arguments(args: tuple, kwargs: dict) -> tuple:
     return bound.get("input"), bound.get("weight"), bound.get("bias")
 
 
-def _adds_in_place(args: tuple, kwargs: dict) -> bool:
+def _adds_in_place(input: Any, weight: Any, bias: Any) -> bool:
     """Whether ATen's ``linear`` takes its ``matmul`` and ``add_`` branch for these arguments."""
-    input, weight, bias = _arguments(args, kwargs)
     tensors = (input, weight, bias)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return False
@@ -87,9 +89,3 @@ def _adds_in_place(args: tuple, kwargs: dict) -> bool:
     # TORCH_LINEAR_FLATTEN_3D makes a 3-D input contiguous and flattens it (one addmm)
     return not (input.dim() == 3 and os.environ.get("TORCH_LINEAR_FLATTEN_3D", "") not in ("", "0"))
 
-
-def _autocast_dtype(device_type: str) -> torch.dtype:
-    getter = getattr(torch, "get_autocast_dtype", None)  # torch 2.4 has it for every device type
-    if getter is not None:
-        return getter(device_type)
-    return torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
