@@ -250,7 +250,8 @@ def test_memory_view_shows_the_peak_and_the_tensors_alive_at_it(tmp_path):
     assert (big_n in rows) == (sizes.index(big_n) < len(rows))
     if history.initial == 0:
         assert big_n in rows
-    assert f"test_snapshot_cuda.py:{big_line} in test_memory_view" in snap.memory_view_path.read_text(encoding="utf-8")
+    if big_n in rows:  # its row names the line that made it
+        assert f"test_snapshot_cuda.py:{big_line} in test_memory_view" in snap.memory_view_path.read_text(encoding="utf-8")
     del later
 
 
