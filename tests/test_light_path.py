@@ -154,7 +154,9 @@ class _Reference(CostBudget):
         self._left = now
         step = self._step
         warm_up, self._warm_up = self._warm_up, False
-        if not warm_up:
+        if self._after is not None:
+            step = self._after_detail(step)
+        elif not warm_up:
             self.base = step if self.base is None else self.base + 0.25 * (step - self.base)
         self._spend(own, level)
         self._earn(self._share(step))
