@@ -151,6 +151,7 @@ def rule(config: dict[str, Any]) -> dict[str, int]:
     buffers = cudnn_rnn_buffers(
         config["mode"], seq_len=config["seq"], batch=config["batch"], hidden=config["hidden"], proj=config["hidden"],
         layers=config["layers"], directions=2 if config["bidirectional"] else 1, element_size=element,
+        input_size=config["input"],
     )  # fmt: skip
     return {"reserve": buffers.reserve, "workspace": buffers.workspace}
 
@@ -206,18 +207,18 @@ def grid_configurations(count: int, seed: int = 0) -> list[dict[str, Any]]:
     return [{key: draw.choice(values) for key, values in GRID_AXES.items()} for _ in range(count)]
 
 
-def grid(device: torch.device, count: int) -> dict[str, Any]:
+def grid(device: torch.device, count: int, seed: int = 0) -> dict[str, Any]:
     """The rule (:func:`cudnn_rnn_buffers`) against cuDNN's own answer (:func:`rnn_temp_sizes`, as
     ATen asks it) over :func:`grid_configurations`: how often the rule's workspace bound holds, and the
     reserve rule's exactness. Seconds on a GPU: nothing runs, cuDNN is asked."""
     from pytorch_mem_profiler.measure.cudnn_sizes import rnn_temp_sizes
 
     rows, outside, reserve_exact, asked = [], 0, 0, 0
-    for c in grid_configurations(count):
+    for c in grid_configurations(count, seed):
         element = torch.empty((), dtype=c["dtype"]).element_size()
         directions = 2 if c["bidirectional"] else 1
         rule_buffers = cudnn_rnn_buffers(c["mode"], seq_len=c["seq"], batch=c["batch"], hidden=c["hidden"], proj=c["hidden"],
-                                         layers=c["layers"], directions=directions, element_size=element)  # fmt: skip
+                                         layers=c["layers"], directions=directions, element_size=element, input_size=c["input"])  # fmt: skip
         answer = rnn_temp_sizes(device, c["mode"], input_size=c["input"], hidden=c["hidden"], proj=0, layers=c["layers"],
                                 bidirectional=c["bidirectional"], seq_len=c["seq"], batch=c["batch"], dtype=c["dtype"],
                                 dropout=c["dropout"])  # fmt: skip
@@ -239,17 +240,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes, six configurations")
     parser.add_argument("--grid", type=int, metavar="N", help="instead: the rule against cuDNN's own answer on N drawn configurations")
+    parser.add_argument("--seed", type=int, default=0, help="the grid's draws (--grid): another seed, other configurations")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.grid:
-        found = grid(device, args.grid)
+        found = grid(device, args.grid, args.seed)
         line = (f"{environment_line(device)}: {found['configurations']} configurations, cuDNN answered {found['asked']}; "
                 f"the workspace outside the rule's bound on {found['outside_bound']}, the reserve rule exact on "
                 f"{found['reserve_exact']} (dropout's masks and plain RNNs are not in the rule)")  # fmt: skip
         print(line)
         out = output_dir(args.out)
         if out is not None:
-            (out / "rnn_rules_grid.json").write_text(json.dumps(found, indent=1))
+            (out / f"rnn_rules_grid{'' if args.seed == 0 else f'_seed{args.seed}'}.json").write_text(json.dumps(found, indent=1))
         return found["rows"]
     on_gpu = device.type == "cuda"
     started = time.perf_counter()

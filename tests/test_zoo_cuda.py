@@ -50,6 +50,11 @@ UNSTEADY: dict[str, str] = {
         "the predicted 44,353 under 6.5 GiB ran out of memory in one process and fit (1.1x out) in the next, the "
         "estimate the same (peak -0.08%): under deterministic algorithms dense += sparse takes buffers it leaves out"
     ),
+    "lstm_lm": (
+        "the predicted 98 under 3.25 GiB fit (108 out) in one fresh process and ran out in another, on an H100 the "
+        "same day (2026-11-27), the estimate the same (peak +0.34%, reserved -0.97%): like the GRU's, by where the "
+        "warm-up leaves cuDNN's dropout state and the cuBLAS workspaces"
+    ),
     "batchnorm_cnn": (
         "reserved -1.9% and -7.7% for one estimate: the measured reserved was 6,851.4 and 7,281.3 MB in two fresh "
         "processes (where the driver puts the segments)"
