@@ -22,27 +22,33 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 SGD = functools.partial(torch.optim.SGD, lr=1e-3)
 
 
-def _measured(*, accumulation_steps: int = 1, max_grad_norm: float | None = None, set_to_none: bool = True,
-              optimizer=ADAMW, batch: int = 32) -> int:  # fmt: skip
+def run_loop(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, *, accumulation_steps: int = 1,
+             max_grad_norm: float | None = None, set_to_none: bool = True, after_step=None) -> None:  # fmt: skip
+    """Two optimizer steps of the loop the estimate runs with these settings (``after_step()`` after each)."""
+    for _ in range(2):
+        for micro_step in range(accumulation_steps):
+            if micro_step:
+                del out, loss  # noqa: F821 - the previous micro-step's
+            out = model(x)
+            loss = out.float().sum()
+            loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        del out, loss
+        if after_step is not None:
+            after_step()
+
+
+def _measured(*, optimizer=ADAMW, batch: int = 32, **settings) -> int:
     """The CPU counter's peak over two optimizer steps of the loop the estimate runs."""
     model = _model()
     opt = optimizer(model.parameters())
     peaks = []
     with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
-        x = torch.randn(batch, 64)
-        for _ in range(2):
-            for micro_step in range(accumulation_steps):
-                if micro_step:
-                    del out, loss  # noqa: F821 - the previous micro-step's
-                out = model(x)
-                loss = out.sum()
-                loss.backward()
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=set_to_none)
-            del out, loss
-            peaks.append(profiler.record_stats().iteration_peak_allocated)
+        run_loop(model, opt, torch.randn(batch, 64), after_step=lambda: peaks.append(profiler.record_stats().iteration_peak_allocated),
+                 **settings)  # fmt: skip
     return max(peaks)
 
 

@@ -12,6 +12,8 @@ from torch import nn
 from pytorch_mem_profiler import estimate_memory
 
 from .test_estimate_cuda import CUDA, _fresh, _warm_up
+from .test_estimate_training_loop import SETTINGS as CPU_SETTINGS
+from .test_estimate_training_loop import run_loop
 
 pytestmark = pytest.mark.cuda
 
@@ -28,8 +30,7 @@ def _input(batch: int) -> torch.Tensor:
     return torch.randn(batch, 256, device=CUDA)
 
 
-def _measured(optimizer, batch: int, *, accumulation_steps: int = 1, max_grad_norm: float | None = None,
-              set_to_none: bool = True) -> int:  # fmt: skip
+def _measured(optimizer, batch: int, **settings) -> int:
     """Bytes allocated at the peak of two optimizer steps of the loop, above what was allocated before."""
     _warm_up(_model, _input, optimizer, None)
     _fresh()
@@ -37,18 +38,7 @@ def _measured(optimizer, batch: int, *, accumulation_steps: int = 1, max_grad_no
     model = _model().to(CUDA)
     opt = optimizer(model.parameters())
     x = _input(batch)
-    for _ in range(2):
-        for micro_step in range(accumulation_steps):
-            if micro_step:
-                del out, loss  # noqa: F821 - the previous micro-step's
-            out = model(x)
-            loss = out.float().sum()
-            loss.backward()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=set_to_none)
-        del out, loss
+    run_loop(model, opt, x, **settings)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del model, opt, x
@@ -56,14 +46,7 @@ def _measured(optimizer, batch: int, *, accumulation_steps: int = 1, max_grad_no
     return peak
 
 
-SETTINGS = [
-    {},
-    {"accumulation_steps": 2},
-    {"accumulation_steps": 3, "max_grad_norm": 1.0},
-    {"max_grad_norm": 0.5},
-    {"set_to_none": False},
-    {"accumulation_steps": 2, "set_to_none": False},
-]
+SETTINGS = [{}, *CPU_SETTINGS]
 
 
 @pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd-momentum", "adamw"])
