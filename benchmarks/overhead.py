@@ -114,9 +114,13 @@ class Tool:
     levels: dict[str, int] = field(default_factory=dict)
     #: this profiler: the cost budget it ran with (``overhead=``; ``None``: no limit)
     overhead: float | None = None
-    #: this profiler with a budget: the seconds its budget counted as spent and as earned, over every
-    #: block (their ratio times ``overhead`` is the share of the run the budget believes it cost)
+    #: this profiler with a budget: the seconds its budget counted as spent and as earned over the
+    #: timed steps of every block, its untimed start left out (their ratio times ``overhead`` is the
+    #: share of the timed steps the budget believes it cost)
     budget_seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    #: called when a block's timed steps begin (after the start): this profiler notes its budget's
+    #: account there, so that :attr:`budget_seconds` counts the timed steps alone
+    timed: Callable[[], None] | None = None
     #: steps run with the tool before each timed block: its own warm-up, and for this profiler with
     #: a budget its start, which a run pays once (see :func:`profiler_tool`)
     start_steps: int = 2
@@ -175,6 +179,13 @@ def profiler_tool(print_period: int, by_layer: bool = False) -> Tool:
             profiler = MemoryProfiler(
                 work.model, print_period, stream=sink, by_layer=by_layer, strict=True, overhead=overhead
             )
+            budget = profiler._budget  # noqa: SLF001 - the benchmark reads the budget's own account
+            at_timed = [0.0, 0.0]  # the budget's account where the timed steps began
+
+            def timed() -> None:
+                at_timed[:] = [budget.spent, budget.allowed]
+
+            tool.timed = timed
             try:
                 yield profiler.record_stats
             finally:
@@ -182,9 +193,9 @@ def profiler_tool(print_period: int, by_layer: bool = False) -> Tool:
                 for record in profiler.records:
                     if record.iteration > tool.start_steps_run:  # the timed steps' records, not the start's
                         tool.levels[record.detail] = tool.levels.get(record.detail, 0) + 1
-                budget = profiler._budget  # noqa: SLF001 - the benchmark reads the budget's own account
-                tool.budget_seconds[0] += budget.spent
-                tool.budget_seconds[1] += budget.allowed
+                tool.timed = None
+                tool.budget_seconds[0] += budget.spent - at_timed[0]
+                tool.budget_seconds[1] += budget.allowed - at_timed[1]
 
     name = f"profiler{' by_layer' if by_layer else ''}, print_period={print_period}"
     # the start counts reported iterations: print_period steps each
@@ -433,6 +444,8 @@ def measure_loop(work: Workload, device: torch.device, tool: Tool, rounds: int, 
                 # Slow tools (MemReporter) get fewer steps, so each block lasts about the same.
                 estimate = time_steps(work, device, 2, per_step)
                 row.tool_steps = steps_for(s.round_seconds, estimate, 3, s.max_steps)
+            if tool.timed is not None:
+                tool.timed()
             with_tool = time_steps(work, device, row.tool_steps, per_step)
         except BaseException:
             cm.__exit__(*sys.exc_info())

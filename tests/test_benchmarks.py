@@ -132,13 +132,24 @@ def test_the_budgets_start_runs_before_the_timed_steps_and_shows_apart(monkeypat
     tool = overhead.profiler_tool(1)
     tools = {"profiler, print_period=1": tool}
     seen = [0]
+    counted_seconds: list[float] = []
     level_note = tool.level_note
 
     def counted() -> str:
         seen[0] = sum(tool.levels.values())
+        counted_seconds[:] = tool.budget_seconds
         return level_note()
 
     tool.level_note = counted
+    whole = [0.0, 0.0]  # every profiler's own account over its whole life, the start included
+
+    class Profiler(overhead.MemoryProfiler):
+        def close(self) -> None:
+            super().close()
+            whole[0] += self._budget.spent
+            whole[1] += self._budget.allowed
+
+    monkeypatch.setattr(overhead, "MemoryProfiler", Profiler)
     monkeypatch.setattr(overhead, "make_tools", lambda max_entries: tools)
     rows = overhead.main(
         [*CPU_QUICK, "--workloads", "tiny_mlp", "--rounds", "3", "--records", "5", "--round-seconds", "0.01",
@@ -149,6 +160,8 @@ def test_the_budgets_start_runs_before_the_timed_steps_and_shows_apart(monkeypat
     assert "its start, once a run, untimed (3 of its 3 steps): +" in row.note
     # each round's records: the start's three, then the timed steps'; only the timed ones are counted
     assert seen[0] == 3 * row.tool_steps + 2  # + the first round's two sizing steps
+    # the budget's own count is of the timed steps: the start's spending and earning left out
+    assert 0 < counted_seconds[1] < whole[1] and counted_seconds[0] <= whole[0]
     # the row's counts are its own: the next workload starts from nothing
     assert not tool.levels and tool.budget_seconds == [0.0, 0.0] and not tool.start_seconds
 
