@@ -228,7 +228,8 @@ def grid(device: torch.device, count: int, seed: int = 0) -> dict[str, Any]:
             asked += 1
             row.update(workspace=answer.forward_workspace, backward_workspace=answer.backward_workspace, reserve=answer.reserve)
             worst = max(abs(answer.forward_workspace - rule_buffers.workspace), abs(answer.backward_workspace - rule_buffers.workspace))
-            outside += worst > row["rule_bound"]
+            row["outside_bound"] = worst > row["rule_bound"]
+            outside += row["outside_bound"]
             reserve_exact += answer.reserve == rule_buffers.reserve
         rows.append(row)
     return {"configurations": count, "asked": asked, "outside_bound": outside, "reserve_exact": reserve_exact, "rows": rows}

@@ -249,13 +249,22 @@ def workspace_bound(
     """
     gates = RNN_GATES[mode]
     tokens = seq_len * batch
-    projections = directions * tokens * gates * hidden * element_size
+    projections = _input_projections(gates, tokens, hidden, directions, element_size)
     inputs = directions * tokens * input_size * element_size
     outputs = directions * tokens * hidden * element_size * layers
     weights = directions * gates * hidden * (input_size + hidden + (layers - 1) * (directions + 1) * hidden) * element_size
     envelope = math.ceil(WORKSPACE_ENVELOPE * (projections + inputs + outputs + weights / 2)) + WORKSPACE_ENVELOPE_FLOOR
-    rule = projections + WORKSPACE_FLOOR
-    return max(projections + WORKSPACE_SPREAD, envelope - rule)
+    return max(projections + WORKSPACE_SPREAD, envelope - _rule_workspace(projections))
+
+
+def _input_projections(gates: int, tokens: int, hidden: int, directions: int, element_size: int) -> int:
+    """One layer's input projections for every step, in bytes: what the workspace rule is built on."""
+    return directions * tokens * gates * hidden * element_size
+
+
+def _rule_workspace(projections: int) -> int:
+    """The rule's workspace for input projections of ``projections`` bytes (see the module)."""
+    return projections + WORKSPACE_FLOOR
 
 
 def cudnn_rnn_buffers(
@@ -273,12 +282,12 @@ def cudnn_rnn_buffers(
         per_layer = gates * hidden + hidden  # not measured: the pre-activation and the output
     tokens = seq_len * batch
     reserve = directions * (layers * per_layer - proj) * tokens * element_size + RESERVE_PAD
-    projections = directions * tokens * gates * hidden * element_size
     measured = mode == "gru" or (mode == "lstm" and proj == hidden)
     reserve_bound = 0 if measured else math.ceil(UNMEASURED_SHARE * reserve)
     bound = workspace_bound(mode, seq_len=seq_len, batch=batch, hidden=hidden, input_size=hidden if input_size is None else input_size,
                             layers=layers, directions=directions, element_size=element_size)  # fmt: skip
-    return RNNBuffers(reserve, projections + WORKSPACE_FLOOR, bound + reserve_bound, reserve_bound)
+    workspace = _rule_workspace(_input_projections(gates, tokens, hidden, directions, element_size))
+    return RNNBuffers(reserve, workspace, bound + reserve_bound, reserve_bound)
 
 
 def _params_per_cell(params: list[torch.Tensor], layers: int, directions: int) -> int:

@@ -239,14 +239,13 @@ class CostBudget:
                 for name in self._levels:  # the accounts' keys, as a tuple
                     accounts[name] = accounts[name] - spent_each + earned_each
             return
-        base = self.base
-        measured = base is not None and not warm_up
-        extra = own + (max(0.0, step - base) if measured else 0.0)  # type: ignore[operator]
+        base = None if warm_up else self.base  # None: nothing to measure the step against
+        extra = own + (max(0.0, step - base) if base is not None else 0.0)
         self._spend(extra, level)
-        self._earn(self._share(base if measured else step))  # type: ignore[arg-type]
+        self._earn(self._share(base if base is not None else step))
         # a detailed step right after another holds what the first left behind: nothing to add
-        self._after = level if measured else None
-        if measured:
+        self._after = level if base is not None else None
+        if base is not None:
             known = self.costs.get(level)
             self.costs[level] = extra if known is None else known + _WEIGHT * (extra - known)
 
