@@ -125,15 +125,16 @@ def token_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1).float(), targets.flatten())
 
 
-def _zoo_mlp(size: str) -> dict[str, Any]:
-    entry = ZOO["compiled_mlp"]
+def _zoo(name: str, size: str) -> dict[str, Any]:
+    """A zoo model as a case: compiled per run (the zoo's compiled MLP is unwrapped first)."""
+    entry = ZOO[name]
     return {
-        "build": lambda: entry.build(size)._orig_mod,  # the zoo compiles it; here it is compiled per run
+        "build": lambda: getattr(built := entry.build(size), "_orig_mod", built),
         "inputs": entry.inputs(size),
         "targets": entry.targets(size),
         "loss": entry.loss,
         "batch": entry.batch[size],
-        "autocast": None,
+        "autocast": entry.autocast,
     }
 
 
@@ -148,7 +149,9 @@ def cases(quick: bool) -> dict[str, dict[str, Any]]:
     side, channels, cnn_batch = (32, 16, 8) if quick else (224, 64, 32)
     width = 256 if quick else 2048
     return {
-        "compiled_mlp": _zoo_mlp("small" if quick else "real"),
+        "compiled_mlp": _zoo("compiled_mlp", "small" if quick else "real"),
+        # transformers' GPT-2 small under bf16 autocast: tied embeddings, its key-value cache in the output
+        "gpt2": _zoo("gpt2", "small" if quick else "real"),
         "transformer": transformer,
         "transformer_bf16": {**transformer, "autocast": torch.bfloat16},
         "pooling_cnn": {
@@ -167,7 +170,16 @@ def _on(obj: Any, device: torch.device) -> Any:
         return obj.to(device)
     if isinstance(obj, tuple):
         return tuple(_on(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _on(v, device) for k, v in obj.items()}
     return obj
+
+
+def _called(run: Any, x: Any) -> Any:
+    """``run`` on the batch as the estimate passes it: a tuple spread, a dict as keywords."""
+    if isinstance(x, tuple):
+        return run(*x)
+    return run(**x) if isinstance(x, dict) else run(x)
 
 
 def _fresh(device: torch.device) -> None:
@@ -179,17 +191,19 @@ def _fresh(device: torch.device) -> None:
 
 
 def measure(case: dict[str, Any], device: torch.device) -> dict[str, int]:
-    """The compiled step's peak above what was allocated before the model, by phase (``"step"``: the most)."""
+    """The compiled step's peak above what was allocated before the model was made (its weights
+    counted, as the estimate counts them), by phase (``"step"``: the most)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     warm = case["build"]().to(device)
     _steps(torch.compile(warm), warm, case, device, 1)  # compiles; makes the libraries' workspaces
     del warm
     _fresh(device)
+    # the base is taken before the model exists: its weights are the step's, as the estimate counts them
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     model = case["build"]().to(device)
     compiled = torch.compile(model)
     if device.type == "cuda":
-        base = torch.cuda.memory_allocated(device)
         phases = _steps(compiled, model, case, device, 2)
         phases = {k: v - base for k, v in phases.items()}
     else:
@@ -216,7 +230,7 @@ def _steps(run: nn.Module, model: nn.Module, case: dict[str, Any], device: torch
     phase("other")
     for _ in range(count):
         with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            out = run(*x) if isinstance(x, tuple) else run(x)
+            out = _called(run, x)
         phase("forward")
         loss = case["loss"](out, y)
         phase("other")
@@ -235,7 +249,8 @@ def _cpu_steps(run: nn.Module, model: nn.Module, case: dict[str, Any], device: t
     from cpu_allocations import cpu_allocations, live_tensor_peak, unique_bytes
 
     x, y = case["inputs"](case["batch"]), case["targets"](case["batch"])
-    base = unique_bytes([*model.parameters(), *model.buffers(), x, y])
+    batch = [t for t in torch.utils._pytree.tree_leaves((x, y)) if isinstance(t, torch.Tensor)]
+    base = unique_bytes([*model.parameters(), *model.buffers(), *batch])
     fixed = {**case, "inputs": lambda b: x, "targets": lambda b: y}
     return {"step": base + live_tensor_peak(cpu_allocations(lambda: _steps(run, model, fixed, device, 2)))}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -209,13 +210,67 @@ class Outer(nn.Module):
         return self.body(x)
 
 
+class Cache:
+    """An object pytree does not know, holding tensors (as a language model's key-value cache does)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.layers = [{"keys": keys}, {"values": values}]
+        self.seen = keys.shape[1]
+
+
+class CachingMLP(nn.Module):
+    """Returns its logits and a :class:`Cache` of two hidden states, as a causal language model returns its cache."""
+
+    def __init__(self, dim: int = 128) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim), nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Cache]:
+        h = F.gelu(self.a(x))
+        k = self.b(h)
+        return self.head((x + k).mean(dim=1)), Cache(k, h)
+
+
+class ReadsOnlyEager(nn.Module):
+    """Reads a value in Python unless compiling, as libraries do (``if not torch.compiler.is_compiling()``)."""
+
+    def __init__(self, dim: int = 128) -> None:
+        super().__init__()
+        self.body = MODELS["mlp"][0]()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and bool((x != x).any()):  # NaN check: dynamo leaves it out
+            raise ValueError("NaN in the input")
+        return self.body(x)
+
+
+def gpt2(**config: Any) -> nn.Module:
+    """A small transformers GPT-2 (tied embeddings and a key-value cache in its output by default)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, **config))
+
+
+def logits_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return token_loss(out.logits, targets)
+
+
+TOKENS = (lambda b: torch.randint(0, 512, (b, 64)), lambda b: torch.randint(0, 512, (b, 64)), logits_loss, 8)
+
 #: every model the tests run, by name
 ALL = {
     **MODELS,
     "cnn_pool": (functools.partial(SmallCNN, pool=True), *MODELS["cnn"][1:]),
     "broken": (Broken, lambda b: torch.randn(b, 512, 256), lambda b: torch.randn(b, 512, 256), F.mse_loss, 4),
     "outer": (Outer, *MODELS["mlp"][1:]),
-}
+    "caching": (CachingMLP, lambda b: torch.randn(b, 64, 128), lambda b: torch.randint(0, 10, (b,)),
+                lambda out, y: F.cross_entropy(out[0], y), 8),
+    "reads_only_eager": (ReadsOnlyEager, *MODELS["mlp"][1:]),
+    "gpt2": (gpt2, *TOKENS),
+    "gpt2_untied": (functools.partial(gpt2, tie_word_embeddings=False), *TOKENS),
+    "gpt2_no_cache": (functools.partial(gpt2, use_cache=False), *TOKENS),
+}  # fmt: skip
 
 
 @MODELLED
@@ -227,6 +282,73 @@ def test_a_graph_break_falls_back_to_the_uncompiled_estimate_with_a_bound():
     assert bound == est.peak_breakdown["activations"] + est.peak_breakdown["activation_gradients"] > 0
     assert est.peak - bound <= measured <= est.peak, (est.peak, bound, measured)
     assert "± " in str(est)
+
+
+# -- what a forward returns, and what it reads while traced ------------------------------------
+@MODELLED
+def test_an_output_object_pytree_does_not_know_is_estimated_as_compiled_to_the_byte():
+    # AOTAutograd refuses an output it cannot flatten; the object's tensors are the forward graph's outputs
+    est = estimate("caching")
+    assert COMPILED in est.notes[0], est.notes
+    assert est.peak == measured_peak("caching")
+
+
+@MODELLED
+def test_the_module_is_traced_as_dynamo_traces_it_and_the_flag_is_put_back():
+    # the eager path reads a value (a NaN check), which a fake tensor has not; dynamo's path does not
+    est = estimate("reads_only_eager")
+    assert COMPILED in est.notes[0], est.notes
+    assert est.peak == estimate("mlp").peak  # the same compiled MLP's (8 KiB under its measured peak, as above)
+    measured = measured_peak("reads_only_eager")
+    assert abs(est.peak - measured) <= 5e-4 * measured, (est.peak, measured)
+    assert not torch.compiler.is_compiling()
+
+
+@MODELLED
+@pytest.mark.parametrize("name", ["gpt2_untied", "gpt2_no_cache"])
+def test_a_transformers_causal_lm_is_estimated_as_compiled_to_the_byte(name):
+    pytest.importorskip("transformers")
+    est = estimate(name)
+    # its key-value cache (a DynamicCache) is an output pytree does not know; without the cache its
+    # attention mask is made on the path transformers takes while dynamo compiles, which reads no value
+    assert COMPILED in est.notes[0], est.notes
+    assert not est.error_bounds
+    assert est.peak == measured_peak(name), (est.peak, measured_peak(name))
+
+
+@MODELLED
+def test_a_transformers_causal_lm_with_tied_embeddings_and_its_cache_is_estimated_as_compiled():
+    pytest.importorskip("transformers")
+    est, eager = estimate("gpt2"), estimate("gpt2", wrap=uncompiled)
+    measured = measured_peak("gpt2")
+    assert COMPILED in est.notes[0], est.notes
+    # Known gap: in a fresh process the compiled step measures 23,023,224 B and the estimate is 2.0% under
+    # it, in backward; after another GPT-2 was compiled in the process (dynamo reuses that graph for the
+    # tied model) it measures 22,565,496 B, the estimate's figure. Run uncompiled it would be 30% over.
+    assert abs(est.peak - measured) <= 0.025 * measured, (est.peak, measured)
+    assert eager.peak - measured >= 0.2 * measured, (eager.peak, measured)
+
+
+def test_a_trace_that_fails_leaves_the_eager_estimate_to_the_byte(monkeypatch):
+    pytest.importorskip("transformers")
+    from benchmarks.zoo import ZOO
+
+    entry = ZOO["gpt2"]
+    kwargs = dict(
+        targets=entry.targets("small"), loss_fn=entry.loss, optimizer=entry.optimizer, batch_size=entry.batch["small"],
+        autocast=entry.autocast, device="cuda", emulate=True, fit=False,
+    )  # fmt: skip
+    eager = estimate_memory(lambda: entry.build("small"), entry.inputs("small"), **kwargs)
+
+    def fails(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("a trace that fails")
+
+    monkeypatch.setattr(compiled_module, "_trace", fails)
+    # the graph-break check before the trace runs dynamo, whose leftovers in reference cycles once kept the
+    # first step's output (GPT-2's logits and cache, 98,304 B) alive into the second
+    fallen_back = estimate_memory(lambda: torch.compile(entry.build("small")), entry.inputs("small"), **kwargs)
+    assert "the trace failed under the fake mode (RuntimeError: a trace that fails)" in fallen_back.notes[0]
+    assert fallen_back.peak == eager.peak and dict(fallen_back.phases) == dict(eager.phases)
 
 
 EAGER_BACKEND = functools.partial(torch.compile, backend="eager")
@@ -319,6 +441,55 @@ def test_fused_values_are_not_allocated_and_a_kernel_output_takes_a_dying_buffer
     # h (then r in its place) and the output: not h * 0.5, not h * 0.5 + 1, not r beside h
     assert counter.peak == 64 * 256 * 4 + 64 * 16 * 4
     assert tuple(out.shape) == (64, 16)
+
+
+def _residual_linears(blocks: int):
+    """``x + linear(relu(x))``, ``blocks`` times, then a sum: traced as AOTAutograd hands Inductor a graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    aten = torch.ops.aten
+
+    def f(x, *weights):
+        for w, b in zip(weights[::2], weights[1::2]):
+            h = aten.relu.default(x)  # read by the matrix product: a buffer
+            x = aten.add.Tensor(x, aten.addmm.default(b, h, aten.t.default(w)))
+        return (aten.sum.default(x),)
+
+    with fake_mode():
+        args = [torch.empty(64, 32)] + [t for _ in range(blocks) for t in (torch.empty(32, 32), torch.empty(32))]
+        return make_fx(f)(*args)
+
+
+def test_on_a_gpu_a_linear_bias_is_read_where_the_sum_is_and_the_residual_stream_is_stored_sooner():
+    # Inductor on a GPU runs addmm(bias, a, b) whose users are all pointwise as mm(a, b) + bias, the
+    # addition fused into the users (post_grad's unfuse_bias_add_to_pointwise): each block then adds two
+    # reads to the residual sum (the product and the bias), one on the CPU, where addmm stays whole. A sum
+    # read by two nodes (the next block's relu and its addition) is stored once it reads more than
+    # realize_reads_threshold (4) buffers: counted by hand, after the second, fourth and sixth block on a
+    # GPU (x, 2 + 2 reads), after the fourth on the CPU (x and four products); the last sum has one reader.
+    gm = _residual_linears(7)
+    adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    on_gpu = plan_graph(gm.graph, reorder=False, device_type="cuda")
+    on_cpu = plan_graph(gm.graph, reorder=False, device_type="cpu")
+    assert [i for i, n in enumerate(adds, 1) if on_gpu.kinds[n.name] == "realized"] == [2, 4, 6]
+    assert [i for i, n in enumerate(adds, 1) if on_cpu.kinds[n.name] == "realized"] == [4]
+    addmms = [n.name for n in gm.graph.nodes if n.target is torch.ops.aten.addmm.default]
+    assert {on_gpu.kinds[n] for n in addmms} == {on_cpu.kinds[n] for n in addmms} == {"kernel"}
+
+
+def test_an_addmm_read_by_a_kernel_or_left_as_an_output_keeps_its_bias():
+    from pytorch_mem_profiler.estimate.inductor_plan import _unfused_bias
+
+    gm = _residual_linears(2)
+    first, second = [n for n in gm.graph.nodes if n.target is torch.ops.aten.addmm.default]
+    assert _unfused_bias(first) is first.args[0] and _unfused_bias(second) is second.args[0]
+    # the same product also read by a matrix product (not pointwise): Inductor keeps addmm whole
+    user = gm.graph.call_function(torch.ops.aten.mm.default, (first, first))
+    assert _unfused_bias(first) is None
+    gm.graph.erase_node(user)
+    assert _unfused_bias(first) is first.args[0]
 
 
 def test_a_pause_counts_nothing_and_storages_counted_before_still_die():

@@ -51,6 +51,7 @@ from torch.utils import _pytree as pytree
 from ..torch_versions import INDUCTOR_PLAN_MODELLED
 from .graph_breaks import graph_breaks, remembered_breaks
 from .inductor_plan import layout_optimized, channels_last_inputs, plan_graph, storage_key
+from .output_trees import from_tree, to_tree
 
 __all__ = ["CompileOptions", "compile_options", "is_compiled", "GraphRun", "CompiledModule", "CompiledModules"]
 
@@ -338,8 +339,9 @@ def _trace(module: nn.Module, flat: list[Any], spec: Any, counter: Any, target: 
     decompositions, partition = _inductor_pieces()
     tensor_at = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
     constants = list(flat)
-    named = dict(module.named_parameters(remove_duplicate=False))
-    named.update(dict(module.named_buffers(remove_duplicate=False)))
+    # each parameter once (tied weights under their first name: functional_call ties the others to it)
+    named = dict(module.named_parameters())
+    named.update(dict(module.named_buffers()))
     names = list(named)
 
     def call(state: list[torch.Tensor], tensors: list[torch.Tensor]) -> Any:
@@ -347,7 +349,9 @@ def _trace(module: nn.Module, flat: list[Any], spec: Any, counter: Any, target: 
         for i, t in zip(tensor_at, tensors):
             values[i] = t
         args, kwargs = pytree.tree_unflatten(values, spec)
-        return torch.func.functional_call(module, dict(zip(names, state)), args, kwargs)
+        # objects pytree does not know (a language model's key-value cache) taken apart: their tensors are outputs
+        with _traced_as_dynamo_traces():
+            return to_tree(torch.func.functional_call(module, dict(zip(names, state)), args, kwargs))
 
     primals: set[Any] = set()
 
@@ -369,7 +373,24 @@ def _trace(module: nn.Module, flat: list[Any], spec: Any, counter: Any, target: 
         num_params_buffers=len(names),
     )
     # the state is read at each call: a parameter replaced since (an optimizer does not) is the one used
-    return lambda values: compiled([named[n] for n in names], [values[i] for i in tensor_at])
+    return lambda values: from_tree(compiled([named[n] for n in names], [values[i] for i in tensor_at]))
+
+
+@contextlib.contextmanager
+def _traced_as_dynamo_traces() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` true while the module's code is traced, as it is while dynamo traces it:
+    libraries take their compiled paths there (Hugging Face models build their attention masks without
+    reading a tensor's value when ``is_torchdynamo_compiling()``), and the graph is the one dynamo captures."""
+    compiler = torch.compiler
+    if not hasattr(compiler, "_is_compiling_flag"):
+        yield
+        return
+    before = compiler._is_compiling_flag
+    compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag = before
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import types
 import weakref
 from typing import Any, Callable, Iterator
@@ -89,6 +90,8 @@ def graph_breaks(module: nn.Module, *args: Any, **kwargs: Any) -> str | None:
             torch.compile(types.MethodType(forward, meta_module), backend=count, dynamic=False)(*meta_args, **meta_kwargs)
         except Exception:  # noqa: BLE001 - dynamo cannot trace the meta copy: no break known
             return None
+        finally:
+            gc.collect()  # dynamo leaves its tracing state in reference cycles: freed now, not in the step
     breaks = max(len(graphs) - 1, len(reasons))
     if not breaks:
         return None

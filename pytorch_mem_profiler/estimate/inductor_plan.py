@@ -42,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -244,6 +245,10 @@ def _realize_on_reuse(
         kind = kinds[node]
         if kind not in ("fused", "view", "item"):
             reads[node], ops[node], used[node] = frozenset({node}), 1, frozenset()
+            bias = None if cpu else _unfused_bias(node)
+            if bias is not None:  # its readers read ``mm + bias``: the bias and the addition too
+                reads[node] |= reads.get(bias, frozenset({bias}))
+                ops[node] += ops.get(bias, 1) + 1
             continue
         inputs = node.all_input_nodes
         reads[node] = frozenset().union(*(reads[m] for m in inputs))
@@ -262,6 +267,72 @@ def _realize_on_reuse(
         if fanout or too_much or ops[node] > 100:
             realize(node)
             reads[node], ops[node], used[node] = frozenset({node}), 1, frozenset()
+
+
+def _unfused_bias(node: fx.Node) -> fx.Node | None:
+    """The bias of an ``addmm`` that Inductor, on a GPU, runs as ``mm`` with the bias added in its readers.
+
+    Inductor's post-grad pass ``unfuse_bias_add_to_pointwise`` rewrites ``addmm(bias, a, b)`` whose
+    users are all pointwise (through views) as ``mm(a, b) + bias``, the addition fused into each
+    user (``baddbmm`` likewise, where this torch does: :func:`_unfused_products`): the ``mm`` is the buffer, and every fused value reading it reads the bias as well, which
+    counts toward the reads that make Inductor store a value rather than compute it again (a
+    residual stream of linear layers is stored every second block on CUDA, every fourth on the
+    CPU). Kept fused: a bias of another dtype than the factors, one that is not bias-like (a
+    full-size accumulator), and half-precision biases where ``keep_addmm_fused_for_half_dtypes``
+    says so. ``None`` where the ``addmm`` stays one kernel.
+    """
+    if node.op != "call_function" or node.target not in _unfused_products() or len(node.args) < 3:
+        return None
+    bias, first, second = node.args[:3]
+    values = [getattr(a, "meta", {}).get("val") for a in (bias, first, second)]
+    out = node.meta.get("val")
+    if not all(isinstance(v, torch.Tensor) for v in (*values, out)):
+        return None
+    if len({v.dtype for v in values}) != 1 or node.kwargs.get("beta", 1) == 0:
+        return None
+    if values[0].dtype in (torch.bfloat16, torch.float16) and _inductor_flag("keep_addmm_fused_for_half_dtypes"):
+        return None
+    bias_like = (
+        bias.op in ("placeholder", "get_attr")
+        or values[0].dim() != out.dim()
+        or any(b == 1 and o != 1 for b, o in zip(values[0].shape, out.shape))
+        or 0 in values[0].stride()
+    )
+    return bias if bias_like and all(_pointwise_use(user) for user in node.users) else None
+
+
+@functools.lru_cache(maxsize=1)
+def _unfused_products() -> frozenset[Any]:
+    """``addmm``, and ``baddbmm`` where this torch's Inductor unfuses its bias too (2.14 and later)."""
+    products = {torch.ops.aten.addmm.default}
+    try:
+        from torch._inductor.fx_passes import post_grad
+    except Exception:  # noqa: BLE001 - no Inductor: nothing is compiled
+        return frozenset(products)
+    if hasattr(post_grad, "unfuse_bias_baddbmm_to_pointwise"):
+        products.add(torch.ops.aten.baddbmm.default)
+    return frozenset(products)
+
+
+def _pointwise_use(node: fx.Node) -> bool:
+    """Inductor's ``is_pointwise_use``: a pointwise operator, or a view or item whose users all are."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem or (
+        isinstance(target, torch._ops.OpOverload) and any(a.alias_info is not None for a in target._schema.arguments)
+    ):
+        return all(_pointwise_use(user) for user in node.users)
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
+def _inductor_flag(name: str) -> bool:
+    """A boolean of Inductor's config (``False`` where this torch has none, as its older versions behave)."""
+    try:
+        from torch._inductor import config
+    except Exception:  # noqa: BLE001 - no Inductor: nothing is compiled
+        return False
+    return getattr(config, name, False) is True
 
 
 def _is_buffer(node: fx.Node, kinds: dict[fx.Node, str], sources: dict[fx.Node, frozenset[fx.Node]]) -> bool:
