@@ -58,7 +58,8 @@ def remembered_breaks(check: Callable[..., str | None], key: Any) -> Callable[..
 
 
 def graph_breaks(module: nn.Module, *args: Any, **kwargs: Any) -> str | None:
-    """Whether dynamo breaks ``module``'s forward into several graphs at these inputs: how, or ``None``.
+    """Whether dynamo breaks ``module``'s forward into several graphs at these inputs, or captures none
+    (it then runs eagerly): how, or ``None``.
 
     Dynamo traces a copy of the module and inputs on the ``meta`` device, with the estimate's
     dispatch and function modes put aside, through a backend that only counts graphs. Its
@@ -92,6 +93,8 @@ def graph_breaks(module: nn.Module, *args: Any, **kwargs: Any) -> str | None:
             return None
         finally:
             gc.collect()  # dynamo leaves its tracing state in reference cycles: freed now, not in the step
+    if not graphs:  # dynamo skipped the frame: it runs eagerly (an RNN module under allow_rnn=False)
+        return "dynamo captured no graph of it: it runs eagerly"
     breaks = max(len(graphs) - 1, len(reasons))
     if not breaks:
         return None
