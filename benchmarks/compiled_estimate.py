@@ -152,6 +152,9 @@ def cases(quick: bool) -> dict[str, dict[str, Any]]:
         "compiled_mlp": _zoo("compiled_mlp", "small" if quick else "real"),
         # transformers' GPT-2 small under bf16 autocast: tied embeddings, its key-value cache in the output
         "gpt2": _zoo("gpt2", "small" if quick else "real"),
+        # transformers' Llama (grouped-query attention, RoPE) under bf16 autocast, and BERT-base in fp32
+        "llama": _zoo("llama", "small" if quick else "real"),
+        "bert": _zoo("bert", "small" if quick else "real"),
         "transformer": transformer,
         "transformer_bf16": {**transformer, "autocast": torch.bfloat16},
         "pooling_cnn": {
