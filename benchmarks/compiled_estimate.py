@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchutil import environment_line, markdown_table, output_dir  # noqa: E402
 
 from benchmarks.zoo import ZOO  # noqa: E402
+from benchmarks.zoo.training import call, tensors_of, to_device  # noqa: E402
 from pytorch_mem_profiler import estimate_memory  # noqa: E402
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
@@ -168,23 +169,6 @@ def cases(quick: bool) -> dict[str, dict[str, Any]]:
     }  # fmt: skip
 
 
-def _on(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        return tuple(_on(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _on(v, device) for k, v in obj.items()}
-    return obj
-
-
-def _called(run: Any, x: Any) -> Any:
-    """``run`` on the batch as the estimate passes it: a tuple spread, a dict as keywords."""
-    if isinstance(x, tuple):
-        return run(*x)
-    return run(**x) if isinstance(x, dict) else run(x)
-
-
 def _fresh(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -218,8 +202,8 @@ def measure(case: dict[str, Any], device: torch.device) -> dict[str, int]:
 
 
 def _steps(run: nn.Module, model: nn.Module, case: dict[str, Any], device: torch.device, count: int) -> dict[str, int]:
-    x = _on(case["inputs"](case["batch"]), device)
-    y = _on(case["targets"](case["batch"]), device)
+    x = to_device(case["inputs"](case["batch"]), device)
+    y = to_device(case["targets"](case["batch"]), device)
     optimizer = ADAMW(model.parameters())
     phases: dict[str, int] = {}
 
@@ -233,7 +217,7 @@ def _steps(run: nn.Module, model: nn.Module, case: dict[str, Any], device: torch
     phase("other")
     for _ in range(count):
         with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            out = _called(run, x)
+            out = call(run, x)
         phase("forward")
         loss = case["loss"](out, y)
         phase("other")
@@ -252,8 +236,7 @@ def _cpu_steps(run: nn.Module, model: nn.Module, case: dict[str, Any], device: t
     from cpu_allocations import cpu_allocations, live_tensor_peak, unique_bytes
 
     x, y = case["inputs"](case["batch"]), case["targets"](case["batch"])
-    batch = [t for t in torch.utils._pytree.tree_leaves((x, y)) if isinstance(t, torch.Tensor)]
-    base = unique_bytes([*model.parameters(), *model.buffers(), *batch])
+    base = unique_bytes([*model.parameters(), *model.buffers(), *tensors_of((x, y))])
     fixed = {**case, "inputs": lambda b: x, "targets": lambda b: y}
     return {"step": base + live_tensor_peak(cpu_allocations(lambda: _steps(run, model, fixed, device, 2)))}
 

@@ -41,7 +41,6 @@ __all__ = [
     "attention_softmax",
     "fake_tolist_reads_values",
     "math_attention_upcasts",
-    "pytree_is_leaf",
     "release",
 ]
 
@@ -87,10 +86,6 @@ COMPILE_YIELDS_TO_DISPATCH_MODES = hasattr(
     torch.utils._python_dispatch, "is_in_any_mode_without_ignore_compile_internals"
 )
 
-
-#: Whether pytree takes a value apart (a container it knows) or keeps it whole (a leaf): public as
-#: ``tree_is_leaf`` from torch 2.13 on, which warns of the private ``_is_leaf`` that 2.4 has alone.
-pytree_is_leaf = getattr(torch.utils._pytree, "tree_is_leaf", None) or torch.utils._pytree._is_leaf
 
 # ATen's math attention normalises with ``_safe_softmax`` from torch 2.5 on (a row masked
 # out entirely gives zeros, not NaN); torch 2.4 runs ``softmax``.

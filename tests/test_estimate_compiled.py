@@ -234,7 +234,7 @@ class CachingMLP(nn.Module):
 class ReadsOnlyEager(nn.Module):
     """Reads a value in Python unless compiling, as libraries do (``if not torch.compiler.is_compiling()``)."""
 
-    def __init__(self, dim: int = 128) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.body = MODELS["mlp"][0]()
 

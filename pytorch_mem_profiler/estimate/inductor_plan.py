@@ -326,15 +326,6 @@ def _pointwise_use(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
 
-def _inductor_flag(name: str) -> bool:
-    """A boolean of Inductor's config (``False`` where this torch has none, as its older versions behave)."""
-    try:
-        from torch._inductor import config
-    except Exception:  # noqa: BLE001 - no Inductor: nothing is compiled
-        return False
-    return getattr(config, name, False) is True
-
-
 def _is_buffer(node: fx.Node, kinds: dict[fx.Node, str], sources: dict[fx.Node, frozenset[fx.Node]]) -> bool:
     """A value the graph allocates: a kernel's, a reduction's or a realized value (a kernel with several
     outputs is not one: each of its outputs is)."""
@@ -441,12 +432,17 @@ def _freeable(node: fx.Node, kept: frozenset[Any]) -> bool:
     return storage_key(node.meta.get("val")) not in kept
 
 
-def _inductor_reorders() -> bool:
+def _inductor_flag(name: str) -> bool:
+    """A boolean of Inductor's config (``False`` where this torch has none, as its older versions behave)."""
     try:
         from torch._inductor import config
-    except Exception:  # noqa: BLE001 - no Inductor: no reordering
+    except Exception:  # noqa: BLE001 - no Inductor: nothing is compiled
         return False
-    return bool(getattr(config, "reorder_for_peak_memory", False))
+    return bool(getattr(config, name, False))
+
+
+def _inductor_reorders() -> bool:
+    return _inductor_flag("reorder_for_peak_memory")
 
 
 # -- Inductor's reordering for peak memory, on kernels ---------------------------------------

@@ -36,11 +36,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..torch_versions import pytree_is_leaf
-
 __all__ = ["Opaque", "Constant", "to_tree", "from_tree"]
 
-#: How deep an object's attributes are searched for tensors (a cache's layers' tensors are two down).
+#: How deep objects are taken apart (a cache's layers' tensors are two down); deeper ones are constants.
 DEPTH = 6
 
 
@@ -77,36 +75,20 @@ pytree.register_pytree_node(Constant, lambda node: ([], node.value), lambda _val
 _CARRIED = (torch.Tensor, int, float, bool, str, type(None))
 
 
-def _is_node(value: Any) -> bool:
-    return not pytree_is_leaf(value)  # a container pytree takes apart
-
-
-def _holds_tensor(value: Any, depth: int, seen: set[int]) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if depth <= 0 or id(value) in seen:
-        return False
-    seen.add(id(value))
-    if _is_node(value):
-        children, _ = pytree.tree_flatten(value)
-        return any(_holds_tensor(child, depth - 1, seen) for child in children)
-    attributes = getattr(value, "__dict__", None)
-    return isinstance(attributes, dict) and any(_holds_tensor(v, depth - 1, seen) for v in attributes.values())
-
-
 def _take_apart(leaf: Any, depth: int) -> Any:
     if isinstance(leaf, _CARRIED):
         return leaf
     attributes = getattr(leaf, "__dict__", None)
-    if depth <= 0 or not isinstance(attributes, dict) or not _holds_tensor(leaf, DEPTH, set()):
+    if depth <= 0 or not isinstance(attributes, dict):
         return Constant(leaf)
     node = Opaque(type(leaf))
     for name, value in attributes.items():
-        if _holds_tensor(value, DEPTH, set()):
-            node.children[name] = _to_tree(value, depth - 1)
+        tree = _to_tree(value, depth - 1)
+        if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(tree)):
+            node.children[name] = tree
         else:
             node.constants[name] = value
-    return node
+    return node if node.children else Constant(leaf)
 
 
 def _to_tree(value: Any, depth: int) -> Any:
