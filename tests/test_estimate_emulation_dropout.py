@@ -43,3 +43,17 @@ def test_dropout_outside_the_fused_kernels_reach_keeps_the_composite_path():
         a = nn.functional.dropout(real, 0.5)
     torch.manual_seed(0)
     assert torch.equal(a, nn.functional.dropout(real, 0.5))
+
+
+def test_a_cuda_estimate_makes_dropouts_mask_before_its_output_as_the_fused_kernel_does():
+    """CUDA's ``dropout_cuda`` allocates the bool mask, then the output (the H100's allocator history of
+    ``nn.MultiheadAttention``); the fake kernel returns ``(output, mask)``. The CUDA estimate hands them
+    to the replay in the device's order; the CPU estimate has no replay and its counter's order stays."""
+    from pytorch_mem_profiler import estimate_memory
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.Dropout(0.1), nn.Linear(256, 4))
+    est = estimate_memory(model, torch.zeros(32, 64), device="cuda", emulate=True, fit=False)
+    events = est.step_events
+    made = [n for key, n in events.events if n > 0 and events.sources.get(key, "").startswith("aten.native_dropout.default;")]
+    mask, output = 32 * 256, 32 * 256 * 4  # one byte an element; float32
+    assert made == [mask, output] * 2, made  # two steps

@@ -91,3 +91,48 @@ def test_the_cuda_estimate_makes_no_output_sized_add_where_the_device_adds_in_pl
     made = [(n, est.step_events.sources.get(k, "")) for k, n in est.step_events.events if n >= output]
     assert made and not any(source.startswith("aten.add.Tensor") for _, source in made), made
     assert any(source.startswith("aten.mm.default; forward") for _, source in made), made
+
+
+def test_the_rule_reaches_the_linear_calls_inside_torchs_attention():
+    """``nn.MultiheadAttention`` runs ``F.multi_head_attention_forward``, which a mode sees once, for
+    itself; its projections over the transposed ``batch_first`` input are ``linear`` calls beneath it.
+    Under the rule each of them adds its bias in place, as ATen does without a mode, and the name
+    ``F.linear`` is torch's own again after the block."""
+    from torch._subclasses import FakeTensorMode
+
+    own = F.linear
+    attention = nn.MultiheadAttention(32, 4, batch_first=True, kdim=24, vdim=24)  # three projections
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x, memory = torch.empty(2, 5, 32), torch.empty(2, 7, 24)
+        ops = Ops()
+        with ops:
+            attention(x, memory, memory, need_weights=False)
+        plain = ops.names.count("aten.add.Tensor")
+        ops = Ops()
+        with LinearBiasRules("cpu"), ops:
+            attention(x, memory, memory, need_weights=False)
+    assert F.linear is own and torch.nn.functional.linear is torch._C._nn.linear
+    assert plain >= 3, ops.names  # without the rule: the projections' biases out of place
+    assert ops.names.count("aten.add_.Tensor") >= 3 and ops.names.count("aten.add.Tensor") == plain - 3, ops.names
+
+
+def test_the_rule_leaves_real_tensors_to_linear_and_gives_it_back_when_the_block_fails():
+    own = F.linear
+    calls: list[tuple] = []
+
+    def users_linear(*args, **kwargs):  # another library's patch of F.linear, made before the estimate
+        calls.append(args)
+        return own(*args, **kwargs)
+
+    x, layer = torch.randn(5, 6, 16).transpose(0, 1), nn.Linear(16, 8)
+    F.linear = users_linear
+    try:
+        with pytest.raises(RuntimeError, match="inside"):
+            with LinearBiasRules("cpu"):
+                assert F.linear is not users_linear
+                out = F.linear(x, layer.weight, layer.bias)  # real tensors: the replaced function's call
+                raise RuntimeError("inside")
+        assert F.linear is users_linear and len(calls) == 1
+        assert torch.equal(out, own(x, layer.weight, layer.bias))
+    finally:
+        F.linear = own

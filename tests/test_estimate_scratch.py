@@ -256,3 +256,83 @@ def test_an_emulated_cuda_estimate_takes_the_attention_backward_block(masked):
         assert all("efficient" in events.sources[key] for key, _ in attention) and block not in [n for _, n in attention]
     else:
         assert [n for _, n in attention][:5] == [gradient, gradient, gradient, block, -block]
+
+
+#: cuDNN's attention backward with grouped-query attention on an H100 (torch 2.11, bf16; the
+#: allocator's history of transformers' Qwen2 with 14 query and 2 key-value heads, batch 16, 512
+#: positions, head dim 64): one block per layer, the rule's plus the key's and value's gradients at
+#: every query head.
+QWEN2_GQA_BLOCK = 59_179_520
+
+
+def test_grouped_query_attention_backward_takes_the_key_and_value_gradients_at_every_query_head():
+    from pytorch_mem_profiler.estimate.allocator import block_size
+    from pytorch_mem_profiler.estimate.scratch import grouped_query_gradients
+
+    rules = KernelScratch(132)
+    with torch.device("meta"):
+        q = torch.empty(16, 14, 512, 64, dtype=torch.bfloat16)
+        kv = torch.empty(16, 2, 512, 64, dtype=torch.bfloat16)
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+    (block,) = rules(cudnn, (q, q, kv, kv, q), {})
+    assert block_size(block) == QWEN2_GQA_BLOCK
+    assert grouped_query_gradients(q, kv, kv) == (14_680_064, 14_680_064)  # (16, 14, 512, 64) in bf16 each
+    assert rules(cudnn, (q, q, q, q, q), {}) == (QWEN2_GQA_BLOCK - 2 * 14_680_064 - 256,)  # one head group each
+    # flash's backward: dq_accum and softmax_d as before, then dk_expanded and dv_expanded
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+    assert rules(flash, (q, q, kv, kv, q), {}) == rules(flash, (q, q, q, q, q), {}) + (14_680_064, 14_680_064)
+
+
+#: A softmax's backward on an H100 (torch 2.11): ``softmax_backward_cuda_out`` computes
+#: ``grad * output`` first, a temporary of the gradient's size (one block of 268,435,456 bytes for the
+#: (16 x 16, 512, 512) fp32 attention weights of ``nn.MultiheadAttention`` in the allocator's history).
+SOFTMAX_PRODUCT = 268_435_456
+
+
+def test_a_softmax_backward_takes_its_product_and_the_copies_of_what_is_not_contiguous():
+    rules = KernelScratch(132)
+    backward = torch.ops.aten._softmax_backward_data.default
+    log_backward = torch.ops.aten._log_softmax_backward_data.default
+    with torch.device("meta"):
+        dense = torch.empty(256, 512, 512)
+        permuted = torch.empty(16, 512, 512, 16).permute(0, 3, 1, 2).reshape(256, 512, 512)  # a copy: dense again
+        strided = torch.empty(512, 256, 512).transpose(0, 1)  # not contiguous, dense
+        half = torch.empty(256, 512, 512, dtype=torch.bfloat16)
+    assert permuted.is_contiguous() and not strided.is_contiguous()
+    assert rules(backward, (dense, dense, -1, torch.float32), {}) == (SOFTMAX_PRODUCT,)
+    # the product follows the gradient's layout, and host_softmax_backward copies it to contiguous
+    assert rules(backward, (strided, dense, -1, torch.float32), {}) == (SOFTMAX_PRODUCT, SOFTMAX_PRODUCT)
+    # a contiguous gradient decides the product's layout; the output is copied
+    assert rules(backward, (dense, strided, -1, torch.float32), {}) == (SOFTMAX_PRODUCT, SOFTMAX_PRODUCT)
+    assert rules(backward, (half, half, -1, torch.bfloat16), {}) == (SOFTMAX_PRODUCT // 2,)
+    # log-softmax's backward computes no product: only the copies
+    assert rules(log_backward, (dense, dense, -1, torch.float32), {}) == ()
+    assert rules(log_backward, (strided, dense, -1, torch.float32), {}) == (SOFTMAX_PRODUCT,)
+    # the forward reads a contiguous input
+    softmax = torch.ops.aten._softmax.default
+    assert rules(softmax, (dense, -1, False), {}) == () and rules(softmax, (strided, -1, False), {}) == (SOFTMAX_PRODUCT,)
+
+
+class _ExplicitAttention(nn.Module):
+    """Attention written out: scores, softmax, weights times values (no fused kernel)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Linear(dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        weights = (q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5).softmax(-1)
+        return (weights @ v).transpose(1, 2).reshape(b, s, d)
+
+
+def test_an_estimate_for_cuda_takes_the_softmax_backwards_product_beside_its_gradient():
+    """Each step's softmax backward: the input's gradient it returns and the product it takes and
+    gives back, both of the attention weights' size."""
+    weights = 8 * 4 * 128 * 128 * 4
+    est = estimate_memory(_ExplicitAttention(), torch.zeros(8, 128, 64), optimizer=SGD, device="cuda", emulate=True, fit=False)
+    events = est.step_events
+    made = [(n, events.sources[key].split("; ")[2]) for key, n in events.events
+            if n > 0 and events.sources.get(key, "").startswith("aten._softmax_backward_data")]  # fmt: skip
+    assert made == [(weights, "activation_gradients"), (weights, "other")] * 2, made

@@ -47,7 +47,12 @@ KNOWN: dict[str, str] = {
 UNSTEADY: dict[str, str] = {
     "sparse_recommender": (
         "the predicted 44,353 under 6.5 GiB ran out of memory in one process and fit (1.1x out) in the next, the "
-        "estimate the same (peak -0.08%): under deterministic algorithms dense += sparse takes buffers it leaves out"
+        "estimate the same (peak -0.08%): under deterministic algorithms dense += sparse takes buffers it leaves out; "
+        "on an H200 (2026-11-27) the predicted 41,304 under 6.25 GiB ran out"
+    ),
+    "neumf": (
+        "the predicted batch under 2.25 GiB fits (1.1x out) on H100s (2026-11-26, 2026-11-27) and runs out of memory "
+        "on an H200 (327,372, 2026-11-27), the estimate the same (peak -0.10%, reserved -2.5%)"
     ),
     "lstm_lm": (
         "the predicted 98 under 3.25 GiB fit (108 out) in one fresh process and ran out in another, on an H100 the "

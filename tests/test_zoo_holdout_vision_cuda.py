@@ -40,8 +40,8 @@ KNOWN: dict[str, str] = {
         "reserved -10.3% (peak -0.79%, stated bound 1.6%): its backward's requests are the device's but for the "
         "convolution workspaces, a few MB larger on the device (160.3 MB for the stem's 155.2 MB), which take new segments"
     ),
-    "mobilevit": "reserved -5.3% (peak -0.13%, stated bound 0.5%)",
-    "levit": "reserved -8.8% (peak -1.07%, stated bound 8.9%); 1.1x of the predicted 340 under 6 GiB still runs",
+    "mobilevit": "reserved -5.2% (peak -0.13%, stated bound 0.5%)",
+    "levit": "reserved -5.1% (peak -1.07%, stated bound 3.1%; H100, 2026-11-27: the predicted 363 fits, 400 does not)",
     "pvt_v2": "1.1x of the predicted 88 under 13.25 GiB still runs (stated bound 68% of the peak; peak -0.52%)",
     "video3d": "reserved -7.3% (peak exact, stated bound 2.7%)",
     "channels_last": "reserved +17.2% (peak +0.25%, stated bound 20%); 1.1x of the predicted 143 under 7.75 GiB still runs",

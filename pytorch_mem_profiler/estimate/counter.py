@@ -144,7 +144,9 @@ class _LifeMode(TorchDispatchMode):
             # first (:class:`~.scratch.KernelSteps`), else on top of its outputs, gone at its return
             finish = self.counter.begin_transient(self.counter.scratch(func, args, kwargs or {}), op=func)
         items = [out] if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else []
-        for i, item in enumerate(items):
+        order = self.counter.output_order(func, len(items)) if self.counter.output_order is not None else range(len(items))
+        for i in order:
+            item = items[i]
             if isinstance(item, torch.Tensor):
                 kind = kinds[i] if i < len(kinds) else kinds[-1]
                 if kind == NEW or kind == RESIZED:
@@ -172,6 +174,8 @@ class StorageLifeCounter(MemoryCounter):
         accumulation: where autograd's engine sums gradient pieces in place on the target
             (:class:`~pytorch_mem_profiler.measure.engine_sums.EngineAccumulation`, calibrated after :meth:`start`);
             default: every sum a new tensor, as under a dispatch mode.
+        output_order: ``(func, outputs) -> indices``: the order the target's kernel makes an
+            operator's outputs in (see :mod:`~.output_order`); default: the order it returns them.
     """
 
     shares_peaks = False  # it counts by itself
@@ -183,9 +187,11 @@ class StorageLifeCounter(MemoryCounter):
         scratch: Callable[[Any, tuple, dict], Sequence[int]] | None = None,
         outputs: Callable[[Any, tuple, dict, Any], Any] | None = None,
         accumulation: EngineAccumulation | None = None,
+        output_order: Callable[[Any, int], Sequence[int]] | None = None,
     ) -> None:
         super().__init__(device)
         self.device = device
+        self.output_order = output_order
         self.scratch = scratch
         self.outputs = outputs
         self.accumulation = accumulation

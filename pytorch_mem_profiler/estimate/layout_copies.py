@@ -28,6 +28,17 @@ CUDA code is known to copy so:
   logits' size: 196,608,000 bytes for 48 x 128 x 8,000 fp32 on an H200, the
   step's peak there).
 
+- ``_softmax``, ``_log_softmax``: the input, into contiguous (``host_softmax``);
+- ``_softmax_backward_data``: first the product ``grad_output * output``, a
+  temporary of the gradient's size on every call (``softmax_backward_cuda_out``),
+  then, as ``host_softmax_backward`` reads contiguous tensors, that product where
+  TensorIterator laid it out otherwise (it follows the gradient's layout) and
+  the softmax's output where it is not contiguous. On an H100 (torch 2.11) an
+  ``nn.MultiheadAttention`` whose per-head weights are used took one block of the
+  weights' size, 268,435,456 bytes for (16 x 16, 512, 512) fp32, in its backward
+  that nothing the operator returns holds;
+- ``_log_softmax_backward_data``: the gradient and the output, into contiguous.
+
 Measured on an H100 (``benchmarks/conv_workspace_rules.py``, fp32 and bf16, the
 gradient a channel slice): each of the first five operators' scratch is the sliced
 gradient's bytes, to the byte (134,217,728 for bilinear and nearest upsampling of
@@ -94,6 +105,45 @@ def _by_input_layout(grad_index: int, input_index: int, others: Sequence[int] = 
     return rule
 
 
+def _laid_out_contiguous(*tensors: torch.Tensor) -> bool:
+    """Whether TensorIterator makes the result of a pointwise operator over these same-shaped inputs
+    contiguous: it orders each pair of dimensions by the first input whose strides tell them apart
+    (a broadcast dimension, stride 0, tells nothing), outermost first."""
+    shape = tensors[0].shape
+    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    for outer, inner in zip(dims, dims[1:]):
+        for tensor in tensors:
+            a, b = tensor.stride(outer), tensor.stride(inner)
+            if a == 0 or b == 0 or a == b:
+                continue
+            if a < b:
+                return False
+            break
+    return True
+
+
+def _softmax_forward(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
+    source = args[0] if args else kwargs.get("self")
+    return tuple(b for b in (_copy(source, False),) if b)
+
+
+def _softmax_backward(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
+    grad = args[0] if args else kwargs.get("grad_output")
+    output = args[1] if len(args) > 1 else kwargs.get("output")
+    if not isinstance(grad, torch.Tensor) or not isinstance(output, torch.Tensor) or grad.numel() == 0:
+        return ()
+    # tmp = grad * output, in the dtype they promote to, laid out as TensorIterator lays it out
+    product = block_size(grad.numel() * torch.promote_types(grad.dtype, output.dtype).itemsize)
+    blocks = (product, 0 if _laid_out_contiguous(grad, output) else product, _copy(output, False))
+    return tuple(b for b in blocks if b)
+
+
+def _log_softmax_backward(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
+    grad = args[0] if args else kwargs.get("grad_output")
+    output = args[1] if len(args) > 1 else kwargs.get("output")
+    return tuple(b for b in (_copy(grad, False), _copy(output, False)) if b)
+
+
 def _cublas_copy(matrix: Any) -> int:
     """The block of the contiguous copy ATen's ``prepare_matrix_for_cublas`` makes of ``matrix`` (0: none)."""
     if not isinstance(matrix, torch.Tensor) or matrix.dim() != 2 or matrix.numel() == 0:
@@ -135,6 +185,11 @@ COPYING_OPERATORS = {
     # (self, mat2); (self, mat1, mat2, beta, alpha): the matrices cuBLAS reads
     _aten.mm.default: _matrices(0, 1),
     _aten.addmm.default: _matrices(1, 2),
+    # (self, dim, half_to_float); (grad_output, output, dim, input_dtype)
+    _aten._softmax.default: _softmax_forward,
+    _aten._log_softmax.default: _softmax_forward,
+    _aten._softmax_backward_data.default: _softmax_backward,
+    _aten._log_softmax_backward_data.default: _log_softmax_backward,
 }
 
 

@@ -16,8 +16,19 @@ step) runs those calls as the device runs them: the ``matmul``, then the bias ad
 place; under autocast with the input, the weight and the bias cast to autocast's dtype
 first, as autocast casts a linear layer's arguments. Contiguous inputs (ATen flattens
 them into one ``addmm``) and 2-D ones are left to the fake mode, which counts them as the
-device does. CPU estimates keep the fake mode's out-of-place add: the CPU counter they
-are checked against runs under a dispatch mode too, and takes that branch.
+device does.
+
+A mode sees only the calls made outside its own handler: torch's Python composites
+(``F.multi_head_attention_forward``, which every ``nn.MultiheadAttention`` and
+``nn.Transformer*Layer`` runs in training) reach the mode once, for themselves, and
+their own ``linear`` calls (the query, key and value projections, over the transposed
+``batch_first`` input) run beneath it unseen. So for the block the rule also stands in
+for ``torch.nn.functional.linear``, the name those composites (and ``nn.Linear``) call
+it by, as the emulation stands in for ``F.scaled_dot_product_attention``; a call on
+real tensors (another thread's) goes to the function it replaced, untouched.
+
+CPU estimates keep the fake mode's out-of-place add: the CPU counter they are checked
+against runs under a dispatch mode too, and takes that branch.
 
 Example::
 
@@ -37,9 +48,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["LinearBiasRules"]
+
+#: torch's own ``linear`` (``torch._C._nn.linear``), whatever name stands for it during a step
+_LINEAR = torch._C._nn.linear
 
 
 class LinearBiasRules(TorchFunctionMode):
@@ -53,11 +68,32 @@ class LinearBiasRules(TorchFunctionMode):
     def __init__(self, autocast_device: str) -> None:
         super().__init__()
         self.autocast_device = autocast_device
+        self._replaced: list[Any] = []
+
+    def __enter__(self) -> LinearBiasRules:
+        super().__enter__()
+        # composites look ``linear`` up in torch.nn.functional at each call: stand in there too
+        self._replaced.append(F.linear)
+        F.linear = self._linear_by_name
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        F.linear = self._replaced.pop()
+        super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func is not F.linear:
+        if func is not _LINEAR:
             return func(*args, **kwargs)
+        return self._linear(func, args, kwargs)
+
+    def _linear_by_name(self, *args: Any, **kwargs: Any) -> Any:
+        replaced = self._replaced[-1]
+        if not isinstance(_arguments(args, kwargs)[0], FakeTensor):
+            return replaced(*args, **kwargs)
+        return self._linear(replaced, args, kwargs)
+
+    def _linear(self, func: Any, args: tuple, kwargs: dict) -> Any:
         input, weight, bias = _arguments(args, kwargs)
         if not _adds_in_place(input, weight, bias):
             return func(*args, **kwargs)

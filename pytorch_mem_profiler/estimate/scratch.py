@@ -60,8 +60,12 @@ before and after it), and have a rule here giving the bytes of the blocks they t
   backward (``aten._scaled_dot_product_flash_attention_backward``) makes the same two
   buffers (FlashAttention-2's ``dq_accum`` and ``softmax_d``, positions rounded up to 128
   and the head dim to 32): the emulation runs it where the H100 runs cuDNN's (unmasked
-  half precision), and it runs for real where cuDNN's cannot (grouped-query attention);
-  not measured apart.
+  half precision), and it runs for real where cuDNN's cannot; not measured apart. With grouped-query attention (fewer key and value heads than query heads)
+  both also take the key's and value's gradients at every query head, in the inputs' dtype, before
+  summing them down to their own heads (:func:`grouped_query_gradients`): inside cuDNN's one block
+  (Qwen2's 14 query and 2 key heads, bf16, (16, 14, 512, 64) on an H100, torch 2.11: 59,179,520
+  bytes, the rule's 29,819,392 plus twice 14,680,064), as FlashAttention-2's ``dk_expanded`` and
+  ``dv_expanded`` beside flash's.
 
 Not covered: other kernels' scratch (cuDNN's attention workspaces other than the backward's, sorts,
 ``index_put`` with accumulation), reductions over inner or middle dimensions,
@@ -100,6 +104,7 @@ __all__ = [
     "cudnn_attention_backward_scratch",
     "embedding_backward_scratch",
     "flash_attention_backward_scratch",
+    "grouped_query_gradients",
     "KernelScratch",
     "KernelSteps",
     "Passes",
@@ -329,26 +334,31 @@ def embedding_backward_scratch(
 CUDNN_ATTENTION_BACKWARD_PAD = 256
 
 
-def cudnn_attention_backward_scratch(query_shape: Sequence[int]) -> tuple[int, ...]:
+def cudnn_attention_backward_scratch(query_shape: Sequence[int], grouped: Sequence[int] = ()) -> tuple[int, ...]:
     """The block cuDNN's attention backward takes (``aten._scaled_dot_product_cudnn_attention_backward``)
     for a query of ``(batch, heads, positions, head_dim)``: the query's gradient accumulated in float32
-    and one float per query row, plus :data:`CUDNN_ATTENTION_BACKWARD_PAD`.
+    and one float per query row, plus :data:`CUDNN_ATTENTION_BACKWARD_PAD`; with grouped-query
+    attention the key's and value's gradients at every query head (``grouped``, from
+    :func:`grouped_query_gradients`) in the same block.
 
     Example::
 
         >>> cudnn_attention_backward_scratch((160, 12, 128, 64))  # measured on an H100: 63,897,856
         (63897856,)
+        >>> cudnn_attention_backward_scratch((16, 14, 512, 64), (14680064, 14680064))  # Qwen2: a block of 59,179,520
+        (59179264,)
     """
     *leading, positions, head_dim = query_shape
     rows = math.prod(leading) * positions
-    return (4 * rows * head_dim + 4 * rows + CUDNN_ATTENTION_BACKWARD_PAD,)
+    return (4 * rows * head_dim + 4 * rows + CUDNN_ATTENTION_BACKWARD_PAD + sum(grouped),)
 
 
-def flash_attention_backward_scratch(query_shape: Sequence[int]) -> tuple[int, ...]:
+def flash_attention_backward_scratch(query_shape: Sequence[int], grouped: Sequence[int] = ()) -> tuple[int, ...]:
     """The buffers flash attention's backward makes for a query of ``(batch, heads, positions,
     head_dim)``: the query's gradient accumulated in float32 and a float per row, positions rounded
     up to 128 and the head dim to 32 (FlashAttention-2's ``dq_accum`` and ``softmax_d``), as one
-    block of :func:`cudnn_attention_backward_scratch`'s layout.
+    block of :func:`cudnn_attention_backward_scratch`'s layout; with grouped-query attention
+    ``dk_expanded`` and ``dv_expanded`` after it (``grouped``).
 
     Example::
 
@@ -358,7 +368,25 @@ def flash_attention_backward_scratch(query_shape: Sequence[int]) -> tuple[int, .
         True
     """
     *leading, positions, head_dim = query_shape
-    return cudnn_attention_backward_scratch((*leading, -(-positions // 128) * 128, -(-head_dim // 32) * 32))
+    rounded = cudnn_attention_backward_scratch((*leading, -(-positions // 128) * 128, -(-head_dim // 32) * 32))
+    return rounded + tuple(grouped)
+
+
+def grouped_query_gradients(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
+    """The bytes of the key's and value's gradients at every query head, which an attention backward
+    makes before summing each group of heads down (``()`` where key and value have the query's heads).
+
+    Example::
+
+        >>> with torch.device("meta"):
+        ...     q, kv = torch.empty(16, 14, 512, 64, dtype=torch.bfloat16), torch.empty(16, 2, 512, 64, dtype=torch.bfloat16)
+        >>> grouped_query_gradients(q, kv, kv), grouped_query_gradients(q, q, q)
+        ((14680064, 14680064), ())
+    """
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.size(1) == key.size(1) == value.size(1):
+        return ()
+    batch, heads = query.size(0), query.size(1)
+    return tuple(batch * heads * t.size(2) * t.size(3) * t.element_size() for t in (key, value))
 
 
 def _leading_reduction(tensor: torch.Tensor, dims: Sequence[int] | int | None) -> tuple[int, int] | None:
@@ -442,6 +470,8 @@ class KernelScratch:
             aten.convolution_backward.default: self._convolution_backward,
             aten._scaled_dot_product_cudnn_attention_backward.default: self._attention_backward(cudnn_attention_backward_scratch),
             aten._scaled_dot_product_flash_attention_backward.default: self._attention_backward(flash_attention_backward_scratch),
+            # the CPU's flash kernel stands in for CUDA's where the emulation runs grouped-query attention
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default: self._attention_backward(flash_attention_backward_scratch),
             **COPYING_OPERATORS,
         }
         for op in (aten.cudnn_batch_norm.default, aten.cudnn_batch_norm_backward.default, aten.native_batch_norm.default,
@@ -467,12 +497,14 @@ class KernelScratch:
         )
 
     @staticmethod
-    def _attention_backward(rule: Callable[[Sequence[int]], tuple[int, ...]]) -> Callable[[tuple, dict], tuple[int, ...]]:
+    def _attention_backward(rule: Callable[..., tuple[int, ...]]) -> Callable[[tuple, dict], tuple[int, ...]]:
         def scratch(args: tuple, kwargs: dict) -> tuple[int, ...]:
-            query = args[1] if len(args) > 1 else kwargs.get("query")
+            # (grad_out, query, key, value, ...)
+            query, key, value = (args[i] if len(args) > i else kwargs.get(name) for i, name in ((1, "query"), (2, "key"), (3, "value")))
             if not isinstance(query, torch.Tensor) or query.dim() != 4:
                 return ()
-            return rule(query.shape)
+            grouped = grouped_query_gradients(query, key, value) if isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) else ()
+            return rule(query.shape, grouped)
 
         return scratch
 

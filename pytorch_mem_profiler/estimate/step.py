@@ -66,6 +66,7 @@ from .global_caches import fake_values_left_out_of_caches
 from .fake import FakeKernelRefused, eager_modules, fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
 from .linear_rules import LinearBiasRules
+from .output_order import allocation_order
 from .loss_rules import LossRules
 from .rnn import CudnnRNNRules, flatten_weights
 from .library_rules import library_rules
@@ -536,7 +537,8 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
     # no mode watches the real step (the CPU counter's restores the engine's in-place sums):
     # autograd's engine sums gradient pieces in place there
     sums = EngineAccumulation()
-    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch, outputs=outputs, accumulation=sums)
+    order = allocation_order if target.type == "cuda" else None  # CUDA's kernels make some outputs in another order
+    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch, outputs=outputs, accumulation=sums, output_order=order)
     mode = fake_mode(kernels=target.type)  # the target's sparse kernels, on fake CPU tensors standing in too
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
