@@ -1,6 +1,6 @@
 """A wide sweep of small models the zoo lacks, for the CPU checks only.
 
-:data:`SWEEP` (name -> :class:`~benchmarks.zoo.registry.ZooModel`) holds 52 small models, each
+:data:`SWEEP` (name -> :class:`~benchmarks.zoo.registry.ZooModel`) holds 78 small models, each
 built from a config or code at one size (``"small"`` and ``"real"`` build the same model: the
 sweep is for the CPU, where a model's figures are exact at any size): transformers decoders,
 encoders, encoder-decoders, a state-space model and vision models, all given attention masks of
@@ -261,20 +261,65 @@ def _entries() -> list[ZooModel]:
          "SegformerForImageClassification", num_labels=10, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], decoder_hidden_size=64),
          _pixels(64), _classes, class_loss, ADAMW, None, hf),
     ]
+    encoder = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, max_position_embeddings=64)
+    entries += [  # joined later, from a probe of models no registry held
+        ("qwen3", "decoder", "Qwen3: query and key norms, GQA", _transformers("Qwen3Config", "Qwen3ForCausalLM", **llama_like, head_dim=16),
+         _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("gemma3", "decoder", "Gemma3: local and global layers, query and key norms", _transformers("Gemma3TextConfig", "Gemma3ForCausalLM",
+         **llama_like, head_dim=16, sliding_window=16), _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("cohere", "decoder", "Cohere: parallel block, logit scale, bf16 autocast", _transformers("CohereConfig", "CohereForCausalLM", **llama_like),
+         _tokens_and_mask, _token_targets, token_loss, ADAMW, torch.bfloat16, hf),
+        ("stablelm", "decoder", "StableLM: partial rotary, layer norm", _transformers("StableLmConfig", "StableLmForCausalLM", **llama_like),
+         _tokens_and_mask, _token_targets, token_loss, SGD_MOMENTUM, None, hf),
+        ("starcoder2", "decoder", "Starcoder2: biased projections, GELU MLP", _transformers("Starcoder2Config", "Starcoder2ForCausalLM", **llama_like),
+         _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("olmo2", "decoder", "OLMo2: norms after attention and MLP", _transformers("Olmo2Config", "Olmo2ForCausalLM", **llama_like, pad_token_id=0),
+         _tokens, _token_targets, token_loss, ADAMW, None, hf),
+        ("granite", "decoder", "Granite: scaled embeddings, residuals and logits", _transformers("GraniteConfig", "GraniteForCausalLM", **llama_like),
+         _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("gpt2_eager", "decoder", "GPT-2 with eager attention: scores, mask, softmax written out", _transformers("GPT2Config", "GPT2LMHeadModel",
+         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_implementation="eager"), _tokens_and_mask, _token_targets,
+         token_loss, ADAMW, None, hf),
+        ("bert_eager", "encoder", "BERT with eager attention", _transformers("BertConfig", "BertForMaskedLM", **encoder, attn_implementation="eager"),
+         _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("mpnet", "encoder", "MPNet: relative position bias in every layer", _transformers("MPNetConfig", "MPNetForMaskedLM", **encoder),
+         _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("xlm_roberta", "encoder", "XLM-RoBERTa", _transformers("XLMRobertaConfig", "XLMRobertaForMaskedLM", **encoder, pad_token_id=1),
+         _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("convbert", "encoder", "ConvBERT: span-based dynamic convolution heads", _transformers("ConvBertConfig", "ConvBertForMaskedLM", **encoder),
+         _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("mobilebert", "encoder", "MobileBERT: bottlenecks, stacked feed-forwards, no-norm layers", _transformers("MobileBertConfig",
+         "MobileBertForMaskedLM", **dict(encoder, intermediate_size=64), intra_bottleneck_size=32, embedding_size=32), _tokens_and_mask,
+         _token_targets, token_loss, ADAMW, None, hf),
+        ("roformer", "encoder", "RoFormer: rotary positions in an encoder", _transformers("RoFormerConfig", "RoFormerForMaskedLM", **encoder),
+         _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("esm", "encoder", "ESM: a protein language model, token dropout", _transformers("EsmConfig", "EsmForMaskedLM", **encoder, pad_token_id=1,
+         mask_token_id=2), _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("nystromformer", "encoder", "Nystromformer: landmark attention, a depthwise convolution over values", _transformers("NystromformerConfig",
+         "NystromformerForMaskedLM", **encoder, num_landmarks=8, segment_means_seq_len=32), _tokens_and_mask, _token_targets, token_loss, ADAMW,
+         None, hf),
+    ]
     timm_models = {
         "resnest14d": {}, "res2net50_14w_8s": {}, "repvgg_a0": {}, "cspdarknet53": {}, "xception41": {}, "ghostnet_100": {}, "dla34": {},
         "hrnet_w18_small": {}, "coatnet_nano_rw_224": {"img_size": 64}, "maxvit_nano_rw_256": {"img_size": 64},
         "xcit_nano_12_p16_224": {"img_size": 64}, "cait_xxs24_224": {"img_size": 64}, "efficientnetv2_rw_t": {},
         "gcvit_xxtiny": {"img_size": 64}, "twins_svt_small": {"img_size": 64}, "beit_base_patch16_224": {"img_size": 64, "depth": 2},
         "mobileone_s0": {}, "sebotnet33ts_256": {"img_size": 64},
+        "convnextv2_atto": {}, "efficientvit_b0": {}, "edgenext_xx_small": {}, "hiera_tiny_224": {"img_size": (64, 64)}, "regnetz_b16": {},
+        "repvit_m0_9": {},
     }  # fmt: skip
     for name, settings in timm_models.items():
         entries.append((f"timm_{name}", "timm", f"timm {name}", _timm(name, **settings), _images(64), _classes, class_loss, SGD_MOMENTUM, None, tm))
-    torchvision_models = {"vgg11_bn": 32, "mobilenet_v2": 64, "efficientnet_v2_s": 64, "wide_resnet50_2": 64, "maxvit_t": 224, "mnasnet0_5": 64}
+    torchvision_models = {"vgg11_bn": 32, "mobilenet_v2": 64, "efficientnet_v2_s": 64, "wide_resnet50_2": 64, "maxvit_t": 224, "mnasnet0_5": 64,
+                          "convnext_tiny": 64, "alexnet": 64}
     for name, side in torchvision_models.items():
         entries.append((f"tv_{name}", "torchvision", f"torchvision {name}", _torchvision(name, num_classes=10), _images(side), _classes, class_loss,
                         ADAMW, None, tv))  # fmt: skip
     entries += [
+        ("timm_resnetv2_50", "timm", "timm resnetv2_50: pre-activation, bf16 autocast", _timm("resnetv2_50"), _images(64), _classes, class_loss,
+         SGD_MOMENTUM, torch.bfloat16, tm),
+        ("tv_regnet_x_400mf", "torchvision", "torchvision RegNetX-400MF: grouped convolutions, bf16 autocast",
+         _torchvision("regnet_x_400mf", num_classes=10), _images(64), _classes, class_loss, SGD_MOMENTUM, torch.bfloat16, tv),
         ("tv_r3d_18", "torchvision", "torchvision R3D-18: 3-D convolutions over frames", _torchvision("r3d_18", num_classes=10),
          lambda size, batch: torch.randn(batch, 3, 8, 32, 32), _classes, class_loss, ADAMW, None, tv),
         ("tv_inception_v3", "torchvision", "torchvision Inception v3: factorized convolutions, concatenated branches",
