@@ -32,8 +32,8 @@ CUDA code is known to copy so:
 - ``_softmax_backward_data``: first the product ``grad_output * output``, a
   temporary of the gradient's size on every call (``softmax_backward_cuda_out``),
   then, as ``host_softmax_backward`` reads contiguous tensors, that product where
-  TensorIterator laid it out otherwise (it follows the gradient's layout) and
-  the softmax's output where it is not contiguous. On an H100 (torch 2.11) an
+  TensorIterator laid it out otherwise (torch's ``compute_elementwise_output_strides``
+  gives its layout) and the softmax's output where it is not contiguous. On an H100 (torch 2.11) an
   ``nn.MultiheadAttention`` whose per-head weights are used took one block of the
   weights' size, 268,435,456 bytes for (16 x 16, 512, 512) fp32, in its backward
   that nothing the operator returns holds;
@@ -65,6 +65,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from torch._prims_common import compute_elementwise_output_strides, make_contiguous_strides_for
 
 from .allocator import block_size
 from .conv_workspace import memory_format
@@ -105,21 +106,10 @@ def _by_input_layout(grad_index: int, input_index: int, others: Sequence[int] = 
     return rule
 
 
-def _laid_out_contiguous(*tensors: torch.Tensor) -> bool:
-    """Whether TensorIterator makes the result of a pointwise operator over these same-shaped inputs
-    contiguous: it orders each pair of dimensions by the first input whose strides tell them apart
-    (a broadcast dimension, stride 0, tells nothing), outermost first."""
-    shape = tensors[0].shape
-    dims = [d for d in range(len(shape)) if shape[d] != 1]
-    for outer, inner in zip(dims, dims[1:]):
-        for tensor in tensors:
-            a, b = tensor.stride(outer), tensor.stride(inner)
-            if a == 0 or b == 0 or a == b:
-                continue
-            if a < b:
-                return False
-            break
-    return True
+def _grad_and_output(args: Sequence[Any], kwargs: dict) -> tuple[Any, Any]:
+    """A softmax backward's ``(grad_output, output)``."""
+    grad = args[0] if args else kwargs.get("grad_output")
+    return grad, args[1] if len(args) > 1 else kwargs.get("output")
 
 
 def _softmax_forward(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
@@ -128,19 +118,19 @@ def _softmax_forward(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
 
 
 def _softmax_backward(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
-    grad = args[0] if args else kwargs.get("grad_output")
-    output = args[1] if len(args) > 1 else kwargs.get("output")
+    grad, output = _grad_and_output(args, kwargs)
     if not isinstance(grad, torch.Tensor) or not isinstance(output, torch.Tensor) or grad.numel() == 0:
         return ()
     # tmp = grad * output, in the dtype they promote to, laid out as TensorIterator lays it out
+    # (torch's own account of that layout: compute_elementwise_output_strides)
     product = block_size(grad.numel() * torch.promote_types(grad.dtype, output.dtype).itemsize)
-    blocks = (product, 0 if _laid_out_contiguous(grad, output) else product, _copy(output, False))
+    contiguous = tuple(compute_elementwise_output_strides(grad, output)) == make_contiguous_strides_for(grad.shape)
+    blocks = (product, 0 if contiguous else product, _copy(output, False))
     return tuple(b for b in blocks if b)
 
 
 def _log_softmax_backward(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
-    grad = args[0] if args else kwargs.get("grad_output")
-    output = args[1] if len(args) > 1 else kwargs.get("output")
+    grad, output = _grad_and_output(args, kwargs)
     return tuple(b for b in (_copy(grad, False), _copy(output, False)) if b)
 
 
