@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python3 benchmarks/zoo_conformance.py --out results/zoo     # every zoo model, about 6 minutes on an H100
     PYTHONPATH=. python3 benchmarks/zoo_conformance.py --only gpt2,unet --quick
+    PYTHONPATH=. python3 benchmarks/zoo_conformance.py --registry sweep --quick --out results/sweep   # the CPU sweep's models
     python3 benchmarks/zoo_conformance.py --publish results/zoo/zoo_conformance.json   # the table into docs/benchmarks.md
     (a run split over two GPUs with --only: --publish gpu0/zoo_conformance.json gpu1/zoo_conformance.json)
 
@@ -430,7 +431,9 @@ def publish(json_paths: list[Path], docs: Path = DOCS) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder for zoo_conformance.md and .json (default: a new temporary folder)")
-    parser.add_argument("--only", help="comma-separated zoo names (default: all)")
+    parser.add_argument("--registry", default="zoo", choices=("zoo", "holdout_text", "holdout_vision", "sweep"),
+                        help="which registry's models (default: the zoo; the held-back sets and the CPU sweep's models too)")
+    parser.add_argument("--only", help="comma-separated names of the registry's models (default: all)")
     parser.add_argument("--quick", action="store_true", help="no largest-batch runs and no batch fit: about half the time")
     parser.add_argument("--publish", type=Path, nargs="+", help="render these zoo_conformance.json files (one per GPU of a split run) into docs/benchmarks.md and exit")
     parser.add_argument("--time-limit", type=float, default=None, help="start no model after this many seconds (results so far are kept)")
@@ -441,10 +444,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         return None
     if not torch.cuda.is_available():
         parser.error("the zoo's conformance run needs a CUDA GPU")
-    names = args.only.split(",") if args.only else list(ZOO)
-    unknown = [n for n in names if n not in ZOO]
+    from benchmarks.zoo import registries
+
+    models = registries()[args.registry]
+    names = args.only.split(",") if args.only else list(models)
+    unknown = [n for n in names if n not in models]
     if unknown:
-        parser.error(f"--only: unknown zoo models {', '.join(unknown)}; known: {', '.join(ZOO)}")
+        parser.error(f"--only: unknown {args.registry} models {', '.join(unknown)}; known: {', '.join(models)}")
     device = torch.device("cuda", torch.cuda.current_device())
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="zoo_conformance_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -455,7 +461,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         if args.time_limit is not None and time.perf_counter() - started > args.time_limit:
             print(f"{name}: not run (past --time-limit {args.time_limit:.0f} s)", flush=True)
             continue
-        row = conform(ZOO[name], device, quick=args.quick)
+        row = conform(models[name], device, quick=args.quick)
         rows.append(row)
         print(f"{name}: {'ok' if not verdict(row) else '; '.join(verdict(row))} ({row.get('seconds', 0):.0f} s)", flush=True)
         torch._dynamo.reset()

@@ -113,3 +113,46 @@ def test_a_draw_on_the_gpu_is_taken_in_the_fake_step_and_its_read_noted():
     estimate = estimate_memory(build, x, optimizer=ADAMW, loss_fn=loss, device="cuda", fit=False)
     assert abs(estimate.peak - measured) <= 0.005 * measured, (estimate.peak, measured)
     assert any("torch.rand([], device=x.device)" in line for line in estimate.random_reads)
+
+
+def _ones_batch(batch: int) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(0, VOCAB, (batch, SEQ)), "attention_mask": torch.ones(batch, SEQ, dtype=torch.long)}
+
+
+def test_a_mask_of_ones_sent_from_the_cpu_is_skipped_as_the_real_step_skips_it(monkeypatch):
+    """A user's batch is made on the CPU (a tokenizer's attention mask, all ones without padding) and
+    sent to the GPU. transformers reads the mask and skips it; the fake CUDA step reads the value
+    the user gave, whether the inputs are a template on the CPU, on the GPU or a function. Without
+    the value it builds (batch, 1, length, length) masks the real step does not."""
+    inputs = _ones_batch(BATCH)
+    measured = _measured(_opt, inputs, _logits_loss)
+    on_gpu = {k: v.cuda() for k, v in inputs.items()}
+    for given in (inputs, on_gpu, _ones_batch):
+        estimate = estimate_memory(_opt, given, batch_size=BATCH, optimizer=ADAMW, loss_fn=_logits_loss, device="cuda", fit=False)
+        assert abs(estimate.peak - measured) <= 0.005 * measured, (estimate.peak, measured)
+        assert _masks_built(estimate) == 0
+    monkeypatch.setattr(Draws, "placed", lambda self, mode, fake, value: fake)
+    without = estimate_memory(_opt, inputs, optimizer=ADAMW, loss_fn=_logits_loss, device="cuda", fit=False)
+    assert _masks_built(without) > 0
+    assert without.peak > estimate.peak
+
+
+def test_a_model_that_fails_on_a_built_mask_is_estimated_as_it_runs():
+    """Nystromformer adds the mask to its landmarks' scores, which a built (batch, 1, length, length)
+    mask does not fit: the real step runs, as the mask of ones is skipped, and so must the estimate
+    (it raised before the mask's value went to the GPU with it)."""
+    transformers = transformers_or_skip()
+
+    def build():
+        config = transformers.NystromformerConfig(
+            vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
+            max_position_embeddings=SEQ + 2, segment_means_seq_len=SEQ, num_landmarks=64, num_labels=4,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return transformers.NystromformerForSequenceClassification(config)
+
+    inputs = _ones_batch(BATCH)
+    loss = lambda out: out.logits.float().mean()  # noqa: E731
+    measured = _measured(build, inputs, loss)
+    estimate = estimate_memory(build, inputs, optimizer=ADAMW, loss_fn=loss, device="cuda", fit=False)
+    assert abs(estimate.peak - measured) <= 0.02 * measured, (estimate.peak, measured)

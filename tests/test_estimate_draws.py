@@ -337,7 +337,8 @@ def test_without_inputs_being_made_nothing_gets_values():
 
 def test_in_the_step_fill_factories_keep_their_values_of_any_dtype():
     """A mask of ones the model makes itself carries its values (a library reads them), up to
-    HOST_VALUE_NUMEL elements; an ``arange``, ``empty`` and what is computed from the data do not."""
+    HOST_VALUE_NUMEL elements; ``empty``, a floating-point range of more than SMALL_VALUE_NUMEL
+    elements and what is computed from the data do not."""
     from pytorch_mem_profiler.estimate.fake import HOST_VALUE_NUMEL, fake_mode
 
     mode = fake_mode()
@@ -348,13 +349,36 @@ def test_in_the_step_fill_factories_keep_their_values_of_any_dtype():
             full = data.new_full((3, 400), 7, dtype=torch.long)
             zeros = torch.zeros_like(data, dtype=torch.bool)
             too_big = torch.ones(HOST_VALUE_NUMEL + 1)
-            positions = torch.arange(400)
+            steps = torch.arange(400.0)
             empty = torch.empty(3, 400)
             skipped = bool(ones.bool().all())
     assert torch.equal(ones.constant, torch.ones(3, 400)) and int(full.constant.sum()) == 7 * 1200
     assert zeros.constant is not None and not bool(zeros.constant.any())
-    assert too_big.constant is None and positions.constant is None and empty.constant is None
+    assert too_big.constant is None and steps.constant is None and empty.constant is None
     assert skipped
+
+
+def test_in_the_step_ranges_keep_their_values():
+    """A range follows from its arguments, as a fill does: integer ranges up to HOST_VALUE_NUMEL
+    elements keep their values, floating-point ones up to SMALL_VALUE_NUMEL. So the mask of the
+    frames left after a convolutional front end, written at ``torch.arange(batch)`` into zeros
+    (Speech2Text, wav2vec2), has values, and transformers skips it, all ones, as the real step does."""
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    mode = fake_mode()
+    with mode:
+        with mode.draws.on():
+            positions = torch.arange(400)
+            grid = torch.linspace(0, 1, 64)
+            identity = torch.eye(8)
+            lengths = torch.full((3,), 20)
+            frames = torch.zeros(3, 20, dtype=torch.long)
+            frames[(torch.arange(3), lengths - 1)] = 1
+            frames = frames.flip([-1]).cumsum(-1).flip([-1])
+            all_kept = bool(frames.all())
+    assert torch.equal(positions.constant, torch.arange(400))
+    assert torch.equal(grid.constant, torch.linspace(0, 1, 64)) and torch.equal(identity.constant, torch.eye(8))
+    assert frames.constant is not None and all_kept
 
 
 # -- values of fake tensors on another device than the CPU ------------------------------------------
@@ -401,6 +425,30 @@ def test_a_gpu_value_written_by_data_without_one_is_dropped_from_every_alias():
                 bool(row.all())
     assert mixed.constant is None and ones.constant is None and row.constant is None
     assert "DataDependent" in type(refused.value).__name__
+
+
+def test_a_gpu_mask_with_its_value_indexes_by_the_positions_it_selects():
+    """SpecAugment's time mask (made from numpy, sent to the GPU) indexing the hidden states:
+    ``hidden[mask] = embedding`` and ``hidden[mask]``. The fake kernel cannot read a mask without
+    its value, and the value is set aside while it runs; it is given the positions the mask
+    selects instead, with their values, as the real kernel expands a mask itself. It refused the
+    call before (``aten.nonzero``: a data-dependent shape)."""
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    mode = fake_mode()
+    with mode:
+        hidden = torch.empty(2, 300, 8, device="cuda")  # data: no values
+        embedding = torch.empty(8, device="cuda")
+        with mode.draws.on():
+            frames = torch.arange(300, device="cuda")
+            row = (frames >= 10) & (frames < 20)
+            mask = torch.stack([row, frames < 3])
+            written = torch.ops.aten.index_put_.default(hidden, [mask], embedding)
+            picked = torch.ops.aten.index.Tensor(hidden, [mask])
+            columns = torch.ops.aten.index.Tensor(hidden, [None, row])
+    assert written is hidden and hidden.device.type == "cuda"
+    assert tuple(picked.shape) == (13, 8) and tuple(columns.shape) == (2, 10, 8)
+    assert picked.device.type == columns.device.type == "cuda"
 
 
 def test_a_draw_on_the_gpus_device_is_taken_and_its_read_noted():

@@ -1,13 +1,16 @@
-"""A wide sweep of small models the zoo lacks, for the CPU checks only.
+"""A wide sweep of small models the zoo lacks, for the CPU's checks and a quick GPU run.
 
-:data:`SWEEP` (name -> :class:`~benchmarks.zoo.registry.ZooModel`) holds 78 small models, each
+:data:`SWEEP` (name -> :class:`~benchmarks.zoo.registry.ZooModel`) holds 126 small models, each
 built from a config or code at one size (``"small"`` and ``"real"`` build the same model: the
 sweep is for the CPU, where a model's figures are exact at any size): transformers decoders,
 encoders, encoder-decoders, a state-space model and vision models, all given attention masks of
 ones where they take masks; timm and torchvision CNNs and vision transformers of kinds the zoo
 lacks; and plain-torch models of operations it lacks (dilated convolutions, a GRU
 encoder-decoder, message passing by ``index_add_``, an STFT front end, pixel shuffle,
-``max_norm`` embeddings, unfold and fold). Two of them, Mixtral and the GRU encoder-decoder (its
+``max_norm`` embeddings, unfold and fold, max unpooling, ``grid_sample``, complex Fourier
+layers, a VAE, a projected LSTM, ``scatter_reduce``, ``cumsum`` attention, ``cdist``, 3-D
+transposed convolutions, an orthogonal parametrization). The GPU machine runs them too, at the
+same sizes: ``benchmarks/zoo_conformance.py --registry sweep --quick``. Two of them, Mixtral and the GRU encoder-decoder (its
 class is the held-back set's), also joined :data:`~benchmarks.zoo.holdout_text.HOLDOUT_TEXT` for
 the GPU runs. ``benchmarks/zoo_sweep.py`` runs the checks on each.
 
@@ -113,6 +116,32 @@ def _classes(size: str, batch: int) -> torch.Tensor:
     return torch.randint(0, 10, (batch,))
 
 
+def _right_padded(size: str, batch: int) -> dict[str, torch.Tensor]:
+    """Token ids padded on the right (id 0; sample ``i`` loses ``i % 4`` eighths) and their mask."""
+    ids = torch.randint(1, VOCAB, (batch, SEQ))
+    for i in range(batch):
+        ids[i, SEQ - (i % 4) * SEQ // 8 :] = 0
+    return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+
+def _long_tokens_and_mask(size: str, batch: int) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(1, VOCAB, (batch, 2 * SEQ)), "attention_mask": torch.ones(batch, 2 * SEQ, dtype=torch.long)}
+
+
+def _long_token_targets(size: str, batch: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, 2 * SEQ))
+
+
+def _filterbanks(size: str, batch: int) -> dict[str, torch.Tensor]:
+    """Speech features (80 frames of 16 filterbank channels), their mask, and the decoder's tokens."""
+    return {"input_features": torch.randn(batch, 80, 16), "attention_mask": torch.ones(batch, 80, dtype=torch.long),
+            "decoder_input_ids": torch.randint(1, VOCAB, (batch, SEQ // 2))}
+
+
+def _waveform(size: str, batch: int) -> dict[str, torch.Tensor]:
+    return {"input_values": torch.randn(batch, 4000)}
+
+
 # -- plain torch ---------------------------------------------------------------------------
 
 
@@ -139,7 +168,8 @@ class MessagePassing(nn.Module):
         super().__init__()
         self.rounds = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
         self.head = nn.Linear(16, 4)
-        self.edges = torch.randint(0, 64, (2, 256), generator=torch.Generator().manual_seed(0))
+        # a buffer, so that the edge list goes to the model's device with it
+        self.register_buffer("edges", torch.randint(0, 64, (2, 256), generator=torch.Generator().manual_seed(0)), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         source, target = self.edges
@@ -199,6 +229,182 @@ class UnfoldFold(nn.Module):
         h = self.proj(F.unfold(x, 4, stride=4).transpose(1, 2)).relu()
         folded = F.fold(h.transpose(1, 2)[:, :48], (32, 32), 4, stride=4)
         return self.head(h.mean(1)) + folded.mean()
+
+
+class SegNetLite(nn.Module):
+    """Max pooling that returns its indices, and ``MaxUnpool2d`` placing values back by them (SegNet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.pool = nn.MaxPool2d(2, return_indices=True)
+        self.unpool = nn.MaxUnpool2d(2)
+        self.dec = nn.Conv2d(16, 5, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled, where = self.pool(self.enc(x))
+        return self.dec(self.unpool(pooled, where, output_size=x.shape[-2:]))
+
+
+class SpatialTransformer(nn.Module):
+    """A localisation net predicts an affine transform; ``affine_grid`` and ``grid_sample`` apply it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loc = nn.Sequential(nn.Conv2d(3, 8, 5, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(128, 6))
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        theta = self.loc(x).view(-1, 2, 3) + torch.eye(2, 3, device=x.device)
+        grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+        return self.body(F.grid_sample(x, grid, align_corners=False))
+
+
+class FourierNeuralOperator(nn.Module):
+    """Spectral convolutions: ``rfft2``, complex weights (``cfloat`` parameters) on the lowest modes, ``irfft2``."""
+
+    def __init__(self, width: int = 16, modes: int = 8) -> None:
+        super().__init__()
+        self.lift = nn.Conv2d(3, width, 1)
+        self.modes = modes
+        self.spectral = nn.ParameterList(nn.Parameter(torch.randn(width, width, modes, modes, dtype=torch.cfloat) / width) for _ in range(2))
+        self.pointwise = nn.ModuleList(nn.Conv2d(width, width, 1) for _ in range(2))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lift(x)
+        for weight, pointwise in zip(self.spectral, self.pointwise):
+            spectrum = torch.fft.rfft2(h)
+            mixed = torch.zeros_like(spectrum)
+            m = self.modes
+            mixed[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", spectrum[:, :, :m, :m], weight)
+            h = F.gelu(torch.fft.irfft2(mixed, s=h.shape[-2:]) + pointwise(h))
+        return self.head(h.mean((2, 3)))
+
+
+class VariationalAutoencoder(nn.Module):
+    """A VAE: reparameterised sample (``randn_like``), the reconstruction and the KL term in one loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 32))
+        self.dec = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 256))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mean, log_var = self.enc(x).chunk(2, dim=-1)
+        z = mean + torch.randn_like(mean) * (0.5 * log_var).exp()
+        return self.dec(z), mean, log_var
+
+
+def _vae_loss(output: tuple[torch.Tensor, torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    recon, mean, log_var = output
+    kl = -0.5 * (1 + log_var - mean.pow(2) - log_var.exp()).sum(-1).mean()
+    return F.binary_cross_entropy_with_logits(recon, target) + kl
+
+
+class ProjectedLSTM(nn.Module):
+    """A bidirectional two-layer ``nn.LSTM`` with ``proj_size`` (LSTMP: the hidden state projected)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True, bidirectional=True, proj_size=16)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.embed(x))[0])
+
+
+class GraphAttention(nn.Module):
+    """GAT-style attention over a fixed edge list: scores softmaxed per node by ``scatter_reduce`` (amax) and ``index_add_``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.score = nn.Linear(32, 1)
+        self.head = nn.Linear(16, 4)
+        self.register_buffer("edges", torch.randint(0, 64, (2, 256), generator=torch.Generator().manual_seed(1)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        source, target = self.edges
+        h = self.proj(x)
+        scores = F.leaky_relu(self.score(torch.cat([h[:, source], h[:, target]], -1)).squeeze(-1), 0.2)
+        top = torch.full(x.shape[:2], -1e9, dtype=scores.dtype, device=x.device).scatter_reduce(1, target.expand_as(scores), scores, "amax")
+        weights = (scores - top[:, target]).exp()
+        total = torch.zeros(x.shape[:2], dtype=weights.dtype, device=x.device).index_add_(1, target, weights)
+        summed = torch.zeros_like(h).index_add_(1, target, h[:, source] * (weights / total[:, target]).unsqueeze(-1))
+        return self.head(F.elu(summed).mean(1))
+
+
+class CumulativeLinearAttention(nn.Module):
+    """Causal linear attention: key-value outer products summed by ``cumsum`` over positions."""
+
+    def __init__(self, width: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.qkv = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(layers))
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for qkv, norm in zip(self.qkv, self.norms):
+            q, k, v = (F.elu(t) + 1 if i < 2 else t for i, t in enumerate(qkv(norm(h)).chunk(3, -1)))
+            state = torch.cumsum(k.unsqueeze(-1) * v.unsqueeze(-2), dim=1)  # (batch, positions, width, width)
+            scale = torch.cumsum(k, dim=1)
+            h = h + torch.einsum("bpi,bpij->bpj", q, state) / (q * scale).sum(-1, keepdim=True)
+        return self.head(h)
+
+
+class MetricLearning(nn.Module):
+    """An embedding net for triplets: ``nn.Bilinear`` scores, ``torch.cdist`` over the batch, a triplet margin loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.bilinear = nn.Bilinear(32, 32, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        anchor, positive, negative = (self.net(t) for t in x.unbind(1))
+        return anchor, positive, negative, torch.cdist(anchor, negative).mean() + self.bilinear(anchor, positive).mean()
+
+
+def _triplet_loss(output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+    anchor, positive, negative, extra = output
+    return F.triplet_margin_loss(anchor, positive, negative) + 0.01 * extra + 0 * target.sum()
+
+
+class VolumeNet(nn.Module):
+    """3-D: strided ``Conv3d``, ``InstanceNorm3d``, ``ConvTranspose3d`` back up, trilinear interpolation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Sequential(nn.Conv3d(1, 8, 3, stride=2, padding=1), nn.InstanceNorm3d(8, affine=True), nn.LeakyReLU())
+        self.up = nn.ConvTranspose3d(8, 4, 2, stride=2)
+        self.out = nn.Conv3d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.out(self.up(self.down(x)))
+        return y + F.interpolate(x.mean(1, keepdim=True).expand(-1, 2, -1, -1, -1), size=y.shape[-3:], mode="trilinear")
+
+
+class OrthogonalRNNCell(nn.Module):
+    """A recurrent cell whose hidden-to-hidden weight is kept orthogonal by ``parametrizations.orthogonal`` (matrix exponential), unrolled in Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.inp = nn.Linear(32, 32)
+        self.rec = nn.utils.parametrizations.orthogonal(nn.Linear(32, 32, bias=False))
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape[0], 32, device=x.device)
+        outputs = []
+        for step in self.embed(x).unbind(1):
+            h = torch.tanh(self.inp(step) + self.rec(h))
+            outputs.append(h)
+        return self.head(torch.stack(outputs, 1))
 
 
 def _smoothed_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -340,6 +546,88 @@ def _entries() -> list[ZooModel]:
         ("max_norm_embeddings", "plain torch", "Embedding(max_norm=1), label smoothing", _plain(MaxNormEmbeddings),
          lambda size, batch: torch.randint(0, VOCAB, (batch, SEQ)), _token_targets, _smoothed_loss, ADAMW, None, ()),
         ("unfold_fold", "plain torch", "F.unfold patches and F.fold back", _plain(UnfoldFold), _images(32), _classes, class_loss, ADAMW, None, ()),
+    ]
+    entries += [  # a third probe: families, layers and training code none of the above has
+        ("llama_classifier", "decoder", "Llama for sequence classification: right padding, pooled at each row's last token",
+         _transformers("LlamaConfig", "LlamaForSequenceClassification", **llama_like, pad_token_id=0, num_labels=10), _right_padded, _classes,
+         class_loss, ADAMW, None, hf),
+        ("bigbird", "encoder", "BigBird: block-sparse attention, random blocks drawn by numpy",
+         _transformers("BigBirdConfig", "BigBirdForMaskedLM", **dict(encoder, max_position_embeddings=2 * SEQ), attention_type="block_sparse",
+                       block_size=4, num_random_blocks=2), _long_tokens_and_mask, _long_token_targets, token_loss, ADAMW, None, hf),
+        ("reformer", "decoder", "Reformer: reversible layers recomputed in backward, LSH and local chunked attention, axial positions",
+         _transformers("ReformerConfig", "ReformerModelWithLMHead", vocab_size=VOCAB, hidden_size=64, attention_head_size=16, num_attention_heads=4,
+                       attn_layers=["local", "lsh"], axial_pos_shape=(4, 8), axial_pos_embds_dim=(32, 32), feed_forward_size=128, is_decoder=True,
+                       local_attn_chunk_length=8, lsh_attn_chunk_length=8, num_buckets=4, num_hashes=1, max_position_embeddings=SEQ, pad_token_id=0,
+                       # its training seeds torch from the OS (torch.seed()): fixed hashing, no dropout, so two runs agree
+                       hash_seed=0, hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0),
+         _tokens, _token_targets, token_loss, ADAMW, None, hf),
+        ("canine", "encoder", "CANINE: hashed character embeddings, downsampling convolution, local attention, upsampling",
+         _transformers("CanineConfig", "CanineForSequenceClassification", **encoder, num_hash_functions=2, num_hash_buckets=64,
+                       downsampling_rate=4, local_transformer_stride=8, num_labels=10), _tokens_and_mask, _classes, class_loss, ADAMW, None, hf),
+        ("squeezebert", "encoder", "SqueezeBERT: grouped 1-D convolutions for the projections", _transformers("SqueezeBertConfig",
+         "SqueezeBertForMaskedLM", **encoder, embedding_size=64), _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("speech2text", "encoder-decoder", "Speech2Text: strided Conv1d subsampling of filterbank features, then a transformer",
+         _transformers("Speech2TextConfig", "Speech2TextForConditionalGeneration", vocab_size=VOCAB, d_model=64, encoder_layers=1,
+                       decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                       input_feat_per_channel=16, num_conv_layers=2, conv_channels=32, conv_kernel_sizes=(5, 5), max_source_positions=64,
+                       max_target_positions=64, pad_token_id=0, decoder_start_token_id=0), _filterbanks, _seq2seq_targets, token_loss, ADAMW, None, hf),
+        ("sew", "audio", "SEW: waveform convolutions, the sequence squeezed and upsampled around the encoder",
+         _transformers("SEWConfig", "SEWForSequenceClassification", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=128, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                       num_conv_pos_embedding_groups=4, squeeze_factor=2, layerdrop=0.0, num_labels=10), _waveform, _classes, class_loss, ADAMW, None, hf),
+        ("mamba2", "state space", "Mamba-2: chunked state-space duality (the torch path)", _transformers("Mamba2Config", "Mamba2ForCausalLM",
+         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, head_dim=16, num_heads=8, n_groups=1, chunk_size=16),
+         _tokens, _token_targets, token_loss, ADAMW, None, hf),
+        ("recurrent_gemma", "state space", "RecurrentGemma: RG-LRU recurrent blocks and local attention", _transformers("RecurrentGemmaConfig",
+         "RecurrentGemmaForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+         num_key_value_heads=1, head_dim=16, lru_width=64, attention_window_size=16, block_types=("recurrent", "recurrent", "attention"),
+         conv1d_width=4, pad_token_id=0), _tokens, _token_targets, token_loss, ADAMW, None, hf),
+        ("jamba", "mixture of experts", "Jamba: Mamba and attention layers, experts every other layer", _transformers("JambaConfig",
+         "JambaForCausalLM", **llama_like, num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+         attn_layer_offset=0, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2), _tokens, _token_targets, token_loss,
+         ADAMW, None, hf),
+        ("qwen2_moe", "mixture of experts", "Qwen2-MoE: routed experts and a gated shared expert", _transformers("Qwen2MoeConfig",
+         "Qwen2MoeForCausalLM", **llama_like, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64),
+         _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("hf_swin", "vision transformer", "transformers Swin: shifted windows, stochastic depth", _transformers("SwinConfig",
+         "SwinForImageClassification", image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, num_labels=10),
+         _pixels(32), _classes, class_loss, ADAMW, None, hf),
+    ]
+    timm_more = {
+        "vit_small_patch16_224": {"img_size": 64, "depth": 2, "drop_path_rate": 0.1}, "deit3_small_patch16_224": {"img_size": 64, "depth": 2},
+        "volo_d1_224": {"img_size": 64}, "pit_ti_224": {"img_size": 64}, "mvitv2_tiny": {"img_size": 64}, "mixnet_s": {}, "rexnet_100": {},
+        "lcnet_050": {}, "selecsls42b": {}, "dpn68": {}, "ese_vovnet19b_dw": {}, "tresnet_m": {}, "sequencer2d_s": {"img_size": 64},
+        "gmlp_s16_224": {"img_size": 64}, "convmixer_768_32": {}, "inception_next_tiny": {}, "mambaout_femto": {}, "starnet_s1": {},
+        "hgnetv2_b0": {}, "nest_tiny": {"img_size": 64}, "lambda_resnet26t": {"img_size": 64},
+    }  # fmt: skip
+    for name, settings in timm_more.items():
+        entries.append((f"timm_{name}", "timm", f"timm {name}", _timm(name, **settings), _images(64), _classes, class_loss, ADAMW, None, tm))
+    for name, side in {"swin_t": 64, "mobilenet_v3_large": 64, "regnet_y_400mf": 64, "shufflenet_v2_x0_5": 64}.items():
+        entries.append((f"tv_{name}", "torchvision", f"torchvision {name}", _torchvision(name, num_classes=10), _images(side), _classes, class_loss,
+                        SGD_MOMENTUM, None, tv))  # fmt: skip
+    entries += [
+        ("tv_r2plus1d_18", "torchvision", "torchvision R(2+1)D-18: factorised spatial and temporal convolutions", _torchvision("r2plus1d_18",
+         num_classes=10), lambda size, batch: torch.randn(batch, 3, 8, 32, 32), _classes, class_loss, ADAMW, None, tv),
+        ("segnet", "plain torch", "MaxPool2d(return_indices) and MaxUnpool2d, per-pixel loss", _plain(SegNetLite), _images(32),
+         lambda size, batch: torch.randint(0, 5, (batch, 32, 32)), lambda output, labels: F.cross_entropy(output, labels), ADAMW, None, ()),
+        ("spatial_transformer", "plain torch", "affine_grid and grid_sample from a predicted transform", _plain(SpatialTransformer), _images(32),
+         _classes, class_loss, ADAMW, None, ()),
+        ("fourier_operator", "plain torch", "rfft2, complex (cfloat) weights on the lowest modes, irfft2", _plain(FourierNeuralOperator),
+         _images(32), _classes, class_loss, ADAMW, None, ()),
+        ("vae", "plain torch", "reparameterised sampling (randn_like), reconstruction plus KL", _plain(VariationalAutoencoder),
+         lambda size, batch: torch.rand(batch, 256), lambda size, batch: torch.rand(batch, 256), _vae_loss, ADAMW, None, ()),
+        ("projected_lstm", "plain torch", "bidirectional 2-layer LSTM with proj_size", _plain(ProjectedLSTM),
+         lambda size, batch: torch.randint(0, VOCAB, (batch, SEQ)), _token_targets, token_loss, SGD_MOMENTUM, None, ()),
+        ("graph_attention", "plain torch", "attention over edges: scatter_reduce (amax), exp, index_add_", _plain(GraphAttention),
+         lambda size, batch: torch.randn(batch, 64, 16), lambda size, batch: torch.randint(0, 4, (batch,)), class_loss, ADAMW, None, ()),
+        ("linear_attention", "plain torch", "causal linear attention by cumsum of key-value products", _plain(CumulativeLinearAttention),
+         lambda size, batch: torch.randint(0, VOCAB, (batch, SEQ)), _token_targets, token_loss, ADAMW, None, ()),
+        ("metric_learning", "plain torch", "triplets: Bilinear, cdist, triplet margin loss", _plain(MetricLearning),
+         lambda size, batch: torch.randn(batch, 3, 64), _classes, _triplet_loss, ADAMW, None, ()),
+        ("volume_net", "plain torch", "Conv3d, InstanceNorm3d, ConvTranspose3d, trilinear interpolation", _plain(VolumeNet),
+         lambda size, batch: torch.randn(batch, 1, 16, 16, 16), lambda size, batch: torch.randn(batch, 2, 16, 16, 16), _l1, ADAMW, None, ()),
+        ("orthogonal_rnn", "plain torch", "an orthogonal parametrization (matrix exponential) recomputed at every step of a Python loop",
+         _plain(OrthogonalRNNCell), lambda size, batch: torch.randint(0, VOCAB, (batch, SEQ)), _token_targets, token_loss, ADAMW, None, ()),
     ]
     return [
         ZooModel(name, family, exercises, build, inputs, targets, loss, optimizer, autocast, {"small": 2, "real": 2}, needs)

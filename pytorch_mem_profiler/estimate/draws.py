@@ -186,6 +186,20 @@ def _fill(func: Any) -> bool:
     return _op_name(func) in _FILLS
 
 
+#: Factories whose values follow from their arguments alone, as a fill's do: ranges of indices and
+#: positions (``torch.arange(batch)`` indexing a mask, position ids), grids, identities.
+_RANGES = frozenset({"arange", "linspace", "logspace", "eye", "tril_indices", "triu_indices"})
+
+
+def _range_sized(t: Any) -> bool:
+    """A range small enough to carry its value: integer and boolean ones up to
+    :data:`HOST_VALUE_NUMEL` elements (indices, positions), floating-point ones up to
+    :data:`SMALL_VALUE_NUMEL` (a CPU value may round otherwise than the device's kernel)."""
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+        return False
+    return t.numel() <= (SMALL_VALUE_NUMEL if t.is_floating_point() or t.is_complex() else HOST_VALUE_NUMEL)
+
+
 def _fill_sized(t: Any) -> bool:
     """A tensor a fill factory made that is small enough to carry its value (of any dtype)."""
     return isinstance(t, torch.Tensor) and t.layout is torch.strided and t.numel() <= HOST_VALUE_NUMEL
@@ -345,6 +359,9 @@ class Draws:
         result is too large to carry one, the result has none, and a value written into in place
         is dropped from every tensor sharing it (as torch's constant propagation does).
         """
+        if func in _INDEXING:
+            args, kwargs = self._masks_as_positions(mode, func, args, kwargs, fallback)
+            flat = _flat(args, kwargs)
         valued = [(t, t.constant) for t in flat if isinstance(t, torch.Tensor) and getattr(t, "constant", None) is not None]
         everything = all(getattr(t, "constant", None) is not None for t in flat if isinstance(t, torch.Tensor) and mode.is_our_fake(t))
         written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
@@ -382,10 +399,56 @@ class Draws:
             self._mark(out, mode)  # computed from a draw: reading it is noted, as on the CPU
         return out
 
+    def _masks_as_positions(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any]) -> tuple[tuple, dict]:
+        """Indexing by a boolean mask whose value is kept (SpecAugment's time mask from numpy, sent
+        to the GPU: ``hidden[mask] = embedding``): the mask as the positions it selects, one
+        integer index per masked dimension with its value, as the kernel itself expands it
+        (``nonzero``), so that the fake kernel, which cannot read a mask without its value (it
+        is set aside for the call, see :meth:`_device_values`), is given the shapes the real
+        step has."""
+        named = dict(_named_arguments(func, args, kwargs))
+        indices = named.get("indices")
+        if not isinstance(indices, (list, tuple)) or not any(_valued_mask(i) for i in indices):
+            return args, kwargs
+        expanded: list[Any] = []
+        for index in indices:
+            if not _valued_mask(index):
+                expanded.append(index)
+                continue
+            with no_dispatch():
+                positions = index.constant.cpu().nonzero()
+            for column in positions.unbind(1):
+                with no_dispatch():
+                    column = column.contiguous()
+                made = fallback(torch.ops.aten.empty_strided.default, (tuple(column.shape), tuple(column.stride())),
+                                {"dtype": column.dtype, "device": index.device})  # fmt: skip
+                self._keep_value(mode, made, column)
+                expanded.append(made)
+        names = [a.name for a in func._schema.arguments]
+        position = names.index("indices")
+        if position < len(args):
+            return (*args[:position], expanded, *args[position + 1 :]), kwargs
+        return args, {**kwargs, "indices": expanded}
+
     def _used(self, tensors: Iterable[torch.Tensor]) -> None:
         """``tensors`` an operator read: no longer untouched since their factory (see ``_fresh``)."""
         for t in tensors:
             self._fresh.pop(id(t), None)
+
+    def placed(self, mode: Any, fake: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
+        """``fake`` (an input made on the estimated device) holding ``value``, the user's value of
+        the tensor it stands for, where that value is a real CPU tensor of its shape and dtype that
+        :meth:`inputs` would have kept (an attention mask of ones made on the CPU and sent to the
+        GPU); else ``fake`` as it is. A value for another device than the CPU is kept beside the
+        fake tensor, as :meth:`_device_values` keeps what operators compute from it."""
+        if (
+            value is None or not isinstance(value, torch.Tensor) or type(value) not in _PLAIN or mode.is_our_fake(value)
+            or value.device.type != "cpu" or value.shape != fake.shape or value.dtype != fake.dtype
+            or not (_fill_sized(value) if value.is_floating_point() else _input_sized(value))
+        ):  # fmt: skip
+            return fake
+        self._keep_value(mode, fake, value)
+        return fake
 
     def _keep_value(self, mode: Any, fake: torch.Tensor, real: torch.Tensor) -> None:
         """``real`` (on the CPU) kept as ``fake``'s value, whatever ``fake``'s device."""
@@ -419,13 +482,19 @@ class Draws:
 
     def _made(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any], random: bool) -> Any:
         """A factory: the fake result first (its shapes), then, if it is small, its real value (a
-        random one); a factory's result that is not random gets its value only when one element
-        (as torch's own ``torch.tensor(x)``) or, else, when a random operator first writes into it."""
+        random one); a factory's result that is not random gets its value when a fill or a range
+        makes it (:data:`_FILLS`, :data:`_RANGES`), when it has one element (as torch's own
+        ``torch.tensor(x)``) or, else, when a random operator first writes into it."""
         fake = fallback(func, args, kwargs)
         results = fake if isinstance(fake, (list, tuple)) else [fake]
-        if not random and _fill(func) and results and all(_fill_sized(t) for t in results):
+        if not random and results and (
+            (_fill(func) and all(_fill_sized(t) for t in results))
+            or (_op_name(func) in _RANGES and all(_range_sized(t) for t in results))
+        ):
             # a mask of ones the model makes itself (a decoder given no attention mask): a library
-            # reads it (transformers skips a mask of ones) as the real step does
+            # reads it (transformers skips a mask of ones) as the real step does; and a range it
+            # indexes by (Speech2Text's and wav2vec2's mask of the subsampled frames is written at
+            # torch.arange(batch)): without its value the mask it makes has none either
             real_args, real_kwargs = _real_arguments(mode, func, args, kwargs)
             return self._as_values(mode, self._run(func, real_args, real_kwargs, False), fake, False)
         if not results or not all(_small(t) for t in results if isinstance(t, torch.Tensor)):
@@ -586,6 +655,21 @@ def _value_on_cpu(v: Any, mode: Any) -> Any:
         with no_dispatch():
             return v.constant if v.constant.device.type == "cpu" else v.constant.cpu()
     return v
+
+
+#: Operators that index by a list of tensors, where a boolean one is a mask over as many dimensions.
+_INDEXING = frozenset(
+    getattr(torch.ops.aten, name).default if name != "index" else torch.ops.aten.index.Tensor
+    for name in ("index", "index_put", "index_put_", "_index_put_impl_")
+)
+
+
+def _valued_mask(t: Any) -> bool:
+    """A boolean (or ``uint8``) index of another device than the CPU that holds its value."""
+    return (
+        isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) and t.device.type != "cpu"
+        and getattr(t, "constant", None) is not None
+    )  # fmt: skip
 
 
 def _device_valued(flat: list[Any], kwargs: dict) -> bool:

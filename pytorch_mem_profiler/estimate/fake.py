@@ -325,40 +325,55 @@ def fake_inputs(example: Any, batch_size: int | None, device: torch.device, mode
     nothing). Tensors of a template whose first dimension is the template's batch
     get ``batch_size`` there; the others keep their shapes.
 
-    With ``mode`` given, what the user fixed keeps its values where the step runs on the CPU
-    (:meth:`.Draws.inputs`): a function's integer and boolean tensors made without randomness,
-    and a template's integer and boolean tensors, their rows repeated to ``batch_size``.
+    With ``mode`` given, what the user fixed keeps its values (:meth:`.Draws.inputs`), on the CPU
+    and on a GPU alike (:meth:`.Draws.placed`): a function's integer and boolean tensors made
+    without randomness, tensors a fill factory made, and a template's integer and boolean
+    tensors, their rows repeated to ``batch_size``.
     """
     values = mode.draws.inputs() if mode is not None else contextlib.nullcontext()
     with values:
         if callable(example) and not isinstance(example, torch.Tensor):
             made = example(batch_size) if batch_size is not None else example()
-            return _map(made, lambda t: t if _on(t, device) else fake_like(t, device))
+
+            def place(t: torch.Tensor) -> torch.Tensor:
+                if _on(t, device):
+                    return t
+                moved = fake_like(t, device)
+                if mode is None or device.type == "cpu":  # on the CPU the function's tensors already carry theirs
+                    return moved
+                # made on the CPU and sent to the device, as a user's loop sends its batch: the value
+                # the function gave it (a mask of ones) goes along
+                value = getattr(t, "constant", None) if isinstance(t, FakeTensor) else _template_values(t, None)
+                return mode.draws.placed(mode, moved, value)
+
+            return _map(made, place)
         template_batch = batch_of(example)
 
         def resize(t: torch.Tensor) -> torch.Tensor:
             rows = batch_size if batch_size is not None and t.dim() > 0 and t.shape[0] == template_batch else None
-            if mode is not None and device.type == "cpu" and not isinstance(t, FakeTensor):
-                kept = _template_values(t, rows)
-                if kept is not None:  # made by an operator, as every input is: the step counts it
-                    return mode.draws.host_value(mode, kept).clone()
-            return fake_like(t, device, tuple(t.shape) if rows is None else (rows, *t.shape[1:]))
+            kept = _template_values(t, rows) if mode is not None and not isinstance(t, FakeTensor) else None
+            if kept is not None and device.type == "cpu":  # made by an operator, as every input is: the step counts it
+                return mode.draws.host_value(mode, kept).clone()
+            made = fake_like(t, device, tuple(t.shape) if rows is None else (rows, *t.shape[1:]))
+            return made if kept is None else mode.draws.placed(mode, made, kept)
 
         return _map(example, resize)
 
 
 def _template_values(t: torch.Tensor, rows: int | None) -> torch.Tensor | None:
-    """A template's integer or boolean CPU tensor with its rows repeated to ``rows`` (a batch of
-    another size has the template's masks and positions, row after row), else ``None``."""
-    if t.device.type != "cpu" or t.layout is not torch.strided or t.is_floating_point() or t.is_complex():
+    """A template's integer or boolean tensor, on the CPU, with its rows repeated to ``rows`` (a
+    batch of another size has the template's masks and positions, row after row), else ``None``.
+    A template already on the GPU (a real tensor: its device is here) is read back to the CPU."""
+    if isinstance(t, FakeTensor) or t.device.type == "meta" or t.layout is not torch.strided or t.is_floating_point() or t.is_complex():
         return None
     numel = t.numel() if rows is None or t.shape[0] == 0 else t.numel() // t.shape[0] * rows
     if numel > HOST_VALUE_NUMEL or (rows is not None and t.shape[0] == 0):
         return None
     with no_dispatch():
+        host = t.detach().cpu() if t.device.type != "cpu" else t.detach()
         if rows is None:
-            return t.detach().clone()
-        return t.detach()[torch.arange(rows) % t.shape[0]].contiguous()
+            return host.clone()
+        return host[torch.arange(rows) % t.shape[0]].contiguous()
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
