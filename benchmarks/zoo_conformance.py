@@ -292,14 +292,15 @@ def _exact(pairs: list[tuple[int | None, int | None]]) -> str:
     return ", ".join("exact" if a == b else f"{a:,} vs {b:,}" if a is not None and b is not None else "-" for a, b in pairs)
 
 
-def assert_conforms(entry: ZooModel, device: torch.device) -> dict[str, Any]:
+def assert_conforms(entry: ZooModel, device: torch.device, *, quick: bool = False) -> dict[str, Any]:
     """:func:`conform` as the GPU tests check it: every goal met (``AssertionError`` naming the
     misses); an entry refused by design must be refused by both estimates, naming its operation.
-    The row is appended to ``$ZOO_CONFORMANCE_OUT/zoo_conformance.json`` where that is set."""
-    row = conform(entry, device)
+    ``quick``: without the largest-batch runs. The row is appended to
+    ``$ZOO_CONFORMANCE_OUT/zoo_conformance.json`` where that is set."""
+    row = conform(entry, device, quick=quick)
     torch._dynamo.reset()
     if os.environ.get("ZOO_CONFORMANCE_OUT"):  # the rows of a run, for --publish or a look
-        append_row(Path(os.environ["ZOO_CONFORMANCE_OUT"]) / "zoo_conformance.json", row, device, quick=False)
+        append_row(Path(os.environ["ZOO_CONFORMANCE_OUT"]) / "zoo_conformance.json", row, device, quick=quick)
     missed = verdict(row)
     if entry.unsupported:
         for key in ("fake_cuda", "emulated"):
@@ -442,8 +443,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         publish(args.publish)
         print(f"updated {DOCS} from {', '.join(map(str, args.publish))}", file=sys.stderr)
         return None
-    if not torch.cuda.is_available():
-        parser.error("the zoo's conformance run needs a CUDA GPU")
     from benchmarks.zoo import registries
 
     models = registries()[args.registry]
@@ -451,6 +450,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     unknown = [n for n in names if n not in models]
     if unknown:
         parser.error(f"--only: unknown {args.registry} models {', '.join(unknown)}; known: {', '.join(models)}")
+    if not torch.cuda.is_available():
+        parser.error("the zoo's conformance run needs a CUDA GPU")
     device = torch.device("cuda", torch.cuda.current_device())
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="zoo_conformance_"))
     out.mkdir(parents=True, exist_ok=True)

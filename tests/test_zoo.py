@@ -134,3 +134,19 @@ def test_known_misses_are_strict_and_unsteady_ones_are_not():
     assert [m.kwargs for m in strict] == [{"strict": True, "reason": "a known miss"}]
     assert [m.kwargs for m in loose] == [{"strict": False, "reason": "at the edge"}]
     assert params[third] == third  # neither: a plain parameter
+
+
+@pytest.mark.parametrize("registry, known, unknown", [("zoo", "gpt2", "tcn"), ("sweep", "tcn", "gpt2"), ("holdout_text", "mistral", "tcn")])
+def test_the_conformance_run_takes_any_registry_and_names_a_model_it_lacks(registry, known, unknown, capsys):
+    """``--registry`` picks the models ``--only`` names from; a name the registry lacks is refused,
+    naming it, before anything needs a GPU (a known name then asks for one where none is here)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import zoo_conformance
+
+    with pytest.raises(SystemExit):
+        zoo_conformance.main(["--registry", registry, "--only", f"{known},{unknown}"])
+    assert f"unknown {registry} models {unknown};" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            zoo_conformance.main(["--registry", registry, "--only", known])
+        assert "needs a CUDA GPU" in capsys.readouterr().err
