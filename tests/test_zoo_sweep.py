@@ -11,6 +11,8 @@ from benchmarks.zoo_sweep import CHECKS, main
 
 PLAIN = [name for name, entry in SWEEP.items() if not entry.needs]
 ESTIMATES = ("estimate", "swapped", "checkpointing", "largest_batch")
+#: the plain-torch models that run an FFT (``torch.stft``; ``rfft2`` and ``irfft2``)
+FFT = ("spectrogram", "fourier_operator")
 
 
 def _fake_fft_runs() -> bool:
@@ -28,7 +30,7 @@ def _fake_fft_runs() -> bool:
 @pytest.mark.parametrize("name", PLAIN)
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_the_sweeps_plain_torch_models_pass_every_check(name, check):
-    if name == "spectrogram" and check in ESTIMATES and not _fake_fft_runs():
+    if name in FFT and check in ESTIMATES and not _fake_fft_runs():
         from pytorch_mem_profiler.estimate import EstimateUnsupported
 
         with pytest.raises(EstimateUnsupported, match=r"aten\._fft_r2c"):  # refused, naming the operator
