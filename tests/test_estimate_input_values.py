@@ -8,19 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytorch_mem_profiler.estimate.fake import EstimateFakeMode, fake_inputs
+from pytorch_mem_profiler.estimate.fake import fake_inputs, fake_mode
 
+# a fake CUDA tensor is made without a GPU (no runtime call), as tests/test_estimate_draws.py's are
 CUDA = torch.device("cuda", 0)
-
-
-def _mode_with_fake_cuda() -> EstimateFakeMode:
-    mode = EstimateFakeMode()
-    try:
-        with mode:
-            torch.empty(1, device=CUDA)
-    except Exception as err:  # noqa: BLE001 - this torch cannot make a fake CUDA tensor without a GPU
-        pytest.skip(f"fake CUDA tensors need this torch's CUDA runtime here: {type(err).__name__}")
-    return mode
 
 
 def _batch(batch: int) -> dict[str, torch.Tensor]:
@@ -29,7 +20,7 @@ def _batch(batch: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("given", ["function", "template"])
 def test_a_mask_of_ones_keeps_its_value_on_a_gpu(given):
-    mode = _mode_with_fake_cuda()
+    mode = fake_mode()
     example = _batch if given == "function" else _batch(2)
     with mode:
         made = fake_inputs(example, 3, CUDA, mode)
@@ -46,7 +37,7 @@ def test_a_mask_of_ones_keeps_its_value_on_a_gpu(given):
 
 
 def test_a_template_keeps_its_rows_on_a_gpu():
-    mode = _mode_with_fake_cuda()
+    mode = fake_mode()
     positions = torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1]])
     with mode:
         made = fake_inputs((torch.randn(2, 4), positions), 4, CUDA, mode)
@@ -55,7 +46,7 @@ def test_a_template_keeps_its_rows_on_a_gpu():
 
 
 def test_without_the_mode_or_with_floats_nothing_is_kept():
-    mode = _mode_with_fake_cuda()
+    mode = fake_mode()
     with mode:
         plain = fake_inputs(_batch(2), 2, CUDA)
         floats = fake_inputs(torch.randn(2, 4), 2, CUDA, mode)
@@ -64,7 +55,7 @@ def test_without_the_mode_or_with_floats_nothing_is_kept():
 
 
 def test_on_the_cpu_the_values_are_kept_as_before():
-    mode = EstimateFakeMode()
+    mode = fake_mode()
     with mode:
         made = fake_inputs(_batch, 2, torch.device("cpu"), mode)
     assert torch.equal(made["attention_mask"].constant, torch.ones(2, 8, dtype=torch.long))

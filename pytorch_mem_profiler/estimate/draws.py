@@ -191,10 +191,11 @@ def _fill(func: Any) -> bool:
 _RANGES = frozenset({"arange", "linspace", "logspace", "eye", "tril_indices", "triu_indices"})
 
 
-def _range_sized(t: Any) -> bool:
-    """A range small enough to carry its value: integer and boolean ones up to
-    :data:`HOST_VALUE_NUMEL` elements (indices, positions), floating-point ones up to
-    :data:`SMALL_VALUE_NUMEL` (a CPU value may round otherwise than the device's kernel)."""
+def value_sized(t: Any) -> bool:
+    """A tensor small enough to carry a value computed for it (a range, or an operator's result on
+    values): integer and boolean ones up to :data:`HOST_VALUE_NUMEL` elements (indices, positions,
+    masks), floating-point ones up to :data:`SMALL_VALUE_NUMEL` (a CPU value may round otherwise
+    than the device's kernel)."""
     if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
         return False
     return t.numel() <= (SMALL_VALUE_NUMEL if t.is_floating_point() or t.is_complex() else HOST_VALUE_NUMEL)
@@ -406,8 +407,8 @@ class Draws:
         (``nonzero``), so that the fake kernel, which cannot read a mask without its value (it
         is set aside for the call, see :meth:`_device_values`), is given the shapes the real
         step has."""
-        named = dict(_named_arguments(func, args, kwargs))
-        indices = named.get("indices")
+        position = next(i for i, a in enumerate(func._schema.arguments) if a.name == "indices")
+        indices = args[position] if position < len(args) else kwargs.get("indices")
         if not isinstance(indices, (list, tuple)) or not any(_valued_mask(i) for i in indices):
             return args, kwargs
         expanded: list[Any] = []
@@ -416,16 +417,12 @@ class Draws:
                 expanded.append(index)
                 continue
             with no_dispatch():
-                positions = index.constant.cpu().nonzero()
-            for column in positions.unbind(1):
-                with no_dispatch():
-                    column = column.contiguous()
-                made = fallback(torch.ops.aten.empty_strided.default, (tuple(column.shape), tuple(column.stride())),
+                columns = [c.contiguous() for c in index.constant.cpu().nonzero(as_tuple=True)]
+            for column in columns:
+                made = fallback(torch.ops.aten.empty_strided.default, (tuple(column.shape), (1,)),
                                 {"dtype": column.dtype, "device": index.device})  # fmt: skip
                 self._keep_value(mode, made, column)
                 expanded.append(made)
-        names = [a.name for a in func._schema.arguments]
-        position = names.index("indices")
         if position < len(args):
             return (*args[:position], expanded, *args[position + 1 :]), kwargs
         return args, {**kwargs, "indices": expanded}
@@ -489,7 +486,7 @@ class Draws:
         results = fake if isinstance(fake, (list, tuple)) else [fake]
         if not random and results and (
             (_fill(func) and all(_fill_sized(t) for t in results))
-            or (_op_name(func) in _RANGES and all(_range_sized(t) for t in results))
+            or (_op_name(func) in _RANGES and all(value_sized(t) for t in results))
         ):
             # a mask of ones the model makes itself (a decoder given no attention mask): a library
             # reads it (transformers skips a mask of ones) as the real step does; and a range it
@@ -659,8 +656,7 @@ def _value_on_cpu(v: Any, mode: Any) -> Any:
 
 #: Operators that index by a list of tensors, where a boolean one is a mask over as many dimensions.
 _INDEXING = frozenset(
-    getattr(torch.ops.aten, name).default if name != "index" else torch.ops.aten.index.Tensor
-    for name in ("index", "index_put", "index_put_", "_index_put_impl_")
+    {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default, torch.ops.aten._index_put_impl_.default}
 )
 
 

@@ -36,7 +36,7 @@ from torch.utils._mode_utils import no_dispatch
 from ..measure.accounting import part_of_a_storage
 from ..measure.trees import tensors_in
 from .conv_workspace import memory_format
-from .draws import HOST_VALUE_NUMEL, SMALL_VALUE_NUMEL, Draws
+from .draws import HOST_VALUE_NUMEL, Draws, value_sized
 from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rule
 from .kernel_fakes import KERNEL_RULES
 from .lengths import LENGTH_RULES
@@ -109,13 +109,7 @@ class EstimateFakeMode(FakeTensorMode):
         # integer and boolean ones (masks and indices made from host data, as wav2vec2's time
         # mask from numpy) up to HOST_VALUE_NUMEL, so that indexing by them has its real shape
         if self.draws.active or self.draws.making_inputs:
-            limit = SMALL_VALUE_NUMEL if t.is_floating_point() or t.is_complex() else HOST_VALUE_NUMEL
-            return (
-                t.numel() <= limit
-                and t.layout is torch.strided
-                and not self.is_our_fake(t)
-                and t.device.type != "meta"
-            )
+            return value_sized(t) and not self.is_our_fake(t) and t.device.type != "meta"
         return super().may_turn_const(t)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
