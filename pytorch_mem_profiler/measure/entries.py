@@ -25,6 +25,12 @@ exactly as unprofiled) and :meth:`EntryWatch.resume` puts them back. Should an i
 step an optimizer with no forward found (the framework started entering
 through another module), learning starts again for one forward.
 
+A forward is one thread's: while it runs, module calls from other threads are not part of it.
+``nn.DataParallel`` (which the Hugging Face Trainer uses on a machine with several GPUs when
+not launched by ``torchrun``) runs a copy of the model on each GPU, each in a thread of its
+own, and the copies carry the model's hooks: only the copy on the profiled device is measured
+(:func:`replica_device`), and its thread's calls alone make its depth.
+
 Modules inside a compiled module (``torch.compile``) are never hooked: a hook
 there would run inside the compiled region. The compiled module itself is. Nor are
 ``nn.TransformerEncoderLayer`` and its submodules (:data:`HOOK_SENSITIVE`): torch takes its
@@ -47,14 +53,17 @@ Example::
 
 from __future__ import annotations
 
+import threading
+from threading import get_ident
 from typing import Any, Callable
 
 import torch
 
 from ..faults import FaultGuard
+from .devices import device_index
 from .trees import is_compiled_module
 
-__all__ = ["EntryWatch", "FORWARD_PART", "HOOK_SENSITIVE"]
+__all__ = ["EntryWatch", "FORWARD_PART", "HOOK_SENSITIVE", "replica_device"]
 
 #: The part of the profiler a fault in these hooks switches off.
 FORWARD_PART = "forward hooks"
@@ -86,6 +95,34 @@ def _hookable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
+def replica_device(module: torch.nn.Module) -> torch.device | None:
+    """The device an ``nn.DataParallel`` replica of a module runs on (``None``: not a replica, or
+    one holding no tensor).
+
+    ``DataParallel.forward`` copies the model to each GPU for the call (``replicate``): a
+    replica is marked ``_is_replica`` and holds its copies of the parameters as plain tensors,
+    in ``_former_parameters``, and its buffers as buffers.
+
+    Example::
+
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> replica_device(net) is None                     # the model itself
+        True
+        >>> copy = net._replicate_for_data_parallel(); copy._modules["0"] = net[0]._replicate_for_data_parallel()
+        >>> copy[0]._former_parameters = {"weight": torch.zeros(2, 2)}
+        >>> replica_device(copy)
+        device(type='cpu')
+    """
+    if not getattr(module, "_is_replica", False):
+        return None
+    for m in module.modules():
+        for t in (*getattr(m, "_former_parameters", {}).values(), *m._buffers.values()):
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return None
+
+
 def _refuse(grad_enabled: bool, args: Any, module: torch.nn.Module) -> bool:
     return False
 
@@ -105,6 +142,8 @@ class EntryWatch:
         on_exit: called as ``on_exit(module, args, output)`` when such a call,
             one ``on_enter`` accepted, returns (or raises).
         guard: contains faults of the hooks.
+        device: the device measured: a forward of an ``nn.DataParallel`` replica on another
+            device is not watched (``None``: every forward is).
     """
 
     def __deepcopy__(self, memo: dict) -> EntryWatch:
@@ -119,13 +158,23 @@ class EntryWatch:
         on_enter: Callable[[bool, Any, torch.nn.Module], bool],
         on_exit: Callable[[torch.nn.Module, Any, Any], None],
         guard: FaultGuard | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.model = model
         self.on_enter = on_enter
         self.on_exit = on_exit
         self.guard = guard or FaultGuard()
-        #: modules of the model currently running (those hooked)
+        # indexed as the counters index it (``cuda`` is ``cuda:0``), as a replica's tensors are
+        self._device = None if device is None else torch.device(device.type, device_index(device))
+        #: modules of the model currently running (those hooked) in the forward's thread
         self.depth = 0
+        # the thread the running forward belongs to (None: none runs), and the lock two threads
+        # entering at once take turns at (DataParallel's replicas on one device)
+        self._thread: int | None = None
+        self._taking = threading.Lock()
+        # the calls running in other threads (not watched), by thread, each thread's for the whole
+        # of its call: the replica's modules below its root are replicas too, of tensors or none
+        self._others: dict[int, int] = {}
         #: whether every module is hooked (until a training forward shows the entries)
         self.learning = False
         self._entries: dict[int, torch.nn.Module] = {}
@@ -148,6 +197,7 @@ class EntryWatch:
             return  # never while a module of the model runs: its exit would be lost
         self.learning = True
         self.paused = False
+        self._others.clear()
         for module in _hookable_modules(self.model):
             self._hook(module)
 
@@ -171,6 +221,9 @@ class EntryWatch:
         if self.learning or self.depth or self.paused:
             return False
         self._unhook_all()
+        # other threads' calls ended with their iteration (DataParallel joins its threads); a count
+        # left over would hold a later thread given the same ident off the next forward
+        self._others.clear()
         self.paused = True
         return True
 
@@ -187,6 +240,8 @@ class EntryWatch:
         """Remove every hook."""
         self._unhook_all()
         self.depth = 0
+        self._thread = None
+        self._others.clear()
         self.learning = False
         self.paused = False
 
@@ -227,17 +282,40 @@ class EntryWatch:
         post = module.register_forward_hook(self._exit, always_call=True)
         self._handles[key] = (pre, post)
 
+    def _measured(self, replica: torch.nn.Module) -> bool:
+        """Whether a DataParallel replica runs on the device measured."""
+        found = replica_device(replica)
+        return found is None or found == self._device
+
     # -- the hooks (the hot path: one pair per entry call per iteration) --------
     # Torch calls them: each is contained as ``FaultGuard.wrap(FORWARD_PART, ...)`` would, inline.
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         try:
             if FORWARD_PART in self.guard.disabled:
                 return None
-            self.depth += 1
-            if self.depth == 1:
-                accepted = self._accepted = bool(self.on_enter(torch.is_grad_enabled(), args, module))
-                if accepted and self.learning:
-                    self._entries[id(module)] = module
+            thread = get_ident()
+            if self.depth:
+                if thread == self._thread:
+                    self.depth += 1
+                else:  # another thread's call while this forward runs: not this forward's
+                    self._others[thread] = self._others.get(thread, 0) + 1
+                return None
+            if thread in self._others:
+                self._others[thread] += 1
+                return None
+            if self._device is not None and getattr(module, "_is_replica", False) and not self._measured(module):
+                self._others[thread] = 1  # a DataParallel replica on another GPU, for the whole of its call
+                return None
+            with self._taking:
+                if self.depth:  # another thread's forward began first
+                    self._others[thread] = 1
+                    return None
+                self._thread = thread
+                self.depth = 1
+            accepted = self._accepted = bool(self.on_enter(torch.is_grad_enabled(), args, module))
+            # A replica is made again at each call: the model it copies is the entry.
+            if accepted and self.learning and not getattr(module, "_is_replica", False):
+                self._entries[id(module)] = module
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
             self.guard.fault(FORWARD_PART, exc)
         return None
@@ -246,11 +324,21 @@ class EntryWatch:
         try:
             if FORWARD_PART in self.guard.disabled:
                 return None
-            if self.depth > 0:
+            thread = get_ident()
+            if self.depth and thread == self._thread:
                 self.depth -= 1
-            if self.depth == 0 and self._accepted:
-                self._accepted = False
-                self.on_exit(module, args, output)
+                if self.depth == 0:
+                    self._thread = None
+                    if self._accepted:
+                        self._accepted = False
+                        self.on_exit(module, args, output)
+                return None
+            calls = self._others.get(thread)
+            if calls is not None:
+                if calls > 1:
+                    self._others[thread] = calls - 1
+                else:
+                    del self._others[thread]
         except Exception as exc:  # noqa: BLE001 - contained: training goes on without it
             self.guard.fault(FORWARD_PART, exc)
         return None

@@ -127,6 +127,7 @@ class StepHooks:
             steps one of ``params``.
         guard: contains faults (see :class:`~pytorch_mem_profiler.faults.FaultGuard`).
         on_optimizer_step: called with an optimizer after the first of its steps seen.
+        device: the device measured (an ``nn.DataParallel`` replica's forward on another is not watched).
     """
 
     def __init__(
@@ -136,8 +137,10 @@ class StepHooks:
         optimizers: Iterable[torch.optim.Optimizer] | None = None,
         guard: FaultGuard | None = None,
         on_optimizer_step: Callable[[torch.optim.Optimizer], None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.model = model
+        self._device = device
         self._weak_self = weakref.ref(self)
         self.guard = guard or FaultGuard()
         self._explicit_optimizers = None if optimizers is None else list(optimizers)
@@ -166,7 +169,7 @@ class StepHooks:
     def install(self, machine: PhaseMachine) -> None:
         """Register every hook, each reporting to ``machine``; :meth:`remove` takes them all away."""
         self._machine = machine
-        self._entries = EntryWatch(self.model, machine.entered, self._exited, self.guard)
+        self._entries = EntryWatch(self.model, machine.entered, self._exited, self.guard, self._device)
         self._entries.install()
         self._install_step_hooks()
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from threading import get_ident
 from typing import Any, Callable
 
 import torch
@@ -161,6 +162,9 @@ class LayerAttribution(Observer):
         self._handles: list = []
         self._saved: ChainedSavedTensorsHooks | None = None
         self._stack: list[tuple[int, str]] = []
+        # the forward's thread: the module hooks are global, and another thread's modules (a
+        # DataParallel replica on another GPU) run meanwhile
+        self._thread: int | None = None
         self._seen: set[tuple[int, int]] = set()
         self._inputs: set[tuple[int, int]] = set()
         self._current = LayerBreakdown()
@@ -171,6 +175,7 @@ class LayerAttribution(Observer):
         self._names = {id(m): name for name, m in self.model.named_modules()}
         self._root = id(self.model)
         self._tracked = _tracked_modules(self.model, self.max_locations)
+        self._model_modules = (self._names, self._root, self._tracked)
         self._state_ptrs: set[tuple[int, int]] = set()
         self._param_names: dict[int, str] = {}
         for name, p in self.model.named_parameters():
@@ -197,8 +202,10 @@ class LayerAttribution(Observer):
         """Attribute again within the same forward pass (a second module entered from outside,
         e.g. ``self.decoder`` after ``self.encoder``): the figures add up."""
         self.close()
+        self._name_modules_of(entry)
         self.add_inputs(inputs)
         self._stack = [(self._root, "")]
+        self._thread = get_ident()
         if entry is not None and id(entry) != self._root:
             name = self._names.get(id(entry))
             if name is not None:
@@ -213,6 +220,18 @@ class LayerAttribution(Observer):
         ]
         self._saved = ChainedSavedTensorsHooks(self._observe_saved, lambda exc: self.guard.fault(ATTRIBUTION_PART, exc))
         self._saved.push()
+
+    def _name_modules_of(self, entry: torch.nn.Module | None) -> None:
+        """Name the modules of the forward that enters through ``entry``: the model's, or where it
+        is an ``nn.DataParallel`` replica (copied from the model at each call, modules and all),
+        the replica's, under the names of the modules they copy."""
+        if entry is None or not getattr(entry, "_is_replica", False):
+            self._names, self._root, self._tracked = self._model_modules
+            return
+        names = {id(m): name for name, m in entry.named_modules()}
+        tracked = set(self._model_modules[2].values())
+        self._names, self._root = names, id(entry)
+        self._tracked = {key: name for key, name in names.items() if name in tracked}
 
     def add_inputs(self, inputs: Any) -> None:
         """Count the storages of ``inputs`` as the model's input."""
@@ -321,7 +340,7 @@ class LayerAttribution(Observer):
     # -- hooks -------------------------------------------------------------
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         try:  # torch calls this: contained as ``guard.wrap`` would
-            if ATTRIBUTION_PART in self.guard.disabled:
+            if ATTRIBUTION_PART in self.guard.disabled or get_ident() != self._thread:
                 return
             key = id(module)
             if key == self._root:
@@ -337,7 +356,7 @@ class LayerAttribution(Observer):
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         try:  # torch calls this: contained as ``guard.wrap`` would
-            if ATTRIBUTION_PART in self.guard.disabled:
+            if ATTRIBUTION_PART in self.guard.disabled or get_ident() != self._thread:
                 return
             key = id(module)
             stack = self._stack

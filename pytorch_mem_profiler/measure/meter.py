@@ -293,6 +293,7 @@ class Meter:
             self._optimizers,
             self.guard,
             on_optimizer_step=wrap("optimizer state", self._optimizer_stepped),
+            device=self.device,
         )
         if self.device.type == "cpu" and not COMPILE_YIELDS_TO_DISPATCH_MODES and is_compiled(self.model):
             _log.warning(
