@@ -83,8 +83,20 @@ def fresh(device: torch.device) -> None:
 WARM_BATCH = 2
 
 
+def forget_cublas_workspaces() -> None:
+    """Give cuBLAS's workspaces back to the allocator: they outlive the step that took them (one per
+    thread that ran a matmul), so a step of convolutions alone measured after a transformer would
+    count the transformer's. The next step then takes its own, if it runs cuBLAS, as in a fresh process."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def measure_step(entry: ZooModel, batch: int, device: torch.device) -> dict[str, int]:
-    """Peak allocated over the first two steps above the persistent base, peak reserved, the base."""
+    """Peak allocated over the first two steps above the persistent base, peak reserved, the base
+    (as in a fresh process: the workspaces earlier steps left are given back first)."""
+    forget_cublas_workspaces()
+    fresh(device)  # their segments too: the warm-up lays its blocks out as a fresh process does
     warm = Training(entry, "real", device, min(WARM_BATCH, batch))
     warm.step()
     del warm

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from pytorch_mem_profiler import MemoryProfiler, estimate_memory
 from pytorch_mem_profiler.estimate import OPTIMIZATIONS, EstimateUnsupported
-from pytorch_mem_profiler.estimate.allocator import block_size, segment_size, simulate_reserved
+from pytorch_mem_profiler.estimate.allocator import block_size, cublas_workspace_bytes, segment_size, simulate_reserved
 from pytorch_mem_profiler.estimate.records import max_batch_from_records
 from pytorch_mem_profiler.measure.saved_tensors import can_chain, top_saved_tensors_hooks
 from pytorch_mem_profiler.stats import PEAK_CATEGORIES, WEIGHT_COPIES
@@ -420,6 +420,34 @@ def test_a_cuda_estimate_without_a_gpu_rounds_each_storage_to_512_byte_blocks():
     assert estimate.reserved >= estimate.peak_allocated
     assert estimate.required == estimate.needed + estimate.outside == estimate.reserved + estimate.outside
     assert "Needed on the device" in str(estimate)
+
+
+class _FrozenProjection(nn.Module):
+    """A frozen linear layer under a trained scale: its matmul runs in the forward alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16).requires_grad_(False)
+        self.scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.scale
+
+
+def test_the_cublas_workspaces_are_the_threads_that_run_a_matmul():
+    """cuBLAS takes a workspace in each thread at its first call: none for a step of convolutions
+    alone (cuDNN), one where only the forward's thread runs a matmul, two where backward does too."""
+    one = cublas_workspace_bytes()
+    convs = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    alone = estimate_memory(convs, torch.zeros(2, 3, 16, 16), device="cuda", fit=False)
+    assert alone.workspace == 0 and alone.peak_allocated == alone.peak
+    headed = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 14 * 14, 4))
+    assert estimate_memory(headed, torch.zeros(2, 3, 16, 16), device="cuda", fit=False).workspace == 2 * one
+    frozen = estimate_memory(_FrozenProjection(), torch.zeros(4, 16), device="cuda", fit=False)
+    assert frozen.workspace == one and frozen.peak_allocated == frozen.peak + one
+    # the replay's segments: the workspace a segment of its own, the step's tensors a small one
+    assert alone.reserved == 2 << 20 and frozen.reserved == one + (2 << 20)
+    assert estimate_memory(convs, torch.zeros(2, 3, 16, 16), device="cuda", fit=False, workspace=4 << 20).workspace == 4 << 20
 
 
 def test_the_allocator_replay_never_holds_less_than_is_allocated():

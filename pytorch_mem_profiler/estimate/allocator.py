@@ -102,6 +102,49 @@ def segment_size(nbytes: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
+#: ATen operators whose CUDA kernels call cuBLAS or cuBLASLt (by name, an in-place or ``out=``
+#: variant too): the first in a thread takes that thread's workspace (``getCurrentCUDABlasHandle``
+#: sets it). Convolutions (cuDNN), the flash and memory-efficient attention kernels, recurrent
+#: layers (cuDNN), reductions and element-wise kernels take none; nor does a step without them.
+CUBLAS_OPERATORS = frozenset(
+    {
+        "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation",
+        "_scaled_mm", "_int_mm", "_grouped_mm", "_trilinear", "matmul", "linear", "triangular_solve",
+    }
+)  # fmt: skip
+
+
+def runs_cublas(name: str) -> bool:
+    """Whether the ATen operator ``name`` (``aten.mm.default``'s is ``"mm"``) runs cuBLAS on CUDA:
+    one of :data:`CUBLAS_OPERATORS`, its in-place form, or a linear-algebra routine (``linalg_*``).
+
+    Example::
+
+        >>> runs_cublas("addmm_"), runs_cublas("linalg_solve_triangular"), runs_cublas("convolution")
+        (True, True, False)
+    """
+    return name.rstrip("_") in CUBLAS_OPERATORS or name.lstrip("_").startswith("linalg_")
+
+
+def cublas_workspaces(phases: Iterable[str] | None) -> int:
+    """How many cuBLAS workspaces a training step takes, from the phases its cuBLAS operators ran in
+    (:func:`runs_cublas`): cuBLAS keeps one per thread, so one for the script's thread (forward,
+    loss, optimizer step) and one for autograd's thread on the device (``"backward"``); both where
+    the phases are unknown (``None``: compiled code ran, whose operators the count does not see).
+
+    Example::
+
+        >>> cublas_workspaces({"forward", "backward"}), cublas_workspaces(set()), cublas_workspaces(None)
+        (2, 0, 2)
+        >>> cublas_workspaces({"optimizer"})      # a matmul in the update only (Muon), the script's thread
+        1
+    """
+    if phases is None:
+        return 2
+    found = set(phases)
+    return int(bool(found - {"backward"})) + int("backward" in found)
+
+
 def cublas_workspace_bytes(capability: tuple[int, int] | None = None) -> int:
     """Bytes of cuBLAS's workspace, which torch takes from the caching allocator at the first matmul.
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..measure.devices import parse_device, usable_device
-from .allocator import CUDA_CONTEXT_ALLOWANCE, StepEvents, cublas_workspace_bytes, simulate_reserved
+from .allocator import CUDA_CONTEXT_ALLOWANCE, StepEvents, cublas_workspace_bytes, cublas_workspaces, simulate_reserved
 from .fake import batch_of
 from .result import CHOSEN_BY_FUNCTION, REPEATED_BLOCKS, BatchFit, MemoryEstimate, error_bound_of
 from .step import EstimateUnsupported, StepMemory, StepPlan, run_step
@@ -151,8 +151,10 @@ def estimate_memory(
         outside: bytes outside PyTorch to allow for; default on CUDA
             :data:`~pytorch_mem_profiler.estimate.allocator.CUDA_CONTEXT_ALLOWANCE` (1 GiB), else 0.
         workspace: bytes libraries take from the allocator besides tensors; default on
-            CUDA two cuBLAS workspaces of 32 MiB (``CUBLAS_WORKSPACE_CONFIG`` if set), one
-            for the forward's thread and one for autograd's backward thread; else 0.
+            CUDA a cuBLAS workspace of 32 MiB (``CUBLAS_WORKSPACE_CONFIG`` if set) for each
+            thread the step runs a cuBLAS operator in (a matmul, a linear layer): the forward's
+            (the loss's, the optimizer's) and autograd's backward thread; none for a step of
+            convolutions alone; else 0.
         fit: also estimate at twice and three times the batch, for
             :meth:`MemoryEstimate.max_batch_size`.
         compare: what-ifs, by name: keyword arguments of this function that differ
@@ -258,11 +260,15 @@ def estimate_memory(
     batch_fit = _fit(plan, step, batch) if fit and batch is not None else None
     on_cuda = target.type == "cuda"
     if workspace is None:
-        # cuBLAS keeps a workspace per thread and stream: forward's thread and autograd's device thread
-        workspace = 2 * cublas_workspace_bytes() if on_cuda else 0
+        # cuBLAS keeps a workspace per thread and stream, taken at its first call there: the script's
+        # thread and autograd's device thread, where the step runs a cuBLAS operator in them
+        blocks = [cublas_workspace_bytes()] * cublas_workspaces(step.blas_phases) if on_cuda else []
+        workspace = sum(blocks)
+    else:  # the bytes given: as two threads' workspaces
+        blocks = [workspace // 2, workspace - workspace // 2] if workspace else []
     # The workspaces are blocks of their own, never freed, made before the step's tensors
     # (at the first matmul, or by an earlier step); replayed first, each takes a segment.
-    workspace_events = [(-1, workspace // 2), (-2, workspace - workspace // 2)] if workspace else []
+    workspace_events = [(-1 - i, n) for i, n in enumerate(blocks)]
     reserved = step_events = None
     if step.reserved is not None:
         reserved = simulate_reserved([*workspace_events, *step.events])

@@ -48,6 +48,7 @@ from ..measure.storage_counting import (
     unwatch_storage_resizes,
     watch_storage_resizes,
 )
+from .allocator import runs_cublas
 
 __all__ = ["Life", "StorageLifeCounter", "born_as", "COLLECTIVE_ROLE"]
 
@@ -106,6 +107,10 @@ class Life:
         return self.born <= tick and (self.died is None or self.died > tick)
 
 
+#: whether an operator runs cuBLAS on CUDA (:func:`~.allocator.runs_cublas`), by operator
+_RUNS_CUBLAS: dict[Any, bool] = {}
+
+
 class _LifeMode(TorchDispatchMode):
     """Hands every tensor an operator returns to the counter, as its kind of return says."""
 
@@ -131,6 +136,11 @@ class _LifeMode(TorchDispatchMode):
                 old.clear()  # its old parts die after its new ones are born, as in the kernel
         if getattr(func, "namespace", None) == "c10d":
             self.counter._collective(args)
+        blas = _RUNS_CUBLAS.get(func)
+        if blas is None:
+            blas = _RUNS_CUBLAS[func] = getattr(func, "namespace", None) == "aten" and runs_cublas(getattr(func, "_opname", ""))
+        if blas:
+            self.counter.blas_phases.add(self.counter.phase)
         if self.counter.outputs is not None:
             # what the target's kernel returns where the fake kernel returns something else
             out = self.counter.outputs(func, args, kwargs or {}, out)
@@ -208,6 +218,8 @@ class StorageLifeCounter(MemoryCounter):
         #: the phase new storages are born in, and the largest total reached in each
         self.phase = "other"
         self.phase_peaks: dict[str, int] = {}
+        #: the phases an operator that runs cuBLAS on CUDA ran in (each such thread takes a workspace)
+        self.blas_phases: set[str] = set()
         #: while above 0 operators are not counted (see :meth:`paused`)
         self.paused_depth = 0
         #: the training step running (1, 2, ...; 0 before the first), set by whoever runs the steps

@@ -168,6 +168,9 @@ class StepMemory:
     random_reads: Mapping[str, int] = field(default_factory=dict)
     #: how the step was estimated where it is not plain (compiled modules, see :mod:`.compiled`)
     notes: tuple[str, ...] = ()
+    #: the phases an operator running cuBLAS on CUDA ran in (``None``: unknown, compiled code ran),
+    #: for the workspaces (:func:`~.allocator.cublas_workspaces`)
+    blas_phases: frozenset[str] | None = None
 
 
 # -- errors ----------------------------------------------------------------------
@@ -660,6 +663,8 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
         optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
         parameter_dtypes=dtypes,
         random_reads=MappingProxyType(dict(mode.draws.reads)),
+        # compiled code calls its kernels past the counter: which of them run cuBLAS is not seen
+        blas_phases=None if compiled.outcomes else frozenset(counter.blas_phases),
     )
     # a kernel's own buffers inside one operator (cuDNN's workspaces) are never alive together with
     # another operator's; outputs a rule may have mis-sized (oneDNN's kept workspaces, what a compiled
