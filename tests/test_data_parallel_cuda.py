@@ -7,6 +7,7 @@ model in ``DataParallel`` itself on a machine with several GPUs when not launche
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import pytest
@@ -16,7 +17,7 @@ from torch import nn
 from pytorch_mem_profiler import MemoryProfiler
 
 from .helpers import nbytes
-from .test_integrations import TokenData, storage_bytes, tiny_gpt2
+from .test_integrations import TokenData, recording_hf_callback, storage_bytes, tiny_gpt2
 
 pytestmark = [
     pytest.mark.cuda,
@@ -39,8 +40,9 @@ class KeepsTrack(nn.Module):
         if not self.watch:
             out = self.net(x)
         else:
-            weights = {t.untyped_storage().data_ptr() for m in self.modules() for t in getattr(m, "_former_parameters", {}).values()}
-            weights |= {p.untyped_storage().data_ptr() for p in self.parameters()}
+            # the weights: the model's, or the replica's copies (on GPU 0 the same storages)
+            copies = [t for m in self.modules() for t in getattr(m, "_former_parameters", {}).values()]
+            weights = {t.untyped_storage().data_ptr() for t in [*copies, *self.parameters()]}
             skip = weights | {x.untyped_storage().data_ptr()}
             kept = self.kept.setdefault(x.device.index, {})
 
@@ -67,8 +69,10 @@ def train(profiled: bool, by_layer: bool = False, watch: bool = True) -> tuple[l
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(64, 256, generator=gen).cuda(0) for _ in range(STEPS)]
     losses, records, kept = [], [], []
-    profiler = MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, by_layer=by_layer) if profiled else None
-    try:
+    profiler = None
+    if profiled:  # every iteration in detail (no cost budget): each is checked
+        profiler = MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, by_layer=by_layer, overhead=None)
+    with profiler if profiler is not None else contextlib.nullcontext():
         for x in xs:
             model.kept.clear()
             loss = parallel(x).pow(2).mean()
@@ -79,9 +83,6 @@ def train(profiled: bool, by_layer: bool = False, watch: bool = True) -> tuple[l
             kept.append(sum(model.kept.get(0, {}).values()))
             if profiler is not None:
                 records.append(profiler.record_stats())
-    finally:
-        if profiler is not None:
-            profiler.close()
     return losses, records, kept, model
 
 
@@ -113,16 +114,8 @@ def test_data_parallel_measures_the_replica_on_the_profiled_gpu(by_layer):
 
 def test_hf_trainer_with_data_parallel_on_two_gpus(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from pytorch_mem_profiler.integrations.transformers import MemoryProfilerCallback
-
     records = []
-
-    class Keep(MemoryProfilerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            super().on_step_end(args, state, control, **kwargs)
-            records.append(self.profiler.last_record)
-
-    callback = Keep(print_period=1, stream=io.StringIO(), strict=True)
+    callback = recording_hf_callback(records, overhead=None)  # every step in detail: each is checked
     model = tiny_gpt2()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_train_epochs=1, logging_steps=1,

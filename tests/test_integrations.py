@@ -225,6 +225,19 @@ def hf_callback():  # type: ignore[no-untyped-def]
     return MemoryProfilerCallback
 
 
+def recording_hf_callback(records: list, **options):  # type: ignore[no-untyped-def]
+    """The Trainer callback (``print_period=1``, strict, quiet), appending each optimizer step's
+    record to ``records``."""
+    MemoryProfilerCallback = hf_callback()
+
+    class Keep(MemoryProfilerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            super().on_step_end(args, state, control, **kwargs)
+            records.append(self.profiler.last_record)
+
+    return Keep(**{"print_period": 1, "stream": io.StringIO(), "strict": True, **options})
+
+
 class TokenData(torch.utils.data.Dataset):
     def __init__(self, n: int) -> None:
         generator = torch.Generator().manual_seed(2)
@@ -261,16 +274,8 @@ def train_hf(tmp_path, callback, *, accumulation: int = 2, epochs: int = 2, exam
 
 
 def test_hf_trainer_a_record_per_optimizer_step(tmp_path):
-    MemoryProfilerCallback = hf_callback()
-
     records = []
-
-    class Keep(MemoryProfilerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            super().on_step_end(args, state, control, **kwargs)
-            records.append(self.profiler.last_record)
-
-    callback = Keep(print_period=1, stream=io.StringIO(), strict=True)
+    callback = recording_hf_callback(records)
     model, trainer = train_hf(tmp_path, callback)
     # 16 examples, batches of 4, 2 micro-batches per step: 2 steps an epoch, 2 epochs.
     assert [(r.epoch, r.iteration) for r in records] == [(1, 1), (1, 2), (2, 1), (2, 2)]

@@ -14,6 +14,7 @@ from .test_integrations import (
     Regressor,
     TokenData,
     batches,
+    recording_hf_callback,
     storage_bytes,
     tiny_gpt2,
 )
@@ -59,16 +60,8 @@ def test_lightning_on_a_gpu():
 
 
 def test_hf_trainer_on_a_gpu(tmp_path):
-    from pytorch_mem_profiler.integrations.transformers import MemoryProfilerCallback
-
     records = []
-
-    class Keep(MemoryProfilerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            super().on_step_end(args, state, control, **kwargs)
-            records.append(self.profiler.last_record)
-
-    callback = Keep(print_period=1, stream=io.StringIO(), strict=True)
+    callback = recording_hf_callback(records)
     model = tiny_gpt2()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
