@@ -434,6 +434,24 @@ class _FrozenProjection(nn.Module):
         return self.proj(x) * self.scale
 
 
+def test_a_data_parallel_over_several_gpus_is_refused_naming_what_to_estimate():
+    """nn.DataParallel copies the module to each GPU at every forward, each copy given its share of
+    the batch: one fake step cannot stand for that. Over one device (or none) it calls the module."""
+    model = mlp()
+    parallel = nn.DataParallel(model)
+    if len(parallel.device_ids) < 2:
+        parallel.device_ids = [0, 1]  # as over two GPUs (what the refusal reads; nothing runs)
+    with pytest.raises(EstimateUnsupported, match=r"model\.module.*parallel='ddp', world_size=2") as refused:
+        estimate_memory(parallel, torch.zeros(8, 64), device="cuda", fit=False)
+    assert refused.value.operation == "nn.DataParallel"
+    if not torch.cuda.is_available():  # no GPU: DataParallel calls the module itself
+        alone = nn.DataParallel(mlp())
+        assert alone.device_ids == []
+        assert estimate_memory(alone, torch.zeros(8, 64), device="cpu", fit=False).peak == (
+            estimate_memory(mlp(), torch.zeros(8, 64), device="cpu", fit=False).peak
+        )
+
+
 def test_the_cublas_workspaces_are_the_threads_that_run_a_matmul():
     """cuBLAS takes a workspace in each thread at its first call: none for a step of convolutions
     alone (cuDNN), one where only the forward's thread runs a matmul, two where backward does too."""

@@ -185,7 +185,8 @@ def estimate_memory(
     Raises:
         EstimateUnsupported: the step uses an operation the fake mode cannot run
             (data-dependent shapes, ``.item()``, operators without a fake kernel); the
-            message names it.
+            message names it. Also for an ``nn.DataParallel`` over several GPUs (estimate the
+            module it wraps at each GPU's share of the batch, or ``parallel="ddp"``).
         ValueError, TypeError: a bad argument, named.
     """
     target = parse_device(device)
@@ -201,6 +202,18 @@ def estimate_memory(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not (isinstance(model, nn.Module) or callable(model)):
         raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
+    if isinstance(model, nn.DataParallel) and len(model.device_ids) > 1:
+        # It copies the module to each GPU at every forward and splits the batch between the copies:
+        # one fake step would put every copy on one device.
+        gpus = len(model.device_ids)
+        raise EstimateUnsupported(
+            f"model is an nn.DataParallel over {gpus} GPUs, which copies the module it wraps to each GPU at every "
+            f"forward and gives each copy its share of the batch: estimate that module (model.module) at the batch "
+            f"each GPU gets; GPU {model.device_ids[0]} holds more than that estimate (the gathered outputs, the loss, "
+            f"the gradients summed onto it). Or estimate the DistributedDataParallel run that replaces it "
+            f"(parallel='ddp', world_size={gpus}): PyTorch recommends DDP over DataParallel",
+            operation="nn.DataParallel",
+        )
     if not isinstance(measure_kernels, bool):
         raise TypeError(f"measure_kernels must be True or False, got {measure_kernels!r}")
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
