@@ -434,6 +434,23 @@ class _FrozenProjection(nn.Module):
         return self.proj(x) * self.scale
 
 
+@pytest.mark.parametrize("optimizer, moments", [(torch.optim.AdamW, 2), (torch.optim.Adagrad, 1)])
+def test_an_optimizers_step_counts_stay_in_host_memory_beside_cuda_parameters(optimizer, moments):
+    """Adam's, AdamW's and Adagrad's per-parameter step counts are CPU tensors beside CUDA
+    parameters (neither capturable nor fused): not the device's, where the step runs on fake CPU
+    tensors standing in for CUDA ones either (Adagrad makes its counts when built)."""
+    model = mlp()
+    params = list(model.parameters())
+    standing_in = estimate_memory(model, torch.zeros(8, 64), optimizer=optimizer, device="cuda", fit=False, emulate=True)
+    assert standing_in.optimizer_state == moments * sum(block_size(nbytes(p)) for p in params)
+    if torch.cuda.is_available():  # fake CUDA tensors: the optimizer puts its counts on the CPU itself
+        on_cuda = estimate_memory(model, torch.zeros(8, 64), optimizer=optimizer, device="cuda", fit=False)
+        assert on_cuda.optimizer_state == standing_in.optimizer_state
+    # on the CPU, the counts are on the device: a float32 each
+    on_cpu = estimate_memory(model, torch.zeros(8, 64), optimizer=optimizer, device="cpu", fit=False)
+    assert on_cpu.optimizer_state == moments * sum(nbytes(p) for p in params) + 4 * len(params)
+
+
 def test_a_data_parallel_over_several_gpus_is_refused_naming_what_to_estimate():
     """nn.DataParallel copies the module to each GPU at every forward, each copy given its share of
     the batch: one fake step cannot stand for that. Over one device (or none) it calls the module."""

@@ -43,7 +43,6 @@ KNOWN: dict[str, str] = {
     "tv_shufflenet_v2_x0_5": _SMALL_RESERVED.format(-23.91, 96.5, -18.85, 253.1),
     "timm_starnet_s1": _SMALL_RESERVED.format(-14.49, 144.7, 0.0, 33.3),
     "tv_regnet_y_400mf": _SMALL_RESERVED.format(-16.18, 142.6, 0.22, 36.2),
-    "mobilebert": "emulated peak +2.73% (+56 KB of 2.0 MB; fake CUDA +0.10%)",
 }
 
 #: At the edge of a goal (one run each, just past it): not to be read as fixed when they pass.

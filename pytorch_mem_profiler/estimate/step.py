@@ -58,7 +58,7 @@ from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFea
 from .allocator import StepEvents, block_size, simulate_reserved
 from .counter import COLLECTIVE_ROLE, Life, StorageLifeCounter
 from .cpu_kernels import CpuKernels
-from .emulation import cuda_rules
+from .emulation import HostScalars, cuda_rules
 from .build import build_model
 from .draws import user_line
 from .compiled import CompiledModules
@@ -574,8 +574,11 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
             model, set_up = plan.setup(model)
         params = list(model.parameters())
         dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params if p.is_floating_point()}))
-        # a model with nothing to train has no optimizer step
-        optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
+        # an optimizer's counts made with no device stay in host memory beside CUDA parameters
+        host = HostScalars(counter.paused) if target.type == "cuda" and run_device.type == "cpu" else None
+        with host if host is not None else contextlib.nullcontext():
+            # a model with nothing to train has no optimizer step
+            optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
         if optimizer is not None and _step_needs_closure(optimizer):
             name = type(optimizer).__name__
             raise EstimateUnsupported(
@@ -596,7 +599,8 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
             # state an optimizer makes when it is built (Adagrad's sums), after the weights, as a user's
             # script makes it: counted from the start, as the step's own state is from its first step
             if optimizer is not None:
-                counter.adopt(list(optimizer_state_tensors([optimizer])), role="optimizer_state")
+                made = [t for t in optimizer_state_tensors([optimizer]) if host is None or not host.holds(t)]
+                counter.adopt(made, role="optimizer_state")
             # what the user fixed in the inputs (a mask of ones) keeps its values: libraries read them
             inputs = fake_inputs(plan.example_inputs, batch_size, run_device, mode)
             targets = fake_inputs(plan.targets, batch_size, run_device, mode) if plan.targets is not None else None
@@ -641,7 +645,8 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
                             counter.enter_phase("other")
                             torch.nn.utils.clip_grad_norm_(params, plan.max_grad_norm)
                         counter.enter_phase("optimizer")
-                        with mode.draws.stand_ins_in_step():  # a number scaling an update (Adafactor)
+                        # a number scaling an update (Adafactor); the counts made in host memory
+                        with mode.draws.stand_ins_in_step(), host if host is not None else contextlib.nullcontext():
                             optimizer.step()
                         optimizer_state = _give_role(counter, list(optimizer_state_tensors([optimizer])), "optimizer_state")
                         counter.enter_phase("other")
