@@ -16,7 +16,7 @@ from torch import nn
 
 from pytorch_mem_profiler import MemoryProfiler
 
-from .helpers import nbytes
+from .helpers import SavedBytes, nbytes
 from .test_integrations import TokenData, recording_hf_callback, storage_bytes, tiny_gpt2
 
 pytestmark = [
@@ -33,7 +33,7 @@ class KeepsTrack(nn.Module):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
         self.watch = watch
-        self.kept: dict[int, dict[int, int]] = {}
+        self.kept: dict[int, SavedBytes] = {}
         self.out_bytes: dict[int, int] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,17 +41,9 @@ class KeepsTrack(nn.Module):
             out = self.net(x)
         else:
             # the weights: the model's, or the replica's copies (on GPU 0 the same storages)
-            copies = [t for m in self.modules() for t in getattr(m, "_former_parameters", {}).values()]
-            weights = {t.untyped_storage().data_ptr() for t in [*copies, *self.parameters()]}
-            skip = weights | {x.untyped_storage().data_ptr()}
-            kept = self.kept.setdefault(x.device.index, {})
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                if t.untyped_storage().data_ptr() not in skip:
-                    kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            copies = tuple(t for m in self.modules() for t in getattr(m, "_former_parameters", {}).values())
+            kept = self.kept[x.device.index] = SavedBytes(self, (*copies, x))
+            with kept.hooks():
                 out = self.net(x)
         self.out_bytes[x.device.index] = nbytes(out)
         return out
@@ -80,7 +72,7 @@ def train(profiled: bool, by_layer: bool = False, watch: bool = True) -> tuple[l
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-            kept.append(sum(model.kept.get(0, {}).values()))
+            kept.append(model.kept[0].total if 0 in model.kept else 0)
             if profiler is not None:
                 records.append(profiler.record_stats())
     return losses, records, kept, model

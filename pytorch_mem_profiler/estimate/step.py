@@ -576,7 +576,8 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
         dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params if p.is_floating_point()}))
         # an optimizer's counts made with no device stay in host memory beside CUDA parameters
         host = HostScalars(counter.paused) if target.type == "cuda" and run_device.type == "cpu" else None
-        with host if host is not None else contextlib.nullcontext():
+        hosting = host if host is not None else contextlib.nullcontext()  # entered at construction and each step
+        with hosting:
             # a model with nothing to train has no optimizer step
             optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
         if optimizer is not None and _step_needs_closure(optimizer):
@@ -646,7 +647,7 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
                             torch.nn.utils.clip_grad_norm_(params, plan.max_grad_norm)
                         counter.enter_phase("optimizer")
                         # a number scaling an update (Adafactor); the counts made in host memory
-                        with mode.draws.stand_ins_in_step(), host if host is not None else contextlib.nullcontext():
+                        with mode.draws.stand_ins_in_step(), hosting:
                             optimizer.step()
                         optimizer_state = _give_role(counter, list(optimizer_state_tensors([optimizer])), "optimizer_state")
                         counter.enter_phase("other")
