@@ -23,7 +23,8 @@ Per zoo model (``benchmarks/zoo``), at its real size and batch:
   reserved (the allocator replay) against the measured reserved;
 - largest batch: under ``torch.cuda.set_per_process_memory_fraction`` (a "card" of twice
   the measured reserved, at least 1 GiB), ``max_batch_size(limit, margin=0, outside=0)`` is
-  run for real and must fit; 1.1 times it must run out of memory.
+  run for real and must fit; 1.1 times it must run out of memory. Each run is a user's: a fresh
+  process that builds the model and trains two steps at that batch (:func:`runs_within`).
 
 A model that fails records its error in its row and the run goes on. Goals (issue #26): peak
 allocated within 2% by both estimates, reserved within 5%, the largest batch fits and 1.1x of
@@ -40,6 +41,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +59,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from benchutil import environment_line, markdown_table  # noqa: E402
 from publish_overhead import replace_block  # noqa: E402
 
-from benchmarks.zoo import ZOO, SavedStorages, Training, ZooModel, storage_bytes  # noqa: E402
+from benchmarks.zoo import ZOO, SavedStorages, Training, ZooModel, registries, storage_bytes  # noqa: E402
 
 GOAL_PEAK, GOAL_RESERVED = 2.0, 5.0  # percent
 #: The profiler's iteration peak against another, unprofiled step's ``max_memory_allocated()``
@@ -117,16 +119,37 @@ def measure_step(entry: ZooModel, batch: int, device: torch.device) -> dict[str,
 
 
 def runs_within(entry: ZooModel, batch: int, device: torch.device, fraction: float) -> tuple[bool, int | None]:
-    """Whether two steps at ``batch`` run under the allocator limit ``fraction``; their peak reserved."""
+    """Whether a user's training run at ``batch`` fits under the allocator limit ``fraction``: a fresh
+    process builds the model and runs its first two steps at ``batch`` (no warm-up at another batch),
+    as the estimate's replay has it; the run's peak reserved, or ``(False, None)`` out of memory.
+
+    In this process, the libraries' buffers earlier models and warm-up steps left (cuDNN's dropout
+    state, a process-wide cache ATen never gives back; cuBLAS's handles) lie in segments laid out
+    otherwise than a fresh process makes them, which moves where a step at the edge runs out.
+    """
+    registry = next(name for name, models in registries().items() if models.get(entry.name) is entry)
+    command = [sys.executable, str(Path(__file__).resolve()), "--registry", registry, "--run-at", entry.name,
+               "--batch", str(batch), "--fraction", repr(fraction), "--device-index", str(device.index or 0)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the run at batch {batch} failed (exit {done.returncode}): {done.stderr.strip()[-600:]}")
+    result = json.loads(lines[-1])
+    return bool(result["fits"]), result["reserved"]
+
+
+def run_at(entry: ZooModel, batch: int, device: torch.device, fraction: float) -> dict[str, Any]:
+    """In this process, as its first CUDA work: two steps at ``batch`` under ``fraction`` (see :func:`runs_within`)."""
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     try:
-        return True, measure_step(entry, batch, device)["reserved"]
+        run = Training(entry, "real", device, batch)
+        for _ in range(2):
+            run.step()
+        torch.cuda.synchronize(device)
+        return {"fits": True, "reserved": torch.cuda.max_memory_reserved(device)}
     except torch.cuda.OutOfMemoryError:
-        fresh(device)
-        return False, None
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
-        fresh(device)
+        return {"fits": False, "reserved": None}
 
 
 #: The step the profiler's record is taken at (1-based): two warm-up steps, an unprofiled third,
@@ -450,13 +473,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--quick", action="store_true", help="no largest-batch runs and no batch fit: about half the time")
     parser.add_argument("--publish", type=Path, nargs="+", help="render these zoo_conformance.json files (one per GPU of a split run) into docs/benchmarks.md and exit")
     parser.add_argument("--time-limit", type=float, default=None, help="start no model after this many seconds (results so far are kept)")
+    parser.add_argument("--run-at", metavar="MODEL", help=argparse.SUPPRESS)  # one largest-batch run, in a fresh process (runs_within)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--fraction", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--device-index", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.run_at:
+        device = torch.device("cuda", args.device_index)
+        print(json.dumps(run_at(registries()[args.registry][args.run_at], args.batch, device, args.fraction)), flush=True)
+        return None
     if args.publish:
         publish(args.publish)
         print(f"updated {DOCS} from {', '.join(map(str, args.publish))}", file=sys.stderr)
         return None
-    from benchmarks.zoo import registries
-
     models = registries()[args.registry]
     names = args.only.split(",") if args.only else list(models)
     unknown = [n for n in names if n not in models]

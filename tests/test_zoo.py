@@ -150,3 +150,38 @@ def test_the_conformance_run_takes_any_registry_and_names_a_model_it_lacks(regis
         with pytest.raises(SystemExit):
             zoo_conformance.main(["--registry", registry, "--only", known])
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_largest_batch_runs_in_a_fresh_process_of_the_models_registry(monkeypatch):
+    """Each largest-batch run is a user's: a new process builds the model and trains at that batch
+    (the GPU runs it; here the command it is given and how its answer is read)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import json
+    import subprocess
+
+    import zoo_conformance
+    from benchmarks.zoo.sweep import SWEEP
+
+    calls = []
+
+    def fake_run(command, **kwargs):
+        calls.append(command)
+        fits = "--batch" in command and command[command.index("--batch") + 1] == "7"
+        answer = {"fits": fits, "reserved": 123_456 if fits else None}
+        return subprocess.CompletedProcess(command, 0, stdout=f"a warning\n{json.dumps(answer)}\n", stderr="")
+
+    monkeypatch.setattr(zoo_conformance.subprocess, "run", fake_run)
+    entry = SWEEP[next(iter(SWEEP))]
+    device = torch.device("cuda", 1)
+    assert zoo_conformance.runs_within(entry, 7, device, 0.25) == (True, 123_456)
+    assert zoo_conformance.runs_within(entry, 8, device, 0.25) == (False, None)
+    command = calls[0]
+    option = {command[i]: command[i + 1] for i in range(2, len(command) - 1) if command[i].startswith("--")}
+    assert option == {"--registry": "sweep", "--run-at": entry.name, "--batch": "7", "--fraction": "0.25", "--device-index": "1"}
+
+    def failing(command, **kwargs):
+        return subprocess.CompletedProcess(command, 1, stdout="", stderr="RuntimeError: no GPU")
+
+    monkeypatch.setattr(zoo_conformance.subprocess, "run", failing)
+    with pytest.raises(RuntimeError, match="the run at batch 7 failed .*no GPU"):
+        zoo_conformance.runs_within(entry, 7, device, 0.25)
