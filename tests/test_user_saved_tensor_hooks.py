@@ -222,3 +222,105 @@ def test_a_saved_tensor_modified_in_place_still_raises(by_layer):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
         profiler.record_stats()
+
+
+class OwnHooksBlock(nn.Module):
+    """A block whose forward runs its layers under a pair of saved-tensor hooks of its own (as a
+    model that offloads or compresses its blocks' activations does)."""
+
+    def __init__(self, user: HalfPrecisionActivations, fail: bool = False) -> None:
+        super().__init__()
+        self.user = user
+        self.fail = fail
+        self.inner = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.user.hooks():
+            y = self.inner(x)
+            if self.fail:
+                raise ValueError("the model's own error")
+            return y
+
+
+def model_with_own_hooks(user: HalfPrecisionActivations, fail: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), OwnHooksBlock(user, fail), nn.Linear(64, 10))
+
+
+def _kept_by_module(user: HalfPrecisionActivations, model: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """What the model's own pack hook kept, by the innermost module that saved it (a pack hook of
+    the test's, run beside the model's by wrapping it: the independent count)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    stack: list[str] = [""]
+    kept: dict[str, int] = {}
+    pack = user.pack
+
+    def counting_pack(t):
+        packed = pack(t)
+        kept[stack[-1]] = kept.get(stack[-1], 0) + packed[1].untyped_storage().nbytes()
+        return packed
+
+    def enter(module, args):
+        stack.append(names[id(module)])
+
+    def leave(module, args, output):
+        stack.pop()
+
+    handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
+    handles += [m.register_forward_hook(leave) for m in model.modules()]
+    user.pack = counting_pack
+    try:
+        model(x).sum().backward()
+    finally:
+        user.pack = pack
+        for h in handles:
+            h.remove()
+    return kept
+
+
+@needs_saved_tensor_watch
+def test_a_pair_the_model_pushes_inside_its_forward_is_watched_by_layer():
+    """Without the watch over it, the block's layers' tensors went to what no module saved
+    (22,528 of 31,360 bytes here) and the peak's make-up counted them as other memory."""
+    x = torch.randn(16, 32)
+    counted = HalfPrecisionActivations()
+    truth = _kept_by_module(counted, model_with_own_hooks(counted), x)
+    assert set(truth) == {"2.inner.0", "2.inner.1", "2.inner.2"}
+
+    plain_user = HalfPrecisionActivations()
+    plain = model_with_own_hooks(plain_user)
+    plain(x).sum().backward()
+
+    user = HalfPrecisionActivations()
+    model = model_with_own_hooks(user)
+    with MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, by_layer=True, overhead=None) as profiler:
+        out = model(x)
+        assert saved_tensors.top_saved_tensors_hooks() is None  # the block's pair and the watch over it are gone
+        out.sum().backward()
+        record = profiler.record_stats()
+    assert saved_tensors.top_saved_tensors_hooks() is None
+    assert (user.packs, user.unpacks) == (plain_user.packs, plain_user.unpacks) == (5, 5)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    by_module = {m: n for (m, _), n in record.layers.by_module.items()}
+    for name, nbytes in truth.items():
+        assert by_module[name] == nbytes
+    assert sum(by_module[name] for name in truth) == sum(user.kept.values())
+    # the first Linear keeps the input, Tanh its output (outside the block's pair, in float32)
+    assert by_module["(input)"] == 16 * 32 * 4 and by_module["1"] == 16 * 64 * 4
+    assert record.layers.unattributed == 16 * 10 * 4  # the output alone
+    assert record.layers.total + record.layers.unattributed == record.feature_maps
+
+
+@needs_saved_tensor_watch
+def test_an_error_inside_the_models_own_pair_leaves_the_stack_as_it_was():
+    user = HalfPrecisionActivations()
+    model = model_with_own_hooks(user, fail=True)
+    with MemoryProfiler(model, 1, stream=io.StringIO(), strict=True, by_layer=True, overhead=None) as profiler:
+        with pytest.raises(ValueError, match="the model's own error"):
+            model(torch.randn(4, 32))
+        assert saved_tensors.top_saved_tensors_hooks() is None
+        model[2].fail = False
+        model(torch.randn(4, 32)).sum().backward()
+        profiler.record_stats()
+    assert saved_tensors.top_saved_tensors_hooks() is None
+    assert not saved_tensors._PUSHED and not saved_tensors._OWN_PACKS

@@ -23,7 +23,12 @@ below still work.
   ``weight copies``, under the module that saved them;
 - a module called several times in one forward is summed, with a call count;
 - checkpointed blocks (``torch.utils.checkpoint``) save nothing through these
-  hooks: what they keep (their inputs) shows in what no module saved.
+  hooks: what they keep (their inputs) shows in what no module saved;
+- a pair of saved-tensor hooks the model pushes inside its forward (a block that
+  runs its layers under ``save_on_cpu()``) is watched over from the next module
+  whose forward begins under it (:func:`.saved_tensors.watch_over_inner_hooks`):
+  its layers' tensors count as that pair keeps them. What a module saves in its
+  own forward under a pair pushed there (no module call between) is not seen.
 
 The same module hooks tell the phase machine (``on_exit``, ``on_backward_enter``)
 where a few modules (those at the depth where there are at most
@@ -67,7 +72,7 @@ from ..faults import FaultGuard
 from ..stats import ACTIVATIONS, INPUT, WEIGHT_COPIES, LayerFeatureMaps
 from .accounting import PLAIN_TENSORS, storage_parts
 from .observers import Observer
-from .saved_tensors import ChainedSavedTensorsHooks, can_chain
+from .saved_tensors import ChainedSavedTensorsHooks, InnerWatch, can_chain, watch_over_inner_hooks
 from .trees import is_compiled, output_grad_nodes, tensors_in
 
 __all__ = [
@@ -162,6 +167,8 @@ class LayerAttribution(Observer):
         self._handles: list = []
         self._saved: ChainedSavedTensorsHooks | None = None
         self._stack: list[tuple[int, str]] = []
+        # pairs pushed over the model's own inner saved-tensor hooks, with the module they began at
+        self._inner: list[tuple[int, InnerWatch]] = []
         # the forward's thread: the module hooks are global, and another thread's modules (a
         # DataParallel replica on another GPU) run meanwhile
         self._thread: int | None = None
@@ -260,6 +267,8 @@ class LayerAttribution(Observer):
 
     def close(self) -> None:
         """Remove the hooks, if installed; safe to call at any time (and again after it raised)."""
+        while self._inner:
+            self._inner.pop()[1].pop()
         saved = self._saved
         if saved is not None:
             saved.pop()
@@ -351,6 +360,10 @@ class LayerAttribution(Observer):
             else:
                 self._current.calls[name] = self._current.calls.get(name, 0) + 1
             self._stack.append((key, name))
+            if self._saved is not None:
+                inner = watch_over_inner_hooks()  # None unless the model pushed a pair of its own
+                if inner is not None:
+                    self._inner.append((key, inner))
         except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
             self.guard.fault(ATTRIBUTION_PART, exc)
 
@@ -359,6 +372,9 @@ class LayerAttribution(Observer):
             if ATTRIBUTION_PART in self.guard.disabled or get_ident() != self._thread:
                 return
             key = id(module)
+            if self._inner and self._inner[-1][0] == key:
+                if not self._inner.pop()[1].pop():
+                    raise RuntimeError(f"the saved-tensor hooks pushed in {self._names.get(key, '?')}'s forward were not popped there")
             stack = self._stack
             if key == self._root or len(stack) <= 1 or stack[-1][0] != key:
                 return

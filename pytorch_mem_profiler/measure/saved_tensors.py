@@ -16,6 +16,14 @@ Torch tells which pair is on top from 2.8 on
 tell: there the watcher must not push anything, and :func:`can_chain` is False.
 This module is the one place that knows the difference.
 
+A model may push a pair of its own *inside* its forward (a block whose forward
+runs its layers under ``save_on_cpu()`` or a compressing pair). That pair is then
+above the watchers, and only it runs: what the block's layers save would go
+unseen. :func:`watch_over_inner_hooks`, called as each module's forward begins,
+pushes one pair over such a pair (chained to it, as :meth:`ChainedSavedTensorsHooks.push`
+chains) whose pack lets every watcher of the thread observe what that pair keeps;
+:meth:`InnerWatch.pop` takes it off where the module's forward ends.
+
 Example::
 
     >>> import torch
@@ -35,17 +43,31 @@ Example::
 from __future__ import annotations
 
 import logging
+from threading import get_ident
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["ChainedSavedTensorsHooks", "can_chain", "kept_without_node", "top_saved_tensors_hooks"]
+__all__ = [
+    "ChainedSavedTensorsHooks",
+    "InnerWatch",
+    "can_chain",
+    "kept_without_node",
+    "top_saved_tensors_hooks",
+    "watch_over_inner_hooks",
+]
 
 _log = logging.getLogger("pytorch_mem_profiler")
 
 # torch >= 2.8: the pair on top of the thread's saved-tensor hooks stack, or None.
 # Its argument (True) asks for the real top even while a compiler is tracing.
 _TOP = getattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
+
+#: The pack hooks of the pairs the watchers pushed and have not popped, by ``id`` (any thread).
+_OWN_PACKS: dict[int, Callable[[torch.Tensor], Any]] = {}
+#: The watchers pushed and not popped, by thread: those a pair pushed over a model's own
+#: inner pair lets observe (:func:`watch_over_inner_hooks`).
+_PUSHED: dict[int, list["ChainedSavedTensorsHooks"]] = {}
 
 
 def can_chain() -> bool:
@@ -143,6 +165,7 @@ class ChainedSavedTensorsHooks:
         self.observe = observe
         self.on_fault = on_fault
         self._context: Any = None
+        self._thread = 0
 
     def push(self) -> bool:
         """Start watching; False (nothing pushed) where torch cannot tell what is on top."""
@@ -162,12 +185,21 @@ class ChainedSavedTensorsHooks:
         context = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         context.__enter__()
         self._context = context
+        _OWN_PACKS[id(pack)] = pack
+        self._thread = get_ident()
+        _PUSHED.setdefault(self._thread, []).append(self)
         return True
 
     def pop(self) -> None:
         """Stop watching (pop what :meth:`push` pushed); safe when nothing was pushed."""
         context, self._context = self._context, None
         if context is not None:
+            _OWN_PACKS.pop(id(context.pack_hook), None)
+            pushed = _PUSHED.get(self._thread, [])
+            if self in pushed:
+                pushed.remove(self)
+            if not pushed:
+                _PUSHED.pop(self._thread, None)
             context.__exit__(None, None, None)
 
     @property
@@ -225,3 +257,66 @@ class ChainedSavedTensorsHooks:
     def _fault(self, exc: BaseException) -> None:
         if self.on_fault is not None:
             self.on_fault(exc)  # a guard re-raises only when strict (tests)
+
+
+class InnerWatch:
+    """A pair pushed over a pair the model pushed inside its forward (:func:`watch_over_inner_hooks`):
+    its pack runs the model's pack once and lets each watcher observe what it kept."""
+
+    def __init__(self, watchers: list[ChainedSavedTensorsHooks], below: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]) -> None:
+        self._watchers = tuple(watchers)
+        user_pack, user_unpack = below
+
+        def pack(tensor: torch.Tensor) -> Any:
+            packed = user_pack(tensor)  # the model's hook, exactly once; its errors are its own
+            for watcher in self._watchers:
+                watcher._observe(packed)  # each contains its own faults
+            return packed
+
+        self._context: Any = torch.autograd.graph.saved_tensors_hooks(pack, user_unpack)
+        self._context.__enter__()
+        _OWN_PACKS[id(pack)] = pack
+
+    def pop(self) -> bool:
+        """Take the pair off where the module whose forward began under it ends; False (nothing
+        popped) where another pair is on top: the stack is the model's to unwind then."""
+        context, self._context = self._context, None
+        if context is None:
+            return True
+        _OWN_PACKS.pop(id(context.pack_hook), None)
+        top = _TOP(True) if _TOP is not None else None
+        if top is None or top[0] is not context.pack_hook:
+            return False
+        context.__exit__(None, None, None)
+        return True
+
+
+def watch_over_inner_hooks() -> InnerWatch | None:
+    """Where the pair on top of this thread's stack is not a watcher's but the watchers of this
+    thread are pushed below it (a model's forward pushed it), push an :class:`InnerWatch` over it;
+    else ``None`` (nothing pushed). Call as a module's forward begins, :meth:`InnerWatch.pop` as it ends.
+
+    Example::
+
+        >>> import torch
+        >>> seen = []
+        >>> outer = ChainedSavedTensorsHooks(seen.append)
+        >>> pushed = outer.push()
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> with torch.autograd.graph.saved_tensors_hooks(lambda t: t.half(), lambda p: p.float()):  # the model's
+        ...     inner = watch_over_inner_hooks()
+        ...     y = x.exp()                                 # saved through the model's pair, watched
+        ...     popped = inner is None or inner.pop()
+        >>> outer.pop()
+        >>> [t.dtype for t in seen] == ([torch.float16] if pushed else [])
+        True
+    """
+    if _TOP is None:
+        return None
+    watchers = _PUSHED.get(get_ident())
+    if not watchers:
+        return None
+    top = _TOP(True)
+    if top is None or id(top[0]) in _OWN_PACKS:
+        return None
+    return InnerWatch(watchers, (top[0], top[1]))
