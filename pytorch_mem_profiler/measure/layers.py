@@ -166,9 +166,9 @@ class LayerAttribution(Observer):
         self.refresh()
         self._handles: list = []
         self._saved: ChainedSavedTensorsHooks | None = None
-        self._stack: list[tuple[int, str]] = []
-        # pairs pushed over the model's own inner saved-tensor hooks, with the module they began at
-        self._inner: list[tuple[int, InnerWatch]] = []
+        # the modules running: (id, name), and where one began under the model's own saved-tensor
+        # hooks, the pair pushed over them (id, name, InnerWatch), taken off where it ends
+        self._stack: list[tuple[Any, ...]] = []
         # the forward's thread: the module hooks are global, and another thread's modules (a
         # DataParallel replica on another GPU) run meanwhile
         self._thread: int | None = None
@@ -267,8 +267,10 @@ class LayerAttribution(Observer):
 
     def close(self) -> None:
         """Remove the hooks, if installed; safe to call at any time (and again after it raised)."""
-        while self._inner:
-            self._inner.pop()[1].pop()
+        for entry in reversed(self._stack):
+            if len(entry) == 3:
+                entry[2].pop()
+        self._stack = [entry[:2] for entry in self._stack]
         saved = self._saved
         if saved is not None:
             saved.pop()
@@ -359,11 +361,9 @@ class LayerAttribution(Observer):
                 name = self._stack[-1][1]
             else:
                 self._current.calls[name] = self._current.calls.get(name, 0) + 1
-            self._stack.append((key, name))
-            if self._saved is not None:
-                inner = watch_over_inner_hooks()  # None unless the model pushed a pair of its own
-                if inner is not None:
-                    self._inner.append((key, inner))
+            # None unless the model pushed a pair of its own
+            inner = watch_over_inner_hooks() if self._saved is not None else None
+            self._stack.append((key, name) if inner is None else (key, name, inner))
         except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
             self.guard.fault(ATTRIBUTION_PART, exc)
 
@@ -372,10 +372,12 @@ class LayerAttribution(Observer):
             if ATTRIBUTION_PART in self.guard.disabled or get_ident() != self._thread:
                 return
             key = id(module)
-            if self._inner and self._inner[-1][0] == key:
-                if not self._inner.pop()[1].pop():
-                    raise RuntimeError(f"the saved-tensor hooks pushed in {self._names.get(key, '?')}'s forward were not popped there")
             stack = self._stack
+            if stack and len(stack[-1]) == 3 and stack[-1][0] == key:
+                inner: InnerWatch = stack[-1][2]
+                stack[-1] = stack[-1][:2]
+                if not inner.pop():
+                    raise RuntimeError(f"the saved-tensor hooks pushed in {self._names.get(key, '?')}'s forward were not popped there")
             if key == self._root or len(stack) <= 1 or stack[-1][0] != key:
                 return
             _, name = stack.pop()
