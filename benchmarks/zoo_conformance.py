@@ -94,6 +94,14 @@ def forget_cublas_workspaces() -> None:
         clear()
 
 
+def train_two_steps(entry: ZooModel, batch: int, device: torch.device) -> None:
+    """A freshly built model's first two training steps at ``batch``, finished on the device."""
+    run = Training(entry, "real", device, batch)
+    for _ in range(2):
+        run.step()
+    torch.cuda.synchronize(device)
+
+
 def measure_step(entry: ZooModel, batch: int, device: torch.device) -> dict[str, int]:
     """Peak allocated over the first two steps above the persistent base, peak reserved, the base
     (as in a fresh process: the workspaces earlier steps left are given back first)."""
@@ -104,16 +112,12 @@ def measure_step(entry: ZooModel, batch: int, device: torch.device) -> dict[str,
     del warm
     fresh(device)
     base = torch.cuda.memory_allocated(device)
-    run = Training(entry, "real", device, batch)
-    for _ in range(2):
-        run.step()
-    torch.cuda.synchronize(device)
+    train_two_steps(entry, batch, device)
     result = {
         "allocated": torch.cuda.max_memory_allocated(device) - base,
         "reserved": torch.cuda.max_memory_reserved(device),
         "base": base,
     }
-    del run
     fresh(device)
     return result
 
@@ -143,10 +147,7 @@ def run_at(entry: ZooModel, batch: int, device: torch.device, fraction: float) -
     """In this process, as its first CUDA work: two steps at ``batch`` under ``fraction`` (see :func:`runs_within`)."""
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     try:
-        run = Training(entry, "real", device, batch)
-        for _ in range(2):
-            run.step()
-        torch.cuda.synchronize(device)
+        train_two_steps(entry, batch, device)
         return {"fits": True, "reserved": torch.cuda.max_memory_reserved(device)}
     except torch.cuda.OutOfMemoryError:
         return {"fits": False, "reserved": None}
