@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -120,31 +123,45 @@ def test_a_transformer_block_stack_estimate_is_within_three_percent(autocast):
     assert abs(estimate.peak - measured) <= 0.03 * measured, detail
 
 
+#: The models run on a small card, by name (a fresh process builds one: :func:`_run_at`): the
+#: builder and the input at a batch, trained with Adam.
+SMALL_CARD_MODELS = {
+    "feed_forward_stack": (lambda: FeedForwardStack(512, 4), lambda b: torch.randn(b, 256, 512, device=CUDA)),
+    # Adam's step holds the peak at small batches, backward at large ones
+    "peak_moving_mlp": (
+        lambda: nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10)),
+        lambda b: torch.randn(b, 256, device=CUDA),
+    ),
+}
+
+
 def test_the_predicted_largest_batch_fits_a_small_card_and_ten_percent_more_does_not():
-    build = lambda: FeedForwardStack(512, 4)  # noqa: E731
+    build, _ = SMALL_CARD_MODELS["feed_forward_stack"]
     estimate = estimate_memory(build(), torch.zeros(4, 256, 512), device="cuda")
     total = torch.cuda.get_device_properties(CUDA).total_memory
     fraction = (1 << 30) / total  # a 1 GiB card, as far as the allocator is concerned
     limit = int(fraction * total)  # the bytes the allocator allows, computed as it computes them
     predicted = estimate.max_batch_size(limit, margin=0, outside=0)
     assert predicted > 4
-    assert _runs_on_a_small_card(build, lambda b: torch.randn(b, 256, 512, device=CUDA), torch.optim.Adam, predicted, fraction, limit)
+    assert _runs_on_a_small_card("feed_forward_stack", predicted, fraction, limit)
 
 
-def _runs_on_a_small_card(build, make_input, optimizer, predicted: int, fraction: float, limit: int) -> bool:
-    """The predicted batch runs under the allocator's limit, and one 10% larger does not (or comes within 5% of it)."""
+def _runs_on_a_small_card(name: str, predicted: int, fraction: float, limit: int) -> bool:
+    """The predicted batch runs under the allocator's limit, and one 10% larger does not (or comes within 5% of it).
+
+    Each run is a fresh process's, as a user's run is: in this one, what earlier tests left (cuBLAS's
+    workspaces of other threads and streams, cuDNN's state, a tensor a test keeps) would lie under
+    the same limit, which the estimate of a training step does not count."""
 
     def run(batch: int) -> int | None:
-        torch.cuda.set_per_process_memory_fraction(fraction)
-        phases: dict[str, int] = {}
-        try:
-            step_peak(build, lambda b: make_input(b or batch), optimizer, phases=phases)
-            return phases[RESERVED]
-        except torch.cuda.OutOfMemoryError:
-            return None
-        finally:
-            torch.cuda.set_per_process_memory_fraction(1.0)
-            _fresh()
+        root = Path(__file__).resolve().parents[1]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+        command = [sys.executable, str(Path(__file__).resolve()), name, str(batch), repr(fraction)]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            raise RuntimeError(f"the run at batch {batch} failed (exit {done.returncode}): {done.stderr.strip()[-600:]}")
+        return json.loads(lines[-1])["reserved"]
 
     assert run(predicted) is not None, predicted
     larger = run(math.ceil(predicted * 1.1))
@@ -152,17 +169,28 @@ def _runs_on_a_small_card(build, make_input, optimizer, predicted: int, fraction
     return True
 
 
+def _run_at(name: str, batch: int, fraction: float) -> dict[str, int | None]:
+    """Two training steps of ``SMALL_CARD_MODELS[name]`` at ``batch`` under the allocator limit
+    ``fraction``, in this process: the most bytes reserved, ``None`` out of memory."""
+    build, make_input = SMALL_CARD_MODELS[name]
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    phases: dict[str, int] = {}
+    try:
+        step_peak(build, lambda b: make_input(b or batch), torch.optim.Adam, phases=phases)
+        return {"reserved": phases[RESERVED]}
+    except torch.cuda.OutOfMemoryError:
+        return {"reserved": None}
+
+
 def test_the_largest_batch_is_verified_where_the_peak_moves_to_another_moment():
-    # Adam's step holds the peak at small batches, backward at large ones: the replay's search finds it
-    build = lambda: nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))  # noqa: E731
+    build, _ = SMALL_CARD_MODELS["peak_moving_mlp"]
     estimate = estimate_memory(build, torch.zeros(8, 256), device="cuda")
     total = torch.cuda.get_device_properties(CUDA).total_memory
     fraction = (512 << 20) / total
     limit = int(fraction * total)
     search = estimate.batch_search(limit, margin=0, outside=0)
     assert search.largest > 100 and search.tried
-    make = lambda b: torch.randn(b, 256, device=CUDA)  # noqa: E731
-    assert _runs_on_a_small_card(build, make, torch.optim.Adam, search.largest, fraction, limit)
+    assert _runs_on_a_small_card("peak_moving_mlp", search.largest, fraction, limit)
 
 
 @pytest.mark.parametrize("rows, cols", [(512, 3072), (1024, 256), (2048, 64), (2048, 2048), (8192, 1024), (65536, 3072)])
@@ -180,3 +208,7 @@ def test_the_column_reduction_rule_gives_this_gpus_scratch(rows, cols, dtype):
     del out, x
     predicted = sum(kernel_scratch(CUDA)(torch.ops.aten.sum.dim_IntList, (torch.empty(rows, cols, device="meta", dtype=dtype), [0]), {}))
     assert predicted == measured
+
+
+if __name__ == "__main__":  # one run of :func:`_runs_on_a_small_card`: model name, batch, fraction
+    print(json.dumps(_run_at(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))))
