@@ -35,6 +35,7 @@ import os
 import sys
 import weakref
 from collections import deque
+from pathlib import Path
 from typing import IO, Any, ContextManager, Iterable
 
 import torch
@@ -51,6 +52,10 @@ from .outputs.sinks import CsvSink, HeadroomSink, LayerCsvSink, LeakSink, Report
 from .stats import IterationRecord
 
 __all__ = ["MemoryProfiler", "memory_profiler"]
+
+
+#: :attr:`MemoryProfiler._state`: measuring; switched off by a fault (the outputs stay); closed.
+MEASURING, STOPPED, CLOSED = "measuring", "stopped", "closed"
 
 
 class MemoryProfiler:
@@ -196,15 +201,8 @@ class MemoryProfiler:
                 "materialize them first, e.g. model.to_empty(device='cuda')"
             )
         self.model = model
-        self.print_period = options.print_period
-        self.csv = options.csv
-        self.units = options.units
-        self.strict = options.strict
-        self.by_layer = options.by_layer
         #: this process's rank under torch.distributed; ``None`` in a single process
         self.rank_info = rank_info()
-        #: what this rank's file names end with: ``_rank<r>_<host>`` (empty in a single process)
-        self.file_tag = self.rank_info.file_tag if self.rank_info is not None else ""
         self._guard = FaultGuard(options.strict)
         self._meter = Meter(
             model,
@@ -225,10 +223,6 @@ class MemoryProfiler:
         self._record_outputs = [
             (f"output: {sink.name}", sink.on_record) for sink in self._sinks if type(sink).on_record is not Sink.on_record
         ]
-        csv_sink = self._sink(CsvSink)
-        layers_sink = self._sink(LayerCsvSink)
-        self.csv_path = csv_sink.path if csv_sink is not None else None
-        self.layers_csv_path = layers_sink.path if layers_sink is not None else None
 
         self.epoch = 1
         self.iteration = 0
@@ -238,14 +232,12 @@ class MemoryProfiler:
         #: The first reported record, kept so the latest can be compared with it.
         self.first_record: IterationRecord | None = None
         self.last_record: IterationRecord | None = None
-        #: the latest cross-rank summary (every rank has it after :meth:`epoch_end`)
-        self.cross_rank_summary: CrossRankSummary | None = None
         self._ranks = CrossRankExchange(self.rank_info) if self.rank_info is not None else None
-        self._closed = False
         # the misuses warned about already (each once per profiler)
         self._warned: set[str] = set()
-        # False once record_stats() is switched off by a fault: nothing is measured from then on
-        self._measuring = True
+        # MEASURING; STOPPED once a fault switched record_stats() off (nothing is measured from then
+        # on, the outputs stay); CLOSED after close()
+        self._state = MEASURING
         self.oom_postmortem = None
         if options.oom_dir is not None:
             from .tools.oom import OomPostmortem  # its folder is made (and checked) now
@@ -278,8 +270,6 @@ class MemoryProfiler:
             mode=options.report,
             log=options.log,
         )
-        # The lowest printing rank prints the cross-rank table.
-        self._prints_table = report.prints and rank == min(printing or {0})
         sinks: list[Sink] = [report]
         if options.tensorboard is not None:
             sinks.append(TensorBoardSink(options.tensorboard, options.units))
@@ -302,6 +292,60 @@ class MemoryProfiler:
 
     def _sink(self, kind: type) -> Any:
         return next((s for s in self._sinks if type(s) is kind), None)
+
+    # -- the settings, as given (validated: :attr:`options`) ------------------------
+    @property
+    def print_period(self) -> int:
+        """The report is printed every this many iterations."""
+        return self.options.print_period
+
+    @property
+    def csv(self) -> bool:
+        """Whether a row per reported iteration goes to a CSV file (:attr:`csv_path`)."""
+        return self.options.csv
+
+    @property
+    def units(self) -> str:
+        """The unit of the report's and the CSV file's amounts (``"MB"``, ``"GiB"``, ...)."""
+        return self.options.units
+
+    @property
+    def strict(self) -> bool:
+        """Whether the profiler's own faults are raised instead of switching the faulty part off."""
+        return self.options.strict
+
+    @property
+    def by_layer(self) -> bool:
+        """Whether feature maps are attributed to the modules that saved them."""
+        return self.options.by_layer
+
+    @property
+    def file_tag(self) -> str:
+        """What this rank's file names end with: ``_rank<r>_<host>`` (empty in a single process)."""
+        return self.rank_info.file_tag if self.rank_info is not None else ""
+
+    @property
+    def csv_path(self) -> Path | None:
+        """The CSV file the rows go to (``None`` without ``csv``)."""
+        sink = self._sink(CsvSink)
+        return sink.path if sink is not None else None
+
+    @property
+    def layers_csv_path(self) -> Path | None:
+        """The CSV file of feature maps by layer (``None`` without ``csv`` and ``by_layer``)."""
+        sink = self._sink(LayerCsvSink)
+        return sink.path if sink is not None else None
+
+    @property
+    def cross_rank_summary(self) -> CrossRankSummary | None:
+        """The latest cross-rank summary (every rank has it after :meth:`epoch_end`; ``None`` in a
+        single process, before the first, or once the process group is gone)."""
+        return self._ranks.latest if self._ranks is not None else None
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._state is CLOSED
 
     # -- the public loop API ---------------------------------------------------
     @property
@@ -341,9 +385,9 @@ class MemoryProfiler:
         try:
             if "record_stats" in self._guard.disabled:
                 return None
-            if self._closed:
-                raise RuntimeError("record_stats() called after close()")
-            if not self._measuring:
+            if self._state is not MEASURING:
+                if self._state is CLOSED:
+                    raise RuntimeError("record_stats() called after close()")
                 return None
             meter = self._meter
             if meter.counter.failed:
@@ -354,7 +398,7 @@ class MemoryProfiler:
             budget = self._budget
             budget.entered()
             iteration, step = self.iteration + 1, self.step + 1
-            period = self.print_period
+            period = self.options.print_period
             reported = iteration % period == 0
             # the light path (the hooks slept through the iteration) first, the meter's others if not
             record = meter.finish_slept(self.epoch, iteration, step, reported)
@@ -450,13 +494,13 @@ class MemoryProfiler:
             (1, 1, 1)
             >>> profiler.close()
         """
-        return self._meter.phase_block(name) if self._measuring else _closed_phase(name)
+        return self._meter.phase_block(name) if self._state is MEASURING else _closed_phase(name)
 
     @property
     def current_phase(self) -> str | None:
         """The phase running now: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"``
         (``None`` once closed, or once a fault switched :meth:`record_stats` off)."""
-        return self._meter.phase if self._measuring else None
+        return self._meter.phase if self._state is MEASURING else None
 
     def close(self) -> None:
         """Remove every hook, write pending rows and stop counting. Safe to call twice."""
@@ -470,7 +514,7 @@ class MemoryProfiler:
             self._guard.fault("close", first)
 
     def _close(self) -> None:
-        if self._closed:
+        if self._state is CLOSED:
             return
         # Each removal in its own try, run even when an earlier one failed
         # (and once more if it raised): nothing is left installed.
@@ -482,7 +526,7 @@ class MemoryProfiler:
         steps.extend(sink.close for sink in self._sinks)
         steps.append(lambda: atexit.unregister(self._atexit))
         self._guard.clean_up("close", *steps)
-        self._closed = True
+        self._state = CLOSED
 
     def _stop_measuring(self) -> None:
         """Remove the meter's hooks and stop its counter, once: at :meth:`close`, or as soon as a
@@ -490,8 +534,8 @@ class MemoryProfiler:
         nothing is measured: the per-layer hooks and the CPU counter's dispatch mode would tax
         every later iteration). The outputs stay until :meth:`close`; :meth:`epoch_end` still
         writes their rows."""
-        if self._measuring:
-            self._measuring = False
+        if self._state is MEASURING:
+            self._state = STOPPED
             self._guard.clean_up("close", self._meter.close)
 
     def flush(self) -> None:
@@ -545,7 +589,7 @@ class MemoryProfiler:
 
     # -- internals -------------------------------------------------------------
     def _next_reported(self) -> bool:
-        return (self.iteration + 1) % self.print_period == 0
+        return (self.iteration + 1) % self.options.print_period == 0
 
     def _next_level(self) -> str:
         """The coming iteration's level of detail: the budget's choice if it will be reported."""
@@ -584,7 +628,7 @@ class MemoryProfiler:
 
     def _epoch_end(self) -> None:
         # (with record_stats() switched off by a fault no iteration is counted: epochs still are)
-        if self.iteration == 0 and self._measuring and "record_stats" not in self._guard.disabled:
+        if self.iteration == 0 and self._state is MEASURING and "record_stats" not in self._guard.disabled:
             self._misuse(
                 "epoch_end",
                 f"epoch_end() with no record_stats() iteration since the last epoch_end() "
@@ -593,21 +637,20 @@ class MemoryProfiler:
             return
         for sink in self._sinks:
             self._guard.call(f"output: {sink.name}", sink.on_epoch_end, self.epoch)
-        if self._measuring:
+        if self._state is MEASURING:
             self._meter.refresh()
         self.epoch += 1
         self.iteration = 0
-        if self._measuring:
+        if self._state is MEASURING:
             self._meter.prepare(self._next_level())
         self._budget.restart()  # the epoch's end is neither a step nor an iteration's cost
 
     def _cross_rank_summary(self, epoch: int) -> None:
         assert self._ranks is not None
         summary = self._ranks.gather(epoch, self.device, lambda exc: self._guard.fault("cross-rank figures", exc))
-        if summary is not None:
-            self.cross_rank_summary = summary
-            if self._prints_table:
-                self._report.write(format_cross_rank(summary, self.units))
+        # the lowest printing rank prints the table
+        if summary is not None and self._report.prints and self.rank_info.rank == min(self.options.print_ranks or {0}):
+            self._report.write(format_cross_rank(summary, self.units))
 
 
 def _closed_phase(name: str) -> PhaseBlock:

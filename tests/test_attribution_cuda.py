@@ -168,9 +168,9 @@ def test_parts_switched_off_by_faults_take_their_hooks_away_and_training_is_unch
                 def fails(ended_in, now_in):
                     raise RuntimeError("injected into the attribution")
 
-                profiler._meter._attribution.on_exit = fails
+                profiler._meter._observers.attribution.on_exit = fails
             if profiled and i == 3:
-                tracker = profiler._meter._peak
+                tracker = profiler._meter._observers.peak
                 assert isinstance(tracker, BoundaryPeakBreakdown)
                 real_add, failed = tracker._alive.add_storage, []
 

@@ -313,11 +313,11 @@ def test_the_meters_buffer_list_follows_buffers_reassigned_after_it_was_made():
     def ids(tensors):
         return sorted(id(t) for t in tensors)
 
-    assert ids(meter._buffers()) == ids(model.buffers())
+    assert ids(meter._model_state.buffers()) == ids(model.buffers())
     old = model[1].running_mean
     model[1].running_mean = torch.zeros(4)  # reassigned: the module's buffer dict holds the new one
     model[2][0].register_buffer("extra", torch.ones(2))
-    found = meter._buffers()
+    found = meter._model_state.buffers()
     assert ids(found) == ids(model.buffers())
     assert any(t is model[1].running_mean for t in found) and not any(t is old for t in found)
 
@@ -420,7 +420,7 @@ def test_a_breakdown_switched_off_by_a_fault_runs_no_more(mlp, monkeypatch, capl
         return profiler.record_stats()
 
     with MemoryProfiler(mlp, 1, stream=io.StringIO(), by_layer=True) as profiler:
-        tracker = profiler._meter._peak
+        tracker = profiler._meter._observers.peak
         assert isinstance(tracker, BoundaryPeakBreakdown)
         assert iteration(profiler).peak_breakdown is not None
         assert hooks_on(params) == 0
@@ -436,7 +436,7 @@ def test_a_breakdown_switched_off_by_a_fault_runs_no_more(mlp, monkeypatch, capl
         monkeypatch.setattr(tracker._alive, "add_storage", add_storage)
         faulted = iteration(profiler)  # the fault, inside autograd: contained
         assert BREAKDOWN_PART in profiler._guard.disabled
-        assert faulted.peak_breakdown is None and profiler._meter._peak is None
+        assert faulted.peak_breakdown is None and profiler._meter._observers.peak is None
         calls = len(made)
         for _ in range(2):
             record = iteration(profiler)

@@ -103,7 +103,8 @@ def train(
     except BaseException:
         if profiler is not None:  # a broken run: leave the next one a clean process
             try:
-                profiler._closed = False
+                if profiler.closed:  # close() once more, its steps repeated
+                    profiler._state = "stopped"
                 profiler.close()
             except Exception:  # noqa: BLE001 - the fault reported is the first one
                 pass
@@ -396,7 +397,8 @@ def train_two(tmp_path: Path, close_first: int, around: Callable[[], Any]) -> li
     except BaseException:
         for profiler in order:  # a broken run: leave the next one a clean process
             try:
-                profiler._closed = False
+                if profiler.closed:  # close() once more, its steps repeated
+                    profiler._state = "stopped"
                 profiler.close()
             except Exception:  # noqa: BLE001 - the fault reported is the first one
                 pass

@@ -162,7 +162,7 @@ def test_lightning_records_match_the_hand_written_loop(tmp_path):
         else:
             assert ours.feature_maps is ours.gradients is ours.peak_phase is None
     # The closed profiler left nothing on the module.
-    assert callback.profiler._closed
+    assert callback.profiler.closed
     assert not module.net._forward_pre_hooks and not module._forward_pre_hooks
     # Reported records went to the trainer's loggers, a handful of figures in the profiler's unit.
     sent = [m for _, m in logger.metrics if any(k.startswith("memory/") for k in m)]

@@ -325,7 +325,7 @@ def test_a_fault_in_the_attribution_takes_its_hooks_away_by_the_iterations_end(c
     with MemoryProfiler(model, 1, by_layer=True, stream=io.StringIO()) as profiler:
         for i in range(3):
             if i == 1:
-                attribution = profiler._meter._attribution
+                attribution = profiler._meter._observers.attribution
 
                 def fails(ended_in, now_in):
                     raise RuntimeError("injected")

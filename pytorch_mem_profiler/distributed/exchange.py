@@ -174,6 +174,8 @@ class CrossRankExchange:
         self.info = info
         self.peaks = RankPeakTracker()
         self.buffers = GatherBuffers()
+        #: the latest summary gathered (``None`` before the first, or once the group is gone)
+        self.latest: CrossRankSummary | None = None
 
     def observe(self, record: IterationRecord) -> None:
         """Every record, reported or not: one comparison."""
@@ -198,7 +200,8 @@ class CrossRankExchange:
             on_fault(exc)
         tracker.new_epoch()
         ranks = gather_summaries(local, info, device, self.buffers)
-        return CrossRankSummary(epoch=epoch, ranks=ranks)
+        self.latest = CrossRankSummary(epoch=epoch, ranks=ranks)
+        return self.latest
 
     def release(self) -> None:
         """Free the all-gather's tensors."""

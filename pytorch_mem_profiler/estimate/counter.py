@@ -199,8 +199,7 @@ class StorageLifeCounter(MemoryCounter):
         accumulation: EngineAccumulation | None = None,
         output_order: Callable[[Any, int], Sequence[int]] | None = None,
     ) -> None:
-        super().__init__(device)
-        self.device = device
+        super().__init__(device)  # sets ``device``
         self.output_order = output_order
         self.scratch = scratch
         self.outputs = outputs

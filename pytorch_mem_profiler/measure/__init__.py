@@ -22,8 +22,9 @@ Four kinds of parts, each knowing only those below it:
   FSDP2's gathered parameters). Each observer returns its own part of the record;
 - the *meter*, :mod:`.meter`: it wires them, hands each iteration an immutable
   :class:`~.plan.IterationPlan` (:mod:`.plan`; the level :mod:`.budget` chose, the
-  observers on) and builds the
-  :class:`~pytorch_mem_profiler.stats.IterationRecord` from the parts.
+  observers on, from :mod:`.observer_set`, which holds the observers and their plans)
+  and builds the :class:`~pytorch_mem_profiler.stats.IterationRecord` from the parts
+  and the model's sizes (:mod:`.model_state`, counted once per change of the model).
 
 A new measurement is a new observer, as a new output is a new sink
 (:mod:`pytorch_mem_profiler.outputs.sinks`). ``tests/test_architecture.py`` holds

@@ -132,6 +132,60 @@ def _tracked_modules(model: torch.nn.Module, limit: int) -> dict[int, str]:
     return chosen
 
 
+class ModelMap:
+    """What the attribution knows of the model: its modules' names, the modules that mark peak
+    locations, its parameters' names and the storages of its parameters and buffers.
+
+    Learnt at construction and again at :meth:`LayerAttribution.refresh` (after the model changed);
+    :meth:`for_entry` names an ``nn.DataParallel`` replica's modules after the model's.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> known = ModelMap(model, max_locations=16)
+        >>> sorted(known.tracked.values()), known.param_names[id(model[0].weight)]
+        (['0', '1'], '0.weight')
+        >>> known.for_entry(None) == (known.names, known.root, known.tracked)
+        True
+    """
+
+    __slots__ = ("max_locations", "names", "root", "tracked", "param_names", "state_ptrs")
+
+    def __init__(self, model: torch.nn.Module, max_locations: int) -> None:
+        self.max_locations = max_locations
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.root = id(model)
+        self.tracked = _tracked_modules(model, max_locations)
+        self.state_ptrs: set[tuple[int, int]] = set()
+        self.param_names: dict[int, str] = {}
+        for name, p in model.named_parameters():
+            self.param_names[id(p)] = name
+            self.state_ptrs.update(_storage_key(part) for part in storage_parts(p))
+        for b in model.buffers():
+            if b is not None:
+                self.state_ptrs.update(_storage_key(part) for part in storage_parts(b))
+
+    def for_entry(self, entry: torch.nn.Module | None) -> tuple[dict[int, str], int, dict[int, str]]:
+        """``(names, root, tracked)`` of the forward that enters through ``entry``: the model's, or
+        where it is an ``nn.DataParallel`` replica (copied from the model at each call, modules and
+        all), the replica's, under the names of the modules they copy."""
+        if entry is None or not getattr(entry, "_is_replica", False):
+            return self.names, self.root, self.tracked
+        names = {id(m): name for name, m in entry.named_modules()}
+        tracked = set(self.tracked.values())
+        return names, id(entry), {key: name for key, name in names.items() if name in tracked}
+
+
+class _Installed:
+    """The hooks one attributed forward installs: the global module hooks' handles and the pair of
+    saved-tensor hooks pushed on the thread's stack, removed together."""
+
+    __slots__ = ("handles", "saved")
+
+    def __init__(self, handles: list, saved: ChainedSavedTensorsHooks) -> None:
+        self.handles, self.saved = handles, saved
+
+
 class LayerAttribution(Observer):
     """Attributes saved tensors to modules during one forward at a time.
 
@@ -158,14 +212,13 @@ class LayerAttribution(Observer):
         self.model = model
         #: contains the faults of the hooks it installs (part :data:`ATTRIBUTION_PART`)
         self.guard = guard or FaultGuard()
-        self.device = device
+        # the device's type and index, apart: the pack hook compares each saved tensor's with them
         self._device_type, self._device_index = device.type, device.index
         self.on_exit = on_exit
         self.on_backward_enter = on_backward_enter
-        self.max_locations = max_locations
-        self.refresh()
-        self._handles: list = []
-        self._saved: ChainedSavedTensorsHooks | None = None
+        self._learn(ModelMap(model, max_locations))
+        # the module hooks and the saved-tensor pair of the forward attributed now (None: none)
+        self._installed: _Installed | None = None
         # the modules running: (id, name), and where one began under the model's own saved-tensor
         # hooks, the pair pushed over them (id, name, InnerWatch), taken off where it ends
         self._stack: list[tuple[Any, ...]] = []
@@ -179,18 +232,13 @@ class LayerAttribution(Observer):
 
     def refresh(self) -> None:
         """Learn the model's module names, parameters and buffers again (after it changed)."""
-        self._names = {id(m): name for name, m in self.model.named_modules()}
-        self._root = id(self.model)
-        self._tracked = _tracked_modules(self.model, self.max_locations)
-        self._model_modules = (self._names, self._root, self._tracked)
-        self._state_ptrs: set[tuple[int, int]] = set()
-        self._param_names: dict[int, str] = {}
-        for name, p in self.model.named_parameters():
-            self._param_names[id(p)] = name
-            self._state_ptrs.update(_storage_key(part) for part in storage_parts(p))
-        for b in self.model.buffers():
-            if b is not None:
-                self._state_ptrs.update(_storage_key(part) for part in storage_parts(b))
+        self._learn(ModelMap(self.model, self._map.max_locations))
+
+    def _learn(self, known: ModelMap) -> None:
+        self._map = known
+        # read on every module call and saved tensor: the map's, bound here
+        self._names, self._root, self._tracked = known.for_entry(None)
+        self._state_ptrs = known.state_ptrs
 
     # -- one forward -------------------------------------------------------
     def start(self, inputs: Any, entry: torch.nn.Module | None = None) -> None:
@@ -209,7 +257,7 @@ class LayerAttribution(Observer):
         """Attribute again within the same forward pass (a second module entered from outside,
         e.g. ``self.decoder`` after ``self.encoder``): the figures add up."""
         self.close()
-        self._name_modules_of(entry)
+        self._names, self._root, self._tracked = self._map.for_entry(entry)
         self.add_inputs(inputs)
         self._stack = [(self._root, "")]
         self._thread = get_ident()
@@ -221,24 +269,13 @@ class LayerAttribution(Observer):
                 self._current.calls[name] = self._current.calls.get(name, 0) + 1
         # Dropped at close(): they refer back to this object. Each holds its fault guard's
         # ``try`` itself (no wrapper frame: they run twice per module call).
-        self._handles = [
-            register_module_forward_pre_hook(self._module_pre),
-            register_module_forward_hook(self._module_post, always_call=True),
-        ]
-        self._saved = ChainedSavedTensorsHooks(self._observe_saved, lambda exc: self.guard.fault(ATTRIBUTION_PART, exc))
-        self._saved.push()
-
-    def _name_modules_of(self, entry: torch.nn.Module | None) -> None:
-        """Name the modules of the forward that enters through ``entry``: the model's, or where it
-        is an ``nn.DataParallel`` replica (copied from the model at each call, modules and all),
-        the replica's, under the names of the modules they copy."""
-        if entry is None or not getattr(entry, "_is_replica", False):
-            self._names, self._root, self._tracked = self._model_modules
-            return
-        names = {id(m): name for name, m in entry.named_modules()}
-        tracked = set(self._model_modules[2].values())
-        self._names, self._root = names, id(entry)
-        self._tracked = {key: name for key, name in names.items() if name in tracked}
+        # Each hook is put down where close() finds it before the next is installed: a fault
+        # between two leaves nothing behind.
+        saved = ChainedSavedTensorsHooks(self._observe_saved, lambda exc: self.guard.fault(ATTRIBUTION_PART, exc))
+        installed = self._installed = _Installed([], saved)
+        installed.handles.append(register_module_forward_pre_hook(self._module_pre))
+        installed.handles.append(register_module_forward_hook(self._module_post, always_call=True))
+        saved.push()
 
     def add_inputs(self, inputs: Any) -> None:
         """Count the storages of ``inputs`` as the model's input."""
@@ -271,21 +308,20 @@ class LayerAttribution(Observer):
             if len(entry) == 3:
                 entry[2].pop()
         self._stack = [entry[:2] for entry in self._stack]
-        saved = self._saved
-        if saved is not None:
-            saved.pop()
-            self._saved = None  # only once popped, so that a second call pops what a failed one left
-        for handle in self._handles:
+        installed = self._installed
+        if installed is None:
+            return
+        installed.saved.pop()
+        self._installed = None  # only once popped, so that a second call pops what a failed one left
+        for handle in installed.handles:
             handle.remove()
-        self._handles = []
 
     # -- the observer's events (iterations at the "full" level) --------------------------
     def begin(self, plan: Any) -> None:
         # whether the running pass is attributed; the breakdown of the pass that kept the most
         # (and what it kept), and the most any pass kept
         self._attributed = False
-        self._largest: LayerBreakdown | None = None
-        self._largest_kept = 0
+        self._largest: tuple[LayerBreakdown, int] | None = None  # the breakdown, what that pass kept
         self._most_kept = 0
 
     def forward_began(self, args: Any, entry: Any) -> None:
@@ -330,22 +366,22 @@ class LayerAttribution(Observer):
             and ATTRIBUTION_PART not in self.guard.disabled
             and (kept > self._most_kept or self._largest is None)
         ):
-            self._largest, self._largest_kept = self._current, kept
+            self._largest = (self._current, kept)
         self._most_kept = max(self._most_kept, kept)
 
     def finish(self) -> LayerFeatureMaps | None:
         """The iteration's part: what the forward pass that kept the most saved, by module
         (``None``: no pass was attributed); what it kept beyond that is ``unattributed``."""
-        breakdown = self._largest
-        if breakdown is None:
+        if self._largest is None:
             return None
+        breakdown, kept = self._largest
         total = breakdown.total
         return LayerFeatureMaps(
             by_module=MappingProxyType(dict(breakdown.by_module)),
             calls=MappingProxyType(dict(breakdown.calls)),
             total=total,
             inputs=breakdown.inputs,
-            unattributed=self._largest_kept - total,
+            unattributed=kept - total,
         )
 
     # -- hooks -------------------------------------------------------------
@@ -362,7 +398,7 @@ class LayerAttribution(Observer):
             else:
                 self._current.calls[name] = self._current.calls.get(name, 0) + 1
             # None unless the model pushed a pair of its own
-            inner = watch_over_inner_hooks() if self._saved is not None else None
+            inner = watch_over_inner_hooks() if self._installed is not None else None
             self._stack.append((key, name) if inner is None else (key, name, inner))
         except Exception as exc:  # noqa: BLE001 - any profiler fault must be contained
             self.guard.fault(ATTRIBUTION_PART, exc)
@@ -429,7 +465,7 @@ class LayerAttribution(Observer):
                 self._attribute(part, t)
 
     def _attribute(self, part: torch.Tensor, saved: torch.Tensor) -> None:
-        # ``same_device(part, self.device)`` and ``_storage_key(part)``, inline for a plain tensor:
+        # ``same_device`` with the attributed device and ``_storage_key(part)``, inline for a plain tensor:
         # this runs for every saved tensor.
         dev = part.device
         index = self._device_index
@@ -470,7 +506,7 @@ class LayerAttribution(Observer):
             return False
         for next_node, _ in node.next_functions:
             variable = getattr(next_node, "variable", None)
-            if variable is not None and id(variable) in self._param_names:
+            if variable is not None and id(variable) in self._map.param_names:
                 return True
         return False
 

@@ -1,13 +1,14 @@
 """The meter: wires the measuring parts, plans each iteration, and makes its record.
 
 A :class:`Meter` knows the profiled device and its counter (the reader), the
-model's parameters, weights and buffers, and the optimizers' state. It makes the
-hook set (:mod:`.hooks`), the phase machine it reports to (:mod:`.phases`) and
-the observers (:mod:`.observers`: the phase intervals, the peak breakdown, the
-per-layer attribution, FSDP tracking). Before each iteration it hands the
-machine and the observers an immutable :class:`~.plan.IterationPlan` (the level
-of detail, which observers are on); when the iteration ends it asks each
-observer on for its part and builds the frozen
+model's parameters, weights and buffers (a :class:`~.model_state.ModelState`),
+and the optimizers' state. It makes the hook set (:mod:`.hooks`), the phase
+machine it reports to (:mod:`.phases`) and the observers (:mod:`.observers`: the
+phase intervals, the peak breakdown, the per-layer attribution, held with the
+plans they run under by an :class:`~.observer_set.ObserverSet`; FSDP tracking).
+Before each iteration it hands the machine and the observers an immutable
+:class:`~.plan.IterationPlan` (the level of detail, which observers are on); when
+the iteration ends it asks each observer on for its part and builds the frozen
 :class:`~pytorch_mem_profiler.stats.IterationRecord` with its constructor. It
 sets no field of another object: everything it tells them goes through a plan
 or a method call.
@@ -37,31 +38,23 @@ import logging
 import time
 import weakref
 from types import MappingProxyType
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
 from ..faults import FaultGuard
 from ..torch_versions import COMPILE_YIELDS_TO_DISPATCH_MODES
 from ..stats import DETAIL_LEVELS, PHASES, IterationRecord, PhaseStats, records_like
-from .accounting import (
-    buffer_bytes,
-    buffers_total,
-    gradient_bytes,
-    optimizer_holds_any,
-    optimizer_state_bytes,
-    optimizer_state_tensors,
-    unique_parameters,
-    weight_bytes,
-)
-from .data_parallel import FSDP_PART, FsdpGatherTracker, ddp_gradient_bucket_bytes
-from .devices import MemoryCounter, Reading, device_capacity, make_counter, rank_device, resolve_device
+from .accounting import gradient_bytes, optimizer_holds_any, optimizer_state_bytes, optimizer_state_tensors
+from .data_parallel import FSDP_PART, FsdpGatherTracker
+from .devices import MemoryCounter, Reading, device_capacity, make_counter
 from .hooks import PhaseBlock, StepHooks, backward_running
 from .intervals import IntervalFigures, PhaseIntervals
 from .layers import ATTRIBUTION_PART, LayerAttribution
-from .observers import Observer
+from .model_state import ModelFigures, ModelState
+from .observer_set import ObserverSet
 from .outside import DeviceMemoryReader
-from .peak_breakdown import BREAKDOWN_PART, PeakBreakdown, PeakResult, make_peak_breakdown
+from .peak_breakdown import BREAKDOWN_PART, PeakResult, make_peak_breakdown
 from .phases import PhaseMachine
 from .plan import IterationPlan
 from .saved_tensors import can_chain
@@ -75,12 +68,10 @@ _log = logging.getLogger("pytorch_mem_profiler")
 _LIGHT = "hooks off between reports"
 #: the pass and step counts of an iteration the hooks slept through: unknown
 _UNCOUNTED: tuple[None, None, None] = (None, None, None)
-#: the key of the plan at "full" with forward split by module (the other plans': their level)
-_SPLIT_FULL = "full, forward split"
 #: the phase intervals' figures of an iteration not watched (so far: none)
 _NOT_WATCHED = IntervalFigures(None, None, None, None, MappingProxyType({}), MappingProxyType({}), 0, None)
 #: the fields of a light record that change from one to the next, in the order
-#: :meth:`Meter._light_record` gives them (the others are the model's, the same until it changes)
+#: :meth:`Meter._light_record` gives them (the others are the same until the model or the device changes)
 _LIGHT_VARYING = (
     "epoch",
     "iteration",
@@ -102,6 +93,9 @@ _LIGHT_VARYING = (
 #: counts are unknown (``None``) every time
 _SLEPT_VARYING = tuple(name for name in _LIGHT_VARYING if name not in ("forward_passes", "backward_passes", "optimizer_steps"))
 
+#: a maker of records from a template (:func:`~pytorch_mem_profiler.stats.records_like`)
+RecordMaker = Callable[..., IterationRecord]
+
 
 class Position(NamedTuple):
     """Where an iteration sits in the run: epoch and iteration from 1, step counted over epochs."""
@@ -111,17 +105,68 @@ class Position(NamedTuple):
     step: int
 
 
-class _ModelFigures(NamedTuple):
-    """What every record carries unchanged while the model does not change."""
+class _RecordStamp:
+    """What the meter stamps on every record besides the model's figures (the device's capacity,
+    the cost budget), and the makers of light records from a template of all that they share.
 
-    device: str
-    weights: int
-    weights_by_name: Any
-    buffers: int
-    ddp_gradient_buckets: int | None
-    rank: int | None
-    overhead_budget: float | None
-    model_name: str
+    The makers are made when first asked for, and again for other model figures (a
+    :class:`~.model_state.ModelFigures` is another object once the model changed) or after a
+    new capacity.
+
+    Example::
+
+        >>> figures = ModelState(torch.nn.Linear(8, 2)).figures
+        >>> stamp = _RecordStamp(capacity=80_000_000_000, overhead=0.03)
+        >>> make_light, make_slept = stamp.makers(figures)
+        >>> stamp.makers(figures)[1] is make_slept  # made once
+        True
+        >>> record = make_slept(1, 2, 2, 1_000, None, None, None, None, None, 0.01, None, False)
+        >>> record.weights, record.device_total, record.overhead_budget, record.forward_passes
+        (72, 80000000000, 0.03, None)
+    """
+
+    def __init__(self, capacity: int | None, overhead: float | None) -> None:
+        self.capacity = capacity
+        self.overhead = overhead
+        # the figures the makers were made from (None: none made since the capacity changed)
+        self._figures: ModelFigures | None = None
+        self._make_light: RecordMaker | None = None
+        self._make_slept: RecordMaker | None = None
+
+    def set_capacity(self, capacity: int | None) -> None:
+        """Bytes of memory the device has in all, from now on (the makers are made again)."""
+        self.capacity = capacity
+        self._figures = None
+
+    def makers(self, figures: ModelFigures) -> tuple[RecordMaker, RecordMaker]:
+        """The makers of light records (:data:`_LIGHT_VARYING` in order) and of those of iterations
+        the hooks slept through (:data:`_SLEPT_VARYING`), for the model's ``figures``."""
+        if figures is self._figures:
+            return self._make_light, self._make_slept  # type: ignore[return-value]
+        template = IterationRecord(
+            epoch=0,
+            iteration=0,
+            step=0,
+            device=figures.device,
+            allocated=0,
+            feature_maps=None,
+            intermediate_gradients=None,
+            weights=figures.weights,
+            weights_by_name=figures.weights_by_name,
+            gradients=None,
+            buffers=figures.buffers,
+            device_total=self.capacity,
+            ddp_gradient_buckets=figures.ddp_gradient_buckets,
+            rank=figures.rank,
+            detail="light",
+            overhead_budget=self.overhead,
+            model_name=figures.model_name,
+        )
+        slept = dataclasses.replace(template, forward_passes=None, backward_passes=None, optimizer_steps=None)
+        self._make_light = make_light = records_like(template, _LIGHT_VARYING)
+        self._make_slept = make_slept = records_like(slept, _SLEPT_VARYING)
+        self._figures = figures
+        return make_light, make_slept
 
 
 class Meter:
@@ -151,24 +196,20 @@ class Meter:
         rank_info: Any = None,
         overhead: float | None = None,
     ) -> None:
-        self.model = model
-        self.overhead = overhead
         #: the level of detail the running iteration is measured at (:meth:`prepare`)
         self.level = "light"
         self.guard = guard or FaultGuard()
-        self.rank_info = rank_info
-        self.by_layer = by_layer
-        self._device_explicit = device is not None
-        self.device = device if device is not None else self._model_device()
-        self.counter: MemoryCounter = make_counter(self.device)
-        self._make_light: Any = None
-        self._make_slept: Any = None
-        self.capacity = device_capacity(self.device)
         self._optimizers = None if optimizers is None else list(optimizers)
         _check_optimizers_step(self._optimizers, model)
+        # the model's parameters, weights and buffers: counted again only when the model changes
+        self._model_state = ModelState(model, device, rank_info)
+        self.device = self._model_state.device
+        self.counter: MemoryCounter = make_counter(self.device)
+        self._stamp = _RecordStamp(device_capacity(self.device), overhead)
+        # The maker of the records of iterations the hooks slept through, kept here for the light
+        # path to read at once (None: to be made again, the model or the capacity changed).
+        self._make_slept: RecordMaker | None = None
         self._fsdp: FsdpGatherTracker | None = None
-        self._ddp_buckets: int | None = None
-        self._refresh_model_state()
         self._outside = DeviceMemoryReader(self.device)
         # Every optimizer known to step the model: given, or seen stepping it. Kept
         # across epochs, held weakly, each as [weak reference, len(state) when its state
@@ -180,20 +221,10 @@ class Meter:
         self._hooks: StepHooks | None = None
         self._machine: PhaseMachine | None = None
         # the observers (those there are: the breakdown needs a peak counter, the attribution
-        # by_layer=True, FSDP tracking an FSDP unit)
-        self._intervals: PhaseIntervals | None = None
-        self._peak: PeakBreakdown | None = None
-        self._attribution: LayerAttribution | None = None
-        # the running iteration's plan, and those made, by level (at "full", and whether forward is split)
+        # by_layer=True) and the plans they run under; FSDP tracking (an FSDP unit) is the meter's
+        self._observers = ObserverSet(by_layer, self.guard)
+        # the running iteration's plan
         self._plan = IterationPlan.make("light")
-        self._plans: dict[str, IterationPlan] = {}
-        # the last plan begun, and its observers that handle ``begin``
-        self._begins: tuple[IterationPlan | None, tuple[Observer, ...]] = (None, ())
-        # per-layer mode reads the counters at every tracked module's end in forward only while
-        # forward is where the iterations peak (the first watched one always): one read per
-        # module saved otherwise. Backward's module boundaries are always read (the
-        # intermediate gradients at backward's peak are measured from them).
-        self._split_forward = True
         # the highest peaks read since the profiler started
         self._max_allocated: int | None = None
         self._max_reserved: int | None = None
@@ -205,20 +236,40 @@ class Meter:
         self.idle = False
 
     @property
+    def model(self) -> torch.nn.Module:
+        """The model measured."""
+        return self._model_state.model
+
+    @property
+    def rank_info(self) -> Any:
+        """This process's rank under torch.distributed (``None``: one process)."""
+        return self._model_state.rank_info
+
+    @property
+    def by_layer(self) -> bool:
+        """Whether feature maps are attributed to modules on reported iterations."""
+        return self._observers.by_layer
+
+    @property
+    def overhead(self) -> float | None:
+        """The cost budget the levels of detail are chosen under, stamped on each record."""
+        return self._stamp.overhead
+
+    @property
     def capacity(self) -> int | None:
         """Bytes of memory the device has in all (``None``: unknown, or the CPU)."""
-        return self._capacity
+        return self._stamp.capacity
 
     @capacity.setter
     def capacity(self, value: int | None) -> None:
-        self._capacity = value
-        self._make_light = self._make_slept = None  # the light records' templates hold it
+        self._stamp.set_capacity(value)
+        self._make_slept = None  # the light records' templates hold it
 
     # -- what the model holds ------------------------------------------------
     @property
     def parameter_names(self) -> list[str]:
         """The names of the parameters measured, each piece of memory once."""
-        return [name for name, _ in self._params]
+        return self._model_state.parameter_names
 
     @property
     def phase(self) -> str | None:
@@ -237,7 +288,7 @@ class Meter:
         machine = self._machine
         if machine is None:
             return None
-        intervals = self._intervals
+        intervals = self._observers.intervals
         figures = intervals.figures() if intervals is not None and self._plan.watched else _NOT_WATCHED
         return {
             "forward_passes": machine.forward_passes,
@@ -248,48 +299,30 @@ class Meter:
             **figures._asdict(),
         }
 
-    def _model_device(self) -> torch.device:
-        if self.rank_info is not None:
-            return rank_device(self.model, self.rank_info)
-        return resolve_device(self.model)
-
-    def _refresh_model_state(self) -> None:
-        """Parameter list, weights and buffers: sizes that change only if the model does."""
-        self._params = unique_parameters(self.model, self.device)
-        weights = weight_bytes(self._params)
-        self._weights_by_name = MappingProxyType(dict(weights))
-        self._weights_total = sum(n for _, n in weights)
-        self._buffers_total = sum(n for _, n in buffer_bytes(self.model, self.device))
-        self._buffer_ids: tuple[int, ...] | None = None  # which buffer tensors it counted (:meth:`_recount_replaced_buffers`)
-        self._requires_grad = [p.requires_grad for _, p in self._params]
-        self._last_gradient_sizes: list[int] | None = None
-        self._gradients_by_name: Any = MappingProxyType({})
-        if self.rank_info is not None:
-            self._ddp_buckets = ddp_gradient_bucket_bytes(self.model, self.device)
-            if self._fsdp is not None:
-                self._fsdp.refresh()
-        # the figures every record shares until the model changes (:meth:`_shared`), and the
-        # maker of light records from them (:meth:`_light_maker`)
-        self._shared_figures: _ModelFigures | None = None
-        self._make_light = self._make_slept = None
-        # the model's modules, each once (for its buffers: :meth:`_buffers`)
-        self._modules: list[torch.nn.Module] | None = None
+    def _learn_model(self, device: torch.device | None = None) -> None:
+        """Count the model again (measured on ``device`` from now on, where it moved there):
+        parameters, weights and buffers change only if the model does."""
+        self._model_state.refresh(device)
+        if self._fsdp is not None:
+            self._fsdp.refresh()
+        self._make_slept = None  # its template holds the old figures
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
         """Start counting and install the hooks."""
         counter = self.counter
         counter.start()
+        params = self._model_state.params
         # Tensors made before the counter started are invisible to the CPU counter: adopt them.
-        counter.adopt(p for _, p in self._params)
+        counter.adopt(p for _, p in params)
         counter.adopt(b for b in self.model.buffers())
-        counter.adopt(p.grad for _, p in self._params if p.grad is not None)
+        counter.adopt(p.grad for _, p in params if p.grad is not None)
         # A profiler made mid-training: the given optimizers' state exists already.
         counter.adopt(optimizer_state_tensors(self._optimizers or ()))
         wrap = self.guard.wrap
         hooks = self._hooks = StepHooks(
             self.model,
-            self._params,
+            params,
             self._optimizers,
             self.guard,
             on_optimizer_step=wrap("optimizer state", self._optimizer_stepped),
@@ -310,7 +343,9 @@ class Meter:
             on_first_forward=wrap("device check", self._check_device_once),
             guard=self.guard,
         )
-        self._intervals = PhaseIntervals(self._params)
+        observers = self._observers
+        intervals = PhaseIntervals(params)
+        observers.start_with(intervals)
         if self.by_layer:
             if is_compiled(self.model):
                 _log.warning(
@@ -325,27 +360,29 @@ class Meter:
                         "where each iteration peaked is still found",
                         torch.__version__,
                     )
-                self._attribution = LayerAttribution(
-                    self.model,
-                    self.device,
-                    # No guard wrapper: the attribution calls these inside its own try, for the same part.
-                    on_exit=machine.module_left,
-                    on_backward_enter=machine.backward_reached,
-                    guard=self.guard,
+                observers.attribute_with(
+                    LayerAttribution(
+                        self.model,
+                        self.device,
+                        # No guard wrapper: the attribution calls these inside its own try, for the same part.
+                        on_exit=machine.module_left,
+                        on_backward_enter=machine.backward_reached,
+                        guard=self.guard,
+                    )
                 )
         # Until the first prepare(), every iteration is watched (a Meter used on its own).
-        plan = self._plan = IterationPlan.make("phases", (self._intervals,))
-        self._intervals.begin(plan)
+        plan = self._plan = IterationPlan.make("phases", (intervals,))
+        intervals.begin(plan)
         machine.begin_iteration(plan)
         hooks.install(machine)
         # The counters' starting point: peaks are measured from here on.
         first = counter.mark()
         self._max_reserved = first.reserved
         self._max_allocated = first.allocated
-        self._peak = make_peak_breakdown(counter, self.guard)
+        observers.use_peak(make_peak_breakdown(counter, self.guard))
         if self.rank_info is not None:
             self._fsdp = FsdpGatherTracker.attach(self.model, wrap)
-        self._plans.clear()
+        observers.forget_plans()
         self._last_time = time.perf_counter()
 
     def prepare(self, level: str | bool) -> None:
@@ -363,7 +400,7 @@ class Meter:
             and hooks is not None
             and hooks.asleep
             and not self.guard.disabled
-            and self._plan is self._plans.get("light")
+            and self._plan is self._observers.plans.get("light")
         ):
             # Light after light, the hooks asleep (the common case): nothing to change.
             self.level = "light"
@@ -378,10 +415,8 @@ class Meter:
             return
         if self.guard.disabled:
             self._drop_switched_off(hooks)
-        # where forward is split matters at "full" only: one plan for every light iteration
-        plan = self._plans.get(_SPLIT_FULL if level == "full" and self._split_forward else level)
-        if plan is None:
-            plan = self._make_plan(level)
+        fsdp = self._fsdp
+        plan = self._observers.plan(level, (fsdp,) if fsdp is not None else ())
         watched = plan.watched
         self._watch(hooks, watched)
         if watched or plan is not self._plan:
@@ -390,32 +425,12 @@ class Meter:
             self._plan = plan
             machine.begin_iteration(plan)
 
-    def _make_plan(self, level: str) -> IterationPlan:
-        """The plan for ``level`` with the observers there are (kept until they change)."""
-        observers: list[Observer] = []
-        per_layer = self._attribution is not None
-        if level != "light":
-            assert self._intervals is not None
-            observers.append(self._intervals)
-            if self._peak is not None:
-                observers.append(self._peak)  # pushes its saved-tensor hooks before the attribution's
-            if per_layer and level == "full":
-                observers.append(self._attribution)  # type: ignore[arg-type]
-        if self._fsdp is not None:
-            observers.append(self._fsdp)
-        plan = IterationPlan.make(level, tuple(observers), per_layer, self._split_forward)
-        self._plans[_SPLIT_FULL if level == "full" and self._split_forward else level] = plan
-        return plan
-
     def _begin(self, plan: IterationPlan) -> IterationPlan:
         """Tell each observer of ``plan`` that its iteration comes; the plan it runs under (less the
         peak breakdown, should it fail to start)."""
-        begins = self._begins
-        if begins[0] is not plan:  # those that handle begin (none is told twice in a row for nothing)
-            begins = self._begins = (plan, tuple(o for o in plan.observers if o.overrides("begin")))
-        for observer in begins[1]:
-            observer.begin(plan)
-        tracker = self._peak
+        observers = self._observers
+        observers.begin(plan)
+        tracker = observers.peak
         # The breakdown watches every saved tensor from Python and looks for gradients at
         # backward's boundaries: what a host-bound step at print_period=1 pays for (GPT-2:
         # 1.25x), and what the cost budget weighs against the step.
@@ -423,10 +438,11 @@ class Meter:
             # Inline rather than through guard.call: this runs at the end of the
             # iteration before a watched one, which stays on the light path.
             try:
-                attribution = self._attribution
+                attribution = observers.attribution
+                state = self._model_state
                 tracker.start(
-                    [p for _, p in self._params],
-                    self._buffers(),
+                    state.parameters(),
+                    state.buffers(),
                     self._optimizer_list(),
                     self._last_allocated,
                     attribution.current_module if attribution is not None else None,
@@ -443,73 +459,31 @@ class Meter:
         that follow leave their observers out."""
         disabled = self.guard.disabled
         self.guard.call("phase hooks", hooks.drop_switched_off)
-        attribution = self._attribution
-        if attribution is not None and ATTRIBUTION_PART in disabled:
-            # What a forward left of it installed (its hooks on every module, its saved-tensor
-            # pair) goes now, and nothing asks it for module names again (no locations: None).
-            self._attribution = None
-            self._plans.clear()
-            self.guard.clean_up(ATTRIBUTION_PART, attribution.close)
-        tracker = self._peak
-        if tracker is not None and BREAKDOWN_PART in disabled:
-            # what it holds: tracked storages, the static walk
-            self._peak = None
-            self._plans.clear()
-            self.guard.clean_up(BREAKDOWN_PART, tracker.close)
+        self._observers.drop_switched_off()
         fsdp = self._fsdp
         if fsdp is not None and FSDP_PART in disabled:
             # its pre-hook on every unit would go on being called (and return at once)
             self._fsdp = None
-            self._plans.clear()
+            self._observers.forget_plans()
             self.guard.clean_up(FSDP_PART, fsdp.remove)
-
-    def _buffers(self) -> list[torch.Tensor]:
-        # The model's modules are listed at each refresh; their buffers are read now (a buffer
-        # reassigned since is found): ``model.buffers()`` walks the module tree with a generator
-        # per module, most of a reported per-layer iteration's bookkeeping on a 150-module model.
-        modules = self._modules
-        if modules is None:
-            modules = self._modules = list(self.model.modules())
-        return [b for m in modules for b in m._buffers.values() if b is not None]
-
-    def _recount_replaced_buffers(self) -> None:
-        """A watched iteration counts the buffers again where a module replaced one since:
-        assigning a tensor to a registered buffer's name in ``forward`` is how modules keep a
-        cache they build lazily (timm's ConViT builds its relative positions at the first
-        forward, 12 bytes at construction, 3 KB after). Only the identities are compared each
-        time (a buffer replaced is a new tensor made while the old one lived); the bytes are
-        counted when they changed. A buffer resized in place waits for :meth:`refresh`."""
-        buffers = self._buffers()
-        ids = tuple(map(id, buffers))
-        if ids == self._buffer_ids:
-            return
-        self._buffer_ids = ids
-        total = buffers_total(buffers, self.device)
-        if total != self._buffers_total:
-            self._buffers_total = total
-            self._shared_figures = None  # they hold the old total
-            self._make_light = self._make_slept = None  # and so do the light records' templates
 
     def _optimizer_list(self) -> list[torch.optim.Optimizer]:
         return [opt for opt in (entry[0]() for entry in self._known_optimizers) if opt is not None]
 
     def refresh(self) -> None:
         """Learn the model again (at each epoch end): parameters, weights, buffers, optimizer state."""
-        self._refresh_model_state()
+        self._learn_model()
+        params = self._model_state.params
         if self._hooks is not None:
-            self._hooks.set_params(self._params)
-        if self._intervals is not None:
-            self._intervals.set_params(self._params)
-        if self._attribution is not None:
-            self._attribution.refresh()
+            self._hooks.set_params(params)
+        self._observers.refresh(params)
         self._known_optimizers = [entry for entry in self._known_optimizers if entry[0]() is not None]
         self._optimizer_state(recount=True)
 
     def close(self) -> None:
         """Remove every hook and stop counting (each in its own try: see ``FaultGuard.clean_up``)."""
-        hooks, machine, peak, attribution = self._hooks, self._machine, self._peak, self._attribution
-        self._peak = self._attribution = None
-        self._plans.clear()
+        hooks, machine = self._hooks, self._machine
+        peak, attribution = self._observers.let_go()
         steps = []
         if peak is not None:
             steps.append(peak.close)
@@ -526,8 +500,8 @@ class Meter:
 
     # -- callbacks from the hooks ----------------------------------------------
     def _check_device_once(self) -> None:
-        now = self._model_device()
-        if self._device_explicit or now == self.device:
+        now = self._model_state.moved()
+        if now is None:
             return
         _log.warning(
             "pytorch_mem_profiler: the model moved from %s to %s after the profiler was made; "
@@ -539,24 +513,26 @@ class Meter:
         self.counter.stop()
         self.device = now
         self.counter = make_counter(now)
-        self.capacity = device_capacity(now)
+        self._stamp.set_capacity(device_capacity(now))
         self.counter.start()
         self._outside = DeviceMemoryReader(now)
-        self._refresh_model_state()
-        hooks, machine, intervals = self._hooks, self._machine, self._intervals
+        self._learn_model(now)
+        params = self._model_state.params
+        hooks, machine, observers = self._hooks, self._machine, self._observers
+        intervals = observers.intervals
         assert hooks is not None and machine is not None and intervals is not None
-        hooks.set_params(self._params)
-        intervals.set_params(self._params)
+        hooks.set_params(params)
+        intervals.set_params(params)
         machine.read_from(self.counter.mark)
         self.counter.mark()
         # This iteration's breakdown followed the old device: none for it.
-        old = self._peak
-        self._plans.clear()
+        old = observers.peak
+        observers.forget_plans()
         if old is not None:
             old.close()
             self._plan = self._plan.without(old)
             machine.begin_iteration(self._plan)
-        self._peak = make_peak_breakdown(self.counter, self.guard)
+        observers.use_peak(make_peak_breakdown(self.counter, self.guard))
 
     def _know_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
         """Add ``optimizer`` to those known; False if it was known already."""
@@ -675,7 +651,8 @@ class Meter:
     def _closed_record(self, position: Position, reported: bool) -> IterationRecord:
         """:meth:`finish` for an iteration the hooks watched or something happened in: the machine
         closes it, and the observers of its plan give their parts."""
-        hooks, machine, intervals = self._hooks, self._machine, self._intervals
+        hooks, machine, observers = self._hooks, self._machine, self._observers
+        intervals = observers.intervals
         assert hooks is not None and machine is not None and intervals is not None
         watched = self._plan.watched
         asleep = hooks.asleep
@@ -694,23 +671,14 @@ class Meter:
         figures = intervals.figures()
         self._read_peaks(figures.iteration_peak, figures.peak_reserved)
         if self._plan.per_layer and figures.peak_phase is not None:
-            # A peak in a forward not split by module has no location (None, not a guess):
-            # the next watched iteration splits it.
-            self._split_forward = figures.peak_phase == "forward"
+            observers.peaked_in(figures.peak_phase)
         peak = self._peak_result(figures.iteration_peak)
+        state = self._model_state
         sizes = figures.gradient_sizes
-        if sizes is None or len(sizes) != len(self._params):
+        if sizes is None or len(sizes) != len(state.params):
             # No backward reached the model this iteration: take the gradients as they are.
-            sizes = gradient_bytes(self._params)
-        if sizes != self._last_gradient_sizes:
-            self._last_gradient_sizes = sizes
-            self._gradients_by_name = MappingProxyType(
-                {
-                    name: n
-                    for (name, _), n, trainable in zip(self._params, sizes, self._requires_grad)
-                    if trainable or n
-                }
-            )
+            sizes = gradient_bytes(state.params)
+        gradients_by_name = state.gradients_by_name(sizes)
         phase_end, phase_peak = figures.phase_end_allocated, figures.phase_peak
         phases = MappingProxyType(
             {
@@ -737,11 +705,13 @@ class Meter:
             if peak.transient_in is not None:
                 transient = peak.transient
             transient_in = peak.transient_in if located or peak.transient_in in PHASES else None
-        self._recount_replaced_buffers()
-        shared = self._shared()
+        if state.recount_replaced_buffers():
+            self._make_slept = None  # its template holds the old total
+        shared = state.figures
+        stamp = self._stamp
         epoch, iteration, step = position
         forward_passes, backward_passes, optimizer_steps = counts
-        attribution = self._attribution
+        attribution = observers.attribution
         layers = attribution.finish() if reported and attribution is not None and self._plan.per_layer else None
         return IterationRecord(
             epoch=epoch,
@@ -759,7 +729,7 @@ class Meter:
             weights=shared.weights,
             weights_by_name=shared.weights_by_name,
             gradients=sum(sizes),
-            gradients_by_name=self._gradients_by_name,
+            gradients_by_name=gradients_by_name,
             optimizer_state=self._optimizer_state(),
             buffers=shared.buffers,
             forward_passes=forward_passes,
@@ -772,7 +742,7 @@ class Meter:
             device_used=usage.device_used if usage is not None else None,
             process_used=usage.process_used if usage is not None else None,
             outside_pytorch=outside,
-            device_total=self.capacity,
+            device_total=stamp.capacity,
             peak_breakdown=breakdown,
             peak_layers=peak_layers,
             peak_transient=transient,
@@ -782,27 +752,11 @@ class Meter:
             rank=shared.rank,
             reported=True,
             detail=self.level,
-            overhead_budget=shared.overhead_budget,
+            overhead_budget=stamp.overhead,
             peak_other_before=other_before,
             peak_step_temporaries=step_temporaries,
             model_name=shared.model_name,
         )
-
-    def _shared(self) -> _ModelFigures:
-        """The figures every record shares until the model changes (:meth:`_refresh_model_state`)."""
-        shared = self._shared_figures
-        if shared is None:
-            shared = self._shared_figures = _ModelFigures(
-                device=str(self.device),
-                weights=self._weights_total,
-                weights_by_name=self._weights_by_name,
-                buffers=self._buffers_total,
-                ddp_gradient_buckets=self._ddp_buckets,
-                rank=self.rank_info.rank if self.rank_info is not None else None,
-                overhead_budget=self.overhead,
-                model_name=type(self.model).__name__,
-            )
-        return shared
 
     def _light_record(
         self,
@@ -817,9 +771,7 @@ class Meter:
         the pass counts and the sizes known already give; what needs the phase
         boundaries (phases, feature maps, gradients, intermediate gradients, the
         peak's phase) is ``None``."""
-        make = self._make_light
-        if make is None:
-            make = self._light_maker()[0]
+        make = self._light_maker()[0]
         has_peak = self.counter.has_peak
         # None each where the hooks slept through it: unknown, not 0
         forward_passes, backward_passes, optimizer_steps = counts
@@ -842,34 +794,13 @@ class Meter:
             reported,  # reported at "light": the budget afforded no more
         )
 
-    def _light_maker(self) -> tuple[Any, Any]:
+    def _light_maker(self) -> tuple[RecordMaker, RecordMaker]:
         """The makers of light records (:data:`_LIGHT_VARYING` in order) and of those of iterations
         the hooks slept through (:data:`_SLEPT_VARYING`), from templates of what they share while
-        the model and the device do not change (:meth:`_refresh_model_state`)."""
-        shared = self._shared()
-        template = IterationRecord(
-            epoch=0,
-            iteration=0,
-            step=0,
-            device=shared.device,
-            allocated=0,
-            feature_maps=None,
-            intermediate_gradients=None,
-            weights=shared.weights,
-            weights_by_name=shared.weights_by_name,
-            gradients=None,
-            buffers=shared.buffers,
-            device_total=self.capacity,
-            ddp_gradient_buckets=shared.ddp_gradient_buckets,
-            rank=shared.rank,
-            detail="light",
-            overhead_budget=shared.overhead_budget,
-            model_name=shared.model_name,
-        )
-        slept = dataclasses.replace(template, forward_passes=None, backward_passes=None, optimizer_steps=None)
-        self._make_light = records_like(template, _LIGHT_VARYING)
-        self._make_slept = records_like(slept, _SLEPT_VARYING)
-        return self._make_light, self._make_slept
+        the model and the device do not change (:class:`_RecordStamp`)."""
+        makers = self._stamp.makers(self._model_state.figures)
+        self._make_slept = makers[1]
+        return makers
 
     def _read_peaks(self, allocated: int | None, reserved: int | None) -> None:
         """Fold an iteration's highest peaks into those since the profiler started."""
@@ -881,10 +812,10 @@ class Meter:
     def _peak_result(self, iteration_peak: int | None) -> PeakResult | None:
         """What the iteration's peak held, where the breakdown watched it (watched iterations,
         the breakdown on in their plan)."""
-        tracker = self._peak
+        tracker = self._observers.peak
         if tracker is None or tracker not in self._plan.observers:
             return None
-        params = [p for _, p in self._params]
+        params = self._model_state.parameters()
         return self.guard.call(BREAKDOWN_PART, tracker.result, iteration_peak, params, self._optimizer_list())
 
 

@@ -23,8 +23,9 @@ iteration is:
 It counts passes and steps on every iteration. On a *watched* one (the
 iteration's :class:`~.plan.IterationPlan` says so) it reads the counters at every
 boundary (``read``, injected: the only device call it makes, through the meter's
-counter) and hands the events to the plan's observers (:mod:`.observers`), each
-behind its own fault-guard part; on the others it only follows the phase
+counter) and hands the events to the plan's observers (:mod:`.observers`; an
+:class:`EventRoutes` says which of them receives which event), each behind its own
+fault-guard part; on the others it only follows the phase
 (a backward's end is then noticed at the next forward, step or iteration end,
 since nothing is queued on autograd's engine). In per-layer mode the
 attribution's module hooks tell it where forward leaves and backward reaches a
@@ -62,12 +63,14 @@ from ..faults import FaultGuard
 from .observers import Observer
 from .plan import IterationPlan
 
-__all__ = ["PhaseMachine", "ForwardPass", "EXPLICIT_PHASES", "check_phase_name"]
+__all__ = ["PhaseMachine", "ForwardPass", "EventRoutes", "EXPLICIT_PHASES", "check_phase_name"]
 
 #: The phases a framework can mark itself (``MemoryProfiler.phase(name)``).
 EXPLICIT_PHASES = ("forward", "backward", "optimizer")
 
-_NOBODY: tuple = ()
+#: What a machine follows before its first plan and after :meth:`PhaseMachine.release`: nothing
+#: read, no observer held.
+_RESTING = IterationPlan.make("light")
 
 
 class ForwardPass:
@@ -99,6 +102,106 @@ def check_phase_name(phase: str) -> None:
         raise ValueError(f"phase name must be one of {', '.join(map(repr, EXPLICIT_PHASES))}: name={phase!r}")
 
 
+#: ``(observer, its bound method)`` pairs: who receives one event.
+_Listeners = tuple[tuple[Observer, Callable[..., None]], ...]
+
+
+class EventRoutes:
+    """Which observers receive each event of :data:`~.observers.EVENTS`: one tuple of
+    ``(observer, its bound method)`` pairs per event, under the event's name, holding only the
+    observers that handle it. Made once per plan, so that an event costs no lookup, and never
+    changed once made (an observer switched off gives new routes, :meth:`without`).
+
+    Args:
+        observers: the observers, in the order they receive the events (:class:`~.plan.IterationPlan`).
+
+    Example::
+
+        >>> class Counter(Observer):
+        ...     part = "counter"
+        ...     def forward_began(self, args, entry): pass
+        >>> counter, idle = Counter(), Observer()
+        >>> routes = EventRoutes((counter, idle))
+        >>> [o for o, _ in routes.forward_began] == [counter], routes.boundary
+        (True, ())
+        >>> routes.without(counter).forward_began, routes.without(counter).observers == (idle,)
+        ((), True)
+    """
+
+    __slots__ = (
+        "observers",
+        "boundary",
+        "forward_began",
+        "forward_resumed",
+        "inputs_seen",
+        "forward_left",
+        "forward_closed",
+        "backward_started",
+        "backward_finished",
+    )
+
+    def __init__(self, observers: tuple[Observer, ...] = ()) -> None:
+        def listeners(event: str) -> _Listeners:
+            return tuple((o, getattr(o, event)) for o in observers if o.overrides(event))
+
+        self.observers = observers
+        self.boundary = listeners("boundary")
+        self.forward_began = listeners("forward_began")
+        self.forward_resumed = listeners("forward_resumed")
+        self.inputs_seen = listeners("inputs_seen")
+        # popped in the reverse of the order they were pushed in
+        self.forward_left = listeners("forward_left")[::-1]
+        self.forward_closed = listeners("forward_closed")
+        self.backward_started = listeners("backward_started")
+        self.backward_finished = listeners("backward_finished")
+
+    def without(self, observer: Observer) -> EventRoutes:
+        """These routes with ``observer`` no longer on (a fault switched it off)."""
+        return EventRoutes(tuple(o for o in self.observers if o is not observer))
+
+
+#: Routes to no observer (an iteration not watched, a released machine): shared, as it never changes.
+_NO_ROUTES = EventRoutes()
+
+
+class _StepNesting:
+    """The optimizer steps running. Steps nest (an optimizer whose step runs another's, as
+    wrappers do) and count once; the forwards begun in the running step (its closure's) tell
+    its set-up from its update; a step begun inside backward (per-parameter steps run from
+    gradient hooks) is backward's."""
+
+    __slots__ = ("depth", "forwards", "in_backward")
+
+    def __init__(self) -> None:
+        #: steps running, nested ones too (0: none)
+        self.depth = 0
+        #: forwards begun in the running step
+        self.forwards = 0
+        #: whether the running step began inside backward
+        self.in_backward = False
+
+    def clear(self) -> None:
+        """No step runs (its hooks are off: one begun is never ended)."""
+        self.depth = self.forwards = 0
+        self.in_backward = False
+
+
+class _BackwardWatch:
+    """Whether a backward is looked for, and how its end is found on an iteration not watched,
+    where nothing is queued on autograd's engine: its start was seen (``unsettled``), and it has
+    ended once this thread is outside every backward graph (``running()`` is false)."""
+
+    __slots__ = ("running", "unsettled", "off")
+
+    def __init__(self, running: Callable[[], bool]) -> None:
+        #: whether this thread runs inside a backward pass now
+        self.running = running
+        #: a backward began on an iteration not watched and its end is not noticed yet
+        self.unsettled = False
+        #: the hook set's backward hooks are off for good (a fault): no backward is looked for
+        self.off = False
+
+
 class PhaseMachine:
     """Where the running iteration is, from the events the hook set reports; no torch in it.
 
@@ -121,7 +224,6 @@ class PhaseMachine:
     ) -> None:
         self._read = read
         self._new_pending = new_pending
-        self._backward_running = backward_running
         self._on_first_forward = on_first_forward
         self._guard = guard or FaultGuard()
         #: the phase running now: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"``
@@ -130,19 +232,12 @@ class PhaseMachine:
         self.forward_pass: ForwardPass | None = None
         # the last forward pass's pending backward, until the next forward
         self._awaiting: Any = None
-        # optimizer steps running (nested steps count once), forwards begun in the running
-        # step, and whether the running step began inside backward
-        self._step_depth = 0
-        self._step_forwards = 0
-        self._step_in_backward = False
+        self._step = _StepNesting()
         # phases a framework marked itself (begin/end)
         self._explicit: set[str] = set()
         # the module the running interval runs in (per-layer mode; "": the model's own code)
         self._location: str | None = None
-        # a backward began on an iteration not watched and its end is not noticed yet
-        self._backward_unsettled = False
-        # the hook set's backward hooks are off for good (a fault): no backward is looked for
-        self._backward_off = False
+        self._backward = _BackwardWatch(backward_running)
         #: passes and steps of the running iteration (counted whether watched or not)
         self.forward_passes = 0
         self.backward_passes = 0
@@ -151,11 +246,10 @@ class PhaseMachine:
         self.model_calls = 0
         #: occurrences of each phase on a watched iteration
         self.phase_count: dict[str, int] = {}
-        self._plan: IterationPlan | None = None
+        self._plan = _RESTING
+        # the plan's ``watched``, kept here: every event reads it
         self._watched = False
-        self._per_layer = False
-        self._split_forward = False
-        self._listen(())
+        self._routes = _NO_ROUTES
 
     def read_from(self, read: Callable[[], Any]) -> None:
         """Read the counters with ``read`` from now on (the model moved to another device)."""
@@ -168,30 +262,10 @@ class PhaseMachine:
             return
         self._plan = plan
         self._watched = plan.watched
-        self._per_layer = plan.per_layer
-        self._split_forward = plan.split_forward
-        self._listen(plan.observers if plan.watched else ())
+        # An iteration not watched hands no event to anyone.
+        self._routes = EventRoutes(plan.observers) if plan.watched else _NO_ROUTES
 
-    def _listen(self, observers: tuple[Observer, ...]) -> None:
-        """Who receives each event (one tuple per event of :data:`~.observers.EVENTS`):
-        ``(observer, its bound method)`` pairs, made once per plan (no lookup per event), only
-        for observers that handle the event."""
-
-        def listeners(event: str) -> tuple[tuple[Observer, Callable[..., None]], ...]:
-            return tuple((o, getattr(o, event)) for o in observers if o.overrides(event))
-
-        self._observers = observers
-        self._on_boundary = listeners("boundary")
-        self._on_forward_began = listeners("forward_began")
-        self._on_forward_resumed = listeners("forward_resumed")
-        self._on_inputs_seen = listeners("inputs_seen")
-        # popped in the reverse of the order they were pushed in
-        self._on_forward_left = listeners("forward_left")[::-1]
-        self._on_forward_closed = listeners("forward_closed")
-        self._on_backward_started = listeners("backward_started")
-        self._on_backward_finished = listeners("backward_finished")
-
-    def _tell(self, listeners: tuple[tuple[Observer, Callable[..., None]], ...], *args: Any) -> None:
+    def _tell(self, listeners: _Listeners, *args: Any) -> None:
         for observer, event in listeners:
             try:
                 event(*args)
@@ -204,7 +278,7 @@ class PhaseMachine:
         part = observer.part
         if part is None:
             raise exc
-        self._listen(tuple(o for o in self._observers if o is not observer))
+        self._routes = self._routes.without(observer)
         try:
             observer.on_fault()
         finally:
@@ -216,7 +290,7 @@ class PhaseMachine:
         (equal to the running phase: split at a module boundary) run in ``location``."""
         reading = self._read()
         ended, where = self.phase, self._location
-        for observer, boundary in self._on_boundary:
+        for observer, boundary in self._routes.boundary:
             try:
                 boundary(reading, ended, following, where)
             except Exception as exc:  # noqa: BLE001 - the observer switches off, the rest goes on
@@ -240,7 +314,7 @@ class PhaseMachine:
     def module_left(self, ended_in: str, now_in: str) -> None:
         """A tracked module's forward ended (per-layer mode): what ran since the last boundary is
         put down to ``ended_in``; the code runs in ``now_in`` from here."""
-        if self.phase == "forward" and self._split_forward:
+        if self.phase == "forward" and self._plan.split_forward:
             self._location = ended_in
             self._mark("forward", now_in)
 
@@ -255,14 +329,15 @@ class PhaseMachine:
         it (part of) a training forward? No-grad forwards (evaluation) and recomputation inside
         backward leave nothing for a later backward: they are not a forward phase."""
         self.model_calls += 1
-        if self._backward_unsettled:
+        if self._backward.unsettled:
             self._settle_backward()
         if not grad_enabled or self.phase == "backward":
             return False
         if "forward" in self._explicit:
             # The framework marked this forward: only learn the inputs.
-            if self._on_inputs_seen:
-                self._tell(self._on_inputs_seen, args)
+            listeners = self._routes.inputs_seen
+            if listeners:
+                self._tell(listeners, args)
             return True
         self._begin_forward(args, entry)
         return True
@@ -273,17 +348,18 @@ class PhaseMachine:
             self._leave(pass_)
 
     def _begin_forward(self, args: Any, entry: Any, explicit: bool = False) -> None:
-        pass_ = self.forward_pass
-        location = "" if self._split_forward else None
+        pass_, step = self.forward_pass, self._step
+        location = "" if self._plan.split_forward else None
         if pass_ is not None and not explicit and not pass_.explicit and not pass_.pending.started:
             # Entered again before any backward (self.decoder after self.encoder): the same pass.
             self._switch("forward", location)
-            if self._on_forward_resumed:
-                self._tell(self._on_forward_resumed, args, entry)
+            listeners = self._routes.forward_resumed
+            if listeners:
+                self._tell(listeners, args, entry)
         else:
             if pass_ is not None:
                 self._close_forward()
-            if self._step_depth and not self._step_forwards and self.phase == "optimizer":
+            if step.depth and not step.forwards and self.phase == "optimizer":
                 # From the step's start to its closure's first forward is not the update.
                 self.phase = "other"
             if self._on_first_forward is not None:
@@ -296,15 +372,17 @@ class PhaseMachine:
                 self.phase, start = "forward", None
             self.forward_pass = ForwardPass(start, self._new_pending(), explicit)
             self.forward_passes += 1
-            if self._on_forward_began:
-                self._tell(self._on_forward_began, args, entry)
-        if self._step_depth:
-            self._step_forwards += 1
+            listeners = self._routes.forward_began
+            if listeners:
+                self._tell(listeners, args, entry)
+        if step.depth:
+            step.forwards += 1
 
     def _leave(self, pass_: ForwardPass) -> None:
         """The model was left: the pass may go on (another entry) or end (backward, a step)."""
-        if self._on_forward_left:
-            self._tell(self._on_forward_left)
+        listeners = self._routes.forward_left
+        if listeners:
+            self._tell(listeners)
         if self.phase == "forward":
             reading = self._switch("other")
             if reading is not None and pass_.start is not None:
@@ -317,8 +395,9 @@ class PhaseMachine:
             return
         self._awaiting = pass_.pending
         self._leave(pass_)  # still inside it when a phase marked by hand ends it
-        if self._on_forward_closed:
-            self._tell(self._on_forward_closed, pass_.kept)
+        listeners = self._routes.forward_closed
+        if listeners:
+            self._tell(listeners, pass_.kept)
 
     # -- backward ----------------------------------------------------------------------------------
     def backward_started(self, grad_outputs: Any) -> bool:
@@ -335,46 +414,53 @@ class PhaseMachine:
             # Counted and left when noticed ended (_settle_backward): nothing queued on the
             # engine, no gradient sizes, no hand-over to autograd's device thread.
             self.phase = "backward"
-            self._backward_unsettled = True
+            self._backward.unsettled = True
             return False
-        self._mark("backward", "" if self._per_layer else None)
+        self._mark("backward", "" if self._plan.per_layer else None)
         self._count("backward")
-        if self._on_backward_started:
-            self._tell(self._on_backward_started, grad_outputs)
+        listeners = self._routes.backward_started
+        if listeners:
+            self._tell(listeners, grad_outputs)
         return True
 
     def backward_finished(self) -> None:
         """The whole backward pass is done (autograd's engine ran the callback queued at its start)."""
         # Inside an optimizer step (a closure), what follows backward is the update.
-        end = self._switch("optimizer" if self._step_depth and not self._step_in_backward else "other")
+        step = self._step
+        end = self._switch("optimizer" if step.depth and not step.in_backward else "other")
         self.backward_passes += 1
-        if end is not None and self._on_backward_finished:
-            self._tell(self._on_backward_finished)
+        if end is not None:
+            listeners = self._routes.backward_finished
+            if listeners:
+                self._tell(listeners)
 
     def _settle_backward(self) -> None:
         """On an iteration not watched, a backward whose start was seen has ended once this
         thread is outside every backward graph: count it and leave its phase."""
-        if not self._backward_unsettled or self._backward_running():
+        backward = self._backward
+        if not backward.unsettled or backward.running():
             return
-        self._backward_unsettled = False
+        backward.unsettled = False
         self.backward_passes += 1
         if self.phase == "backward":
-            self.phase = "optimizer" if self._step_depth and not self._step_in_backward else "other"
+            step = self._step
+            self.phase = "optimizer" if step.depth and not step.in_backward else "other"
 
     # -- optimizer step ------------------------------------------------------------------------------
     def step_began(self) -> None:
         """An optimizer step over the model's parameters began (its pre-hook, or a framework's mark)."""
         if "optimizer" in self._explicit:
             return  # the framework marked this step
-        if self._backward_unsettled:
+        if self._backward.unsettled:
             self._settle_backward()
-        self._step_depth += 1
-        if self._step_depth > 1:
+        step = self._step
+        step.depth += 1
+        if step.depth > 1:
             return
-        self._step_forwards = 0
+        step.forwards = 0
         # A step run from a gradient hook inside backward (per-parameter steps) is part of backward.
-        self._step_in_backward = self.phase == "backward"
-        if not self._step_in_backward:
+        step.in_backward = self.phase == "backward"
+        if not step.in_backward:
             if self.forward_pass is not None:
                 self._close_forward()
             if self._watched:
@@ -384,14 +470,15 @@ class PhaseMachine:
 
     def step_ended(self) -> None:
         """An optimizer step over the model's parameters ended (its post-hook, or a framework's mark)."""
-        if "optimizer" in self._explicit or self._step_depth == 0:
+        step = self._step
+        if "optimizer" in self._explicit or step.depth == 0:
             return
-        self._step_depth -= 1
-        if self._step_depth:
+        step.depth -= 1
+        if step.depth:
             return
         self.optimizer_steps += 1
-        if self._step_in_backward:
-            self._step_in_backward = False
+        if step.in_backward:
+            step.in_backward = False
             return
         if self._watched:
             self._mark("other")
@@ -410,13 +497,13 @@ class PhaseMachine:
         check_phase_name(phase)
         if phase in self._explicit:
             return None
-        if self._backward_unsettled:
+        if self._backward.unsettled:
             self._settle_backward()
         if phase == "forward":
             self._begin_forward((), None, explicit=True)
         elif phase == "backward":
             self._close_forward()
-            self._switch("backward", "" if self._per_layer else None)
+            self._switch("backward", "" if self._plan.per_layer else None)
             self._count("backward")
         else:
             self.step_began()
@@ -440,12 +527,12 @@ class PhaseMachine:
     def at_rest(self) -> bool:
         """Whether nothing is open that the hooks must see end: no forward awaiting its
         backward, no backward, no step, no phase marked by hand (the hooks may sleep)."""
-        if self.forward_pass is not None or self._step_depth or self._explicit:
+        if self.forward_pass is not None or self._step.depth or self._explicit:
             return False
-        awaiting = self._awaiting
-        if awaiting is not None and not awaiting.started and not self._backward_off:
+        awaiting, backward = self._awaiting, self._backward
+        if awaiting is not None and not awaiting.started and not backward.off:
             return False  # the last forward's backward is still to come: it must be found
-        return not self._backward_unsettled and self.phase != "backward"
+        return not backward.unsettled and self.phase != "backward"
 
     def rest(self) -> None:
         """The hooks went to sleep: nothing runs until they wake."""
@@ -457,7 +544,7 @@ class PhaseMachine:
         return not (
             self._explicit
             or self.forward_pass is not None
-            or self._step_depth
+            or self._step.depth
             or self.forward_passes
             or self.backward_passes
             or self.optimizer_steps
@@ -470,7 +557,7 @@ class PhaseMachine:
         phase goes on), the one read of the others. Gives (that reading, (forward passes,
         backward passes, optimizer steps), occurrences of each phase, calls into the model),
         and starts counting the next iteration."""
-        if self._backward_unsettled:
+        if self._backward.unsettled:
             self._settle_backward()
         pass_ = self.forward_pass
         if pass_ is not None and not pass_.explicit and not model_running:
@@ -492,16 +579,16 @@ class PhaseMachine:
 
     def steps_switched_off(self) -> None:
         """The optimizer-step hooks are off for good: a step begun is never ended."""
-        self._step_depth = self._step_forwards = 0
-        self._step_in_backward = False
+        self._step.clear()
         if self.phase == "optimizer":
             self.phase = "other"
 
     def backward_switched_off(self) -> None:
         """The backward hooks are off for good: no backward is looked for or awaited."""
-        self._backward_off = True
+        backward = self._backward
+        backward.off = True
         self._awaiting = None
-        self._backward_unsettled = False
+        backward.unsettled = False
         if self.phase == "backward":
             self.phase = "other"
 
@@ -513,8 +600,8 @@ class PhaseMachine:
         """Drop every callable and observer given (a closed profiler is freed at once)."""
         self._on_first_forward = None
         self._new_pending = _no_pending
-        self._plan = None
-        self._listen(())
+        self._plan = _RESTING
+        self._routes = _NO_ROUTES
         self.forward_pass = self._awaiting = None
 
 
