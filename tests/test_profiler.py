@@ -428,3 +428,17 @@ def test_a_closed_profiler_is_freed_without_the_cycle_collector(stream):
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_the_settings_read_back_as_given_and_stay_fixed(stream, tmp_path):
+    model = mlp()
+    profiler = memory_profiler(model, 3, True, stream=stream, csv_dir=tmp_path, units="MiB", by_layer=True)
+    assert (profiler.print_period, profiler.csv, profiler.units, profiler.by_layer, profiler.strict) == (3, True, "MiB", True, False)
+    assert profiler.csv_path.parent == tmp_path and profiler.layers_csv_path.parent == tmp_path
+    assert profiler.cross_rank_summary is None and profiler.file_tag == ""  # one process
+    with pytest.raises(AttributeError):
+        profiler.print_period = 1  # the outputs and the budget were made for 3
+    assert not profiler.closed
+    profiler.close()
+    assert profiler.closed
+    assert profiler.record_stats() is None  # after close(): nothing measured, the run goes on
