@@ -40,7 +40,12 @@ KNOWN: dict[str, str] = {
         "reserved -14.1% on an H100 2026-11-27, -17.4% 2026-11-26 (-11.1% before gradient sums were made in place: the backward's 186 allocations now are the "
         "device's 186, and the gap is the bf16 3x3 convolutions' workspaces, 16 real requests of 102.8-104.8 MB sized otherwise)"
     ),
-    "unet": "largest batch: 19 predicted with the convolution workspaces' stated bound (4.8% of the peak) left free, and 21 (1.1x) runs: the bound is loose here (measure_kernels=True measures the workspaces instead)",
+    "unet": (
+        "largest batch: 19 predicted with the convolution workspaces' stated bound (4.8% of the peak) left free, and 21 "
+        "(1.1x) runs in a fresh process (H100, 2026-11-27); without the bound the replay gives 20: a forward "
+        "convolution's workspace is 66.4 MB by the rule and 22.3 MB on the device at batch 21 (measure_kernels=True "
+        "measures the workspaces instead)"
+    ),
 }
 
 #: At the edge of a goal: seen to miss it and to meet it on the same H100, torch 2.11, 2026-11-26.
