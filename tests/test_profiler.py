@@ -14,7 +14,7 @@ import pytorch_mem_profiler
 from pytorch_mem_profiler import IterationRecord, MemoryProfiler, memory_profiler
 from pytorch_mem_profiler.measure.devices import CpuCounter
 
-from .helpers import BackwardScratch, ScratchNet, mlp, nbytes, train_step
+from .helpers import BackwardScratch, ScratchNet, mlp, nbytes, train_step, unique_storage_bytes
 
 
 def make(model, stream, **kw) -> MemoryProfiler:
@@ -442,3 +442,24 @@ def test_the_settings_read_back_as_given_and_stay_fixed(stream, tmp_path):
     profiler.close()
     assert profiler.closed
     assert profiler.record_stats() is None  # after close(): nothing measured, the run goes on
+
+
+def test_a_model_moved_after_the_profiler_was_made_is_measured_where_it_went(stream, monkeypatch, caplog):
+    """The device measured follows the model (no device given): made before ``model.to(...)``,
+    the profiler measures the new device from the first forward on (the counter, the records, the
+    weights). A move to another CPU device id stands in for ``model.to("cuda")``."""
+    from pytorch_mem_profiler.measure import model_state
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    profiler = make(model, stream)
+    assert profiler.device == torch.device("cpu")
+    moved_to = torch.device("cpu", 0)
+    monkeypatch.setattr(model_state, "model_device", lambda *args: moved_to)
+    with caplog.at_level(logging.WARNING, logger="pytorch_mem_profiler"):
+        train_step(model, opt, torch.randn(4, 32))
+        record = profiler.record_stats()
+    assert "the model moved from cpu to cpu:0" in caplog.text
+    assert profiler.device == moved_to and record.device == "cpu:0"
+    assert record.weights == unique_storage_bytes(*model.parameters())
+    profiler.close()

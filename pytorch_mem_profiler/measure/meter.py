@@ -203,7 +203,6 @@ class Meter:
         _check_optimizers_step(self._optimizers, model)
         # the model's parameters, weights and buffers: counted again only when the model changes
         self._model_state = ModelState(model, device, rank_info)
-        self.device = self._model_state.device
         self.counter: MemoryCounter = make_counter(self.device)
         self._stamp = _RecordStamp(device_capacity(self.device), overhead)
         # The maker of the records of iterations the hooks slept through, kept here for the light
@@ -234,6 +233,11 @@ class Meter:
         #: whether the iteration :meth:`finish` closed last was watched and had nothing in it:
         #: the model never entered, no backward, no optimizer step
         self.idle = False
+
+    @property
+    def device(self) -> torch.device:
+        """The device measured: the one given, or the model's (followed when the model moves)."""
+        return self._model_state.device
 
     @property
     def model(self) -> torch.nn.Module:
@@ -511,12 +515,11 @@ class Meter:
             now,
         )
         self.counter.stop()
-        self.device = now
+        self._learn_model(now)  # the device measured is the model state's from here on
         self.counter = make_counter(now)
         self._stamp.set_capacity(device_capacity(now))
         self.counter.start()
         self._outside = DeviceMemoryReader(now)
-        self._learn_model(now)
         params = self._model_state.params
         hooks, machine, observers = self._hooks, self._machine, self._observers
         intervals = observers.intervals
