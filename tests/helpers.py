@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import io
 
@@ -28,6 +29,18 @@ def transformers_or_skip():  # type: ignore[no-untyped-def]
     if not transformers.utils.is_torch_available():
         pytest.skip(f"transformers {transformers.__version__} refuses torch {torch.__version__}: it builds no models")
     return transformers
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_lacks_bf16_lstm() -> str | None:
+    """Why this CPU cannot run a bf16 ``nn.LSTM`` (oneDNN's bf16 RNN needs AVX-512 bf16 or AMX, and
+    refuses to make its primitive elsewhere), or ``None`` where it can."""
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            nn.LSTM(4, 4)(torch.randn(2, 1, 4))
+    except RuntimeError as err:
+        return f"this CPU's oneDNN cannot run a bf16 LSTM: {str(err).splitlines()[0][:120]}"
+    return None
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -622,3 +622,21 @@ def test_matrices_cublas_cannot_read_in_place_are_copied_whole():
     bias = torch.empty(16, device="meta")
     assert layout_copies(aten.addmm.default, (bias, expanded, w), {}) == (64 * 32 * 4,)
     assert layout_copies(aten.addmm.default, (bias.expand(64, 16), x, w), {}) == ()  # the bias is not a cuBLAS operand
+
+
+def test_a_dilated_filter_pass_is_bounded_by_the_split_k_partials_measured():
+    """DeepLabV3's ASPP on an H100 and an H200 (fp32, 2048 -> 256 3x3 at 32 x 32, batch 8, dilations 12,
+    24, 36): each filter pass took 245,366,928 bytes, 13 fp32 partial weight gradients, where the rule of
+    the undilated shape gives the transforms (94.4 MB). The figure stays the rule's; the bound covers it."""
+    measured = 245_366_928
+    with torch.device("meta"):
+        go, x, w = torch.empty(8, 256, 32, 32), torch.empty(8, 2048, 32, 32), torch.empty(256, 2048, 3, 3)
+    for dilation in (12, 24, 36):
+        dilated = convolution_backward_scratch(go, x, w, stride=[1, 1], padding=[dilation] * 2, dilation=[dilation] * 2,
+                                               transposed=False, groups=1, output_mask=[True, True, False])
+        plain = convolution_backward_scratch(go, x, w, stride=[1, 1], padding=[1, 1], dilation=[1, 1], transposed=False,
+                                             groups=1, output_mask=[True, True, False])
+        assert dilated.passes == plain.passes  # the figure: the undilated shape's rule
+        filter_pass = dilated.passes[1][0]  # above the bias gradient (none here)
+        assert filter_pass < measured <= filter_pass + dilated.bound
+        assert plain.bound < measured - filter_pass  # the undilated bound would not cover it

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from pytorch_mem_profiler import estimate_memory
 from pytorch_mem_profiler.estimate.cpu_kernels import CpuKernels, onednn_lstm_workspace, onednn_version
 
-from .helpers import measured_peak
+from .helpers import cpu_lacks_bf16_lstm, measured_peak
 
 SGD_MOMENTUM = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -260,6 +260,8 @@ def test_every_operator_returns_on_fake_tensors_what_the_cpu_kernel_returns(name
 
 @pytest.mark.parametrize("name, kwargs, autocast", LSTMS, ids=[c[0] for c in LSTMS])
 def test_every_lstm_operator_returns_on_fake_tensors_what_the_cpu_kernel_returns(name, kwargs, autocast):
+    if autocast is not None and cpu_lacks_bf16_lstm():
+        pytest.skip(cpu_lacks_bf16_lstm())
     batch_first = LSTMS.index((name, kwargs, autocast)) % 2 == 1  # both layouts, over the configurations
     shape = (3, 7, 12) if batch_first else (7, 3, 12)
     check = _check_operators(lambda: _lstm(kwargs, batch_first), _images(*shape), autocast, torch.optim.AdamW, None, CpuKernels())
@@ -272,9 +274,10 @@ def test_without_the_rules_the_check_sees_each_family_differ():
     for name in ("batchnorm3d-channels-last", "groupnorm", "layernorm", "groupnorm-channels-last", "layernorm2d-fp32"):
         differ |= set(_check_operators(*FAMILY[name], None).differ)
     differ |= set(_check_operators(lambda: _lstm({}, False), _images(7, 3, 12), None, torch.optim.AdamW, None, None).differ)
+    # (the channels-last batch norm backward's gradient layout differs from the fake kernel's on some
+    # CPUs only, by the kernel's vectorized path: not counted on to differ here)
     expected = {
         "aten.native_batch_norm.default",
-        "aten.native_batch_norm_backward.default",
         "aten.native_group_norm.default",
         "aten.native_group_norm_backward.default",
         "aten.native_layer_norm_backward.default",
@@ -338,6 +341,8 @@ class _Recorder(TorchDispatchMode):
 def test_the_workspace_rule_gives_onednns_workspace_to_the_byte(dtype):
     """Across the leading dimensions' padding: inputs and hidden sizes on both sides of 16 and
     32 elements (64-byte rows) and 4 x hidden at 256 (a padded row), steps and batches of one."""
+    if dtype == BF16 and cpu_lacks_bf16_lstm():
+        pytest.skip(cpu_lacks_bf16_lstm())
     recorder = _Recorder(torch.ops.aten.mkldnn_rnn_layer.default)
     shapes = [(1, 1, 3, 5), (7, 3, 12, 20), (8, 2, 32, 32), (16, 5, 17, 64), (4, 9, 100, 48), (5, 4, 64, 128)]
     with recorder:
@@ -418,6 +423,8 @@ def test_the_cpu_estimate_equals_the_measured_peak(name):
 @pytest.mark.parametrize("batch_first", [False, True], ids=["seq-first", "batch-first"])
 @pytest.mark.parametrize("name, kwargs, autocast", LSTMS, ids=[c[0] for c in LSTMS])
 def test_the_cpu_estimate_of_an_lstm_equals_the_measured_peak(name, kwargs, autocast, batch_first):
+    if autocast is not None and cpu_lacks_bf16_lstm():
+        pytest.skip(cpu_lacks_bf16_lstm())
     shape = (3, 7, 12) if batch_first else (7, 3, 12)
     estimate, measured = _estimate_and_measure(lambda: _lstm(kwargs, batch_first), _images(*shape), autocast, torch.optim.AdamW, None)
     assert estimate.peak == measured, f"{name}: estimated {estimate.peak:,} B, measured {measured:,} B"

@@ -126,3 +126,23 @@ def test_rocms_kernel_question_is_answered_no_on_a_cuda_build():
     for overload in ask.overloads():
         rule = length_rule(getattr(ask, overload))
         assert rule is not None and rule((log_probs, targets, [30, 30], [10, 10], 0), {}) is False
+
+
+def test_lengths_whose_values_the_fake_mode_holds_are_read_inside_it():
+    """On fake CUDA tensors a factory's small tensor (``torch.full((batch,), frames)``) carries its
+    values as a real tensor (the fake tensor's ``constant``); the rule runs inside the fake mode, where
+    reading them with tensor operators would make fake tensors of them, without values."""
+    log_probs = torch.randn(BATCH, FRAMES, CLASSES).log_softmax(-1).transpose(0, 1)
+    targets = torch.randint(1, CLASSES, (BATCH, WIDTH))
+    lengths = [WIDTH - 2, WIDTH - 4, WIDTH - 3]
+    real = aten._ctc_loss(log_probs, targets, [FRAMES] * BATCH, lengths)
+    mode = fake_mode()
+    known = mode.fake_tensor_converter.from_real_tensor(mode, torch.tensor(lengths), make_constant=True)
+    frames = mode.fake_tensor_converter.from_real_tensor(mode, torch.full((BATCH,), FRAMES), make_constant=True)
+    assert known.constant is not None
+    with mode:
+        log_probs, padded = torch.empty(BATCH, FRAMES, CLASSES).transpose(0, 1), torch.empty(BATCH, WIDTH, dtype=torch.long)
+        fake = aten._ctc_loss(log_probs, padded, frames, known)
+    # log_alpha follows the longest target's value, not the padded width
+    assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real]
+    assert fake[1].shape[-1] == 2 * max(lengths) + 1 != 2 * WIDTH + 1

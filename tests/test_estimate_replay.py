@@ -27,8 +27,22 @@ def test_among_free_blocks_of_one_size_the_lowest_address_is_taken():
     taken = lambda replay: [e.address for e in replay.trace if e.action == "alloc" and e.key == 5][0]  # noqa: E731
     made = [e.address for e in by_creation.trace if e.action == "segment_alloc"]
     assert len(made) == 2 and by_creation.reserved == 40 * MIB
-    assert taken(by_creation) == made[0] + 16 * MIB  # the older segment's
+    # made-up addresses go down, as cudaMalloc's were seen to: the newer segment's block is taken
+    assert made[1] < made[0] and taken(by_creation) == made[1] + 16 * MIB
     assert taken(by_address) == 0x1000_0000 + 16 * MIB  # the lower address: the newer segment's
+    by_rising = AllocatorReplay(record=True, addresses=[0x1000_0000, 0x2000_0000]).run(events)
+    assert taken(by_rising) == 0x1000_0000 + 16 * MIB  # the older one's, where it lies lower
+
+
+def test_made_up_addresses_lie_below_every_segment_given_or_made():
+    replay = AllocatorReplay(record=True)
+    replay.add_segment(20 * MIB, [(20 * MIB, None)], small=False, address=0x7F00_0000_0000)
+    replay.run([(1, 30 * MIB), (2, 1000), (3, 40 * MIB), (1, -30 * MIB)])
+    replay.release_cached()
+    replay.run([(4, 50 * MIB)])
+    made = [e.address for e in replay.trace if e.action == "segment_alloc"]
+    # the given segment first, then the four made, each below all before it (the 30 MiB one given back too)
+    assert made[0] == 0x7F00_0000_0000 and len(made) == 5 and made == sorted(made, reverse=True)
 
 
 def test_under_a_limit_where_a_block_lands_decides_whether_a_segment_can_be_given_back():
@@ -45,12 +59,13 @@ def test_under_a_limit_where_a_block_lands_decides_whether_a_segment_can_be_give
         (4, 20 * MIB),   # a new 20 MiB segment: 32 + 20 > 40, B must go
     ]  # fmt: skip
     limit = 40 * MIB
-    # the replay ranks segments by creation: A is older, its block is taken, B is given back
-    assert simulate_reserved(events, limit=limit) == 40 * MIB
     # where cudaMalloc gave B the lower address, the allocator takes B: out of memory
     real = AllocatorReplay(limit=limit, addresses=[0x2000_0000, 0x1000_0000]).run(events)
     assert real.oom == (6, 20 * MIB) and real.releases == 1
+    # where it gave A the lower one, A's block is taken and B is given back
     assert AllocatorReplay(limit=limit, addresses=[0x1000_0000, 0x2000_0000]).run(events).oom is None
+    # the replay's own addresses go down, as cudaMalloc's were seen to: B lies lower
+    assert simulate_reserved(events, limit=limit) is None
 
 
 def test_a_release_gives_back_only_wholly_free_segments_of_both_pools():

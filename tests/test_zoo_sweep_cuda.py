@@ -31,15 +31,17 @@ _SMALL_RESERVED = "reserved {:+.1f}% of {:.0f} MB at the sweep's size (peak {:+.
 
 #: Known misses on the GPU (strict), from two H200s, torch 2.11, transformers 5.17, 2026-11-27
 #: (``zoo_conformance.py --registry sweep --quick``): reserved of small CNNs, a convolution
-#: workspace's segment or two more or less than the estimate's replay, their peaks within bounds.
+#: workspace's segment or two more or less than the estimate's replay, their peaks within bounds. The
+#: same again on four H100s, 2026-11-28, with the replay's segments placed downward: the same misses
+#: (RexNet and SelecSLS a point or two closer).
 KNOWN: dict[str, str] = {
     "timm_efficientnetv2_rw_t": _SMALL_RESERVED.format(-8.33, 251.7, -0.72, 11.8),
     "timm_mobileone_s0": _SMALL_RESERVED.format(-15.28, 151.0, -0.13, 31.9),
     "timm_convnextv2_atto": _SMALL_RESERVED.format(-16.67, 138.4, -5.83, 36.4),
     "timm_hrnet_w18_small": _SMALL_RESERVED.format(10.43, 241.2, 5.18, 24.2),
     "tv_mnasnet0_5": _SMALL_RESERVED.format(-19.23, 109.1, 0.0, 94.5),
-    "timm_rexnet_100": _SMALL_RESERVED.format(-14.1, 163.6, 0.0, 26.2),
-    "timm_selecsls42b": _SMALL_RESERVED.format(7.54, 723.5, -1.4, 4.3),
+    "timm_rexnet_100": _SMALL_RESERVED.format(-12.99, 161.5, 0.0, 26.2),
+    "timm_selecsls42b": _SMALL_RESERVED.format(5.70, 736.1, -1.53, 4.3),
     "tv_shufflenet_v2_x0_5": _SMALL_RESERVED.format(-23.91, 96.5, -18.85, 253.1),
     "timm_starnet_s1": _SMALL_RESERVED.format(-14.49, 144.7, 0.0, 33.3),
     "tv_regnet_y_400mf": _SMALL_RESERVED.format(-16.18, 142.6, 0.22, 36.2),
@@ -54,7 +56,7 @@ UNSTEADY: dict[str, str] = {
 }
 
 
-@pytest.mark.parametrize("name", cases(SWEEP, KNOWN, on_cpu=False, unsteady=UNSTEADY))
+@pytest.mark.parametrize("name", cases(SWEEP, KNOWN, on_cpu=False, unsteady=UNSTEADY, raises=AssertionError))
 def test_the_sweeps_model_conforms_on_the_gpu(name):
     import zoo_conformance
 

@@ -61,8 +61,10 @@ in one workspace as large as the largest candidate's that fits the free memory
 (2.34 GB measured for a 3x3 fp32 convolution whose steady workspace is 18 MB): the
 bound adds :data:`BENCHMARK_SEARCH_BOUND` and twice the transforms. Not covered:
 ``deterministic`` plans, dilated convolutions (the rule of their undilated
-shape), 64-bit-indexed convolutions, MIOpen, other GPUs and cuDNN versions (the
-classes were measured on Hopper with cuDNN 9.19: run the benchmark on yours).
+shape; the filter pass's bound covers :data:`DILATED_FILTER_PARTIALS` fp32 partial
+weight gradients, which DeepLabV3's were measured to take), 64-bit-indexed
+convolutions, MIOpen, other GPUs and cuDNN versions (the classes were measured
+on Hopper with cuDNN 9.19: run the benchmark on yours).
 
 Example::
 
@@ -94,6 +96,7 @@ from .allocator import MIN_LARGE_ALLOC, ROUND_LARGE, block_size
 __all__ = [
     "TRANSFORM_HEADER",
     "BENCHMARK_SEARCH_BOUND",
+    "DILATED_FILTER_PARTIALS",
     "ConvScratch",
     "memory_format",
     "conv_backend",
@@ -146,6 +149,12 @@ NO_TF32_FILTER_SHARE = 2.5
 #: A depthwise convolution on cuDNN (``channels_last``) in fp32: the backward measured 4.1 times its
 #: tensors (7x7, 96 channels): the bound is this many times the transforms.
 FP32_DEPTHWISE_SHARE = 5
+#: A dilated NCHW convolution's filter pass took this many fp32 partial weight gradients where the rule
+#: of its undilated shape gives the transforms: DeepLabV3's ASPP on an H100 and an H200 (cuDNN 9.19,
+#: fp32, 2048 -> 256 3x3 at 32 x 32, batch 8, dilations 12, 24 and 36: 245,366,928 bytes each, 13 times
+#: the weight's 18,874,368, against the transforms' 94.4 MB). One shape measured, so not the estimate:
+#: the bound, which the largest batch leaves free.
+DILATED_FILTER_PARTIALS = 13
 #: The bias gradient's sum over all but the channels of an NCHW gradient: a few KiB measured.
 NCHW_BIAS_REDUCTION_BOUND = 64 << 10
 #: Under ``cudnn.benchmark`` the first call of a shape times every candidate plan in one workspace
@@ -607,6 +616,9 @@ def convolution_backward_scratch(
     if want_weight:
         workspace, b = passes["filter"]
         taken.append((workspace - grad_bias,))
+        if any(d != 1 for d in dilation) and not channels_last:
+            # a dilated filter pass may take split-K partial weight gradients instead (not sized by shape)
+            b = max(b, DILATED_FILTER_PARTIALS * weight.numel() * 4 + WORKSPACE_FLOOR - workspace)
         bound = max(bound, b)
     taken.append(reduction)
     return ConvScratch(tuple(copies), _nonzero(taken), bound, backend)

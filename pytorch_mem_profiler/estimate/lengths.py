@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["LENGTH_RULES", "length_rule"]
 
@@ -52,15 +53,18 @@ aten = torch.ops.aten
 
 
 def _values(lengths: Any) -> list[int] | None:
-    """``lengths`` as ints where they are known: a list, a real tensor, or a fake tensor with values."""
+    """``lengths`` as ints where they are known: a list, a real tensor, or a fake tensor with values.
+
+    Read with the dispatch modes off: the rule runs inside the fake mode, where any operator on
+    the values (a real tensor) would make a fake tensor of them, whose ``tolist()`` has no values.
+    """
     if isinstance(lengths, (list, tuple)):
         return [int(v) for v in lengths]
-    if isinstance(lengths, FakeTensor):
-        known = lengths.constant
-        return None if known is None else [int(v) for v in known.reshape(-1).tolist()]
-    if isinstance(lengths, torch.Tensor) and lengths.device.type != "meta":
-        return [int(v) for v in lengths.reshape(-1).tolist()]
-    return None
+    known = lengths.constant if isinstance(lengths, FakeTensor) else lengths
+    if not isinstance(known, torch.Tensor) or known.device.type == "meta":
+        return None
+    with _disable_current_modes():
+        return [int(v) for v in known.reshape(-1).tolist()]
 
 
 def _ctc_loss(func: Any) -> Callable[[tuple, dict], Any]:
