@@ -629,7 +629,8 @@ def rule_check(trace: RealTrace, limit: int | None, *, real_addresses: bool = Tr
     request where the replay makes a segment and the real allocator does not (or the other way),
     gives back another number of segments, or runs out where the other does not. ``real_addresses``:
     new segments take the real ones in order (ties between free blocks of a size go by address, as
-    the allocator's do); else they rank by creation, as the estimate's replay does."""
+    the allocator's do); else the replay makes them up, each below the others, as the estimate's
+    replay does."""
     addresses = [int(e["addr"]) for e in trace.entries if e["action"] == "segment_alloc"] if real_addresses else None
     replay = AllocatorReplay(limit=limit, record=True, addresses=addresses)
     for address, size, small, blocks in trace.base_blocks:
@@ -674,7 +675,7 @@ def rule_check(trace: RealTrace, limit: int | None, *, real_addresses: bool = Tr
         if first is not None or action == "oom":
             break
     return {
-        "addresses": "real" if real_addresses else "by creation",
+        "addresses": "real" if real_addresses else "made up, each below the others",
         "exact": first is None,
         "first_difference": first,
         "replay_peak_reserved": replay.peak_reserved,

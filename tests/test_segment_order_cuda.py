@@ -42,6 +42,8 @@ def run_and_replay(name: str, batch: int) -> dict[str, int]:
     """Two steps of ``name`` at ``batch`` on this process's GPU, recorded; what the device reserved and
     what the run's requests reserve replayed with the replay's addresses and with rising ones."""
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+    import replay_against_real as rar
+
     from benchmarks.zoo import registries
     from benchmarks.zoo.training import Training
 
@@ -53,19 +55,15 @@ def run_and_replay(name: str, batch: int) -> dict[str, int]:
         run.step()
     torch.cuda.synchronize(device)
     device_reserved = torch.cuda.max_memory_reserved(device)
-    trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    stats = torch.cuda.memory_stats(device)
+    snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    events, keys, made = [], {}, []
-    for entry_ in trace:
-        action, address, size = entry_["action"], int(entry_["addr"]), int(entry_["size"])
-        if action == "alloc":
-            keys[address] = len(events) + 1
-            events.append((keys[address], size))
-        elif action == "free_completed" and address in keys:
-            events.append((keys.pop(address), -size))
-        elif action == "segment_alloc":
-            made.append(address)
-    assert not any(e["action"] == "segment_free" for e in trace), "a segment was given back: not a free run"
+    # a fresh process: no segment before the recording (the base is empty)
+    trace = rar.parse_real(snapshot, [], counts=(stats["allocation.all.allocated"], stats["allocation.all.freed"]))
+    assert not trace.truncated
+    assert not any(e["action"] == "segment_free" for e in trace.entries), "a segment was given back: not a free run"
+    made = [int(e["addr"]) for e in trace.entries if e["action"] == "segment_alloc"]
+    events = trace.events
     rising = [(1 << 44) * (i + 1) for i in range(len(made) + 1)]
     return {
         "device": device_reserved,
