@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from torch import nn
 
@@ -187,6 +188,40 @@ def test_the_largest_batch_leaves_the_stated_bound_free_at_each_batch_tried():
     on_cpu = _estimate(device="cpu", peak_at=lambda batch: (100 * batch, "backward"), error_bound_at=lambda batch: 10 * batch,
                        error_bounds={"x": 10})  # fmt: skip
     assert on_cpu.batch_search(1000, margin=0, outside=0).largest == 9
+
+
+def test_any_batch_can_be_asked_whether_it_fits_where_the_allocators_answer_is_not_monotonic():
+    # near a limit a larger batch can lay its blocks out so that it fits where a smaller one ran out
+    # (Llama-style decoder under 12 GiB on an H200: 19 fits, 20 runs out, 21 and 22 fit, the replay the same)
+    fitting = {*range(1, 20), 21, 22}
+    est = _estimate(reserved=100, reserved_at=lambda batch, limit: 100 if batch in fitting else None)
+    largest = est.batch_search(10_000, margin=0, outside=0).largest  # a batch that fits, the next one up not
+    assert largest in (19, 22) and est.batch_fits(largest, 10_000, outside=0) and not est.batch_fits(largest + 1, 10_000, outside=0)
+    assert [b for b in range(18, 25) if est.batch_fits(b, 10_000, outside=0)] == [18, 19, 21, 22]
+    # the stated bound is left free as the search leaves it
+    bounded = _estimate(reserved=100, reserved_at=lambda batch, limit: 100 * batch if 100 * batch <= limit else None,
+                        error_bounds={"conv": 10}, error_bound_at=lambda batch: 10 * batch)  # fmt: skip
+    assert bounded.batch_fits(9, 1000, outside=0) and not bounded.batch_fits(10, 1000, outside=0)
+    assert bounded.batch_fits(9, 1000, outside=10) and not bounded.batch_fits(9, 1000, outside=11)  # 9 * (100 + 10) = 990
+    on_cpu = _estimate(device="cpu", peak_at=lambda batch: (100 * batch, "backward"))
+    assert on_cpu.batch_fits(10, 1000, outside=0) and not on_cpu.batch_fits(11, 1000, outside=0)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="batch"):
+            est.batch_fits(bad, 1000)
+    with pytest.raises(ValueError, match="fit=True"):
+        _estimate().batch_fits(2, 1000)
+
+
+def test_whether_a_batch_fits_is_the_replay_of_that_batchs_own_estimate():
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    est = estimate_memory(model, torch.zeros(4, 256), device="cuda", emulate=True)
+    limit = 160 * MIB
+    for batch in (64, 5000, 20_000, 40_000):
+        own = estimate_memory(model, torch.zeros(batch, 256), device="cuda", emulate=True, fit=False)
+        replay = AllocatorReplay(limit=limit).run(own.step_events.events)
+        assert est.batch_fits(batch, limit, outside=0) == (replay.oom is None), batch
+    largest = est.batch_search(limit, margin=0, outside=0).largest
+    assert est.batch_fits(largest, limit, outside=0) and not est.batch_fits(largest + max(1, largest // 50), limit, outside=0)
 
 
 def test_the_stated_bound_counts_one_operators_buffers_once():

@@ -176,6 +176,22 @@ def test_the_conformance_run_takes_any_registry_and_names_a_model_it_lacks(regis
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_a_larger_batch_that_fits_meets_the_goal_only_where_the_estimate_says_it_fits():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import zoo_conformance
+
+    goal = zoo_conformance.largest_batch_goal
+    assert goal(True, False, False) and goal(True, True, True)
+    assert not goal(True, True, False) and not goal(True, False, True) and not goal(False, False, False)
+    row = {"card": 12 << 30, "predicted": 19, "fits": True, "larger": 21, "larger_fits": True, "larger_estimated_fits": True, "ok": True}
+    assert "21 fits (estimated to fit)" in zoo_conformance.table_row({
+        "name": "llama", "family": "decoder", "setup": "AdamW", "batch": 8, "measured": {"allocated": 1, "reserved": 1},
+        "profiler": {"reference_peak": 10, "iteration_peak": 10, "breakdown_sum": 10, "weights": (4, 4),
+                     "gradients": (4, 4), "optimizer_state": (8, 8), "layers": (1000, 1000)},
+        "fake_cuda": {}, "emulated": {}, "largest_batch": row,
+    })[-2]
+
+
 def test_the_largest_batch_runs_in_a_fresh_process_of_the_models_registry(monkeypatch):
     """Each largest-batch run is a user's: a new process builds the model and trains at that batch
     (the GPU runs it; here the command it is given and how its answer is read)."""

@@ -479,42 +479,20 @@ class MemoryEstimate:
             )
         extra = self.outside if outside is None else outside
         budget = device_memory - extra
-        # the estimate's stated error is left free at each batch tried (the bound grows with the batch)
         stated = self.error_bound
-        bound_at = self.error_bound_at if self.error_bound_at is not None else (lambda _batch: stated)
         bounds: dict[int, int] = {}
-
-        def left_free(batch: int) -> int:
-            bounds[batch] = bound_at(batch)
-            return bounds[batch]
-
-        line = fit.largest_batch(budget - self.workspace - stated)
         tried: list[tuple[int, bool]] = []
         phases: dict[int, str] = dict(fit.peak_phases)
+        fits = self._fits_within(budget, bounds, tried, phases)
+        line = fit.largest_batch(budget - self.workspace - stated)
         largest = line
         if self.reserved_at is not None:
             guess = max(1, line)
             if self.reserved and self.peak_allocated:
                 # segments hold about the same share more than the blocks at any batch: a first guess
                 guess = max(1, min(line, fit.largest_batch((budget - stated) * self.peak_allocated / self.reserved - self.workspace)))
-            replay = self.reserved_at
-
-            def fits(batch: int) -> bool:
-                ok = replay(batch, budget - left_free(batch)) is not None
-                tried.append((batch, ok))
-                return ok
-
             largest = largest_verified(fits, guess)
         elif self.peak_at is not None:
-            measure = self.peak_at
-
-            def fits(batch: int) -> bool:
-                peak, phase = measure(batch)
-                phases[batch] = phase
-                ok = peak + self.workspace + left_free(batch) <= budget
-                tried.append((batch, ok))
-                return ok
-
             largest = largest_verified(fits, max(1, line))
         peak_phase = phases.get(largest)
         if largest in phases or not tried:
@@ -530,6 +508,52 @@ class MemoryEstimate:
             peak_moves=moves,
             bound=bounds.get(largest, stated) if largest else 0,
         )
+
+    def batch_fits(self, batch: int, device_memory: int, *, outside: int | None = None) -> bool:
+        """Whether a step at ``batch`` fits in ``device_memory`` bytes, by the rule :meth:`batch_search`
+        applies to each batch it tries (one fake step; no margin).
+
+        Near a limit the caching allocator's answer need not be monotonic in the batch: a larger
+        batch lays its blocks out otherwise and may fit where a smaller one ran out (the replay
+        follows the allocator, so it says so too). :meth:`batch_search` answers the largest batch
+        below the first that does not fit; ask this for any other.
+
+        Raises:
+            ValueError: a bad argument, or an estimate that cannot step another batch (``fit=False``).
+        """
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a positive integer, got {batch!r}")
+        if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory <= 0:
+            raise ValueError(f"device_memory must be a positive number of bytes, got {device_memory!r}")
+        if self.reserved_at is None and self.peak_at is None:
+            raise ValueError("this estimate cannot step another batch: make it with fit=True and a batch dimension")
+        budget = device_memory - (self.outside if outside is None else outside)
+        return self._fits_within(budget, {}, [], {})(batch)
+
+    def _fits_within(
+        self, budget: int, bounds: dict[int, int], tried: list[tuple[int, bool]], phases: dict[int, str]
+    ) -> Callable[[int], bool]:
+        """``batch -> fits`` within ``budget`` bytes, noting each batch's stated bound, verdict and peak phase.
+
+        The estimate's stated error is left free at each batch tried (the bound grows with the batch).
+        On CUDA a batch fits when the allocator replay runs it under the limit; elsewhere when its
+        peak, the workspace and the bound are within ``budget``."""
+        stated = self.error_bound
+        bound_at = self.error_bound_at if self.error_bound_at is not None else (lambda _batch: stated)
+        replay, measure, workspace = self.reserved_at, self.peak_at, self.workspace
+
+        def fits(batch: int) -> bool:
+            bounds[batch] = bound_at(batch)
+            if replay is not None:
+                ok = replay(batch, budget - bounds[batch]) is not None
+            else:
+                assert measure is not None
+                peak, phases[batch] = measure(batch)
+                ok = peak + workspace + bounds[batch] <= budget
+            tried.append((batch, ok))
+            return ok
+
+        return fits
 
     # -- the report --------------------------------------------------------------
     def settings(self, unit: str = "MB") -> list[tuple[str, str]]:
