@@ -479,7 +479,7 @@ def merged(json_paths: list[Path]) -> dict[str, Any]:
 def append_row(path: Path, row: dict[str, Any], device: torch.device, *, quick: bool, seconds: float | None = None) -> dict[str, Any]:
     """``row`` added to the run's JSON at ``path`` (made if missing) and the payload written back:
     the script and ``tests/test_zoo_cuda.py`` (``ZOO_CONFORMANCE_OUT=folder``) both feed ``--publish``."""
-    payload = json.loads(path.read_text()) if path.exists() else {"rows": [], "seconds": 0.0, "started": time.time()}
+    payload = json.loads(path.read_text()) if path.exists() else {"rows": [], "seconds": 0.0}
     rows = [r for r in payload["rows"] if r.get("name") != row.get("name")] + [row]
     # each row times its own model from its start; the first row's start is not the file's
     elapsed = seconds if seconds is not None else sum(r.get("seconds", 0.0) for r in rows)

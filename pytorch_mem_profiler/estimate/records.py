@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..stats import IterationRecord
-from .result import BatchFit
+from .result import BatchFit, check_device_memory
 
 __all__ = ["fit_records", "max_batch_from_records"]
 
@@ -101,8 +101,7 @@ def max_batch_from_records(
         device_memory = next((r.device_total for r in reversed(records) if r.device_total), None)
         if device_memory is None:
             raise ValueError("device_memory is needed: the records do not know the device's total memory (CPU?)")
-    if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory <= 0:
-        raise ValueError(f"device_memory must be a positive number of bytes, got {device_memory!r}")
+    check_device_memory(device_memory)
     fit = fit_records(records, batch_size)
     outside = max((r.outside_pytorch for r in records if r.outside_pytorch is not None), default=0)
     largest = fit.largest_batch(device_memory - max(0, outside))

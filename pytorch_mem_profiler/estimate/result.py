@@ -208,6 +208,20 @@ def largest_verified(fits: Callable[[int], bool], guess: int, *, tolerance: floa
     return _bisect(ok, lo, hi, tolerance)
 
 
+def check_device_memory(device_memory: object) -> None:
+    """Raise ``ValueError`` naming ``device_memory`` unless it is a positive number of bytes (an ``int``).
+
+    Example::
+
+        >>> check_device_memory(2**30)
+        >>> check_device_memory(0.5)
+        Traceback (most recent call last):
+        ValueError: device_memory must be a positive number of bytes, got 0.5
+    """
+    if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory <= 0:
+        raise ValueError(f"device_memory must be a positive number of bytes, got {device_memory!r}")
+
+
 def error_bound_of(bounds: Mapping[str, int], transient: frozenset[str] | set[str] = frozenset()) -> int:
     """The bytes a peak may be off by, from each operation's bound (``bounds``).
 
@@ -460,8 +474,7 @@ class MemoryEstimate:
         Raises:
             ValueError: a bad argument, or no fit (an estimate made without a batch dimension).
         """
-        if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory <= 0:
-            raise ValueError(f"device_memory must be a positive number of bytes, got {device_memory!r}")
+        check_device_memory(device_memory)
         if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ValueError(f"margin must be at least 0 and less than 1, got {margin!r}")
         if self.fit is None:
@@ -523,8 +536,7 @@ class MemoryEstimate:
         """
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be a positive integer, got {batch!r}")
-        if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory <= 0:
-            raise ValueError(f"device_memory must be a positive number of bytes, got {device_memory!r}")
+        check_device_memory(device_memory)
         if self.reserved_at is None and self.peak_at is None:
             raise ValueError("this estimate cannot step another batch: make it with fit=True and a batch dimension")
         budget = device_memory - (self.outside if outside is None else outside)
