@@ -30,6 +30,7 @@ __all__ = [
     "parts_on",
     "allocation_bytes",
     "same_device",
+    "DeviceMatch",
     "unique_parameters",
     "weight_bytes",
     "gradient_bytes",
@@ -156,10 +157,43 @@ def allocation_bytes(tensor: torch.Tensor) -> int:
         return tensor_bytes(tensor)
 
 
+class DeviceMatch(dict):
+    """Whether a tensor on the device given as the key lives on ``device`` (an index-less device
+    matches any index): ``match[tensor.device]``.
+
+    ``torch.device.type`` makes a new string at each read (about 0.8 us, more than the rest of a
+    saved tensor's check); a dict lookup of the device object costs a sixth of that. Each device
+    met is compared once, then remembered (there are only a few).
+
+    Example::
+
+        >>> match = DeviceMatch(torch.device("cpu"))
+        >>> match[torch.ones(1).device], match[torch.device("meta")]
+        (True, False)
+    """
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __missing__(self, dev: torch.device) -> bool:
+        device = self.device
+        on = self[dev] = dev.type == device.type and (device.index is None or dev.index in (None, device.index))
+        return on
+
+
+#: one :class:`DeviceMatch` per device asked about by :func:`same_device`
+_MATCHES: dict[torch.device, DeviceMatch] = {}
+
+
 def same_device(tensor: torch.Tensor, device: torch.device) -> bool:
     """True when ``tensor`` lives on ``device`` (an index-less device matches any index)."""
-    dev = tensor.device
-    return dev.type == device.type and (device.index is None or dev.index in (None, device.index))
+    match = _MATCHES.get(device)
+    if match is None:
+        match = _MATCHES[device] = DeviceMatch(device)
+    return match[tensor.device]
 
 
 def _memory_key(tensor: torch.Tensor) -> tuple[int, int, int]:

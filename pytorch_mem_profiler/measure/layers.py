@@ -70,7 +70,7 @@ from types import MappingProxyType
 
 from ..faults import FaultGuard
 from ..stats import ACTIVATIONS, INPUT, WEIGHT_COPIES, LayerFeatureMaps
-from .accounting import PLAIN_TENSORS, storage_parts
+from .accounting import PLAIN_TENSORS, DeviceMatch, storage_parts
 from .observers import Observer
 from .saved_tensors import ChainedSavedTensorsHooks, InnerWatch, can_chain, watch_over_inner_hooks
 from .trees import is_compiled, output_grad_nodes, tensors_in
@@ -212,8 +212,8 @@ class LayerAttribution(Observer):
         self.model = model
         #: contains the faults of the hooks it installs (part :data:`ATTRIBUTION_PART`)
         self.guard = guard or FaultGuard()
-        # the device's type and index, apart: the pack hook compares each saved tensor's with them
-        self._device_type, self._device_index = device.type, device.index
+        # whether a saved tensor's device is this one, by device object (the pack hook asks for each)
+        self._on_device = DeviceMatch(device)
         self.on_exit = on_exit
         self.on_backward_enter = on_backward_enter
         self._learn(ModelMap(model, max_locations))
@@ -450,8 +450,8 @@ class LayerAttribution(Observer):
             # The common case: the tensor is its one piece of memory. ``_attribute``, inline (this
             # runs for every saved tensor): a storage seen already (a view saved again, the next
             # layer's input) or a weight's (Linear saves ``weight.t()``) ends here.
-            dev, index = kept.device, self._device_index
-            if dev.type != self._device_type or not (index is None or dev.index is None or dev.index == index):
+            dev = kept.device
+            if not self._on_device[dev]:
                 return
             storage = kept.untyped_storage()
             key = (storage.data_ptr(), dev.index or 0)
@@ -468,8 +468,7 @@ class LayerAttribution(Observer):
         # ``same_device`` with the attributed device and ``_storage_key(part)``, inline for a plain tensor:
         # this runs for every saved tensor.
         dev = part.device
-        index = self._device_index
-        if dev.type != self._device_type or not (index is None or dev.index is None or dev.index == index):
+        if not self._on_device[dev]:
             return
         if type(part) in PLAIN_TENSORS:
             storage = part.untyped_storage()

@@ -67,7 +67,7 @@ import torch
 
 from ..faults import FaultGuard
 from ..stats import PEAK_CATEGORIES
-from .accounting import PLAIN_TENSORS, allocation_bytes, optimizer_state_tensors, parts_on, same_device
+from .accounting import PLAIN_TENSORS, DeviceMatch, allocation_bytes, optimizer_state_tensors, parts_on, same_device
 from .devices import CpuCounter, MemoryCounter, Reading
 from .observers import Observer
 from .saved_tensors import ChainedSavedTensorsHooks, can_chain
@@ -126,8 +126,9 @@ class PeakBreakdown(Observer):
 
     def __init__(self, device: torch.device, guard: FaultGuard | None = None) -> None:
         self.device = device
-        # The device compared without a helper call per tensor (see ``accounting.same_device``).
-        self._device_type, self._device_index = device.type, device.index
+        # Whether a tensor's device is this one, by device object, without a helper call per tensor
+        # (see ``accounting.DeviceMatch``).
+        self._on_device = DeviceMatch(device)
         self._guard = guard or FaultGuard()
         #: the module running now (per-layer mode, given at :meth:`start`), for ``peak_layers``
         self.module_name: Callable[[], str] | None = None
@@ -169,8 +170,7 @@ class PeakBreakdown(Observer):
         if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
             # The common case (no user's hook): the tensor is its one piece of memory; on the
             # device (``accounting.same_device``, inline: this runs for every saved tensor)?
-            dev, index = kept.device, self._device_index
-            if dev.type == self._device_type and (index is None or dev.index is None or dev.index == index):
+            if self._on_device[kept.device]:
                 self._saved(kept, module)
             return
         for part in parts_on(tensors_in(kept), self.device):
@@ -588,12 +588,11 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         call (this runs for every weight, state tensor and gradient of a reported iteration)."""
         alive = self._alive
         add_storage = alive.add_storage
-        device_type, index = self._device_type, self._device_index
+        on_device = self._on_device
         strided = torch.strided
         for t in tensors:
             if type(t) in PLAIN_TENSORS and t.layout is strided:
-                dev = t.device
-                if dev.type != device_type or not (index is None or dev.index is None or dev.index == index):
+                if not on_device[t.device]:
                     continue
                 try:
                     storage = t.untyped_storage()
@@ -659,11 +658,14 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         still awaiting one (each looked at once it has one; the loops run in C)."""
         awaiting = self._awaiting
         grads = list(map(_grad_of, awaiting))
-        missing = list(map(_is_none, grads))
-        if all(missing):
+        if all(map(_is_none, grads)):  # most boundaries: none new (no list made for them)
             return
+        missing = list(map(_is_none, grads))
         self._awaiting = list(itertools.compress(awaiting, missing))
-        self._track_new(list(itertools.compress(grads, map(operator.not_, missing))), "gradients")
+        # Gradients that appeared since the last boundary are new to the tracker as a rule:
+        # ``_track`` without ``_track_new``'s look-up first (``_track`` leaves a storage tracked
+        # already in its first category all the same).
+        self._track(list(itertools.compress(grads, map(operator.not_, missing))), "gradients")
 
     def gradients_ready(self, params: Sequence[torch.Tensor]) -> None:
         self._track_new([grad for p in params if (grad := p.grad) is not None], "gradients")
@@ -695,8 +697,7 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         # What the shared one does, inline for a plain tensor (this runs for every saved tensor),
         # and a storage tracked already (a view saved again, a weight) asks for no module name.
         if type(kept) in PLAIN_TENSORS and kept.layout is torch.strided:
-            dev, index = kept.device, self._device_index
-            if dev.type != self._device_type or not (index is None or dev.index is None or dev.index == index):
+            if not self._on_device[kept.device]:
                 return
             try:
                 storage = kept.untyped_storage()
@@ -806,13 +807,10 @@ class BoundaryPeakBreakdown(PeakBreakdown):
         tensors = list(optimizer_state_tensors(optimizers))
         if not _all_plain_strided(tensors):
             return sum(part.untyped_storage().nbytes() for part in parts_on(tensors, self.device))
-        device_type, index = self._device_type, self._device_index
-        on = {
-            dev: dev.type == device_type and (index is None or dev.index is None or dev.index == index)
-            for dev in set(map(_device_of, tensors))
-        }
-        if not all(on.values()):  # some elsewhere (Adam's CPU step counters beside CUDA moments)
-            tensors = list(itertools.compress(tensors, map(on.__getitem__, map(_device_of, tensors))))
+        devices = list(map(_device_of, tensors))
+        on = self._on_device
+        if not all(map(on.__getitem__, set(devices))):  # some elsewhere (Adam's CPU step counters beside CUDA moments)
+            tensors = list(itertools.compress(tensors, map(on.__getitem__, devices)))
         return sum(map(_nbytes_of, map(_storage_of, tensors)))
 
     def result(self, peak: int | None, params: Sequence[torch.Tensor], optimizers: Iterable[Any]) -> PeakResult | None:

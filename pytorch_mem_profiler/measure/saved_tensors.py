@@ -130,14 +130,6 @@ def kept_without_node(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.grad_fn is not None else tensor
 
 
-def _kept(tensor: torch.Tensor, watcher: ChainedSavedTensorsHooks) -> torch.Tensor:
-    try:  # autograd calls this: a fault keeps the tensor itself, as autograd would be handed back
-        return kept_without_node(tensor)
-    except Exception as exc:  # noqa: BLE001 - watching must never break the forward
-        watcher._fault(exc)
-        return tensor
-
-
 def _own_watcher(pair: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]) -> ChainedSavedTensorsHooks | None:
     """The watcher whose own pair (no user's hooks below it) ``pair`` is, else ``None``."""
     pack, unpack = pair
@@ -212,7 +204,12 @@ class ChainedSavedTensorsHooks:
             self.observe(tensor)
         except Exception as exc:  # noqa: BLE001 - watching must never break the forward
             self._fault(exc)
-        return _kept(tensor, self), tensor._version
+        try:  # ``kept_without_node``, inline (per saved tensor): a fault keeps the tensor itself
+            kept = tensor.detach() if tensor.grad_fn is not None else tensor
+        except Exception as exc:  # noqa: BLE001 - watching must never break the forward
+            self._fault(exc)
+            kept = tensor
+        return kept, tensor._version
 
     def _beside(self, below: ChainedSavedTensorsHooks) -> Callable[[torch.Tensor], tuple[torch.Tensor, int]]:
         """What chaining to ``below``'s own pack (:meth:`_watch`) would do, in one frame: ``below``
@@ -230,7 +227,12 @@ class ChainedSavedTensorsHooks:
                 self.observe(tensor)
             except Exception as exc:  # noqa: BLE001 - watching must never break the forward
                 self._fault(exc)
-            return _kept(tensor, self), tensor._version
+            try:  # ``kept_without_node``, inline (per saved tensor): a fault keeps the tensor itself
+                kept = tensor.detach() if tensor.grad_fn is not None else tensor
+            except Exception as exc:  # noqa: BLE001 - watching must never break the forward
+                self._fault(exc)
+                kept = tensor
+            return kept, tensor._version
 
         return pack
 
