@@ -218,6 +218,8 @@ def run(args: argparse.Namespace, fail: Callable[[str], int]) -> int:
                 total = search.batch_size * estimate.world_size
                 where = f"Largest batch per rank on a device of {memory}: {search.batch_size} ({total} across the {estimate.world_size} ranks; "
             left = f"; {format_amount(search.bound, unit, digits=3)} left free for the stated ±" if search.bound else ""
+            if search.layout:
+                left += f"; {format_amount(search.layout, unit, digits=3)} for where the device's blocks may lie otherwise"
             print(
                 f"\n{where}margin {100 * args.margin:g}%; {format_amount(estimate.outside, unit, digits=3)} allowed outside PyTorch{left}; "
                 f"verified with {len(search.tried)} fake steps, the line alone said {search.line})"

@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 
 from ..stats import INPUT, PEAK_CATEGORIES, PEAK_CATEGORY_LABELS, PHASE_LABELS, LayerFeatureMaps
 from ..units import UNITS, format_amount
-from .allocator import StepEvents
+from .allocator import LAYOUT_ALLOWANCE, StepEvents
 
 __all__ = [
     "BatchFit",
@@ -253,6 +253,9 @@ class BatchSearch:
             :attr:`BatchFit.peak_moves` says, with ``largest`` included.
         bound: the bytes left free at ``largest`` for the estimate's stated error there
             (:attr:`MemoryEstimate.error_bound` at that batch; 0: none stated).
+        layout: the bytes left free besides for where the device's blocks may lie otherwise
+            than the allocator replay's (:data:`~pytorch_mem_profiler.estimate.allocator.LAYOUT_ALLOWANCE`
+            of the memory after ``outside``; 0 where no replay decides, off CUDA).
     """
 
     batch_size: int
@@ -262,6 +265,7 @@ class BatchSearch:
     peak_phase: str | None
     peak_moves: str | None
     bound: int = 0
+    layout: int = 0
 
 
 @dataclass(frozen=True)
@@ -458,7 +462,11 @@ class MemoryEstimate:
         request cannot use): a batch fits when the allocator replay
         (:attr:`reserved_at`) runs it without running out, its segments plus the
         allowance within ``device_memory`` (it gives back its wholly free segments
-        before it gives up, as the real one does). Where the estimate states an
+        before it gives up, as the real one does), and still runs it with
+        :data:`~pytorch_mem_profiler.estimate.allocator.LAYOUT_ALLOWANCE` (0.5%) of the
+        memory less (``BatchSearch.layout``): the estimate's requests are the real ones in a
+        slightly different order, and a batch that fits the replay by a sliver may not fit the
+        device. Where the estimate states an
         error bound (:attr:`error_bound`: operations whose memory follows a rule
         measurements do not pin down, such as cuDNN's workspaces), a batch fits only
         with that many bytes left over, the bound as the fake step at that batch
@@ -520,11 +528,12 @@ class MemoryEstimate:
             peak_phase=peak_phase,
             peak_moves=moves,
             bound=bounds.get(largest, stated) if largest else 0,
+            layout=self._layout(budget) if largest else 0,
         )
 
     def batch_fits(self, batch: int, device_memory: int, *, outside: int | None = None) -> bool:
         """Whether a step at ``batch`` fits in ``device_memory`` bytes, by the rule :meth:`batch_search`
-        applies to each batch it tries (one fake step; no margin).
+        applies to each batch it tries (one fake step; no margin; on CUDA the layout allowance left over).
 
         Near a limit the caching allocator's answer need not be monotonic in the batch: a larger
         batch lays its blocks out otherwise and may fit where a smaller one ran out (the replay
@@ -548,16 +557,21 @@ class MemoryEstimate:
         """``batch -> fits`` within ``budget`` bytes, noting each batch's stated bound, verdict and peak phase.
 
         The estimate's stated error is left free at each batch tried (the bound grows with the batch).
-        On CUDA a batch fits when the allocator replay runs it under the limit; elsewhere when its
-        peak, the workspace and the bound are within ``budget``."""
+        On CUDA a batch fits when the allocator replay runs it under the limit, and under the limit
+        less the layout allowance (:meth:`_layout`); elsewhere when its peak, the workspace and the bound are within
+        ``budget``."""
         stated = self.error_bound
         bound_at = self.error_bound_at if self.error_bound_at is not None else (lambda _batch: stated)
         replay, measure, workspace = self.reserved_at, self.peak_at, self.workspace
+        layout = self._layout(budget)
 
         def fits(batch: int) -> bool:
             bounds[batch] = bound_at(batch)
             if replay is not None:
-                ok = replay(batch, budget - bounds[batch]) is not None
+                # Under the limit itself too: with less room the allocator gives its free segments
+                # back sooner, which can fit a batch that the limit itself does not.
+                limit = budget - bounds[batch]
+                ok = replay(batch, limit) is not None and (not layout or replay(batch, limit - layout) is not None)
             else:
                 assert measure is not None
                 peak, phases[batch] = measure(batch)
@@ -566,6 +580,20 @@ class MemoryEstimate:
             return ok
 
         return fits
+
+    def _layout(self, budget: int) -> int:
+        """Bytes of ``budget`` a replayed batch leaves free for where the device's blocks may lie
+        otherwise (:data:`~pytorch_mem_profiler.estimate.allocator.LAYOUT_ALLOWANCE`); 0 off CUDA,
+        where the peak is the answer and no allocator layout enters it.
+
+        Example::
+
+            >>> est = MemoryEstimate("cuda", 8, 0, "forward", {}, {}, {}, LayerFeatureMaps({}, {}, 0, 0, 0), 0, 0, 0, 0, 0,
+            ...                      reserved_at=lambda batch, limit: None)
+            >>> est._layout(12 * 2**30)  # bytes of a 12 GiB limit: about 61 MiB
+            64424510
+        """
+        return math.ceil(LAYOUT_ALLOWANCE * max(budget, 0)) if self.reserved_at is not None else 0
 
     # -- the report --------------------------------------------------------------
     def settings(self, unit: str = "MB") -> list[tuple[str, str]]:
