@@ -12,7 +12,14 @@ import torch
 from torch import nn
 
 from pytorch_mem_profiler import estimate_memory
-from pytorch_mem_profiler.estimate.allocator import LAYOUT_ALLOWANCE, AllocatorReplay, StepEvents, block_size, simulate_reserved
+from pytorch_mem_profiler.estimate.allocator import (
+    LAYOUT_ALLOWANCE,
+    AllocatorReplay,
+    StepEvents,
+    block_size,
+    simulate_reserved,
+    workspaces_at_first_use,
+)
 from pytorch_mem_profiler.estimate.result import BatchFit, MemoryEstimate
 from pytorch_mem_profiler.estimate.step import StepPlan, moved_order, run_step
 from pytorch_mem_profiler.stats import LayerFeatureMaps
@@ -247,6 +254,51 @@ def test_a_batch_that_fits_the_replay_by_a_sliver_is_not_the_answer():
     assert (found.largest, found.layout) == (100, 0)
 
 
+def test_the_replay_places_cublas_workspaces_as_a_warmed_a_fresh_or_either_process_has_them():
+    # A fresh process makes cuBLAS's workspace at each thread's first matrix product, amid the step's
+    # blocks; a process that ran a step before has them already (Qwen2 at 17 on an H200: 1.08 GB apart)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    est = estimate_memory(model, torch.zeros(4, 256), device="cuda", emulate=True)
+    own = estimate_memory(model, torch.zeros(3000, 256), device="cuda", emulate=True, fit=False)
+    events = own.step_events
+    workspaces = [(key, n) for key, n in events.events if key < 0]
+    assert len(workspaces) == 2 and len(events.blas_first) == 2  # the script's thread and autograd's
+    # each first use is just before a matrix product's output, the forward's then the backward's
+    first_ops = [events.sources[events.events[i][0]] for i in events.blas_first]
+    assert first_ops[0].startswith("aten.addmm") and "; forward;" in first_ops[0], first_ops
+    assert "; backward;" in first_ops[1] and first_ops[1].split(".")[1] in ("mm", "addmm"), first_ops
+    # each placement replayed independently here
+    step = [event for event in events.events if event[0] >= 0]
+    first_use = [i - len(workspaces) for i in events.blas_first]
+    placed = {"warmed": [*workspaces, *step], "fresh": workspaces_at_first_use(workspaces, step, first_use)}
+    warm, fresh = (AllocatorReplay().run(placed[p]).peak_reserved for p in ("warmed", "fresh"))
+    assert warm == own.reserved == est.reserved_at(3000, None) == est.reserved_at(3000, None, "warmed")
+    assert est.reserved_at(3000, None, "fresh") == fresh and est.reserved_at(3000, None, "either") == max(warm, fresh)
+    # under a limit: out of memory where that placement runs out ("either": where one does)
+    for limit in (min(warm, fresh) - 1, max(warm, fresh) - 1, max(warm, fresh)):
+        runs = {p: AllocatorReplay(limit=limit).run(placed[p]).oom is None for p in placed}
+        assert (est.reserved_at(3000, limit, "fresh") is not None) == runs["fresh"], limit
+        assert (est.reserved_at(3000, limit, "either") is not None) == (runs["warmed"] and runs["fresh"]), limit
+
+
+def test_the_batch_search_asks_the_replay_for_the_process_given():
+    asked = []
+
+    def replay(batch, limit, process="warmed"):
+        asked.append(process)
+        need = 100 * batch + (50 if process in ("fresh", "either") else 0)
+        return need if need <= limit else None
+
+    est = _estimate(reserved=100, reserved_at=replay)
+    warmed, fresh = (est.batch_search(1006, margin=0, outside=0, process=p) for p in ("warmed", "fresh"))
+    assert (warmed.largest, warmed.process, fresh.largest, fresh.process) == (10, "warmed", 9, "fresh")
+    assert est.max_batch_size(1006, margin=0, outside=0, process="either") == 9 and "either" in asked
+    assert est.batch_fits(10, 1006, outside=0) and not est.batch_fits(10, 1006, outside=0, process="fresh")
+    for call in (lambda: est.batch_search(1000, process="cold"), lambda: est.batch_fits(2, 1000, process=None)):
+        with pytest.raises(ValueError, match="process must be one of"):
+            call()
+
+
 def test_the_stated_bound_counts_one_operators_buffers_once():
     est = _estimate(error_bounds={"conv": 300, "conv backward": 500, "kept": 40}, transient_bounds=frozenset({"conv", "conv backward"}))
     assert est.error_bound == 540
@@ -274,3 +326,24 @@ def test_the_command_says_what_it_left_free_for_the_stated_bound(tmp_path, capsy
     assert est.error_bound > 0 and search.bound > est.error_bound  # the bound at the answer, a larger batch
     assert f"Largest batch on a device of 1,500 MB: {search.batch_size} (" in out
     assert f"; {format_amount(search.bound, 'MB', digits=3)} left free for the stated ±;" in out
+
+
+def test_the_command_answers_for_the_process_asked(tmp_path, capsys):
+    from pytorch_mem_profiler.analysis.cli import main
+
+    path = tmp_path / "model.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\nbatch_size = 4\n"
+        "def build_model():\n    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))\n"
+        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 256)\n"
+    )
+    est = estimate_memory(lambda: nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)),
+                          lambda b: torch.zeros(b, 256), batch_size=4, device="cuda", emulate=True)  # fmt: skip
+    memory = 1200 * 10**6
+    for process, said in (("fresh", "a fresh process's workspaces"), ("either", "fits a fresh and a warmed process")):
+        assert main(["estimate", str(path), "--device", "cuda", "--memory", "1200MB", "--margin", "0", "--process", process]) == 0
+        out = capsys.readouterr().out
+        expected = est.batch_search(memory, margin=0, process=process).batch_size
+        assert f"Largest batch on a device of 1,200 MB: {expected} (" in out and said in out
+    with pytest.raises(SystemExit):
+        main(["estimate", str(path), "--device", "cuda", "--memory", "1200MB", "--process", "cold"])

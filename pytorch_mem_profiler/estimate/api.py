@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..measure.devices import parse_device, usable_device
-from .allocator import CUDA_CONTEXT_ALLOWANCE, StepEvents, cublas_workspace_bytes, cublas_workspaces, simulate_reserved
+from .allocator import CUDA_CONTEXT_ALLOWANCE, StepEvents, cublas_workspace_bytes, cublas_workspaces, simulate_reserved, workspaces_at_first_use
 from .fake import batch_of
 from .result import CHOSEN_BY_FUNCTION, REPEATED_BLOCKS, BatchFit, MemoryEstimate, error_bound_of
 from .step import EstimateUnsupported, StepMemory, StepPlan, run_step
@@ -427,10 +427,25 @@ class _StepsByBatch:
             self.steps.pop(next(iter(self.steps)))
         return found
 
-    def reserved_at(self, workspace_events: tuple[tuple[int, int], ...], batch: int, limit: int | None = None) -> int | None:
+    def reserved_at(
+        self, workspace_events: tuple[tuple[int, int], ...], batch: int, limit: int | None = None, process: str = "warmed"
+    ) -> int | None:
         """The allocator replay's reserved bytes for the step at ``batch``, workspaces included;
-        ``None`` if it runs out of memory under ``limit`` (see :func:`~.allocator.simulate_reserved`)."""
-        return simulate_reserved([*workspace_events, *self.step(batch).events], limit=limit)
+        ``None`` if it runs out of memory under ``limit`` (see :func:`~.allocator.simulate_reserved`).
+
+        ``process`` (:data:`~.allocator.PROCESSES`): cuBLAS's workspaces made before the step
+        (``"warmed"``), at each thread's first cuBLAS operator (``"fresh"``,
+        :func:`~.allocator.workspaces_at_first_use`), or both replayed (``"either"``: the larger
+        reserved, ``None`` if either runs out)."""
+        step = self.step(batch)
+        first_use = step.step_events.blas_first if step.step_events is not None else ()
+        placements = []
+        if process in ("warmed", "either") or not first_use or not workspace_events:
+            placements.append([*workspace_events, *step.events])
+        if process in ("fresh", "either") and first_use and workspace_events:
+            placements.append(workspaces_at_first_use(workspace_events, step.events, first_use))
+        reserved = [simulate_reserved(events, limit=limit) for events in placements]
+        return None if None in reserved else max(reserved)
 
     def peak_at(self, batch: int) -> tuple[int, str]:
         """The step's peak (tensors) and the phase holding it at ``batch``: one fake step."""

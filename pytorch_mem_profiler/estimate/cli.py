@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..units import UNITS
+from .allocator import PROCESSES
 
 __all__ = ["add_arguments", "run", "parse_memory", "load_model_file"]
 
@@ -58,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, help="the batch size (default: the file's batch_size, else 32)")
     parser.add_argument("--memory", type=parse_memory, help="the device's memory (80GB, 24GiB): print the largest batch that fits")
     parser.add_argument("--margin", type=float, default=0.1, help="share taken off the largest batch (default: 0.1)")
+    parser.add_argument(
+        "--process", choices=PROCESSES, default="warmed",
+        help="with --memory on CUDA: cuBLAS's workspaces made before the step (warmed: after a warm-up or validation "
+        "step, the default), at the first matrix product (fresh: a new process's first step), or either",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda", help="the device to estimate for (default: cuda)")
     parser.add_argument("--optimizer", choices=OPTIMIZER_NAMES, help="the optimizer (default: the file's optimizer, else adam)")
     parser.add_argument("--autocast", choices=("bf16", "fp16"), help="run the forward under torch.autocast")
@@ -210,7 +216,7 @@ def run(args: argparse.Namespace, fail: Callable[[str], int]) -> int:
             print(f"\nOn a device of {memory}: the step {verdict}.")
         else:
             try:
-                search = estimate.batch_search(args.memory, margin=args.margin)
+                search = estimate.batch_search(args.memory, margin=args.margin, process=args.process)
             except ValueError as err:
                 return fail(str(err))
             where = f"Largest batch on a device of {memory}: {search.batch_size} ("
@@ -220,6 +226,8 @@ def run(args: argparse.Namespace, fail: Callable[[str], int]) -> int:
             left = f"; {format_amount(search.bound, unit, digits=3)} left free for the stated ±" if search.bound else ""
             if search.layout:
                 left += f"; {format_amount(search.layout, unit, digits=3)} for where the device's blocks may lie otherwise"
+            if search.process != "warmed":
+                left += f"; a {search.process} process's workspaces" if search.process == "fresh" else "; fits a fresh and a warmed process"
             print(
                 f"\n{where}margin {100 * args.margin:g}%; {format_amount(estimate.outside, unit, digits=3)} allowed outside PyTorch{left}; "
                 f"verified with {len(search.tried)} fake steps, the line alone said {search.line})"

@@ -140,7 +140,8 @@ class _LifeMode(TorchDispatchMode):
         if blas is None:
             blas = _RUNS_CUBLAS[func] = getattr(func, "namespace", None) == "aten" and runs_cublas(getattr(func, "_opname", ""))
         if blas:
-            self.counter.blas_phases.add(self.counter.phase)
+            # before this operator's outputs are counted: where a fresh process makes the thread's workspace
+            self.counter.blas_first.setdefault(self.counter.phase, self.counter.tick)
         if self.counter.outputs is not None:
             # what the target's kernel returns where the fake kernel returns something else
             out = self.counter.outputs(func, args, kwargs or {}, out)
@@ -217,8 +218,9 @@ class StorageLifeCounter(MemoryCounter):
         #: the phase new storages are born in, and the largest total reached in each
         self.phase = "other"
         self.phase_peaks: dict[str, int] = {}
-        #: the phases an operator that runs cuBLAS on CUDA ran in (each such thread takes a workspace)
-        self.blas_phases: set[str] = set()
+        #: the phases an operator that runs cuBLAS on CUDA ran in (each such thread takes a workspace),
+        #: each with the tick before the first such operator in it
+        self.blas_first: dict[str, int] = {}
         #: while above 0 operators are not counted (see :meth:`paused`)
         self.paused_depth = 0
         #: the training step running (1, 2, ...; 0 before the first), set by whoever runs the steps

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Callable, Mapping
 
 from ..stats import INPUT, PEAK_CATEGORIES, PEAK_CATEGORY_LABELS, PHASE_LABELS, LayerFeatureMaps
 from ..units import UNITS, format_amount
-from .allocator import LAYOUT_ALLOWANCE, StepEvents
+from .allocator import LAYOUT_ALLOWANCE, PROCESSES, StepEvents
 
 __all__ = [
     "BatchFit",
@@ -222,6 +223,21 @@ def check_device_memory(device_memory: object) -> None:
         raise ValueError(f"device_memory must be a positive number of bytes, got {device_memory!r}")
 
 
+def check_process(process: object) -> None:
+    """Raise ``ValueError`` naming ``process`` unless it is one of
+    :data:`~pytorch_mem_profiler.estimate.allocator.PROCESSES`.
+
+    Example::
+
+        >>> check_process("fresh")
+        >>> check_process("cold")
+        Traceback (most recent call last):
+        ValueError: process must be one of 'warmed', 'fresh', 'either', got 'cold'
+    """
+    if process not in PROCESSES:
+        raise ValueError(f"process must be one of {', '.join(map(repr, PROCESSES))}, got {process!r}")
+
+
 def error_bound_of(bounds: Mapping[str, int], transient: frozenset[str] | set[str] = frozenset()) -> int:
     """The bytes a peak may be off by, from each operation's bound (``bounds``).
 
@@ -256,6 +272,8 @@ class BatchSearch:
         layout: the bytes left free besides for where the device's blocks may lie otherwise
             than the allocator replay's (:data:`~pytorch_mem_profiler.estimate.allocator.LAYOUT_ALLOWANCE`
             of the memory after ``outside``; 0 where no replay decides, off CUDA).
+        process: where the replay had cuBLAS's workspaces made (``"warmed"``, ``"fresh"``,
+            ``"either"``: :data:`~pytorch_mem_profiler.estimate.allocator.PROCESSES`).
     """
 
     batch_size: int
@@ -266,6 +284,7 @@ class BatchSearch:
     peak_moves: str | None
     bound: int = 0
     layout: int = 0
+    process: str = "warmed"
 
 
 @dataclass(frozen=True)
@@ -317,9 +336,11 @@ class MemoryEstimate:
             :class:`~pytorch_mem_profiler.estimate.allocator.StepEvents`.
         peak_at: the step at another batch size, ``batch_size -> (peak, peak phase)`` (fake steps;
             ``None``: no batch dimension); :meth:`max_batch_size` verifies its answer with it off CUDA.
-        reserved_at: the replay at another batch size: ``(batch_size, limit) -> reserved``
+        reserved_at: the replay at another batch size: ``(batch_size, limit, process=...) -> reserved``
             bytes, ``None`` if the allocator would run out under ``limit`` (``None``: off
-            CUDA, or no batch dimension); :meth:`max_batch_size` calls it.
+            CUDA, or no batch dimension); ``process`` places cuBLAS's workspaces
+            (:data:`~pytorch_mem_profiler.estimate.allocator.PROCESSES`, ``"warmed"`` when not
+            given, as :attr:`reserved` has them); :meth:`max_batch_size` calls it.
         autocast: the autocast dtype of the forward (``"bf16"``, ``"fp16"``; ``None``: off).
         checkpointing: how modules were chosen for gradient checkpointing (:data:`REPEATED_BLOCKS`
             or :data:`CHOSEN_BY_FUNCTION`; ``None``: off).
@@ -437,7 +458,9 @@ class MemoryEstimate:
         extra = self.outside if outside is None else outside
         return self.needed + extra <= device_memory
 
-    def max_batch_size(self, device_memory: int, margin: float = 0.1, *, outside: int | None = None) -> int:
+    def max_batch_size(
+        self, device_memory: int, margin: float = 0.1, *, outside: int | None = None, process: str = "warmed"
+    ) -> int:
         """The largest batch size that fits in ``device_memory`` bytes, less ``margin`` of it.
 
         :meth:`batch_search`'s answer (``.batch_size``); see there.
@@ -445,9 +468,11 @@ class MemoryEstimate:
         Raises:
             ValueError: a bad argument, or no fit (an estimate made without a batch dimension).
         """
-        return self.batch_search(device_memory, margin, outside=outside).batch_size
+        return self.batch_search(device_memory, margin, outside=outside, process=process).batch_size
 
-    def batch_search(self, device_memory: int, margin: float = 0.1, *, outside: int | None = None) -> BatchSearch:
+    def batch_search(
+        self, device_memory: int, margin: float = 0.1, *, outside: int | None = None, process: str = "warmed"
+    ) -> BatchSearch:
         """The largest batch size that fits in ``device_memory`` bytes, less ``margin`` of it, and how it was found.
 
         The fit's lines (each phase's peak over two batch sizes) give a first
@@ -476,6 +501,12 @@ class MemoryEstimate:
         times ``1 - margin``, rounded down (Lightning's ``BatchSizeFinder(margin=...)``
         rule). ``outside``: another allowance than :attr:`outside` (0 when the limit
         is the allocator's own, as under ``torch.cuda.set_per_process_memory_fraction``).
+        ``process``: where the replay has cuBLAS's workspaces (on CUDA).
+        ``"warmed"`` (the default): made before the step, as in a process that ran a step
+        already (a warm-up, a validation loop, an earlier run; what the profiler measures).
+        ``"fresh"``: made at each thread's first cuBLAS operator, as in a new process's first
+        step, where they lie amid the step's blocks (two steps of Qwen2 at 17 reserve 1.08 GB
+        more so on an H200). ``"either"``: a batch fits both.
         For an estimate of one rank (:attr:`parallel`) the batch is per rank and every fake
         step is that rank's (rank 0 holds the largest shards: its answer is every rank's).
 
@@ -483,6 +514,7 @@ class MemoryEstimate:
             ValueError: a bad argument, or no fit (an estimate made without a batch dimension).
         """
         check_device_memory(device_memory)
+        check_process(process)
         if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ValueError(f"margin must be at least 0 and less than 1, got {margin!r}")
         if self.fit is None:
@@ -504,7 +536,7 @@ class MemoryEstimate:
         bounds: dict[int, int] = {}
         tried: list[tuple[int, bool]] = []
         phases: dict[int, str] = dict(fit.peak_phases)
-        fits = self._fits_within(budget, bounds, tried, phases)
+        fits = self._fits_within(budget, bounds, tried, phases, process)
         line = fit.largest_batch(budget - self.workspace - stated)
         largest = line
         if self.reserved_at is not None:
@@ -529,9 +561,10 @@ class MemoryEstimate:
             peak_moves=moves,
             bound=bounds.get(largest, stated) if largest else 0,
             layout=self._layout(budget) if largest else 0,
+            process=process,
         )
 
-    def batch_fits(self, batch: int, device_memory: int, *, outside: int | None = None) -> bool:
+    def batch_fits(self, batch: int, device_memory: int, *, outside: int | None = None, process: str = "warmed") -> bool:
         """Whether a step at ``batch`` fits in ``device_memory`` bytes, by the rule :meth:`batch_search`
         applies to each batch it tries (one fake step; no margin; on CUDA the layout allowance left over).
 
@@ -546,13 +579,15 @@ class MemoryEstimate:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be a positive integer, got {batch!r}")
         check_device_memory(device_memory)
+        check_process(process)
         if self.reserved_at is None and self.peak_at is None:
             raise ValueError("this estimate cannot step another batch: make it with fit=True and a batch dimension")
         budget = device_memory - (self.outside if outside is None else outside)
-        return self._fits_within(budget, {}, [], {})(batch)
+        return self._fits_within(budget, {}, [], {}, process)(batch)
 
     def _fits_within(
-        self, budget: int, bounds: dict[int, int], tried: list[tuple[int, bool]], phases: dict[int, str]
+        self, budget: int, bounds: dict[int, int], tried: list[tuple[int, bool]], phases: dict[int, str],
+        process: str = "warmed",
     ) -> Callable[[int], bool]:
         """``batch -> fits`` within ``budget`` bytes, noting each batch's stated bound, verdict and peak phase.
 
@@ -562,7 +597,10 @@ class MemoryEstimate:
         ``budget``."""
         stated = self.error_bound
         bound_at = self.error_bound_at if self.error_bound_at is not None else (lambda _batch: stated)
-        replay, measure, workspace = self.reserved_at, self.peak_at, self.workspace
+        measure, workspace = self.peak_at, self.workspace
+        replay = self.reserved_at
+        if replay is not None and process != "warmed":  # asked only then: a replay given as (batch, limit) stays valid
+            replay = functools.partial(replay, process=process)
         layout = self._layout(budget)
 
         def fits(batch: int) -> bool:

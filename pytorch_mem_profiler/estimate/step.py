@@ -670,7 +670,7 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
         parameter_dtypes=dtypes,
         random_reads=MappingProxyType(dict(mode.draws.reads)),
         # compiled code calls its kernels past the counter: which of them run cuBLAS is not seen
-        blas_phases=None if compiled.outcomes else frozenset(counter.blas_phases),
+        blas_phases=None if compiled.outcomes else frozenset(counter.blas_first),
     )
     # a kernel's own buffers inside one operator (cuDNN's workspaces) are never alive together with
     # another operator's; outputs a rule may have mis-sized (oneDNN's kept workspaces, what a compiled
@@ -878,4 +878,9 @@ def _step_events(counter: StorageLifeCounter) -> StepEvents:
         if life.nbytes > 0:
             made = "adopted before the step" if life.op is None else str(life.op)
             sources[key] = f"{made}; {life.phase}; {_category(life)}"
-    return StepEvents(tuple((key, nbytes) for _, key, nbytes in timeline), marks, MappingProxyType(sources))
+    # each thread's first cuBLAS operator: the script's (forward, loss, optimizer) and autograd's (backward)
+    script = [tick for phase, tick in counter.blas_first.items() if phase != "backward"]
+    autograd = [tick for phase, tick in counter.blas_first.items() if phase == "backward"]
+    firsts = sorted(min(ticks_) for ticks_ in (script, autograd) if ticks_)
+    blas_first = tuple(bisect.bisect_right(ticks, tick) for tick in firsts)
+    return StepEvents(tuple((key, nbytes) for _, key, nbytes in timeline), marks, MappingProxyType(sources), blas_first)
