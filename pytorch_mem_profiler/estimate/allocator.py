@@ -69,6 +69,7 @@ __all__ = [
     "block_size",
     "segment_size",
     "cublas_workspace_bytes",
+    "cublas_thread",
     "simulate_reserved",
     "AllocatorReplay",
     "ReplayEntry",
@@ -159,8 +160,19 @@ def cublas_workspaces(phases: Iterable[str] | None) -> int:
     """
     if phases is None:
         return 2
-    found = set(phases)
-    return int(bool(found - {"backward"})) + int("backward" in found)
+    return len({cublas_thread(phase) for phase in phases})
+
+
+def cublas_thread(phase: str) -> str:
+    """The thread a phase's cuBLAS operators run in, each with a workspace of its own: autograd's
+    device thread for ``"backward"``, the script's for the others (forward, loss, optimizer step).
+
+    Example::
+
+        >>> cublas_thread("backward"), cublas_thread("optimizer")
+        ('autograd', 'script')
+    """
+    return "autograd" if phase == "backward" else "script"
 
 
 def cublas_workspace_bytes(capability: tuple[int, int] | None = None) -> int:

@@ -55,7 +55,7 @@ from ..measure.engine_sums import EngineAccumulation
 from ..measure.saved_tensors import kept_without_node
 from ..measure.trees import tensors_in
 from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFeatureMaps
-from .allocator import StepEvents, block_size, simulate_reserved
+from .allocator import StepEvents, block_size, cublas_thread, simulate_reserved
 from .counter import COLLECTIVE_ROLE, Life, StorageLifeCounter
 from .cpu_kernels import CpuKernels
 from .emulation import HostScalars, cuda_rules
@@ -878,9 +878,10 @@ def _step_events(counter: StorageLifeCounter) -> StepEvents:
         if life.nbytes > 0:
             made = "adopted before the step" if life.op is None else str(life.op)
             sources[key] = f"{made}; {life.phase}; {_category(life)}"
-    # each thread's first cuBLAS operator: the script's (forward, loss, optimizer) and autograd's (backward)
-    script = [tick for phase, tick in counter.blas_first.items() if phase != "backward"]
-    autograd = [tick for phase, tick in counter.blas_first.items() if phase == "backward"]
-    firsts = sorted(min(ticks_) for ticks_ in (script, autograd) if ticks_)
-    blas_first = tuple(bisect.bisect_right(ticks, tick) for tick in firsts)
+    # each thread's first cuBLAS operator (the first of its phases')
+    firsts: dict[str, int] = {}
+    for phase, tick in counter.blas_first.items():
+        thread = cublas_thread(phase)
+        firsts[thread] = min(tick, firsts.get(thread, tick))
+    blas_first = tuple(bisect.bisect_right(ticks, tick) for tick in sorted(firsts.values()))
     return StepEvents(tuple((key, nbytes) for _, key, nbytes in timeline), marks, MappingProxyType(sources), blas_first)
