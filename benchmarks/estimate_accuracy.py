@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> tuple[str, str]:
         total = torch.cuda.get_device_properties(device).total_memory
         fraction = card / total
         limit = int(fraction * total)  # the bytes the allocator allows, computed as it computes them
-        predicted = first.max_batch_size(limit, margin=0, outside=0)
+        # the runs come after a warm-up step in this process (runs_within): its workspaces made already
+        predicted = first.max_batch_size(limit, margin=0, outside=0, process="warmed")
         fits, reserved_at = runs_within(name, predicted, sizes, device, fraction)
         larger = math.ceil(predicted * 1.1)
         larger_fits, larger_reserved = runs_within(name, larger, sizes, device, fraction)

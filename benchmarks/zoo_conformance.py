@@ -22,7 +22,7 @@ Per zoo model (``benchmarks/zoo``), at its real size and batch:
   standing in for CUDA (``emulate=True``), each against the measured peak; the estimate's
   reserved (the allocator replay) against the measured reserved;
 - largest batch: under ``torch.cuda.set_per_process_memory_fraction`` (a "card" of twice
-  the measured reserved, at least 1 GiB), ``max_batch_size(limit, margin=0, outside=0)`` is
+  the measured reserved, at least 1 GiB), ``max_batch_size(limit, margin=0, outside=0, process="fresh")`` is
   run for real and must fit; 1.1 times it must run out of memory, or fit where the estimate says
   it fits too (``MemoryEstimate.batch_fits``: near the limit the allocator's answer need not be monotonic
   in the batch). Each run is a user's: a fresh process that builds the model and trains two steps
@@ -310,14 +310,15 @@ def conform(entry: ZooModel, device: torch.device, quick: bool = False) -> dict[
                 card = max(1 << 30, math.ceil(2 * measured["reserved"] / (256 << 20)) * (256 << 20))
                 fraction = card / total
                 limit = int(fraction * total)
-                predicted = est.max_batch_size(limit, margin=0, outside=0)
+                # each run is a new process's first steps (runs_within): cuBLAS's workspaces made at the first matrix products
+                predicted = est.max_batch_size(limit, margin=0, outside=0, process="fresh")
                 fits, reserved_at = runs_within(entry, predicted, device, fraction)
                 larger = math.ceil(predicted * 1.1)
                 larger_fits, larger_reserved = runs_within(entry, larger, device, fraction)
                 # near the limit the allocator's answer need not be monotonic in the batch (a larger
                 # batch's blocks may lay out so that it fits where the next one up ran out): the goal
                 # at 1.1x is that it runs out, or that the estimate says it fits as well
-                larger_estimated = est.batch_fits(larger, limit, outside=0)
+                larger_estimated = est.batch_fits(larger, limit, outside=0, process="fresh")
                 row["largest_batch"] = {
                     "card": card, "predicted": predicted, "fits": fits, "reserved_at": reserved_at,
                     "larger": larger, "larger_fits": larger_fits, "larger_reserved": larger_reserved,

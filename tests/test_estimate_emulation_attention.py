@@ -279,3 +279,22 @@ def test_masked_half_precision_attention_keeps_the_querys_layout_as_cudnn_does(m
     assert ("ScaledDotProductEfficientAttentionBackward0", "bfloat16") in saved
     copies = [n for name, dtypes, n in ops if name == "aten.clone" and dtypes == ("torch.bfloat16",) and n == attention_output]
     assert copies and set(copies) == {attention_output}, copies
+
+
+@needs_enable_gqa
+def test_the_math_path_adds_its_mask_in_place_as_the_device_does():
+    # Qwen2 (float32, grouped-query attention, a float mask) on an H200: the allocator's history shows the
+    # scores and the softmax's output as the only matrices each call makes; ATen's composite adds the mask
+    # in place there, and out of place (a third matrix) only for tensor subclasses such as fake tensors
+    def run():  # type: ignore[no-untyped-def]
+        q, k, v = (torch.empty(B, h, L, D, requires_grad=True) for h in (H, 1, 1))
+        mask = torch.empty(L, L)
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    _, ops, out = _saved(run)
+    matrix = B * H * L * L * 4
+    views = {"aten.view", "aten._unsafe_view", "aten.expand", "aten.reshape", "aten.transpose", "aten.detach", "aten.alias"}
+    made = [name for name, _, nbytes in ops if nbytes == matrix and not name.endswith("_") and name not in views]
+    assert made == ["aten.bmm", "aten._safe_softmax"], [op for op in ops if op[2] == matrix]
+    assert ("aten.add_", ("torch.float32",), matrix) in ops
+    assert out.shape == (B, H, L, D)

@@ -184,7 +184,7 @@ def _estimate(**kwargs) -> MemoryEstimate:
 
 def test_the_largest_batch_leaves_the_stated_bound_free_at_each_batch_tried():
     # the replay needs 100 bytes a sample; the estimate says it may be off by 10 a sample
-    replay = lambda batch, limit: 100 * batch if 100 * batch <= limit else None  # noqa: E731
+    replay = lambda batch, limit, process=None: 100 * batch if 100 * batch <= limit else None  # noqa: E731
     plain = _estimate(reserved=100, reserved_at=replay)
     assert plain.batch_search(1006, margin=0, outside=0).largest == 10  # 0.5% of 1006 (6) left for the layout
     bounded = _estimate(reserved=100, reserved_at=replay, error_bounds={"conv": 10}, transient_bounds=frozenset({"conv"}),
@@ -202,12 +202,12 @@ def test_any_batch_can_be_asked_whether_it_fits_where_the_allocators_answer_is_n
     # near a limit a larger batch can lay its blocks out so that it fits where a smaller one ran out
     # (Llama-style decoder under 12 GiB on an H200: 19 fits, 20 runs out, 21 and 22 fit, the replay the same)
     fitting = {*range(1, 20), 21, 22}
-    est = _estimate(reserved=100, reserved_at=lambda batch, limit: 100 if batch in fitting else None)
+    est = _estimate(reserved=100, reserved_at=lambda batch, limit, process=None: 100 if batch in fitting else None)
     largest = est.batch_search(10_000, margin=0, outside=0).largest  # a batch that fits, the next one up not
     assert largest in (19, 22) and est.batch_fits(largest, 10_000, outside=0) and not est.batch_fits(largest + 1, 10_000, outside=0)
     assert [b for b in range(18, 25) if est.batch_fits(b, 10_000, outside=0)] == [18, 19, 21, 22]
     # the stated bound is left free as the search leaves it
-    bounded = _estimate(reserved=100, reserved_at=lambda batch, limit: 100 * batch if 100 * batch <= limit else None,
+    bounded = _estimate(reserved=100, reserved_at=lambda batch, limit, process=None: 100 * batch if 100 * batch <= limit else None,
                         error_bounds={"conv": 10}, error_bound_at=lambda batch: 10 * batch)  # fmt: skip
     assert bounded.batch_fits(9, 1000, outside=0) and not bounded.batch_fits(10, 1000, outside=0)
     # 9 * (100 + 10) = 990, and 0.5% of what is left after outside= for the layout: 5 of 995, 5 of 994
@@ -229,7 +229,7 @@ def test_whether_a_batch_fits_is_the_replay_of_that_batchs_own_estimate():
         own = estimate_memory(model, torch.zeros(batch, 256), device="cuda", emulate=True, fit=False)
         # under the limit, and under the limit less the layout allowance (0.5%)
         under = [AllocatorReplay(limit=lim).run(own.step_events.events) for lim in (limit, limit - math.ceil(LAYOUT_ALLOWANCE * limit))]
-        assert est.batch_fits(batch, limit, outside=0) == all(replay.oom is None for replay in under), batch
+        assert est.batch_fits(batch, limit, outside=0, process="warmed") == all(replay.oom is None for replay in under), batch
     largest = est.batch_search(limit, margin=0, outside=0).largest
     assert est.batch_fits(largest, limit, outside=0) and not est.batch_fits(largest + max(1, largest // 50), limit, outside=0)
 
@@ -238,7 +238,7 @@ def test_a_batch_that_fits_the_replay_by_a_sliver_is_not_the_answer():
     # H200s ran out of memory at three predicted batches that fit the replay with 0.05-0.26% of the
     # limit left: the search leaves LAYOUT_ALLOWANCE of it free, on top of the stated bound
     needs = lambda batch: 1_000_000 * batch + 3_000  # noqa: E731  bytes the replay reserves at a batch
-    est = _estimate(reserved=1_000_000, reserved_at=lambda batch, limit: needs(batch) if needs(batch) <= limit else None)
+    est = _estimate(reserved=1_000_000, reserved_at=lambda batch, limit, process=None: needs(batch) if needs(batch) <= limit else None)
     limit = needs(100) + 4_000  # 100 fits the replay with 0.004% left
     search = est.batch_search(limit, margin=0, outside=0)
     assert search.layout == math.ceil(LAYOUT_ALLOWANCE * limit) and search.largest == 99
@@ -246,7 +246,7 @@ def test_a_batch_that_fits_the_replay_by_a_sliver_is_not_the_answer():
     assert not est.batch_fits(100, limit, outside=0) and est.batch_fits(100, limit + search.layout, outside=0)
     # with less room the allocator gives its free segments back sooner, which can fit a batch that
     # the limit itself does not (a replay of FeedForwardStack under 256 MiB does that at batch 13)
-    sooner = _estimate(reserved=1, reserved_at=lambda batch, limit: limit if limit < 1000 else None)
+    sooner = _estimate(reserved=1, reserved_at=lambda batch, limit, process=None: limit if limit < 1000 else None)
     assert not sooner.batch_fits(1, 1000, outside=0)
     # off CUDA no allocator lays blocks out: the peak decides, with nothing left for a layout
     on_cpu = _estimate(device="cpu", peak_at=lambda batch: (needs(batch), "backward"))
@@ -263,8 +263,9 @@ def test_the_replay_places_cublas_workspaces_as_a_warmed_a_fresh_or_either_proce
     events = own.step_events
     workspaces = [(key, n) for key, n in events.events if key < 0]
     assert len(workspaces) == 2 and len(events.blas_first) == 2  # the script's thread and autograd's
-    # each first use is just before a matrix product's output, the forward's then the backward's
-    first_ops = [events.sources[events.events[i][0]] for i in events.blas_first]
+    # each first use is just after a matrix product's output, the forward's then the backward's (the
+    # kernel asks for the workspace when it calls cuBLAS, its output made: an H200's allocator trace)
+    first_ops = [events.sources[events.events[i - 1][0]] for i in events.blas_first]
     assert first_ops[0].startswith("aten.addmm") and "; forward;" in first_ops[0], first_ops
     assert "; backward;" in first_ops[1] and first_ops[1].split(".")[1] in ("mm", "addmm"), first_ops
     # each placement replayed independently here
@@ -293,7 +294,11 @@ def test_the_batch_search_asks_the_replay_for_the_process_given():
     warmed, fresh = (est.batch_search(1006, margin=0, outside=0, process=p) for p in ("warmed", "fresh"))
     assert (warmed.largest, warmed.process, fresh.largest, fresh.process) == (10, "warmed", 9, "fresh")
     assert est.max_batch_size(1006, margin=0, outside=0, process="either") == 9 and "either" in asked
-    assert est.batch_fits(10, 1006, outside=0) and not est.batch_fits(10, 1006, outside=0, process="fresh")
+    assert est.batch_fits(10, 1006, outside=0, process="warmed") and not est.batch_fits(10, 1006, outside=0, process="fresh")
+    # by default a user's run: a new process, its workspaces made at the first matrix products
+    asked.clear()
+    assert est.batch_search(1006, margin=0, outside=0) == fresh and not est.batch_fits(10, 1006, outside=0)
+    assert set(asked) == {"fresh"}
     for call in (lambda: est.batch_search(1000, process="cold"), lambda: est.batch_fits(2, 1000, process=None)):
         with pytest.raises(ValueError, match="process must be one of"):
             call()
@@ -340,10 +345,12 @@ def test_the_command_answers_for_the_process_asked(tmp_path, capsys):
     est = estimate_memory(lambda: nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)),
                           lambda b: torch.zeros(b, 256), batch_size=4, device="cuda", emulate=True)  # fmt: skip
     memory = 1200 * 10**6
-    for process, said in (("fresh", "a fresh process's workspaces"), ("either", "fits a fresh and a warmed process")):
-        assert main(["estimate", str(path), "--device", "cuda", "--memory", "1200MB", "--margin", "0", "--process", process]) == 0
+    for process, said in (("warmed", "a warmed process's workspaces"), ("either", "fits a fresh and a warmed process"), (None, "")):
+        asked = ["--process", process] if process else []  # the default: a fresh process, said by nothing
+        assert main(["estimate", str(path), "--device", "cuda", "--memory", "1200MB", "--margin", "0", *asked]) == 0
         out = capsys.readouterr().out
-        expected = est.batch_search(memory, margin=0, process=process).batch_size
+        expected = est.batch_search(memory, margin=0, process=process or "fresh").batch_size
         assert f"Largest batch on a device of 1,200 MB: {expected} (" in out and said in out
+        assert process or "process" not in out
     with pytest.raises(SystemExit):
         main(["estimate", str(path), "--device", "cuda", "--memory", "1200MB", "--process", "cold"])

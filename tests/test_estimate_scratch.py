@@ -336,3 +336,17 @@ def test_an_estimate_for_cuda_takes_the_softmax_backwards_product_beside_its_gra
     made = [(n, events.sources[key].split("; ")[2]) for key, n in events.events
             if n > 0 and events.sources.get(key, "").startswith("aten._softmax_backward_data")]  # fmt: skip
     assert made == [(weights, "activation_gradients"), (weights, "other")] * 2, made
+
+
+def test_safe_softmax_takes_a_bool_of_its_input_one_of_its_rows_and_a_zero_on_cuda():
+    from pytorch_mem_profiler.estimate.allocator import block_size
+    from pytorch_mem_profiler.estimate.scratch import KernelScratch
+
+    if not hasattr(torch.ops.aten, "_safe_softmax"):
+        pytest.skip(f"torch {torch.__version__} has no _safe_softmax")
+    scores = torch.empty(3, 5, 64, 48, device="meta")
+    taken = KernelScratch()(torch.ops.aten._safe_softmax.default, (scores, -1), {})
+    # the -inf entries (a bool each), the rows all -inf (a bool each, the last dimension kept), a 0-dim zero
+    assert taken == (block_size(scores.numel()), block_size(scores.numel() // 48), block_size(4))
+    half = KernelScratch()(torch.ops.aten._safe_softmax.default, (scores.half(), 2, torch.float32), {})
+    assert half == (block_size(scores.numel()), block_size(scores.numel() // 64), block_size(4))

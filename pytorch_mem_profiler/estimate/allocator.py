@@ -273,22 +273,27 @@ class StepEvents:
 
 
 #: Where a process has cuBLAS's workspaces when the step it is asked about begins (see
-#: :func:`workspaces_at_first_use`): ``"warmed"``, made already (after a warm-up step, a validation
-#: loop, an earlier run: as the profiler's measurements and the zoo's take it); ``"fresh"``, made at
-#: each thread's first cuBLAS operator (a new process's first step); ``"either"``, both replayed.
+#: :func:`workspaces_at_first_use`): ``"fresh"``, made at each thread's first cuBLAS operator (a new
+#: process's first step: a user's training run, the batch search's default); ``"warmed"``, made
+#: already (after a warm-up step, a validation loop, an earlier run: as the profiler's measurements
+#: and the estimate's reserved take it); ``"either"``, both replayed.
 PROCESSES = ("warmed", "fresh", "either")
 
 
 def workspaces_at_first_use(workspace_events: Sequence[tuple[int, int]], events: Sequence[tuple[int, int]],
                             first_use: Sequence[int]) -> list[tuple[int, int]]:
     """``events`` with each cuBLAS workspace made where a fresh process makes it: the ``i``-th of
-    ``workspace_events`` just before event ``first_use[i]`` (the ``i``-th thread's first cuBLAS
-    operator); workspaces without a first use (unknown) stay before the step, as in a warmed process.
+    ``workspace_events`` just before event ``first_use[i]``, the event after the ``i``-th thread's
+    first cuBLAS operator's outputs (the kernel asks for its workspace when it calls cuBLAS, its
+    output made: an H200's allocator trace shows it so for an MLP's ``addmm`` and ``mm`` and for
+    Qwen2's first matrix products, forward and backward); workspaces without a first use (unknown)
+    stay before the step, as in a warmed process.
 
     In a fresh process the workspace is made inside the step, amid its blocks, and near a limit that
     lays the later blocks out otherwise: two steps of Qwen2 at batch 17 reserve 1.08 GB more in a
-    fresh process on an H200 than after a warm-up step, and this placement gives the fresh figure
-    within 2 MB.
+    fresh process on an H200 than after a warm-up step. Placed before the output instead, the
+    workspace takes a free block the output then lacks: an MLP's replay reserved 29 MB more than the
+    fresh process did, which gave the same as a warmed one.
 
     Example::
 

@@ -434,7 +434,8 @@ class _StepsByBatch:
         ``None`` if it runs out of memory under ``limit`` (see :func:`~.allocator.simulate_reserved`).
 
         ``process`` (:data:`~.allocator.PROCESSES`): cuBLAS's workspaces made before the step
-        (``"warmed"``), at each thread's first cuBLAS operator (``"fresh"``,
+        (``"warmed"``, as :attr:`~.result.MemoryEstimate.reserved` has them), just after each thread's first
+        cuBLAS operator's outputs (``"fresh"``,
         :func:`~.allocator.workspaces_at_first_use`), or both replayed (``"either"``: the larger
         reserved, ``None`` if either runs out)."""
         step = self.step(batch)

@@ -60,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", type=parse_memory, help="the device's memory (80GB, 24GiB): print the largest batch that fits")
     parser.add_argument("--margin", type=float, default=0.1, help="share taken off the largest batch (default: 0.1)")
     parser.add_argument(
-        "--process", choices=PROCESSES, default="warmed",
-        help="with --memory on CUDA: cuBLAS's workspaces made before the step (warmed: after a warm-up or validation "
-        "step, the default), at the first matrix product (fresh: a new process's first step), or either",
+        "--process", choices=PROCESSES, default="fresh",
+        help="with --memory on CUDA: cuBLAS's workspaces made at the first matrix product (fresh: a new process's first "
+        "step, the default), before the step (warmed: after a warm-up or validation step), or either",
     )  # fmt: skip
     parser.add_argument("--device", default="cuda", help="the device to estimate for (default: cuda)")
     parser.add_argument("--optimizer", choices=OPTIMIZER_NAMES, help="the optimizer (default: the file's optimizer, else adam)")
@@ -226,8 +226,8 @@ def run(args: argparse.Namespace, fail: Callable[[str], int]) -> int:
             left = f"; {format_amount(search.bound, unit, digits=3)} left free for the stated ±" if search.bound else ""
             if search.layout:
                 left += f"; {format_amount(search.layout, unit, digits=3)} for where the device's blocks may lie otherwise"
-            if search.process != "warmed":
-                left += f"; a {search.process} process's workspaces" if search.process == "fresh" else "; fits a fresh and a warmed process"
+            if search.process != "fresh":
+                left += "; a warmed process's workspaces" if search.process == "warmed" else "; fits a fresh and a warmed process"
             print(
                 f"\n{where}margin {100 * args.margin:g}%; {format_amount(estimate.outside, unit, digits=3)} allowed outside PyTorch{left}; "
                 f"verified with {len(search.tried)} fake steps, the line alone said {search.line})"

@@ -49,8 +49,9 @@ from ..measure.storage_counting import (
     watch_storage_resizes,
 )
 from .allocator import runs_cublas
+from .backward_formulas import InPlaceFormulas
 
-__all__ = ["Life", "StorageLifeCounter", "born_as", "COLLECTIVE_ROLE"]
+__all__ = ["Life", "StorageLifeCounter", "TargetKernels", "born_as", "COLLECTIVE_ROLE"]
 
 #: The role of every tensor a collective (a ``c10d`` operator) is handed: a communication buffer.
 COLLECTIVE_ROLE = "comm_buffers"
@@ -119,9 +120,13 @@ class _LifeMode(TorchDispatchMode):
         self.counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        sums = self.counter.accumulation
+        kernels = self.counter.kernels
+        sums = kernels.accumulation
         if func is ENGINE_SUM and sums is not None and sums.in_place(args, kwargs or {}):
             func = ENGINE_SUM_IN_PLACE  # the engine's sum of gradient pieces, in place as on the device
+        formulas = kernels.formulas
+        if formulas is not None:  # a backward formula's scatter into its zeros, in place as on the device
+            func = formulas.in_place(func, args, kwargs or {}, self.counter.tick)
         # a sparse tensor written in place gets new index and value tensors inside the kernel
         rewrites = layout_rewrites(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
@@ -139,23 +144,22 @@ class _LifeMode(TorchDispatchMode):
         blas = _RUNS_CUBLAS.get(func)
         if blas is None:
             blas = _RUNS_CUBLAS[func] = getattr(func, "namespace", None) == "aten" and runs_cublas(getattr(func, "_opname", ""))
-        if blas:
-            # before this operator's outputs are counted: where a fresh process makes the thread's workspace
-            self.counter.blas_first.setdefault(self.counter.phase, self.counter.tick)
-        if self.counter.outputs is not None:
+        if kernels.outputs is not None:
             # what the target's kernel returns where the fake kernel returns something else
-            out = self.counter.outputs(func, args, kwargs or {}, out)
+            out = kernels.outputs(func, args, kwargs or {}, out)
         kinds = return_kinds(func)
         if kinds is None:
+            if blas:
+                self.counter.blas_first.setdefault(self.counter.phase, self.counter.tick)
             return out
         first = args[0] if args else None
         finish = None
-        if self.counter.scratch is not None and isinstance(first, torch.Tensor) and same_device(first, self.counter.device):
+        if kernels.scratch is not None and isinstance(first, torch.Tensor) and same_device(first, self.counter.device):
             # what the kernel takes for itself and gives back: before its outputs where it takes them
             # first (:class:`~.scratch.KernelSteps`), else on top of its outputs, gone at its return
-            finish = self.counter.begin_transient(self.counter.scratch(func, args, kwargs or {}), op=func)
+            finish = self.counter.begin_transient(kernels.scratch(func, args, kwargs or {}), op=func)
         items = [out] if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else []
-        order = self.counter.output_order(func, len(items)) if self.counter.output_order is not None else range(len(items))
+        order = kernels.output_order(func, len(items)) if kernels.output_order is not None else range(len(items))
         for i in order:
             item = items[i]
             if isinstance(item, torch.Tensor):
@@ -163,9 +167,28 @@ class _LifeMode(TorchDispatchMode):
                 if kind == NEW or kind == RESIZED:
                     for part in storage_parts(item):
                         self.counter._track(part, alias=kind == RESIZED, op=func)
+        if blas:
+            # after this operator's outputs: where a fresh process makes the thread's workspace (the
+            # kernel asks for it when it calls cuBLAS, its output already allocated; H200 traces of
+            # an MLP's addmm and mm and of Qwen2's first matmuls, forward and backward)
+            self.counter.blas_first.setdefault(self.counter.phase, self.counter.tick)
         if finish is not None:
             finish()
+        if formulas is not None:
+            formulas.made(func, out, self.counter.tick)
         return out
+
+
+@dataclass(frozen=True)
+class TargetKernels:
+    """How the target's kernels allocate where the fake kernels differ, asked by the counter at each
+    operator (see :class:`StorageLifeCounter`'s arguments of the same names; ``None``: as the fake kernel)."""
+
+    scratch: Callable[[Any, tuple, dict], Sequence[int]] | None = None
+    outputs: Callable[[Any, tuple, dict, Any], Any] | None = None
+    accumulation: EngineAccumulation | None = None
+    output_order: Callable[[Any, int], Sequence[int]] | None = None
+    formulas: InPlaceFormulas | None = None
 
 
 class StorageLifeCounter(MemoryCounter):
@@ -187,6 +210,8 @@ class StorageLifeCounter(MemoryCounter):
             default: every sum a new tensor, as under a dispatch mode.
         output_order: ``(func, outputs) -> indices``: the order the target's kernel makes an
             operator's outputs in (see :mod:`~.output_order`); default: the order it returns them.
+        formulas: backward formulas that scatter into their zeros in place on the target
+            (:class:`~.backward_formulas.InPlaceFormulas`); default: as the fake mode runs them.
     """
 
     shares_peaks = False  # it counts by itself
@@ -199,12 +224,11 @@ class StorageLifeCounter(MemoryCounter):
         outputs: Callable[[Any, tuple, dict, Any], Any] | None = None,
         accumulation: EngineAccumulation | None = None,
         output_order: Callable[[Any, int], Sequence[int]] | None = None,
+        formulas: InPlaceFormulas | None = None,
     ) -> None:
         super().__init__(device)  # sets ``device``
-        self.output_order = output_order
-        self.scratch = scratch
-        self.outputs = outputs
-        self.accumulation = accumulation
+        #: how the target's kernels allocate where the fake ones differ (the arguments above)
+        self.kernels = TargetKernels(scratch, outputs, accumulation, output_order, formulas)
         self._mode: _LifeMode | None = None
         self._size_of = size_of or (lambda n: n)
         self._live: dict[int, Life] = {}

@@ -56,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 from ..torch_versions import CUDNN_ATTENTION_TAKES_MASK, SDPA_ENABLE_GQA, attention_softmax, math_attention_upcasts
 from .autocast_policy import cuda_autocast
 
-__all__ = ["HostScalars", "cuda_backend", "cuda_rules"]
+__all__ = ["HostScalars", "cuda_backend", "cuda_boolean_mask", "cuda_rules", "math_attention"]
 
 #: Head sizes cuDNN's attention takes on Hopper with a mask (torch 2.11, cuDNN 9).
 CUDNN_MAX_HEAD_DIM = 128
@@ -89,7 +89,7 @@ def _autocast_dtype() -> torch.dtype | None:
     return None
 
 
-def _cuda_boolean_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cuda_boolean_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A bool mask as CUDA's attention converts it: one ``where`` into an additive mask (0 kept, -inf out)."""
     return torch.where(mask, torch.scalar_tensor(0.0, dtype=dtype), torch.scalar_tensor(float("-inf"), dtype=dtype))
 
@@ -169,7 +169,7 @@ def cuda_backend(
     return "math"
 
 
-def _math_attention(
+def math_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -179,7 +179,8 @@ def _math_attention(
     scale: float | None,
     enable_gqa: bool,
 ) -> torch.Tensor:
-    """ATen's math attention as it runs on CUDA: the whole matrix (in float32), ``_safe_softmax``, fused dropout.
+    """ATen's math attention as it runs on CUDA: the whole matrix (in float32), the mask added in place,
+    ``_safe_softmax``, fused dropout.
 
     The composite ``_scaled_dot_product_attention_math`` would draw its dropout
     mask by the CPU's route (in the matrix's dtype); on CUDA ``at::dropout``
@@ -195,13 +196,15 @@ def _math_attention(
     query = torch.ops.aten.mul.Scalar(query, root)  # ATen scales by a scalar (a Python float would wrap a tensor)
     if is_causal:
         causal = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
-        attn_mask = _cuda_boolean_mask(causal, query.dtype)
+        attn_mask = cuda_boolean_mask(causal, query.dtype)
     if enable_gqa and not query.size(-3) == key.size(-3) == value.size(-3):
         key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
         value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
     attn = torch.matmul(query, torch.ops.aten.mul.Scalar(key.transpose(-2, -1), root))
     if attn_mask is not None:
-        attn = attn.add(attn_mask)  # out of place, as ATen does for tensor subclasses (fake tensors)
+        # in place, as ATen adds it on the device; fake tensors would take its out-of-place branch
+        # (tensor subclasses: areAnyTensorSubclassLike), a matrix more that moves the blocks around
+        attn.add_(attn_mask)
     attn = attention_softmax(attn)
     if dropout_p > 0.0:
         attn = torch.ops.aten.native_dropout(attn, dropout_p, True)[0]
@@ -245,9 +248,9 @@ def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
                     query, key, value, dropout_p, is_causal, False, scale=scale
                 )[0]
             if attn_mask is not None and attn_mask.dtype == torch.bool:
-                attn_mask = _cuda_boolean_mask(attn_mask, query.dtype)
+                attn_mask = cuda_boolean_mask(attn_mask, query.dtype)
             if backend == "math":
-                return _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+                return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             bias = attn_mask.to(query.dtype) if attn_mask is not None else None
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
             if backend == "cudnn":  # its meta kernel lays the output out as CUDA's does

@@ -284,7 +284,7 @@ class BatchSearch:
     peak_moves: str | None
     bound: int = 0
     layout: int = 0
-    process: str = "warmed"
+    process: str = "fresh"
 
 
 @dataclass(frozen=True)
@@ -339,8 +339,8 @@ class MemoryEstimate:
         reserved_at: the replay at another batch size: ``(batch_size, limit, process=...) -> reserved``
             bytes, ``None`` if the allocator would run out under ``limit`` (``None``: off
             CUDA, or no batch dimension); ``process`` places cuBLAS's workspaces
-            (:data:`~pytorch_mem_profiler.estimate.allocator.PROCESSES`, ``"warmed"`` when not
-            given, as :attr:`reserved` has them); :meth:`max_batch_size` calls it.
+            (:data:`~pytorch_mem_profiler.estimate.allocator.PROCESSES`; ``"warmed"`` when not
+            given, as :attr:`reserved` has them); :meth:`max_batch_size` calls it with ``process``.
         autocast: the autocast dtype of the forward (``"bf16"``, ``"fp16"``; ``None``: off).
         checkpointing: how modules were chosen for gradient checkpointing (:data:`REPEATED_BLOCKS`
             or :data:`CHOSEN_BY_FUNCTION`; ``None``: off).
@@ -459,7 +459,7 @@ class MemoryEstimate:
         return self.needed + extra <= device_memory
 
     def max_batch_size(
-        self, device_memory: int, margin: float = 0.1, *, outside: int | None = None, process: str = "warmed"
+        self, device_memory: int, margin: float = 0.1, *, outside: int | None = None, process: str = "fresh"
     ) -> int:
         """The largest batch size that fits in ``device_memory`` bytes, less ``margin`` of it.
 
@@ -471,7 +471,7 @@ class MemoryEstimate:
         return self.batch_search(device_memory, margin, outside=outside, process=process).batch_size
 
     def batch_search(
-        self, device_memory: int, margin: float = 0.1, *, outside: int | None = None, process: str = "warmed"
+        self, device_memory: int, margin: float = 0.1, *, outside: int | None = None, process: str = "fresh"
     ) -> BatchSearch:
         """The largest batch size that fits in ``device_memory`` bytes, less ``margin`` of it, and how it was found.
 
@@ -502,11 +502,12 @@ class MemoryEstimate:
         rule). ``outside``: another allowance than :attr:`outside` (0 when the limit
         is the allocator's own, as under ``torch.cuda.set_per_process_memory_fraction``).
         ``process``: where the replay has cuBLAS's workspaces (on CUDA).
-        ``"warmed"`` (the default): made before the step, as in a process that ran a step
-        already (a warm-up, a validation loop, an earlier run; what the profiler measures).
-        ``"fresh"``: made at each thread's first cuBLAS operator, as in a new process's first
-        step, where they lie amid the step's blocks (two steps of Qwen2 at 17 reserve 1.08 GB
-        more so on an H200). ``"either"``: a batch fits both.
+        ``"fresh"`` (the default, a user's training run): made at each thread's first cuBLAS
+        operator, just after its output, as in a new process's first step, where they lie amid
+        the step's blocks (two steps of Qwen2 at 17 reserve 1.08 GB more so on an H200).
+        ``"warmed"``: made before the step, as in a process that ran a step already (a
+        warm-up, a validation loop, an earlier run; what the profiler and :attr:`reserved`
+        measure). ``"either"``: a batch fits both.
         For an estimate of one rank (:attr:`parallel`) the batch is per rank and every fake
         step is that rank's (rank 0 holds the largest shards: its answer is every rank's).
 
@@ -564,7 +565,7 @@ class MemoryEstimate:
             process=process,
         )
 
-    def batch_fits(self, batch: int, device_memory: int, *, outside: int | None = None, process: str = "warmed") -> bool:
+    def batch_fits(self, batch: int, device_memory: int, *, outside: int | None = None, process: str = "fresh") -> bool:
         """Whether a step at ``batch`` fits in ``device_memory`` bytes, by the rule :meth:`batch_search`
         applies to each batch it tries (one fake step; no margin; on CUDA the layout allowance left over).
 
@@ -587,7 +588,7 @@ class MemoryEstimate:
 
     def _fits_within(
         self, budget: int, bounds: dict[int, int], tried: list[tuple[int, bool]], phases: dict[int, str],
-        process: str = "warmed",
+        process: str = "fresh",
     ) -> Callable[[int], bool]:
         """``batch -> fits`` within ``budget`` bytes, noting each batch's stated bound, verdict and peak phase.
 
@@ -598,9 +599,7 @@ class MemoryEstimate:
         stated = self.error_bound
         bound_at = self.error_bound_at if self.error_bound_at is not None else (lambda _batch: stated)
         measure, workspace = self.peak_at, self.workspace
-        replay = self.reserved_at
-        if replay is not None and process != "warmed":  # asked only then: a replay given as (batch, limit) stays valid
-            replay = functools.partial(replay, process=process)
+        replay = functools.partial(self.reserved_at, process=process) if self.reserved_at is not None else None
         layout = self._layout(budget)
 
         def fits(batch: int) -> bool:
@@ -627,7 +626,7 @@ class MemoryEstimate:
         Example::
 
             >>> est = MemoryEstimate("cuda", 8, 0, "forward", {}, {}, {}, LayerFeatureMaps({}, {}, 0, 0, 0), 0, 0, 0, 0, 0,
-            ...                      reserved_at=lambda batch, limit: None)
+            ...                      reserved_at=lambda batch, limit, process: None)
             >>> est._layout(12 * 2**30)  # bytes of a 12 GiB limit: about 61 MiB
             64424510
         """

@@ -65,6 +65,8 @@ from .compiled import CompiledModules
 from .global_caches import fake_values_left_out_of_caches
 from .fake import FakeKernelRefused, eager_modules, fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
+from .attention_rules import MathAttentionRules
+from .backward_formulas import InPlaceFormulas
 from .linear_rules import LinearBiasRules
 from .output_order import allocation_order
 from .loss_rules import LossRules
@@ -541,7 +543,10 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
     # autograd's engine sums gradient pieces in place there
     sums = EngineAccumulation()
     order = allocation_order if target.type == "cuda" else None  # CUDA's kernels make some outputs in another order
-    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch, outputs=outputs, accumulation=sums, output_order=order)
+    # backward formulas scatter into their zeros in place on the device (not under a mode)
+    formulas = InPlaceFormulas() if target.type == "cuda" else None
+    counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch, outputs=outputs, accumulation=sums,
+                                 output_order=order, formulas=formulas)  # fmt: skip
     mode = fake_mode(kernels=target.type)  # the target's sparse kernels, on fake CPU tensors standing in too
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
@@ -554,9 +559,11 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
     losses = LossRules(run_device.type) if target.type == "cuda" else contextlib.nullcontext()
     # a linear layer over a non-contiguous input adds its bias in place on the device (not under a mode)
     linear = LinearBiasRules(run_device.type) if target.type == "cuda" else contextlib.nullcontext()
+    # math attention adds its mask in place on the device (fake CPU tensors: the emulation's attention does)
+    attention = MathAttentionRules() if target.type == "cuda" and run_device.type == "cuda" else contextlib.nullcontext()
     made, build_error = _construct(plan)
     context = plan.context() if plan.context is not None else contextlib.nullcontext()
-    with context, mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext(), losses, linear:
+    with context, mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext(), losses, linear, attention:
         try:
             model, checkpointed = _build(plan, mode, run_device, made)
         except Exception as err:
