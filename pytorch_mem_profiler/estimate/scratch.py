@@ -396,7 +396,11 @@ def safe_softmax_scratch(shape: Sequence[int], dim: int, itemsize: int) -> tuple
     0-dim tensor of the output's dtype (the zero written into those rows).
 
     The H200's allocator history of math attention (Qwen2, fp32 scores of (17, 14, 512, 512), torch
-    2.11): 62,390,272, 121,856 and 4 bytes after the 249,561,088-byte output, then freed.
+    2.11): 62,390,272, 121,856 and 4 bytes after the 249,561,088-byte output, then freed. That is
+    the composite torch 2.11 and 2.13 run (``isneginf``, ``all``, a zero, ``where`` written into the
+    output's own storage; ``torch.profiler`` on 2.13 lists those). An older composite compared with
+    a 0-dim ``-inf`` and made ``where``'s result a new tensor, a second output-sized block this rule
+    does not take.
 
     Example::
 
