@@ -220,9 +220,10 @@ def test_a_fresh_process_reserves_what_the_replay_with_workspaces_at_first_use_r
     build, _ = SMALL_CARD_MODELS["peak_moving_mlp"]
     estimate = estimate_memory(build, torch.zeros(8, 256), device="cuda")
     total = torch.cuda.get_device_properties(CUDA).total_memory
-    fraction = (512 << 20) / total if limited else 1.0
-    limit = int(fraction * total) if limited else None
-    batch = estimate.batch_search(int((512 << 20) / total * total), margin=0, outside=0).largest
+    card = (512 << 20) / total  # the fraction of the small card, whose largest batch is run
+    card_limit = int(card * total)
+    batch = estimate.batch_search(card_limit, margin=0, outside=0).largest
+    fraction, limit = (card, card_limit) if limited else (1.0, None)
     assert run_in_a_new_process("peak_moving_mlp", batch, fraction, "fresh") == estimate.reserved_at(batch, limit, process="fresh")
 
 

@@ -252,8 +252,9 @@ class StepEvents:
     events: tuple[tuple[int, int], ...]
     marks: tuple[tuple[int, int, str], ...] = ()
     sources: Mapping[int, str] = field(default_factory=dict)
-    #: the event index before which each thread ran its first cuBLAS operator, in first-use order
-    #: (the script's thread, then autograd's; empty: none ran, or compiled code hid them)
+    #: the event index before which each thread's cuBLAS workspace is made in a fresh process (just
+    #: after its first cuBLAS operator's outputs), in first-use order (the script's thread, then
+    #: autograd's; empty: none ran, or compiled code hid them)
     blas_first: tuple[int, ...] = ()
 
     def phase_at(self, index: int) -> tuple[int, str]:

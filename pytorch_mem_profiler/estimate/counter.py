@@ -243,7 +243,8 @@ class StorageLifeCounter(MemoryCounter):
         self.phase = "other"
         self.phase_peaks: dict[str, int] = {}
         #: the phases an operator that runs cuBLAS on CUDA ran in (each such thread takes a workspace),
-        #: each with the tick before the first such operator in it
+        #: each with the tick just after the first such operator's outputs in it (where a fresh
+        #: process makes the thread's workspace)
         self.blas_first: dict[str, int] = {}
         #: while above 0 operators are not counted (see :meth:`paused`)
         self.paused_depth = 0

@@ -587,8 +587,7 @@ class MemoryEstimate:
         return self._fits_within(budget, {}, [], {}, process)(batch)
 
     def _fits_within(
-        self, budget: int, bounds: dict[int, int], tried: list[tuple[int, bool]], phases: dict[int, str],
-        process: str = "fresh",
+        self, budget: int, bounds: dict[int, int], tried: list[tuple[int, bool]], phases: dict[int, str], process: str
     ) -> Callable[[int], bool]:
         """``batch -> fits`` within ``budget`` bytes, noting each batch's stated bound, verdict and peak phase.
 

@@ -418,8 +418,7 @@ def _safe_softmax(args: tuple, kwargs: dict) -> tuple[int, ...]:
         return ()
     dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
-    itemsize = torch.empty((), dtype=dtype or tensor.dtype, device="meta").element_size()
-    return safe_softmax_scratch(tuple(tensor.shape), dim, itemsize)
+    return safe_softmax_scratch(tuple(tensor.shape), dim, (dtype or tensor.dtype).itemsize)
 
 
 def _leading_reduction(tensor: torch.Tensor, dims: Sequence[int] | int | None) -> tuple[int, int] | None:
