@@ -29,8 +29,8 @@ Per zoo model (``benchmarks/zoo``), at its real size and batch:
   at that batch (:func:`runs_within`).
 
 A model that fails records its error in its row and the run goes on. Goals (issue #26): peak
-allocated within 2% by both estimates, reserved within 5%, the largest batch fits and 1.1x of
-it does not (or does, as estimated). Writes ``zoo_conformance.md`` and ``zoo_conformance.json`` under ``--out``
+allocated within 2% by both estimates (plus a stated bound), reserved within 5% (of the range
+up to a stated upper figure), the largest batch fits and 1.1x of it does not (or does, as estimated). Writes ``zoo_conformance.md`` and ``zoo_conformance.json`` under ``--out``
 (default: a new temporary folder).
 """
 
@@ -303,6 +303,9 @@ def conform(entry: ZooModel, device: torch.device, quick: bool = False) -> dict[
                 "error_bound_pct": 100.0 * est.error_bound / measured["allocated"] if measured["allocated"] else None,
                 "reserved": est.reserved,
                 "reserved_error_pct": pct(est.reserved, measured["reserved"]),
+                # the reserved with each kernel block a library sizes per call at its bound (cuDNN's filter passes)
+                "reserved_bound": est.reserved_bound,
+                "reserved_upper_error_pct": pct(est.reserved + est.reserved_bound, measured["reserved"]) if est.reserved is not None else None,
                 "seconds": time.perf_counter() - t0,
             }
             if key == "fake_cuda" and not quick and est.reserved_at is not None:
@@ -397,12 +400,31 @@ def verdict(row: dict[str, Any]) -> list[str]:
         elif est.get("peak_error_pct") is None or abs(est["peak_error_pct"]) > GOAL_PEAK + (est.get("error_bound_pct") or 0.0):
             missed.append(f"{key} peak")
     fake = row.get("fake_cuda", {})
-    if "reserved_error_pct" in fake and (fake["reserved_error_pct"] is None or abs(fake["reserved_error_pct"]) > GOAL_RESERVED):
+    if "reserved_error_pct" in fake and not reserved_within_goal(fake):
         missed.append("reserved")
     largest = row.get("largest_batch")
     if largest is not None and not largest["ok"]:
         missed.append("largest batch")
     return missed
+
+
+def reserved_within_goal(est: dict[str, Any]) -> bool:
+    """Whether the measured reserved lies within :data:`GOAL_RESERVED` of the estimate's, or of the range up to
+    its stated upper figure (``MemoryEstimate.reserved_bound``: kernel blocks a library sizes per call).
+
+    Example::
+
+        >>> reserved_within_goal({"reserved_error_pct": -8.0, "reserved_upper_error_pct": 16.0})
+        True
+        >>> reserved_within_goal({"reserved_error_pct": -8.0})
+        False
+    """
+    low = est.get("reserved_error_pct")
+    if low is None:
+        return False
+    high = est.get("reserved_upper_error_pct")
+    high = low if high is None else high
+    return low <= GOAL_RESERVED and high >= -GOAL_RESERVED
 
 
 def table_row(row: dict[str, Any]) -> list[Any]:
@@ -419,7 +441,7 @@ def table_row(row: dict[str, Any]) -> list[Any]:
     else:
         cells += ["-"] * 3
     fake, emu = row.get("fake_cuda", {}), row.get("emulated", {})
-    cells.append(_short(fake["error"]) if "error" in fake else f"{_fmt(fake.get('peak_error_pct'))}{_bound(fake)}, {_fmt(fake.get('reserved_error_pct'))}")
+    cells.append(_short(fake["error"]) if "error" in fake else f"{_fmt(fake.get('peak_error_pct'))}{_bound(fake)}, {_fmt(fake.get('reserved_error_pct'))}{_upper(fake)}")
     cells.append(_short(emu["error"]) if "error" in emu else f"{_fmt(emu.get('peak_error_pct'))}{_bound(emu)}")
     lb = row.get("largest_batch")
     cells.append(
@@ -441,6 +463,12 @@ def _short(error: str) -> str:
     return error[: cut + 1] if cut > 0 else error[:120]
 
 
+def _upper(est: dict[str, Any]) -> str:
+    """`` (up to +16.3% stated)`` where the estimate states an upper reserved figure, else nothing."""
+    upper = est.get("reserved_upper_error_pct")
+    return f" (up to {_fmt(upper)} stated)" if est.get("reserved_bound") and upper is not None else ""
+
+
 def _bound(est: dict[str, Any]) -> str:
     """`` (±3.1% stated)`` where the estimate states an error bound, else nothing."""
     bound = est.get("error_bound_pct")
@@ -457,7 +485,9 @@ def render(payload: dict[str, Any]) -> str:
         markdown_table(HEADERS, [table_row(r) for r in rows]),
         "",
         f"Goals met on {met} of {len(rows)} models (errors in % of the measured figure; MB = 10^6 bytes; "
-        "an estimate that states an error bound for an operation meets the peak goal within 2% plus that bound; "
+        "an estimate that states an error bound for an operation meets the peak goal within 2% plus that bound, "
+        "and one that states an upper reserved figure (cuDNN's filter passes at their bound) the reserved goal where "
+        "the measured lies within 5% of the range up to it; "
         f"the profiler's peak is compared with another, unprofiled step's, within {GOAL_PROFILER_PEAK}%, "
         "and its breakdown with its peak to the byte).",
     ]

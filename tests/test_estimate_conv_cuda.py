@@ -92,23 +92,20 @@ def test_the_probe_measures_what_this_process_measures():
     assert measure_convolutions([key], CUDA) == {key: here}
 
 
-#: Known gaps on the GPU (an H200, torch 2.11; ResNet-18's rule figures again on an H100 since gradient
-#: sums are made in place: its backward's allocations are the device's, its reserved left to the bf16
-#: 3x3 convolutions' workspace sizes): reserved, which no stated bound covers yet (strict).
+#: Known gaps on the GPU (an H200, torch 2.11): reserved with measured workspaces, each measured as
+#: one block where cuDNN's passes take theirs in turn (strict). The rule's estimates state an upper
+#: reserved figure (``reserved_bound``: the filter passes' split-K partial sums at their bound) and
+#: the measured lies within the goal of the range up to it.
 CONV_KNOWN = {
-    ("resnet18_bf16", "fake_cuda"): "reserved 2,397.0 MB estimated against 2,791.3 MB measured (-14.1%)",
-    ("resnet18_bf16", "emulated"): "reserved 2,397.0 MB estimated against 2,791.3 MB measured (-14.1%)",
     ("resnet18_bf16", "measured"): "reserved 2,604.7 MB estimated against 2,791.3 MB measured (-6.7%)",
     ("unet", "measured"): "with measured workspaces, reserved 2,235.6 MB against 2,487.2 MB measured (-10.1%)",
 }
 
 #: Reserved that moves with the process's history, so not strict: the BatchNorm CNN's measured reserved
 #: was 6,868 MB and 7,281 MB on two H100 runs of the zoo and 7,265 MB on an H200 inside this suite, for
-#: the same estimate (6,723 MB fake CUDA, 6,642 MB with measured workspaces); its peak stays within 0.1%.
-CONV_VARIES = {
-    ("batchnorm_cnn", kind): "reserved moves with the process's history (from -7.7% to -2.1% of the measured)"
-    for kind in ("fake_cuda", "emulated", "measured")
-}
+#: the same estimate (6,642 MB with measured workspaces); its peak stays within 0.1%. The rule's
+#: estimates state an upper reserved figure that covers both (6,310 MB up to 7,982 MB).
+CONV_VARIES = {("batchnorm_cnn", "measured"): "reserved moves with the process's history (from -8.8% to -3.3% of the measured)"}
 
 
 @pytest.mark.parametrize("name", ["unet", "resnet18_bf16", "batchnorm_cnn"])
@@ -137,7 +134,10 @@ def test_conv_nets_estimate_within_the_goals_or_the_stated_bound(name, emulate, 
     print(detail)
     assert abs(est.peak - allocated) <= max(GOAL_PEAK * allocated, est.error_bound), detail
     assert est.reserved is not None
+    # within the goal of the range from the estimate's reserved to its stated upper figure
+    slack = max(GOAL_RESERVED * reserved, est.error_bound)
+    within = est.reserved - slack <= reserved <= est.reserved + est.reserved_bound + slack
     varies = CONV_VARIES.get((name, "measured" if measure else "emulated" if emulate else "fake_cuda"))
-    if varies and abs(est.reserved - reserved) > max(GOAL_RESERVED * reserved, est.error_bound):
+    if varies and not within:
         pytest.xfail(f"{varies}: {detail}")  # the peak was checked above
-    assert abs(est.reserved - reserved) <= max(GOAL_RESERVED * reserved, est.error_bound), detail
+    assert within, f"{detail}; upper reserved {est.reserved + est.reserved_bound:,}"

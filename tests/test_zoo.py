@@ -104,6 +104,14 @@ def test_the_conformance_table_is_published_between_its_markers(tmp_path):
     bounded = {**row, "emulated": {"peak_error_pct": -5.0, "error_bound_pct": 4.0}}
     assert zoo_conformance.verdict(bounded) == ["reserved"]
     assert "-5.00% (±4.0% stated)" in zoo_conformance.table_row(bounded)[-3]
+    # an upper reserved figure (cuDNN's filter passes at their bound): the goal is the range up to it, within 5%
+    ranged = {**bounded, "fake_cuda": {"peak_error_pct": -1.5, "reserved_error_pct": -8.07, "reserved_bound": 1,
+                                       "reserved_upper_error_pct": 16.28}}  # fmt: skip
+    assert zoo_conformance.verdict(ranged) == []
+    assert "-8.07% (up to +16.28% stated)" in zoo_conformance.table_row(ranged)[-4]
+    for low, high in ((-12.0, -5.5), (5.5, 9.0)):  # the whole range below the measured, or above it, by more than 5%
+        off = {**ranged, "fake_cuda": {**ranged["fake_cuda"], "reserved_error_pct": low, "reserved_upper_error_pct": high}}
+        assert zoo_conformance.verdict(off) == ["reserved"]
 
 
 def test_a_model_run_again_replaces_its_row_when_runs_are_merged(tmp_path):

@@ -39,11 +39,12 @@ pytestmark = pytest.mark.cuda
 KNOWN: dict[str, str] = {
     "wav2vec2": (
         "reserved -14.7% (peak +5.1%, inside its stated bound of 4.6% plus 2%; H200, 2026-11-28, once the CTC "
-        "loss's lengths were read again inside the fake mode)"
+        "loss's lengths were read again inside the fake mode; its upper reserved figure -13.9%)"
     ),
     "frozen_fastpath": "reserved -13.2% (peak -0.02%); the predicted 112 under 3.5 GiB runs out of memory",
     "normalized_cnn": (
-        "reserved -8.9% (peak -0.10%, stated bound 3.1%; H100, 2026-11-28); the predicted 204 under 2.75 GiB runs out "
+        "reserved -8.9%, its upper figure -6.5% (peak -0.10%, stated bound 3.1%; H100 and H200, 2026-11-28); the "
+        "predicted 204 under 2.75 GiB runs out "
         "of memory (2026-11-26): four blocks of 268.4 MB in its two steps (four times a convolution's input) where "
         "the estimate has 134.2 MB: its 1-D convolutions' workspaces"
     ),

@@ -36,12 +36,12 @@ pytestmark = pytest.mark.cuda
 #: forward's bound (its stated bound 17.3% of the peak to 4.0%: 1.1x of the predicted 342 now runs out),
 #: and RAFT with it (its fp32 3-channel first layers: 1.1x of its prediction now runs out, one H100 run).
 #: GoogLeNet left it when the allocator replay placed each new segment below the others (reserved -10.3%
-#: to -3.9%; every check met on an H200, 2026-11-28).
+#: to -3.9%; every check met on an H200, 2026-11-28). DeepLabV3, MobileViT and the Conv3d net left it
+#: with the upper reserved figure (``MemoryEstimate.reserved_bound``; H200, 2026-11-28: reserved -5.71%
+#: up to +2.01%, -5.26% up to -4.28%, -7.30% up to +6.56%).
 KNOWN: dict[str, str] = {
-    "mobilevit": "reserved -5.2% (peak -0.13%, stated bound 0.5%)",
     "levit": "reserved -5.1% (peak -1.07%, stated bound 3.1%; H100, 2026-11-27: the predicted 363 fits, 400 does not)",
     "pvt_v2": "1.1x of the predicted 88 under 13.25 GiB still runs (stated bound 68% of the peak; peak -0.52%)",
-    "video3d": "reserved -7.3% (peak exact, stated bound 2.7%)",
     "channels_last": (
         "reserved +7.3% (H100, 2026-11-28; +17.2% with the segments ranked older first; peak +0.25%, stated bound 20%); "
         "1.1x of the predicted 143 under 7.75 GiB still runs (2026-11-26)"
@@ -52,12 +52,6 @@ KNOWN: dict[str, str] = {
         "segments placed downward they take more segments than the rule's (it met every check with them ranked older "
         "first, H100, 2026-11-26)"
     ),
-    "deeplabv3": (
-        "reserved -5.7% (H100 and H200, 2026-11-28); peak -5.37%, inside its stated bound (2.34% then, 5.78% since a "
-        "dilated filter pass's bound covers the split-K partials): the ASPP's dilated 3x3 convolutions (2048 -> 256 at "
-        "32x32, fp32) take 13 fp32 partial weight gradients in their filter pass (245,366,928 bytes each, against the "
-        "rule's 94.4 MB of transforms); dilated convolutions have no rule of their own"
-    ),
     "shufflenet_v2": (
         "1.1x of the predicted 310 under 4 GiB still runs (H100, 2026-11-27; peak -2.53%, reserved -0.31%): the stated "
         "bound is 15.9% of the peak since a 7x7 pointwise backward's bound covers the per-image partials (its last 1x1, "
@@ -66,7 +60,17 @@ KNOWN: dict[str, str] = {
 }
 
 
-@pytest.mark.parametrize("name", cases(HOLDOUT_VISION, KNOWN, on_cpu=False, raises=AssertionError))
+#: At the edge of a goal: seen to miss it and to meet it on the same kind of GPU (not strict).
+UNSTEADY: dict[str, str] = {
+    "nf_resnet": (
+        "1.1x of the predicted 67 under 5.25 GiB ran (H200, 2026-11-28; peak -0.79%, stated bound 10.6% of the "
+        "peak, reserved -0.31% up to +8.49%) where it had run out of memory on an H100 (2026-11-26): the bound left "
+        "free makes the prediction safe and, here, short"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", cases(HOLDOUT_VISION, KNOWN, on_cpu=False, unsteady=UNSTEADY, raises=AssertionError))
 def test_the_held_back_model_conforms_on_the_gpu(name):
     import zoo_conformance
 

@@ -283,8 +283,13 @@ def estimate_memory(
     # (at the first matmul, or by an earlier step); replayed first, each takes a segment.
     workspace_events = [(-1 - i, n) for i, n in enumerate(blocks)]
     reserved = step_events = None
+    reserved_bound = 0
     if step.reserved is not None:
         reserved = simulate_reserved([*workspace_events, *step.events])
+        if step.upper_events and reserved is not None:
+            # the same replay with each kernel block that may ask more (split-K partial sums) at its bound
+            upper = simulate_reserved([*workspace_events, *step.upper_events])
+            reserved_bound = max(0, (upper or reserved) - reserved)
         if step.step_events is not None:
             step_events = _workspaces(workspace_events) + step.step_events
     reserved_at = peak_at = bound_at = None
@@ -309,6 +314,7 @@ def estimate_memory(
         optimizer_state=step.optimizer_state,
         inputs=step.inputs,
         reserved=reserved,
+        reserved_bound=reserved_bound,
         workspace=workspace,
         kernel_scratch=step.kernel_scratch,
         outside=outside if outside is not None else (CUDA_CONTEXT_ALLOWANCE if on_cuda else 0),

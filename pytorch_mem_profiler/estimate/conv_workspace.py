@@ -181,6 +181,13 @@ class ConvScratch:
     bound: int = 0
     #: ``"cudnn"``, ``"depthwise"`` (torch's own kernel), ``"empty"``, or ``"other"`` (not CUDA's)
     backend: str = "other"
+    #: bytes each of ``passes`` may ask beyond its figure (empty: none), for the allocator replay's
+    #: upper figure (``MemoryEstimate.reserved_bound``): a backward filter pass that sums split-K
+    #: partial weight gradients beside the transforms asks for as many as cuDNN's heuristics choose
+    #: for the call (measured on an H200 in bf16 from none to 13 fp32 weight gradients for 3x3
+    #: convolutions, 61 and 122 for stems), and a request past the block the data pass left takes a
+    #: segment of its own: its bound
+    headroom: tuple[int, ...] = ()
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -397,6 +404,30 @@ def cudnn_pass_workspace(
         ...                      channels_last=True)[0]
         0
     """
+    return _pass_workspace(
+        kind, x_shape, y_shape, w_shape, dtype=dtype, channels_last=channels_last, stride=stride, padding=padding,
+        depthwise=depthwise, allow_tf32=allow_tf32, benchmark=benchmark, transposed=transposed,
+    )[:2]
+
+
+def _pass_workspace(
+    kind: str,
+    x_shape: Sequence[int],
+    y_shape: Sequence[int],
+    w_shape: Sequence[int],
+    *,
+    dtype: torch.dtype,
+    channels_last: bool,
+    stride: Sequence[int] = (1, 1),
+    padding: Sequence[int] = (0, 0),
+    depthwise: bool = False,
+    allow_tf32: bool = True,
+    benchmark: bool = False,
+    transposed: bool = False,
+) -> tuple[int, int, bool]:
+    """:func:`cudnn_pass_workspace`, and whether the pass is a filter pass that sums split-K partial
+    weight gradients beside the transforms (how many, cuDNN's heuristics choose per call:
+    :attr:`ConvScratch.headroom`)."""
     transforms = transforms_bytes(x_shape, y_shape, w_shape, dtype)
     spread = WORKSPACE_FLOOR + math.ceil(WORKSPACE_SHARE * transforms)
     loose = transforms + WORKSPACE_FLOOR
@@ -414,9 +445,9 @@ def cudnn_pass_workspace(
         # head at 13x13; 512 channels at 14x14 in bf16): the smaller of the two, within 8.4 MB measured
         partials = pointwise_filter_partials(x_shape, y_shape)
         estimate = min(partials, transforms) if kind == "filter" else 0
-        return estimate, WORKSPACE_FLOOR
+        return estimate, WORKSPACE_FLOOR, False
     if gemm and positions > 1 and kind == "forward":
-        return transforms, loose  # 7x7: the transforms, as for the backward passes
+        return transforms, loose, False  # 7x7: the transforms, as for the backward passes
     if fp32 and not allow_tf32:
         if kind == "filter":
             estimate = math.ceil(NO_TF32_FILTER_SHARE * transforms)
@@ -448,7 +479,8 @@ def cudnn_pass_workspace(
         estimate, bound = transforms, loose
     else:
         estimate, bound = transforms, spread
-    if kind == "filter" and estimate and transforms >= MIN_LARGE_ALLOC and not channels_last and allow_tf32:
+    sums_partials = kind == "filter" and bool(estimate) and transforms >= MIN_LARGE_ALLOC and not channels_last and allow_tf32
+    if sums_partials:
         # the filter pass asks a little more than the transforms (split-K partial sums), and where the data
         # pass's or the forward's workspace left a free block the allocator hands it that block whole (the
         # rest is under its 1 MiB split threshold): measured as the transforms rounded up to 2 MiB
@@ -464,7 +496,7 @@ def cudnn_pass_workspace(
         bound = max(bound, partials + WORKSPACE_FLOOR - estimate, 2 * transforms + WORKSPACE_FLOOR if fp32 else 0)
     if benchmark:
         bound += BENCHMARK_SEARCH_BOUND + 2 * transforms
-    return estimate, bound
+    return estimate, bound, sums_partials
 
 
 # -- operators -------------------------------------------------------------------------
@@ -497,8 +529,9 @@ def _as_2d(shape: Sequence[int]) -> list[int]:
 def _passes(
     input: torch.Tensor, weight: torch.Tensor, out_shape: Sequence[int], *, stride, padding, transposed: bool,
     channels_last: bool, benchmark: bool, groups: int = 1,
-) -> dict[str, tuple[int, int]]:  # fmt: skip
-    """The workspace ``(bytes, bound)`` of each cuDNN pass this convolution's forward and backward may run.
+) -> tuple[dict[str, tuple[int, int]], bool]:  # fmt: skip
+    """The workspace ``(bytes, bound)`` of each cuDNN pass this convolution's forward and backward may run,
+    and whether its filter pass sums split-K partials (:attr:`ConvScratch.headroom`).
 
     A transposed convolution is the data gradient of the convolution from its output
     to its input: its forward is that convolution's backward-data pass, its input
@@ -514,10 +547,11 @@ def _passes(
     common = {"dtype": input.dtype, "channels_last": channels_last, "benchmark": benchmark, "stride": stride,
               "padding": padding, "allow_tf32": bool(torch.backends.cudnn.allow_tf32),
               "depthwise": groups > 1 and groups == in_shape[1] and not transposed, "transposed": transposed}  # fmt: skip
-    passes = {kind: cudnn_pass_workspace(kind, x_shape, y_shape, w_shape, **common) for kind in ("forward", "data", "filter")}
+    found = {kind: _pass_workspace(kind, x_shape, y_shape, w_shape, **common) for kind in ("forward", "data", "filter")}
     if transposed:
-        passes["forward"], passes["data"] = passes["data"], passes["forward"]
-    return passes
+        found["forward"], found["data"] = found["data"], found["forward"]
+    passes = {kind: (workspace, bound) for kind, (workspace, bound, _) in found.items()}
+    return passes, found["filter"][2]
 
 
 def _copies(tensors: Sequence[torch.Tensor], channels_last: bool) -> list[int]:
@@ -550,14 +584,18 @@ def convolution_scratch(
         return ConvScratch(held=tuple(_copies([input, weight], False)), backend=backend)
     channels_last = memory_format(input) == "channels_last" or memory_format(weight) == "channels_last"
     out_shape = _output_shape(input.shape, weight.shape, stride, padding, dilation, transposed, output_padding, groups)
-    passes = _passes(input, weight, out_shape, stride=stride, padding=padding, transposed=transposed,
-                     channels_last=channels_last, benchmark=_flags(benchmark), groups=groups)  # fmt: skip
+    passes, _ = _passes(input, weight, out_shape, stride=stride, padding=padding, transposed=transposed,
+                        channels_last=channels_last, benchmark=_flags(benchmark), groups=groups)  # fmt: skip
     workspace, bound = passes["forward"]
     return ConvScratch(tuple(_copies([input, weight], channels_last)), _nonzero([(workspace,)]), bound, backend)
 
 
+def _nonzero_each(passes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    return [tuple(b for b in one if b > 0) for one in passes]
+
+
 def _nonzero(passes: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
-    kept = (tuple(b for b in one if b > 0) for one in passes)
+    kept = _nonzero_each(passes)
     return tuple(one for one in kept if one)
 
 
@@ -604,14 +642,16 @@ def convolution_backward_scratch(
         return ConvScratch(tuple(copies), _nonzero([reduction]), bias_bound, backend)
     needed = [grad_output] + ([input] if want_weight else []) + ([weight] if want_input else [])
     copies = _copies(needed, channels_last) if (want_input or want_weight) else []
-    passes = _passes(input, weight, grad_output.shape, stride=stride, padding=padding, transposed=transposed,
-                     channels_last=channels_last, benchmark=_flags(benchmark), groups=groups)  # fmt: skip
+    passes, sums_partials = _passes(input, weight, grad_output.shape, stride=stride, padding=padding,
+                                    transposed=transposed, channels_last=channels_last, benchmark=_flags(benchmark),
+                                    groups=groups)  # fmt: skip
     # each pass's workspace is taken before the gradients after it exist: above the returned gradients,
     # the data pass counts less the weight's and the bias's gradients, the filter pass less the bias's
-    taken, bound = [], bias_bound
+    taken, room, bound = [], [], bias_bound
     if want_input:
         workspace, b = passes["data"]  # for a transposed one: the forward of the convolution it transposes
         taken.append((workspace - grad_weight - grad_bias,))
+        room.append(0)
         bound = max(bound, b)
     if want_weight:
         workspace, b = passes["filter"]
@@ -619,9 +659,13 @@ def convolution_backward_scratch(
         if any(d != 1 for d in dilation) and not channels_last:
             # a dilated filter pass may take split-K partial weight gradients instead (not sized by shape)
             b = max(b, DILATED_FILTER_PARTIALS * weight.numel() * 4 + WORKSPACE_FLOOR - workspace)
+        # how many partial sums it adds to the transforms is cuDNN's choice per call: up to its bound
+        room.append(b if sums_partials and workspace > grad_bias else 0)
         bound = max(bound, b)
     taken.append(reduction)
-    return ConvScratch(tuple(copies), _nonzero(taken), bound, backend)
+    room.append(0)
+    kept = [(one, extra) for one, extra in zip(_nonzero_each(taken), room) if one]
+    return ConvScratch(tuple(copies), tuple(one for one, _ in kept), bound, backend, tuple(extra for _, extra in kept))
 
 
 # -- the benchmark's cases ---------------------------------------------------------------

@@ -103,6 +103,9 @@ class Life:
     saved_by: str | None = None
     #: the operator that made it (``None``: made before counting began, adopted)
     op: Any = None
+    #: bytes a kernel's block may ask beyond ``nbytes``, by a rule's bound (the allocator replay's
+    #: upper figure, ``MemoryEstimate.reserved_bound``); 0 for every tensor
+    headroom: int = 0
 
     def alive_at(self, tick: int) -> bool:
         return self.born <= tick and (self.died is None or self.died > tick)
@@ -350,8 +353,12 @@ class StorageLifeCounter(MemoryCounter):
         passes = getattr(blocks, "passes", None)
         if passes is not None:  # blocks held throughout, and passes each taken and given back in turn
             held = self._take(blocks.held, op)
-            for one in passes:
-                self._give_back(self._take(one, op))
+            room = getattr(blocks, "headroom", ())
+            for i, one in enumerate(passes):
+                taken = self._take(one, op)
+                if i < len(room) and room[i] and taken:
+                    taken[0].headroom = room[i]
+                self._give_back(taken)
             self._give_back(held)
             return
         self._give_back(self._take(blocks, op))

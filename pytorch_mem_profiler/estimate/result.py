@@ -313,6 +313,11 @@ class MemoryEstimate:
             the workspaces' own segments); ``None`` off CUDA. This, not the peak
             allocated, is what a device's memory (and
             ``torch.cuda.set_per_process_memory_fraction``) must hold.
+        reserved_bound: bytes the reserved may be above :attr:`reserved` (0: none stated): the same
+            replay with each kernel block whose size a library chooses per call at its rule's bound
+            (cuDNN's backward filter passes, which add as many split-K partial weight gradients to the
+            transforms as its heuristics pick: one a little past the block the data pass left takes a
+            segment of its own, see :mod:`~pytorch_mem_profiler.estimate.conv_workspace`).
         workspace: bytes libraries take from the allocator besides tensors (cuBLAS's workspace on CUDA).
         kernel_scratch: bytes in ``peak`` (counted in ``peak_breakdown["other"]``) that a CUDA
             kernel takes for itself inside the operator running at the peak, by the rules of
@@ -376,6 +381,7 @@ class MemoryEstimate:
     reserved: int | None = None
     workspace: int = 0
     kernel_scratch: int = 0
+    reserved_bound: int = 0
     outside: int = 0
     fit: BatchFit | None = None
     emulated: bool = False
@@ -708,7 +714,10 @@ class MemoryEstimate:
             for module, n in ranked[:top]:
                 out.append(_line(f"  {module or '(model)'}", fmt(n)))
         if self.reserved is not None:
-            out.append(_line("Allocator segments (reserved, at the peak)", fmt(self.reserved)))
+            upto = f" (up to {fmt(self.reserved + self.reserved_bound)})" if self.reserved_bound else ""
+            out.append(_line("Allocator segments (reserved, at the peak)", fmt(self.reserved) + upto))
+            if self.reserved_bound:
+                out.append("  (up to: cuDNN's weight-gradient passes at their stated bound)")
         if self.outside:
             out.append(_line("Outside PyTorch (CUDA context)", fmt(self.outside)))
         out.append(_line("Needed on the device", fmt(self.required)))

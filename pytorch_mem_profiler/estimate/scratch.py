@@ -455,14 +455,19 @@ class Passes(tuple):
 
     held: tuple[int, ...]
     passes: tuple[tuple[int, ...], ...]
+    #: bytes each kept pass may ask beyond its blocks (its first block's headroom; see
+    #: ``ConvScratch.headroom``): the allocator replay's upper figure takes them
+    headroom: tuple[int, ...]
 
-    def __new__(cls, held: Sequence[int] = (), passes: Sequence[Sequence[int]] = ()) -> Passes:
+    def __new__(cls, held: Sequence[int] = (), passes: Sequence[Sequence[int]] = (), headroom: Sequence[int] = ()) -> Passes:
         held = tuple(n for n in held if n > 0)
-        kept = tuple(tuple(n for n in one if n > 0) for one in passes)
-        kept = tuple(one for one in kept if one)
+        room = list(headroom) + [0] * (len(passes) - len(headroom))
+        pairs = [(tuple(n for n in one if n > 0), extra) for one, extra in zip(passes, room)]
+        pairs = [(one, extra) for one, extra in pairs if one]
+        kept = tuple(one for one, _ in pairs)
         largest = max(kept, key=sum, default=())
         made = super().__new__(cls, held + largest)
-        made.held, made.passes = held, kept
+        made.held, made.passes, made.headroom = held, kept, tuple(extra for _, extra in pairs)
         return made
 
 
@@ -593,7 +598,7 @@ class KernelScratch:
             multiprocessors=self.multiprocessors,
         )  # fmt: skip
         self._bound(CONVOLUTION_BACKWARD_BOUND, found.bound)
-        return Passes(found.held, found.passes)
+        return Passes(found.held, found.passes, found.headroom)
 
     def _embedding_backward(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         grad, indices = args[0], args[1]
