@@ -722,13 +722,13 @@ def test_the_upper_reserved_figure_is_the_replay_with_the_filter_passes_at_their
     est = estimate_memory(model, batch, **kwargs)
     assert est.reserved_bound > 0
     # independently: the same estimate with every split-K filter pass asking its figure plus its bound
-    original = conv_workspace._pass_workspace
+    original = conv_workspace.cudnn_pass_workspace
 
     def at_bound(kind, *args, **kw):
         workspace, bound, sums = original(kind, *args, **kw)
-        return (workspace + bound if sums else workspace), bound, False
+        return conv_workspace.PassWorkspace(workspace + bound if sums else workspace, bound, False)
 
-    monkeypatch.setattr(conv_workspace, "_pass_workspace", at_bound)
+    monkeypatch.setattr(conv_workspace, "cudnn_pass_workspace", at_bound)
     upper = estimate_memory(model, batch, **kwargs)
     assert upper.reserved_bound == 0
     assert est.reserved + est.reserved_bound == upper.reserved

@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -103,6 +103,7 @@ __all__ = [
     "nhwc_bytes",
     "transforms_bytes",
     "cudnn_pass_workspace",
+    "PassWorkspace",
     "pointwise_filter_partials",
     "convolution_scratch",
     "convolution_backward_scratch",
@@ -164,6 +165,15 @@ NCHW_BIAS_REDUCTION_BOUND = 64 << 10
 BENCHMARK_SEARCH_BOUND = 5 << 29
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+class PassWorkspace(NamedTuple):
+    """One cuDNN pass's workspace by the rule (:func:`cudnn_pass_workspace`)."""
+
+    nbytes: int
+    bound: int
+    #: a filter pass that sums split-K partial weight gradients beside the transforms
+    sums_partials: bool
 
 
 @dataclass(frozen=True)
@@ -358,9 +368,11 @@ def cudnn_pass_workspace(
     allow_tf32: bool = True,
     benchmark: bool = False,
     transposed: bool = False,
-) -> tuple[int, int]:
-    """``(bytes, bound)`` of cuDNN's workspace for one pass (``kind``: ``"forward"``, ``"data"``,
-    ``"filter"``) of the convolution ``x -> y`` with filter ``w`` (see the module).
+) -> PassWorkspace:
+    """``(bytes, bound, sums_partials)`` of cuDNN's workspace for one pass (``kind``: ``"forward"``,
+    ``"data"``, ``"filter"``) of the convolution ``x -> y`` with filter ``w`` (see the module);
+    ``sums_partials``: a filter pass that adds split-K partial weight gradients to the transforms, as
+    many as cuDNN's heuristics choose for the call (:attr:`ConvScratch.headroom`).
 
     ``x_shape``/``y_shape``/``w_shape`` are the convolution's (N, C, spatial...) input,
     output and (C_out, C_in / groups, kernel...) filter, whichever pass runs (a 1-D
@@ -403,31 +415,10 @@ def cudnn_pass_workspace(
         >>> cudnn_pass_workspace("forward", (8, 96, 256, 256), (8, 32, 256, 256), (32, 96, 3, 3), dtype=torch.bfloat16,
         ...                      channels_last=True)[0]
         0
+        >>> cudnn_pass_workspace("filter", (64, 64, 224, 224), (64, 64, 224, 224), (64, 64, 3, 3), dtype=torch.bfloat16,
+        ...                      channels_last=False, padding=(1, 1)).sums_partials   # the VGG's: 13 partials on an H200
+        True
     """
-    return _pass_workspace(
-        kind, x_shape, y_shape, w_shape, dtype=dtype, channels_last=channels_last, stride=stride, padding=padding,
-        depthwise=depthwise, allow_tf32=allow_tf32, benchmark=benchmark, transposed=transposed,
-    )[:2]
-
-
-def _pass_workspace(
-    kind: str,
-    x_shape: Sequence[int],
-    y_shape: Sequence[int],
-    w_shape: Sequence[int],
-    *,
-    dtype: torch.dtype,
-    channels_last: bool,
-    stride: Sequence[int] = (1, 1),
-    padding: Sequence[int] = (0, 0),
-    depthwise: bool = False,
-    allow_tf32: bool = True,
-    benchmark: bool = False,
-    transposed: bool = False,
-) -> tuple[int, int, bool]:
-    """:func:`cudnn_pass_workspace`, and whether the pass is a filter pass that sums split-K partial
-    weight gradients beside the transforms (how many, cuDNN's heuristics choose per call:
-    :attr:`ConvScratch.headroom`)."""
     transforms = transforms_bytes(x_shape, y_shape, w_shape, dtype)
     spread = WORKSPACE_FLOOR + math.ceil(WORKSPACE_SHARE * transforms)
     loose = transforms + WORKSPACE_FLOOR
@@ -445,9 +436,9 @@ def _pass_workspace(
         # head at 13x13; 512 channels at 14x14 in bf16): the smaller of the two, within 8.4 MB measured
         partials = pointwise_filter_partials(x_shape, y_shape)
         estimate = min(partials, transforms) if kind == "filter" else 0
-        return estimate, WORKSPACE_FLOOR, False
+        return PassWorkspace(estimate, WORKSPACE_FLOOR, False)
     if gemm and positions > 1 and kind == "forward":
-        return transforms, loose, False  # 7x7: the transforms, as for the backward passes
+        return PassWorkspace(transforms, loose, False)  # 7x7: the transforms, as for the backward passes
     if fp32 and not allow_tf32:
         if kind == "filter":
             estimate = math.ceil(NO_TF32_FILTER_SHARE * transforms)
@@ -496,7 +487,7 @@ def _pass_workspace(
         bound = max(bound, partials + WORKSPACE_FLOOR - estimate, 2 * transforms + WORKSPACE_FLOOR if fp32 else 0)
     if benchmark:
         bound += BENCHMARK_SEARCH_BOUND + 2 * transforms
-    return estimate, bound, sums_partials
+    return PassWorkspace(estimate, bound, sums_partials)
 
 
 # -- operators -------------------------------------------------------------------------
@@ -547,11 +538,11 @@ def _passes(
     common = {"dtype": input.dtype, "channels_last": channels_last, "benchmark": benchmark, "stride": stride,
               "padding": padding, "allow_tf32": bool(torch.backends.cudnn.allow_tf32),
               "depthwise": groups > 1 and groups == in_shape[1] and not transposed, "transposed": transposed}  # fmt: skip
-    found = {kind: _pass_workspace(kind, x_shape, y_shape, w_shape, **common) for kind in ("forward", "data", "filter")}
+    found = {kind: cudnn_pass_workspace(kind, x_shape, y_shape, w_shape, **common) for kind in ("forward", "data", "filter")}
     if transposed:
         found["forward"], found["data"] = found["data"], found["forward"]
-    passes = {kind: (workspace, bound) for kind, (workspace, bound, _) in found.items()}
-    return passes, found["filter"][2]
+    passes = {kind: (one.nbytes, one.bound) for kind, one in found.items()}
+    return passes, found["filter"].sums_partials
 
 
 def _copies(tensors: Sequence[torch.Tensor], channels_last: bool) -> list[int]:

@@ -717,7 +717,7 @@ class MemoryEstimate:
             upto = f" (up to {fmt(self.reserved + self.reserved_bound)})" if self.reserved_bound else ""
             out.append(_line("Allocator segments (reserved, at the peak)", fmt(self.reserved) + upto))
             if self.reserved_bound:
-                out.append("  (up to: cuDNN's weight-gradient passes at their stated bound)")
+                out.append("  (the higher figure: cuDNN's weight-gradient passes each at its stated bound)")
         if self.outside:
             out.append(_line("Outside PyTorch (CUDA context)", fmt(self.outside)))
         out.append(_line("Needed on the device", fmt(self.required)))
