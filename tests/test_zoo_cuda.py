@@ -1,7 +1,8 @@
 """The model zoo on the GPU at real sizes (``benchmarks/zoo_conformance.py``'s checks, one test per
 model): the profiler exact against the allocator and the unique storages, feature maps by layer
 within 1% of a pack hook, ``estimate_memory``'s peak within 2% of ``max_memory_allocated()`` on
-fake CUDA and emulated, its reserved within 5% of ``max_memory_reserved()``, the predicted largest
+fake CUDA and emulated, its reserved within 5% of ``max_memory_reserved()`` (of the range up to its
+stated upper figure, ``reserved_bound``), the predicted largest
 batch running under the allocator limit and 1.1x of it running out of memory.
 
     PYTHONPATH=. python3 -m pytest tests/test_zoo_cuda.py -m cuda -q

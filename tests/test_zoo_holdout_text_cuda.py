@@ -2,7 +2,8 @@
 the GPU at their real sizes: ``benchmarks/zoo_conformance.conform``'s checks, one test per model, as
 ``tests/test_zoo_cuda.py`` runs them on the zoo (the profiler exact against the allocator and the unique
 storages, feature maps by layer within 1% of a pack hook, ``estimate_memory``'s peak within 2% on fake
-CUDA and emulated, reserved within 5%, the predicted largest batch fitting and 1.1x of it not).
+CUDA and emulated, reserved within 5% (of the range up to its stated upper figure), the predicted largest
+batch fitting and 1.1x of it not).
 
     PYTHONPATH=. python3 -m pytest tests/test_zoo_holdout_text_cuda.py -m cuda -q
     ZOO_CONFORMANCE_OUT=$OUT/holdout_text PYTHONPATH=. python3 -m pytest tests/test_zoo_holdout_text_cuda.py -m cuda -q

@@ -3,7 +3,7 @@ real sizes, by the zoo's conformance checks (``benchmarks/zoo_conformance.py``, 
 ``tests/test_zoo_cuda.py`` runs them on the zoo): the profiler exact against the allocator and the
 unique storages, feature maps by layer within 1% of a pack hook, ``estimate_memory``'s peak within
 2% of ``max_memory_allocated()`` on fake CUDA and emulated, its reserved within 5% of
-``max_memory_reserved()``, the predicted largest batch running under the allocator limit and 1.1x
+``max_memory_reserved()`` (of the range up to its stated upper figure), the predicted largest batch running under the allocator limit and 1.1x
 of it running out of memory.
 
     PYTHONPATH=. python3 -m pytest tests/test_zoo_holdout_vision_cuda.py -m cuda -q
