@@ -74,6 +74,7 @@ __all__ = [
     "AllocatorReplay",
     "ReplayEntry",
     "StepEvents",
+    "with_headroom",
     "workspaces_at_first_use",
 ]
 
@@ -279,6 +280,19 @@ class StepEvents:
 #: already (after a warm-up step, a validation loop, an earlier run: as the profiler's measurements
 #: and the estimate's reserved take it); ``"either"``, both replayed.
 PROCESSES = ("warmed", "fresh", "either")
+
+
+def with_headroom(events: Sequence[tuple[int, int]], headroom: Mapping[int, int]) -> list[tuple[int, int]]:
+    """``events`` with each block of ``headroom``'s keys asking that many bytes more, its free the same:
+    the step as it runs where each kernel block takes what its rule's bound allows
+    (``MemoryEstimate.reserved_bound``). The order stays: a block's size never orders its events.
+
+    Example::
+
+        >>> with_headroom([(0, 512), (1, 4096), (1, -4096), (0, -512)], {1: 1024})
+        [(0, 512), (1, 5120), (1, -5120), (0, -512)]
+    """
+    return [(key, n + headroom[key] if n > 0 else n - headroom[key]) if key in headroom else (key, n) for key, n in events]
 
 
 def workspaces_at_first_use(workspace_events: Sequence[tuple[int, int]], events: Sequence[tuple[int, int]],

@@ -22,7 +22,15 @@ import torch
 from torch import nn
 
 from ..measure.devices import parse_device, usable_device
-from .allocator import CUDA_CONTEXT_ALLOWANCE, StepEvents, cublas_workspace_bytes, cublas_workspaces, simulate_reserved, workspaces_at_first_use
+from .allocator import (
+    CUDA_CONTEXT_ALLOWANCE,
+    StepEvents,
+    cublas_workspace_bytes,
+    cublas_workspaces,
+    simulate_reserved,
+    with_headroom,
+    workspaces_at_first_use,
+)
 from .fake import batch_of
 from .result import CHOSEN_BY_FUNCTION, REPEATED_BLOCKS, BatchFit, MemoryEstimate, error_bound_of
 from .step import EstimateUnsupported, StepMemory, StepPlan, run_step
@@ -286,9 +294,9 @@ def estimate_memory(
     reserved_bound = 0
     if step.reserved is not None:
         reserved = simulate_reserved([*workspace_events, *step.events])
-        if step.upper_events and reserved is not None:
+        if step.headroom and reserved is not None:
             # the same replay with each kernel block that may ask more (split-K partial sums) at its bound
-            upper = simulate_reserved([*workspace_events, *step.upper_events])
+            upper = simulate_reserved([*workspace_events, *with_headroom(step.events, step.headroom)])
             reserved_bound = max(0, (upper or reserved) - reserved)
         if step.step_events is not None:
             step_events = _workspaces(workspace_events) + step.step_events

@@ -146,8 +146,9 @@ class StepMemory:
     events: tuple[tuple[int, int], ...] = ()
     #: ``events`` with where each phase of each step begins and what made each storage (CUDA only)
     step_events: StepEvents | None = None
-    #: ``events`` with each kernel block as large as its rule's bound allows (empty: none has headroom)
-    upper_events: tuple[tuple[int, int], ...] = ()
+    #: bytes a kernel block may ask beyond its figure, by its key in ``events`` (``Life.headroom``;
+    #: empty: none may), for the replay's upper figure (:func:`~.allocator.with_headroom`)
+    headroom: Mapping[int, int] = field(default_factory=dict)
     #: bytes of kernel scratch in ``peak`` (in ``breakdown["other"]``): an operator's own buffers (CUDA only)
     kernel_scratch: int = 0
     #: operations whose memory follows an unmeasured rule: the bytes the peak may be off by, per operation
@@ -821,12 +822,12 @@ def _summarize(
     inputs = sum(life.nbytes for life in counter.lives if "inputs" in life.roles and life.died is None)
     reserved = None
     events: tuple[tuple[int, int], ...] = ()
-    upper_events: tuple[tuple[int, int], ...] = ()
+    headroom: dict[int, int] = {}
     step_events = None
     if target.type == "cuda":
         step_events = _step_events(counter)
         events = step_events.events
-        upper_events = _upper_events(counter.lives)
+        headroom = {key: life.headroom for key, life in enumerate(counter.lives) if life.headroom and life.nbytes > 0}
         reserved = simulate_reserved(events)
     return StepMemory(
         batch_size=batch_size,
@@ -843,7 +844,7 @@ def _summarize(
         inputs=inputs,
         reserved=reserved,
         events=events,
-        upper_events=upper_events,
+        headroom=MappingProxyType(headroom),
         step_events=step_events,
         kernel_scratch=scratch,
         parallel_parts=MappingProxyType({k: v for k, v in parallel_parts.items() if v}),
@@ -866,29 +867,17 @@ def _events(lives: list[Life]) -> list[tuple[int, int]]:
     return [(key, nbytes) for _, key, nbytes in _timeline(lives)]
 
 
-def _timeline(lives: list[Life], *, upper: bool = False) -> list[tuple[int, int, int]]:
-    """``(tick, key, +/-bytes)`` of every storage's birth and death, in time order (a key is the life's index).
-
-    ``upper``: each kernel block at its bytes plus its headroom (``Life.headroom``), as a rule's bound allows.
-    """
+def _timeline(lives: list[Life]) -> list[tuple[int, int, int]]:
+    """``(tick, key, +/-bytes)`` of every storage's birth and death, in time order (a key is the life's index)."""
     timeline: list[tuple[int, int, int]] = []
     for key, life in enumerate(lives):
         if life.nbytes <= 0:
             continue
-        nbytes = life.nbytes + life.headroom if upper else life.nbytes
-        timeline.append((life.born, key, nbytes))
+        timeline.append((life.born, key, life.nbytes))
         if life.died is not None:
-            timeline.append((life.died, key, -nbytes))
+            timeline.append((life.died, key, -life.nbytes))
     timeline.sort()
     return timeline
-
-
-def _upper_events(lives: list[Life]) -> tuple[tuple[int, int], ...]:
-    """The replay's events with each kernel block as large as its rule's bound allows; empty where no block
-    has headroom (the events themselves are then the upper figure's)."""
-    if not any(life.headroom for life in lives):
-        return ()
-    return tuple((key, nbytes) for _, key, nbytes in _timeline(lives, upper=True))
 
 
 def _step_events(counter: StorageLifeCounter) -> StepEvents:
