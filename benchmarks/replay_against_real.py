@@ -213,6 +213,8 @@ class RealTrace:
         base_blocks: the base's segments as ``(address, bytes, small, [(block bytes, key or None)])``,
             each allocated block keyed (a negative key) so that its later free is matched.
         truncated: the trace lost its first entries (the ring buffer was full): counts do not add up.
+        refused: the entry indices of ``oom`` requests the run went on after (cuDNN ran another plan
+            without the workspace it was refused); the last ``oom`` of a run that ran out is not one.
     """
 
     entries: list[dict[str, Any]]
@@ -226,6 +228,12 @@ class RealTrace:
     event_entry: list[int]
     base_blocks: list[tuple[int, int, bool, list[tuple[int, int | None]]]]
     truncated: bool = False
+    refused: frozenset[int] = frozenset()
+
+    @property
+    def refused_keys(self) -> frozenset[int]:
+        """The replay's keys of the :attr:`refused` requests (for ``AllocatorReplay(fallback=...)``)."""
+        return frozenset(self.events[n][0] for n, i in enumerate(self.event_entry) if i in self.refused and self.events[n][1] > 0)
 
 
 _KEPT_ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom"}
@@ -309,6 +317,9 @@ def parse_real(snapshot: Mapping[str, Any], base_segments: Iterable[Mapping[str,
         trace.segments.append(segments)
     if counts is not None:  # fewer than the statistics counted: the ring buffer dropped the first entries
         trace.truncated = allocs < counts[0] or frees < counts[1]
+    # an out-of-memory the run went on after: a workspace refused and done without (cuDNN's next plan)
+    last_alloc = max((i for i, e in enumerate(entries) if e["action"] == "alloc"), default=-1)
+    trace.refused = frozenset(i for i, e in enumerate(entries) if e["action"] == "oom" and i < last_alloc)
     return trace
 
 
@@ -471,7 +482,7 @@ def real_side(trace: RealTrace, phases: Sequence[Phase]) -> Side:
         elif action == "segment_free":
             row["segments_given_back"] += 1
             side.releases.append({"phase": label, "allocation": len(side.sizes), "bytes": int(e.get("size", 0)), "reserved_after": reserved})
-        elif action == "oom":
+        elif action == "oom" and i not in trace.refused:
             side.oom = {"phase": label, "allocation": len(side.sizes), "requested": int(e.get("size", 0)),
                         "reserved": reserved, "from": frames_text(e.get("frames"))}  # fmt: skip
         if action in ("free_requested", "oom"):
@@ -632,10 +643,11 @@ def rule_check(trace: RealTrace, limit: int | None, *, real_addresses: bool = Tr
     the allocator's do); else the replay makes them up, each below the others, as the estimate's
     replay does."""
     addresses = [int(e["addr"]) for e in trace.entries if e["action"] == "segment_alloc"] if real_addresses else None
-    replay = AllocatorReplay(limit=limit, record=True, addresses=addresses)
+    replay = AllocatorReplay(limit=limit, record=True, addresses=addresses, fallback=trace.refused_keys)
     for address, size, small, blocks in trace.base_blocks:
         replay.add_segment(size, blocks, small=small, address=address if real_addresses else None)
     replay.run(trace.events)
+    fell_back: set[int] = set()
     made: dict[int, bool] = {}
     released: Counter = Counter()
     reserved_after: dict[int, int] = {}
@@ -647,10 +659,12 @@ def rule_check(trace: RealTrace, limit: int | None, *, real_addresses: bool = Tr
             pending = True
         elif entry.action == "segment_free":
             released[entry.index] += 1
-        elif entry.action in ("alloc", "oom"):
+        elif entry.action in ("alloc", "oom", "fallback"):
             made[entry.index] = pending
             reserved_after[entry.index] = entry.reserved
             pending = False
+            if entry.action == "fallback":
+                fell_back.add(entry.index)
     first = None
     ordinal = -1
     for n, i in enumerate(trace.event_entry):
@@ -662,7 +676,8 @@ def rule_check(trace: RealTrace, limit: int | None, *, real_addresses: bool = Tr
         real_released, k = 0, i - 1 - real_made
         while k >= 0 and trace.entries[k]["action"] == "segment_free":
             real_released, k = real_released + 1, k - 1
-        replay_oom = replay.oom is not None and replay.oom[0] == n
+        refused = i in trace.refused  # the run went on without it: the replay skips it (a fallback) or not
+        replay_oom = (replay.oom is not None and replay.oom[0] == n) or n in fell_back
         where = {"allocation": ordinal, "size": trace.events[n][1], "from": frames_text(trace.entries[i].get("frames")),
                  "real_reserved": trace.reserved[i], "replay_reserved": reserved_after.get(n)}  # fmt: skip
         if n not in made:
@@ -672,7 +687,7 @@ def rule_check(trace: RealTrace, limit: int | None, *, real_addresses: bool = Tr
         elif made[n] != real_made or released[n] != real_released:
             first = {**where, "what": f"segment made: real {real_made}, replay {made[n]}; segments given back: "
                      f"real {real_released}, replay {released[n]}"}  # fmt: skip
-        if first is not None or action == "oom":
+        if first is not None or (action == "oom" and not refused):
             break
     return {
         "addresses": "real" if real_addresses else "made up, each below the others",
@@ -681,7 +696,8 @@ def rule_check(trace: RealTrace, limit: int | None, *, real_addresses: bool = Tr
         "replay_peak_reserved": replay.peak_reserved,
         "real_peak_reserved": max(trace.reserved, default=trace.base_reserved),
         "replay_oom": replay.oom,
-        "real_oom": any(e["action"] == "oom" for e in trace.entries),
+        "real_oom": any(e["action"] == "oom" and i not in trace.refused for i, e in enumerate(trace.entries)),
+        "real_refused": len(trace.refused),
     }
 
 
@@ -736,10 +752,11 @@ def compare(trace: RealTrace, phases: Sequence[Phase], events: StepEvents, limit
     and the rule check. Plain data."""
     real = real_side(trace, phases)
     workspaces = workspace_events(events)
-    own = AllocatorReplay(limit=limit, record=True).run(events.events)
+    own = AllocatorReplay(limit=limit, record=True, fallback=events.fallback).run(events.events)
     estimate = replay_side("estimate", events, own, workspaces)
-    step_only = StepEvents(events.events[workspaces:], tuple((i - workspaces, s, p) for i, s, p in events.marks), events.sources)
-    on_base = AllocatorReplay(limit=limit, record=True)
+    step_only = StepEvents(events.events[workspaces:], tuple((i - workspaces, s, p) for i, s, p in events.marks), events.sources,
+                           fallback=events.fallback)  # fmt: skip
+    on_base = AllocatorReplay(limit=limit, record=True, fallback=events.fallback)
     for _, size, small, blocks in trace.base_blocks:
         on_base.add_segment(size, blocks, small=small)
     on_base.run(step_only.events)

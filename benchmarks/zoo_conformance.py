@@ -150,9 +150,12 @@ def run_at(entry: ZooModel, batch: int, device: torch.device, fraction: float) -
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     try:
         train_two_steps(entry, batch, device)
-        return {"fits": True, "reserved": torch.cuda.max_memory_reserved(device)}
+        fits, reserved = True, torch.cuda.max_memory_reserved(device)
     except torch.cuda.OutOfMemoryError:
-        return {"fits": False, "reserved": None}
+        fits, reserved = False, None
+    # requests the allocator refused though the step went on (cuDNN then tries a plan with a smaller workspace)
+    stats = torch.cuda.memory_stats(device)
+    return {"fits": fits, "reserved": reserved, "ooms": stats.get("num_ooms", 0), "retries": stats.get("num_alloc_retries", 0)}
 
 
 #: The step the profiler's record is taken at (1-based): two warm-up steps, an unprofiled third,

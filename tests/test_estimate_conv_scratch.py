@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pytorch_mem_profiler import estimate_memory
-from pytorch_mem_profiler.estimate.allocator import block_size
+from pytorch_mem_profiler.estimate.allocator import AllocatorReplay, block_size, simulate_reserved
 from pytorch_mem_profiler.estimate.conv_workspace import (
     conv_backend,
     convolution_backward_scratch,
@@ -743,3 +743,63 @@ def test_no_upper_reserved_figure_without_such_passes():
     fp32 = estimate_memory(*_bf16_convnet(), optimizer=SGD, device="cuda", emulate=True, fit=False)
     # fp32 filter passes ask past the rounded block too (by FP32_FILTER_EXCESS at least): bounded the same way
     assert fp32.reserved_bound > 0
+
+
+# -- cuDNN's workspaces give way under a limit -------------------------------------------
+def test_only_cudnns_workspaces_give_way():
+    geometry = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "transposed": False, "groups": 1, "benchmark": False}
+    x, w = (8, 64, 56, 56), (64, 64, 3, 3)
+    nchw = convolution_backward_scratch(_meta(x, BF16), _meta(x, BF16), _meta(w, BF16), output_mask=(True, True, False), **geometry)
+    assert len(nchw.passes) == 2 and nchw.fallback == (True, True)  # the data and filter passes: cuDNN's workspaces
+    # channels_last with a bias: the bias gradient's column reduction is ATen's own, after cuDNN's passes
+    cl = convolution_backward_scratch(_meta(x, BF16, CL), _meta(x, BF16, CL), _meta(w, BF16, CL), output_mask=(True, True, True),
+                                      **geometry)  # fmt: skip
+    assert cl.fallback[-1] is False and len(cl.fallback) == len(cl.passes)
+    assert all(cl.fallback[:-1])
+    forward = _forward(_meta(x, BF16), _meta(w, BF16), 1)
+    assert forward.passes and forward.fallback == (True,) * len(forward.passes)
+    # torch's own depthwise kernel: no cuDNN, nothing gives way
+    depthwise = convolution_backward_scratch(_meta(x, BF16), _meta(x, BF16), _meta((64, 1, 3, 3), BF16),
+                                             output_mask=(True, True, True), **{**geometry, "groups": 64})  # fmt: skip
+    assert depthwise.backend == "depthwise" and not any(depthwise.fallback)
+    # Passes keep each flag with its pass when empty passes are dropped
+    kept = Passes((), ((0,), (100,), (200,)), (), (True, False, True))
+    assert kept.passes == ((100,), (200,)) and kept.fallback == (False, True)
+
+
+def test_the_counter_marks_the_workspaces_and_the_replay_under_a_limit_does_without_them():
+    model, batch = _conv_step()
+    plan = StepPlan(model=model, example_inputs=batch, optimizer=SGD, device=torch.device("cuda"), run_device=torch.device("cpu"))
+    step = run_step(plan, 4)
+    events, fallback = step.step_events.events, step.step_events.fallback
+    sizes = {key: n for key, n in events if n > 0}
+    # the forward's and the backward's workspaces of both steps; not the copied gradient (ATen's)
+    assert sorted(sizes[key] for key in fallback) == [2_106_880] * 4
+    assert all(step.step_events.sources[key].startswith("aten.convolution") for key in fallback)
+    copies = [key for key, source in step.step_events.sources.items() if source.startswith("aten.convolution_backward")]
+    assert set(copies) - fallback  # the expanded gradient's copy stays
+
+    def smallest_limit(keys):
+        mib = 1 << 20
+        limits = [n * 2 * mib for n in range(1, 64) if simulate_reserved(events, limit=n * 2 * mib, fallback=keys) is not None]
+        return min(limits)
+
+    without, given_way = smallest_limit(frozenset()), smallest_limit(fallback)
+    assert given_way < without  # the workspaces' segment is not needed when they give way
+    replay = AllocatorReplay(limit=given_way, fallback=fallback).run(events)
+    assert replay.oom is None and replay.fallbacks > 0
+    # a step's own tensors never give way: under the limit less what the tensors need, it runs out
+    assert simulate_reserved(events, limit=given_way - (2 << 20), fallback=fallback) is None
+
+
+def test_the_search_leaves_the_convolutions_bound_unreserved():
+    model, batch = _conv_step()
+    est = estimate_memory(model, batch, optimizer=SGD, device="cuda", emulate=True)
+    assert est.fallback_bounds == {CONVOLUTION_BOUND, CONVOLUTION_BACKWARD_BOUND} and est.search_bound == 0 < est.error_bound
+    limit = 400 << 20
+    search = est.batch_search(limit, margin=0, outside=0)
+    assert search.bound == 0
+    # the answer fits the replay, where cuDNN's workspaces give way, and the next batch tried above it does not
+    above = min(batch for batch, fits in search.tried if not fits and batch > search.largest)
+    assert est.batch_fits(search.largest, limit, outside=0) and not est.batch_fits(above, limit, outside=0)
+    assert est.reserved_at(search.largest, limit - est._layout(limit), process="fresh") is not None

@@ -188,12 +188,12 @@ def test_the_largest_batch_leaves_the_stated_bound_free_at_each_batch_tried():
     plain = _estimate(reserved=100, reserved_at=replay)
     assert plain.batch_search(1006, margin=0, outside=0).largest == 10  # 0.5% of 1006 (6) left for the layout
     bounded = _estimate(reserved=100, reserved_at=replay, error_bounds={"conv": 10}, transient_bounds=frozenset({"conv"}),
-                        error_bound_at=lambda batch: 10 * batch)  # fmt: skip
+                        search_bound_at=lambda batch: 10 * batch)  # fmt: skip
     search = bounded.batch_search(1000, margin=0, outside=0)
     assert search.largest == 9 and search.bound == 90 and search.layout == 5  # 9 * 110 + 5 <= 1000 < 10 * 110
     assert bounded.max_batch_size(1000, margin=0, outside=0) == 9
     # off CUDA the peak and the bound: the same rule
-    on_cpu = _estimate(device="cpu", peak_at=lambda batch: (100 * batch, "backward"), error_bound_at=lambda batch: 10 * batch,
+    on_cpu = _estimate(device="cpu", peak_at=lambda batch: (100 * batch, "backward"), search_bound_at=lambda batch: 10 * batch,
                        error_bounds={"x": 10})  # fmt: skip
     assert on_cpu.batch_search(1000, margin=0, outside=0).largest == 9
 
@@ -208,7 +208,7 @@ def test_any_batch_can_be_asked_whether_it_fits_where_the_allocators_answer_is_n
     assert [b for b in range(18, 25) if est.batch_fits(b, 10_000, outside=0)] == [18, 19, 21, 22]
     # the stated bound is left free as the search leaves it
     bounded = _estimate(reserved=100, reserved_at=lambda batch, limit, process=None: 100 * batch if 100 * batch <= limit else None,
-                        error_bounds={"conv": 10}, error_bound_at=lambda batch: 10 * batch)  # fmt: skip
+                        error_bounds={"conv": 10}, search_bound_at=lambda batch: 10 * batch)  # fmt: skip
     assert bounded.batch_fits(9, 1000, outside=0) and not bounded.batch_fits(10, 1000, outside=0)
     # 9 * (100 + 10) = 990, and 0.5% of what is left after outside= for the layout: 5 of 995, 5 of 994
     assert bounded.batch_fits(9, 1000, outside=5) and not bounded.batch_fits(9, 1000, outside=6)
@@ -310,27 +310,59 @@ def test_the_stated_bound_counts_one_operators_buffers_once():
     assert "± conv backward (inside one operator)" in str(est) and "± kept (kept alive)" in str(est)
 
 
+_RECURRENT = (
+    "import torch\nfrom torch import nn\nbatch_size = 4\n"
+    "class Recurrent(nn.Module):\n"
+    "    def __init__(self):\n        super().__init__()\n        self.gru = nn.GRU(16, 64, batch_first=True)\n        self.head = nn.Linear(64, 4)\n"
+    "    def forward(self, x):\n        return self.head(self.gru(x)[0])\n"
+    "def build_model():\n    return Recurrent()\n"
+    "def example_inputs(batch_size):\n    return torch.randn(batch_size, 32, 16)\n"
+)
+_CONVOLUTIONAL = (
+    "import torch\nfrom torch import nn\nbatch_size = 4\n"
+    "def build_model():\n    return nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 32 * 32, 4))\n"
+    "def example_inputs(batch_size):\n    return torch.randn(batch_size, 16, 32, 32)\n"
+)
+
+
+def _script(tmp_path, text):
+    path = tmp_path / "model.py"
+    path.write_text(text)
+    namespace: dict = {}
+    exec(compile(text, str(path), "exec"), namespace)  # the same model for the estimate made here
+    return path, namespace
+
+
 def test_the_command_says_what_it_left_free_for_the_stated_bound(tmp_path, capsys):
     from pytorch_mem_profiler.analysis.cli import main
     from pytorch_mem_profiler.units import format_amount
 
-    path = tmp_path / "model.py"
-    path.write_text(
-        "import torch\nfrom torch import nn\nbatch_size = 4\n"
-        "def build_model():\n    return nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 32 * 32, 4))\n"
-        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 16, 32, 32)\n"
-    )
+    path, script = _script(tmp_path, _RECURRENT)
     memory = 1500 * 10**6  # the default 1 GiB outside PyTorch taken off
     assert main(["estimate", str(path), "--device", "cuda", "--memory", "1500MB", "--margin", "0"]) == 0
     out = capsys.readouterr().out
-    est = estimate_memory(
-        lambda: nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 32 * 32, 4)),
-        lambda b: torch.zeros(b, 16, 32, 32), batch_size=4, device="cuda", emulate=True,
-    )  # fmt: skip
+    est = estimate_memory(script["build_model"], script["example_inputs"], batch_size=4, device="cuda", emulate=True)
     search = est.batch_search(memory, margin=0)
-    assert est.error_bound > 0 and search.bound > est.error_bound  # the bound at the answer, a larger batch
+    # cuDNN's recurrent workspace does not give way under a limit: its bound is left free
+    assert est.search_bound == est.error_bound > 0 and search.bound > est.error_bound  # the bound at the answer, a larger batch
     assert f"Largest batch on a device of 1,500 MB: {search.batch_size} (" in out
     assert f"; {format_amount(search.bound, 'MB', digits=3)} left free for the stated ±;" in out
+
+
+def test_the_convolutions_bound_is_not_left_free_since_cudnn_falls_back(tmp_path, capsys):
+    # cuDNN runs another plan when the allocator refuses a plan's workspace: a workspace larger than
+    # the rule's that does not fit is done without, so the search leaves no room for the bound
+    from pytorch_mem_profiler.analysis.cli import main
+
+    path, script = _script(tmp_path, _CONVOLUTIONAL)
+    assert main(["estimate", str(path), "--device", "cuda", "--memory", "1500MB", "--margin", "0"]) == 0
+    out = capsys.readouterr().out
+    est = estimate_memory(script["build_model"], script["example_inputs"], batch_size=4, device="cuda", emulate=True)
+    assert est.error_bound > 0 and est.search_bound == 0
+    assert est.fallback_bounds == set(est.error_bounds)
+    search = est.batch_search(1500 * 10**6, margin=0)
+    assert search.bound == 0 and "left free for the stated" not in out
+    assert f"Largest batch on a device of 1,500 MB: {search.batch_size} (" in out
 
 
 def test_the_command_answers_for_the_process_asked(tmp_path, capsys):

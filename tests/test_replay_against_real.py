@@ -76,8 +76,9 @@ def _base_segments() -> list[dict]:
 
 def _recorded(events: StepEvents, base: list[dict], *, limit: int | None = None, names: dict[int, str] | None = None):
     """A snapshot, its base and its phase marks as ``real_run`` returns them, made by replaying
-    ``events`` (from ``base``) and writing down what the replay did as torch's history does."""
-    replay = AllocatorReplay(limit=limit, record=True)
+    ``events`` (from ``base``) and writing down what the replay did as torch's history does (a
+    workspace of ``events.fallback`` refused: an ``oom`` entry, the run going on)."""
+    replay = AllocatorReplay(limit=limit, record=True, fallback=events.fallback)
     for address, size, small, blocks in rar.parse_base(base):
         replay.add_segment(size, blocks, small=small, address=address)
     replay.run(events.events)
@@ -101,7 +102,7 @@ def _recorded(events: StepEvents, base: list[dict], *, limit: int | None = None,
             frees += 1
         elif entry.action == "segment_free":
             trace.append({"action": "segment_free", "addr": entry.address, "size": entry.size, "stream": 0, "frames": []})
-        elif entry.action == "oom":
+        elif entry.action in ("oom", "fallback"):
             trace.append({"action": "oom", "size": block_size(entry.size), "device_free": 0, "stream": 0, "frames": _frames("linear")})
     ran = replay.oom[0] if replay.oom else len(events.events)
     stats = lambda a, f: {"allocation.all.allocated": 100 + a, "allocation.all.freed": 50 + f}  # noqa: E731
@@ -221,6 +222,24 @@ def test_under_a_limit_the_real_run_out_of_memory_is_placed_and_the_estimate_tha
     assert result["real"]["releases"] == 1
     assert all(check["exact"] and check["real_oom"] and check["replay_oom"] for check in result["rules"])
     assert result["estimate on the real base"]["first"]["oom"] == {"real": result["real"]["oom"], "estimate on the real base": None}
+
+
+def test_a_workspace_refused_where_the_run_went_on_is_no_out_of_memory_and_the_replays_do_without_it():
+    # cuDNN asks 200 MiB for a workspace at the first backward's start; under the limit it is refused
+    # (the history records an oom) and the run goes on with another plan
+    scratch = {"step 1 backward": [(900, 200 * MIB), (900, -200 * MIB)]}
+    plain = _step(4, extra=scratch)
+    step = StepEvents(plain.events, plain.marks, plain.sources, fallback=frozenset({900}))
+    unlimited = AllocatorReplay().run(_with_workspaces(_step(4)).events).peak_reserved
+    limit = 66 * MIB + (unlimited - 64 * MIB) + 20 * MIB  # the real base, the step, 20 MiB spare: not 200
+    trace, phases, result = _compare(step, step, limit=limit)
+    assert len(trace.refused) == 1 and trace.refused_keys  # the refused request, keyed for the rule check
+    assert result["real"]["oom"] is None
+    assert result["estimate"]["oom"] is None and result["estimate on the real base"]["oom"] is None
+    assert all(check["exact"] and not check["real_oom"] and check["real_refused"] == 1 for check in result["rules"])
+    # without the fallback the estimate runs out where the real run refused the workspace
+    _, _, strict = _compare(step, plain, limit=limit)
+    assert strict["estimate on the real base"]["oom"]["requested"] == 200 * MIB
 
 
 def test_the_rule_check_finds_where_a_real_allocator_parts_from_the_rules():

@@ -32,15 +32,10 @@ pytestmark = pytest.mark.cuda
 #: bf16 filter passes' split-K partial sums at their bound: -17.4% to +0.4% of the measured). EfficientNet
 #: and MobileNet left it with the pointwise convolutions' GEMM class (``conv_workspace.POINTWISE_GEMM_POSITIONS``); the checkpointed decoder with the layout
 #: allowance of the batch search (its predicted 34 under 21.25 GiB ran out of memory by 14 MB, the replay
-#: fitting it with 0.26% of the limit left; 33 fits and 37 runs out, H200, 2026-11-28).
-KNOWN: dict[str, str] = {
-    "unet": (
-        "largest batch: 17 predicted with the convolution workspaces' stated bound (4.8% of the peak) left free, and 19 "
-        "(1.1x) runs (H200, 2026-11-28; 19 and 21 on an H100, 2026-11-27, with the segments ranked older first): a "
-        "forward convolution's workspace is 66.4 MB by the rule and 22.3 MB on the device at batch 21 "
-        "(measure_kernels=True measures the workspaces instead)"
-    ),
-}
+#: fitting it with 0.26% of the limit left; 33 fits and 37 runs out, H200, 2026-11-28). UNet left it when
+#: the batch search let cuDNN's workspaces give way under the limit instead of leaving their bound free
+#: (predicted 17, 1.1x running, to 21 fitting and 24 running out; H200, 2026-11-28).
+KNOWN: dict[str, str] = {}
 
 #: At the edge of a goal: seen to miss it and to meet it on the same H100, torch 2.11, 2026-11-26.
 UNSTEADY: dict[str, str] = {

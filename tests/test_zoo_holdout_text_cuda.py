@@ -45,9 +45,9 @@ KNOWN: dict[str, str] = {
     "frozen_fastpath": "reserved -13.2% (peak -0.02%); the predicted 112 under 3.5 GiB runs out of memory",
     "normalized_cnn": (
         "reserved -8.9%, its upper figure -6.5% (peak -0.10%, stated bound 3.1%; H100 and H200, 2026-11-28); the "
-        "predicted 204 under 2.75 GiB runs out "
-        "of memory (2026-11-26): four blocks of 268.4 MB in its two steps (four times a convolution's input) where "
-        "the estimate has 134.2 MB: its 1-D convolutions' workspaces"
+        "predicted 290 under 2.75 GiB runs out of memory (H200, 2026-11-28; 207, with the convolutions' bound left "
+        "free, fit): its Conv1d over a transposed embedding runs channels_last on the device, whose backward asks "
+        "268.4 MB (four times the input) where the rule has NCHW's 134.2 MB"
     ),
 }
 

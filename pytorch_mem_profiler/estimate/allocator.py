@@ -54,7 +54,7 @@ from __future__ import annotations
 import bisect
 import os
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Collection, Iterable, Iterator, Mapping, Sequence
 
 __all__ = [
     "MIN_BLOCK",
@@ -210,7 +210,8 @@ class ReplayEntry:
     Attributes:
         action: ``"segment_alloc"`` (a new segment), ``"alloc"`` (a block handed out),
             ``"free"`` (a block given back to its pool), ``"segment_free"`` (a wholly free
-            segment given back under a limit), ``"oom"`` (the request that did not fit).
+            segment given back under a limit), ``"oom"`` (the request that did not fit),
+            ``"fallback"`` (a workspace that did not fit and that its library does without).
         index: the event it happened at (``-1``: before the events, :meth:`AllocatorReplay.add_segment`).
         key: the allocation's key (``None`` for segments).
         size: bytes of the block (a multiple of 512, more than asked where the rest was too small to
@@ -218,7 +219,7 @@ class ReplayEntry:
         address: where: the segment's address plus the block's offset.
         reserved: bytes of segments after it; allocated: bytes of blocks handed out after it (as
             ``torch.cuda.memory_allocated()`` counts them: whole blocks).
-        requested: the bytes asked for (``"alloc"``, ``"oom"``; 0 otherwise).
+        requested: the bytes asked for (``"alloc"``, ``"oom"``, ``"fallback"``; 0 otherwise).
     """
 
     action: str
@@ -257,6 +258,9 @@ class StepEvents:
     #: after its first cuBLAS operator's outputs), in first-use order (the script's thread, then
     #: autograd's; empty: none ran, or compiled code hid them)
     blas_first: tuple[int, ...] = ()
+    #: the keys of workspaces a library does without when the allocator refuses them (cuDNN's
+    #: convolutions run another plan): the replay under a limit skips them then
+    fallback: frozenset[int] = frozenset()
 
     def phase_at(self, index: int) -> tuple[int, str]:
         """``(step, phase)`` of the event at ``index`` (``(0, "")`` before the first mark)."""
@@ -271,7 +275,8 @@ class StepEvents:
         shift = len(self.events)
         marks = self.marks + tuple((i + shift, s, p) for i, s, p in other.marks)
         blas_first = self.blas_first or tuple(i + shift for i in other.blas_first)
-        return StepEvents(self.events + other.events, marks, {**self.sources, **other.sources}, blas_first)
+        return StepEvents(self.events + other.events, marks, {**self.sources, **other.sources}, blas_first,
+                          self.fallback | other.fallback)  # fmt: skip
 
 
 #: Where a process has cuBLAS's workspaces when the step it is asked about begins (see
@@ -353,12 +358,16 @@ class AllocatorReplay:
         addresses: the addresses of the segments to make, in order (a real run's, to
             take its tie-breaks); past them, and by default, each new segment is placed
             below all the others, as ``cudaMalloc`` was seen to place them (see the module).
+        fallback: keys of workspaces a library does without when refused (cuDNN's convolutions
+            catch the ``OutOfMemoryError`` and run another plan, :attr:`StepEvents.fallback`):
+            one that does not fit under ``limit`` is skipped, not an out-of-memory.
 
     Attributes:
         reserved, allocated: bytes of segments and of blocks handed out now;
         peak_reserved, peak_allocated: the most of each;
         oom: ``(event index, bytes requested)`` of the request that did not fit, or ``None``;
         releases: how often a refused segment made it give back its wholly free segments;
+        fallbacks: how many ``fallback`` workspaces were refused and skipped;
         trace: what it did, when ``record``.
 
     Example::
@@ -367,15 +376,22 @@ class AllocatorReplay:
         >>> replay = AllocatorReplay(limit=22 * mib).run([(1, 3 * mib), (1, -3 * mib), (2, 1000), (3, 21 * mib)])
         >>> replay.oom, replay.releases, replay.reserved == 2 * mib
         ((3, 22020096), 1, True)
+        >>> replay = AllocatorReplay(limit=22 * mib, fallback={3}).run([(2, 1000), (3, 21 * mib), (3, -21 * mib), (4, 1000)])
+        >>> replay.oom, replay.fallbacks, replay.reserved == 2 * mib
+        (None, 1, True)
     """
 
-    def __init__(self, *, limit: int | None = None, record: bool = False, addresses: Iterable[int] | None = None) -> None:
+    def __init__(
+        self, *, limit: int | None = None, record: bool = False, addresses: Iterable[int] | None = None,
+        fallback: Collection[int] = frozenset(),
+    ) -> None:  # fmt: skip
         self.limit = limit
         self.record = record
         self.trace: list[ReplayEntry] = []
         self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
         self.oom: tuple[int, int] | None = None
-        self.releases = 0
+        self.releases = self.fallbacks = 0
+        self._fallback = fallback
         self._pools: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}  # (size, address, segment, offset)
         self._segments: dict[int, _Segment] = {}
         self._where: dict[int, tuple[int, int]] = {}
@@ -418,6 +434,10 @@ class AllocatorReplay:
             if self.limit is not None and self.reserved + seg_bytes > self.limit:
                 self.release_cached()
                 if self.reserved + seg_bytes > self.limit:
+                    if key in self._fallback:  # the library runs without it; its free finds nothing
+                        self.fallbacks += 1
+                        self._note("fallback", key, nbytes, 0, nbytes)
+                        return True
                     self.oom = (self._index, nbytes)
                     self._note("oom", key, nbytes, 0, nbytes)
                     return False
@@ -525,7 +545,7 @@ class AllocatorReplay:
             self.trace.append(ReplayEntry(action, self._index, key, size, address, self.reserved, self.allocated, requested))
 
 
-def simulate_reserved(events: Iterable[tuple[int, int]], *, limit: int | None = None) -> int | None:
+def simulate_reserved(events: Iterable[tuple[int, int]], *, limit: int | None = None, fallback: Collection[int] = frozenset()) -> int | None:
     """The most bytes of segments the caching allocator would hold over ``events``.
 
     ``events`` are ``(key, nbytes)`` pairs in time order: a positive ``nbytes``
@@ -536,7 +556,8 @@ def simulate_reserved(events: Iterable[tuple[int, int]], *, limit: int | None = 
     (what ``torch.cuda.set_per_process_memory_fraction`` allows), a segment that
     would take the reserved bytes past it first makes the allocator give back its
     wholly free segments and try again, as it does before raising an out-of-memory
-    error; ``None`` if it still does not fit.
+    error; ``None`` if it still does not fit, unless its key is in ``fallback``: a workspace
+    its library does without (:attr:`StepEvents.fallback`), skipped.
 
     Approximations: one stream, default settings; ties between free blocks of one
     size go to the newer segment (the real allocator takes the lower address, which
@@ -554,5 +575,5 @@ def simulate_reserved(events: Iterable[tuple[int, int]], *, limit: int | None = 
         >>> simulate_reserved([(1, 3 << 20), (2, 19 << 20)], limit=30 << 20) is None  # 20 MiB + 20 MiB
         True
     """
-    replay = AllocatorReplay(limit=limit).run(events)
+    replay = AllocatorReplay(limit=limit, fallback=fallback).run(events)
     return None if replay.oom is not None else replay.peak_reserved

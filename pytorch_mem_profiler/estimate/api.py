@@ -304,7 +304,7 @@ def estimate_memory(
     if fit and batch is not None:
         steps = _StepsByBatch(plan, {batch: step})
         peak_at = steps.peak_at
-        bound_at = steps.error_bound_at
+        bound_at = steps.search_bound_at
         if reserved is not None:
             reserved_at = functools.partial(steps.reserved_at, tuple(workspace_events))
     est = MemoryEstimate(
@@ -330,9 +330,10 @@ def estimate_memory(
         emulated=run_device.type != target.type,
         reserved_at=reserved_at,
         peak_at=peak_at,
-        error_bound_at=bound_at,
+        search_bound_at=bound_at,
         error_bounds=step.error_bounds,
         transient_bounds=step.transient_bounds,
+        fallback_bounds=step.fallback_bounds,
         step_events=step_events,
         parallel=parallel_plan.name if parallel_plan is not None else None,
         world_size=ranks,
@@ -451,15 +452,17 @@ class _StepsByBatch:
         (``"warmed"``, as :attr:`~.result.MemoryEstimate.reserved` has them), just after each thread's first
         cuBLAS operator's outputs (``"fresh"``,
         :func:`~.allocator.workspaces_at_first_use`), or both replayed (``"either"``: the larger
-        reserved, ``None`` if either runs out)."""
+        reserved, ``None`` if either runs out). Under ``limit`` a cuDNN workspace that does not fit
+        is done without, as cuDNN runs another plan (:attr:`~.allocator.StepEvents.fallback`)."""
         step = self.step(batch)
         first_use = step.step_events.blas_first if step.step_events is not None else ()
+        fallback = step.step_events.fallback if step.step_events is not None else frozenset()
         placements = []
         if process in ("warmed", "either") or not first_use or not workspace_events:
             placements.append([*workspace_events, *step.events])
         if process in ("fresh", "either") and first_use and workspace_events:
             placements.append(workspaces_at_first_use(workspace_events, step.events, first_use))
-        reserved = [simulate_reserved(events, limit=limit) for events in placements]
+        reserved = [simulate_reserved(events, limit=limit, fallback=fallback) for events in placements]
         return None if None in reserved else max(reserved)
 
     def peak_at(self, batch: int) -> tuple[int, str]:
@@ -467,10 +470,12 @@ class _StepsByBatch:
         step = self.step(batch)
         return step.peak, step.peak_phase
 
-    def error_bound_at(self, batch: int) -> int:
-        """The bytes the step's peak may be off by at ``batch`` (see :attr:`MemoryEstimate.error_bound`)."""
+    def search_bound_at(self, batch: int) -> int:
+        """The bytes of the step's error bound at ``batch`` that a batch search leaves free: all but
+        the bounds of workspaces that give way under a limit (see :attr:`MemoryEstimate.search_bound`)."""
         step = self.step(batch)
-        return error_bound_of(step.error_bounds, step.transient_bounds)
+        kept = {op: n for op, n in step.error_bounds.items() if op not in step.fallback_bounds}
+        return error_bound_of(kept, step.transient_bounds)
 
 
 def _fit(plan: StepPlan, first: StepMemory, batch: int) -> BatchFit:

@@ -55,6 +55,17 @@ hands the blocks to the counter and the allocator's replay, the bound to
 the GPU at hand, ``measure_kernels=True`` measures each call instead
 (:mod:`.kernel_probe`).
 
+Under a memory limit cuDNN's workspace gives way: ``run_single_conv`` in
+``Conv_v8.cpp`` catches the allocator's ``OutOfMemoryError`` for a plan's
+workspace and runs the next plan the heuristics list, down to the fallback
+list's, which take little or none. A step whose workspaces do not fit still
+runs (its ``memory_stats()["num_ooms"]`` counts the refusals: 41 for UNet at
+batch 21 under 4.75 GiB on an H200, where batch 20 met none). The passes'
+blocks say so (:attr:`ConvScratch.fallback`): the allocator replay under a
+limit does without a block it cannot place, and the batch search leaves no
+room for their bound (see ``MemoryEstimate.batch_search``). The layout copies
+and the bias gradient's reduction are ATen's and give way to nothing.
+
 ``torch.backends.cudnn.benchmark=True``: the steady workspace is the heuristics'
 (measured the same), but the first call of each shape times every candidate plan
 in one workspace as large as the largest candidate's that fits the free memory
@@ -198,6 +209,9 @@ class ConvScratch:
     #: convolutions, 61 and 122 for stems), and a request past the block the data pass left takes a
     #: segment of its own: its bound
     headroom: tuple[int, ...] = ()
+    #: whether each of ``passes`` is cuDNN's workspace, which cuDNN does without when the allocator
+    #: refuses it (it runs the next plan; empty: none is)
+    fallback: tuple[bool, ...] = ()
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -578,7 +592,8 @@ def convolution_scratch(
     passes, _ = _passes(input, weight, out_shape, stride=stride, padding=padding, transposed=transposed,
                         channels_last=channels_last, benchmark=_flags(benchmark), groups=groups)  # fmt: skip
     workspace, bound = passes["forward"]
-    return ConvScratch(tuple(_copies([input, weight], channels_last)), _nonzero([(workspace,)]), bound, backend)
+    kept = _nonzero([(workspace,)])
+    return ConvScratch(tuple(_copies([input, weight], channels_last)), kept, bound, backend, fallback=(True,) * len(kept))
 
 
 def _nonzero_each(passes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -653,10 +668,12 @@ def convolution_backward_scratch(
         # how many partial sums it adds to the transforms is cuDNN's choice per call: up to its bound
         room.append(b if sums_partials and workspace > grad_bias else 0)
         bound = max(bound, b)
+    cudnn_passes = len(taken)  # the data and filter passes are cuDNN's workspaces; the reduction is ATen's
     taken.append(reduction)
     room.append(0)
-    kept = [(one, extra) for one, extra in zip(_nonzero_each(taken), room) if one]
-    return ConvScratch(tuple(copies), tuple(one for one, _ in kept), bound, backend, tuple(extra for _, extra in kept))
+    kept = [(one, extra, i < cudnn_passes) for i, (one, extra) in enumerate(zip(_nonzero_each(taken), room)) if one]
+    return ConvScratch(tuple(copies), tuple(one for one, _, _ in kept), bound, backend, tuple(extra for _, extra, _ in kept),
+                       tuple(workspace for _, _, workspace in kept))  # fmt: skip
 
 
 # -- the benchmark's cases ---------------------------------------------------------------

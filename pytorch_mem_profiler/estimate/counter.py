@@ -106,6 +106,9 @@ class Life:
     #: bytes a kernel's block may ask beyond ``nbytes``, by a rule's bound (the allocator replay's
     #: upper figure, ``MemoryEstimate.reserved_bound``); 0 for every tensor
     headroom: int = 0
+    #: a library's workspace that it does without when the allocator refuses it (cuDNN's, which
+    #: then runs another plan): the allocator replay under a limit skips it (``ConvScratch.fallback``)
+    fallback: bool = False
 
     def alive_at(self, tick: int) -> bool:
         return self.born <= tick and (self.died is None or self.died > tick)
@@ -354,10 +357,14 @@ class StorageLifeCounter(MemoryCounter):
         if passes is not None:  # blocks held throughout, and passes each taken and given back in turn
             held = self._take(blocks.held, op)
             room = getattr(blocks, "headroom", ())
+            gives_way = getattr(blocks, "fallback", ())
             for i, one in enumerate(passes):
                 taken = self._take(one, op)
                 if i < len(room) and room[i] and taken:
                     taken[0].headroom = room[i]
+                if i < len(gives_way) and gives_way[i]:
+                    for life in taken:
+                        life.fallback = True
                 self._give_back(taken)
             self._give_back(held)
             return

@@ -268,7 +268,7 @@ class BatchSearch:
         peak_moves: where the peak moves between the batch sizes estimated, as
             :attr:`BatchFit.peak_moves` says, with ``largest`` included.
         bound: the bytes left free at ``largest`` for the estimate's stated error there
-            (:attr:`MemoryEstimate.error_bound` at that batch; 0: none stated).
+            (:attr:`MemoryEstimate.search_bound` at that batch; 0: none left free).
         layout: the bytes left free besides for where the device's blocks may lie otherwise
             than the allocator replay's (:data:`~pytorch_mem_profiler.estimate.allocator.LAYOUT_ALLOWANCE`
             of the memory after ``outside``; 0 where no replay decides, off CUDA).
@@ -334,7 +334,10 @@ class MemoryEstimate:
             total, counting the kernels' own buffers (``transient_bounds``) once.
         transient_bounds: the operations of ``error_bounds`` whose bound is a kernel's own buffer
             inside one operator, never alive together with another operator's.
-        error_bound_at: the error bound at another batch size, ``batch_size -> bytes`` (a fake
+        fallback_bounds: the operations of ``error_bounds`` whose bound is of workspaces that give
+            way under a memory limit: cuDNN's convolutions, which run another plan when the
+            allocator refuses a plan's workspace (see :meth:`batch_search`).
+        search_bound_at: :attr:`search_bound` at another batch size, ``batch_size -> bytes`` (a fake
             step; ``None``: no batch dimension); :meth:`batch_search` leaves it free.
         step_events: the allocations and frees the allocator replay took, with where each phase
             of each step begins and what made each storage (``None``: off CUDA); see
@@ -408,7 +411,8 @@ class MemoryEstimate:
     random_reads: Mapping[str, int] = field(default_factory=dict)
     step_notes: tuple[str, ...] = ()
     transient_bounds: frozenset[str] = frozenset()
-    error_bound_at: Callable[[int], int] | None = field(default=None, repr=False, compare=False)
+    fallback_bounds: frozenset[str] = frozenset()
+    search_bound_at: Callable[[int], int] | None = field(default=None, repr=False, compare=False)
     step_events: StepEvents | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -443,6 +447,22 @@ class MemoryEstimate:
         """Bytes the peak may be off by (0: no operation follows an unmeasured rule), see :attr:`error_bounds`:
         the largest of the kernels' own buffers' bounds (one operator at a time) plus the others'."""
         return error_bound_of(self.error_bounds, self.transient_bounds)
+
+    @property
+    def search_bound(self) -> int:
+        """Bytes of :attr:`error_bound` that :meth:`batch_search` leaves free: all but the bounds of
+        workspaces that give way under a limit (:attr:`fallback_bounds`).
+
+        Example::
+
+            >>> est = MemoryEstimate("cuda", 8, 0, "forward", {}, {}, {}, LayerFeatureMaps({}, {}, 0, 0, 0), 0, 0, 0, 0, 0,
+            ...                      error_bounds={"conv": 300, "rnn": 200, "kept": 40},
+            ...                      transient_bounds=frozenset({"conv", "rnn"}), fallback_bounds=frozenset({"conv"}))
+            >>> est.error_bound, est.search_bound
+            (340, 240)
+        """
+        kept = {op: n for op, n in self.error_bounds.items() if op not in self.fallback_bounds}
+        return error_bound_of(kept, self.transient_bounds)
 
     @property
     def activations(self) -> int:
@@ -497,13 +517,19 @@ class MemoryEstimate:
         :data:`~pytorch_mem_profiler.estimate.allocator.LAYOUT_ALLOWANCE` (0.5%) of the
         memory less (``BatchSearch.layout``): the estimate's requests are the real ones in a
         slightly different order, and a batch that fits the replay by a sliver may not fit the
-        device. Where the estimate states an
-        error bound (:attr:`error_bound`: operations whose memory follows a rule
-        measurements do not pin down, such as cuDNN's workspaces), a batch fits only
-        with that many bytes left over, the bound as the fake step at that batch
-        states it (:attr:`error_bound_at`): a batch that fits only if those
-        operations take what the rule says, not what it allows, is not the answer
-        (``BatchSearch.bound``). The answer is the batch found
+        device. cuDNN's convolution workspaces give way under the limit: PyTorch catches the
+        allocator's out-of-memory error for a plan's workspace and runs the next plan cuDNN's
+        heuristics list, down to ones that take little or none (an H200 ran UNet at batches 21
+        and 23 under 4.75 GiB with 41 and 95 workspaces refused, ``memory_stats()["num_ooms"]``),
+        so the replay does without a workspace it cannot place
+        (:attr:`~pytorch_mem_profiler.estimate.allocator.StepEvents.fallback`). Where the estimate
+        states an error bound (:attr:`error_bound`: operations whose memory follows a rule
+        measurements do not pin down), a batch fits only with that many bytes left over, the
+        bound as the fake step at that batch states it (:attr:`search_bound_at`): a batch that
+        fits only if those operations take what the rule says, not what it allows, is not the
+        answer (``BatchSearch.bound``); the bound of cuDNN's convolution workspaces is not left
+        free (:attr:`search_bound`), since a workspace larger than the rule's that does not fit
+        is refused and done without. The answer is the batch found
         times ``1 - margin``, rounded down (Lightning's ``BatchSizeFinder(margin=...)``
         rule). ``outside``: another allowance than :attr:`outside` (0 when the limit
         is the allocator's own, as under ``torch.cuda.set_per_process_memory_fraction``).
@@ -539,7 +565,7 @@ class MemoryEstimate:
             )
         extra = self.outside if outside is None else outside
         budget = device_memory - extra
-        stated = self.error_bound
+        stated = self.search_bound
         bounds: dict[int, int] = {}
         tried: list[tuple[int, bool]] = []
         phases: dict[int, str] = dict(fit.peak_phases)
@@ -601,8 +627,8 @@ class MemoryEstimate:
         On CUDA a batch fits when the allocator replay runs it under the limit, and under the limit
         less the layout allowance (:meth:`_layout`); elsewhere when its peak, the workspace and the bound are within
         ``budget``."""
-        stated = self.error_bound
-        bound_at = self.error_bound_at if self.error_bound_at is not None else (lambda _batch: stated)
+        stated = self.search_bound
+        bound_at = self.search_bound_at if self.search_bound_at is not None else (lambda _batch: stated)
         measure, workspace = self.peak_at, self.workspace
         replay = functools.partial(self.reserved_at, process=process) if self.reserved_at is not None else None
         layout = self._layout(budget)

@@ -458,16 +458,23 @@ class Passes(tuple):
     #: bytes each kept pass may ask beyond its blocks (its first block's headroom; see
     #: ``ConvScratch.headroom``): the allocator replay's upper figure takes them
     headroom: tuple[int, ...]
+    #: whether each kept pass's blocks are a workspace the library does without when the allocator
+    #: refuses it (``ConvScratch.fallback``): the allocator replay under a limit skips them then
+    fallback: tuple[bool, ...]
 
-    def __new__(cls, held: Sequence[int] = (), passes: Sequence[Sequence[int]] = (), headroom: Sequence[int] = ()) -> Passes:
+    def __new__(
+        cls, held: Sequence[int] = (), passes: Sequence[Sequence[int]] = (), headroom: Sequence[int] = (),
+        fallback: Sequence[bool] = (),
+    ) -> Passes:  # fmt: skip
         held = tuple(n for n in held if n > 0)
         room = list(headroom) + [0] * (len(passes) - len(headroom))
-        pairs = [(tuple(n for n in one if n > 0), extra) for one, extra in zip(passes, room)]
-        pairs = [(one, extra) for one, extra in pairs if one]
-        kept = tuple(one for one, _ in pairs)
-        largest = max(kept, key=sum, default=())
+        gives_way = list(fallback) + [False] * (len(passes) - len(fallback))
+        kept = [(tuple(n for n in one if n > 0), extra, way) for one, extra, way in zip(passes, room, gives_way)]
+        kept = [entry for entry in kept if entry[0]]
+        largest = max((one for one, _, _ in kept), key=sum, default=())
         made = super().__new__(cls, held + largest)
-        made.held, made.passes, made.headroom = held, kept, tuple(extra for _, extra in pairs)
+        made.held, made.passes = held, tuple(one for one, _, _ in kept)
+        made.headroom, made.fallback = tuple(extra for _, extra, _ in kept), tuple(way for _, _, way in kept)
         return made
 
 
@@ -494,6 +501,9 @@ class KernelScratch:
         #: operations whose scratch follows a rule measurements do not pin down: the bytes it may be
         #: off by, by operation (the largest call's: an operator's scratch is gone when the next one runs)
         self.bounds: dict[str, int] = {}
+        #: the operations of ``bounds`` whose bound is of cuDNN's workspaces, which give way under a
+        #: memory limit (``ConvScratch.fallback``): a batch search leaves no room for them
+        self.fallback_bounds: set[str] = set()
         #: take convolutions' scratch from :data:`.kernel_probe.MEASURED` where measured; calls not
         #: measured yet are kept in ``pending`` (and take the rule) for the caller to measure
         self.measured = measured
@@ -558,9 +568,11 @@ class KernelScratch:
 
         return bounded
 
-    def _bound(self, operation: str, nbytes: int) -> None:
+    def _bound(self, operation: str, nbytes: int, *, fallback: bool = False) -> None:
         if nbytes > 0:
             self.bounds[operation] = max(self.bounds.get(operation, 0), nbytes)
+            if fallback:
+                self.fallback_bounds.add(operation)
 
     def _measured(self, func: Any, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
         """The call's measured scratch, as one block; ``None`` where there is none (then pending)."""
@@ -581,8 +593,8 @@ class KernelScratch:
             transposed=bool(bound["transposed"]), groups=int(bound["groups"]), output_padding=bound["output_padding"],
             benchmark=self.cudnn_benchmark,
         )  # fmt: skip
-        self._bound(CONVOLUTION_BOUND, found.bound)
-        return Passes(found.held, found.passes)
+        self._bound(CONVOLUTION_BOUND, found.bound, fallback=found.backend == "cudnn")
+        return Passes(found.held, found.passes, fallback=found.fallback)
 
     def _convolution_backward(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         measured = self._measured(torch.ops.aten.convolution_backward.default, args, kwargs)
@@ -597,8 +609,9 @@ class KernelScratch:
             output_mask=bound["output_mask"], output_padding=bound["output_padding"], benchmark=self.cudnn_benchmark,
             multiprocessors=self.multiprocessors,
         )  # fmt: skip
-        self._bound(CONVOLUTION_BACKWARD_BOUND, found.bound)
-        return Passes(found.held, found.passes, found.headroom)
+        # a cuDNN call's bound is its workspaces' (and a few KiB of the bias gradient's reduction)
+        self._bound(CONVOLUTION_BACKWARD_BOUND, found.bound, fallback=found.backend == "cudnn")
+        return Passes(found.held, found.passes, found.headroom, found.fallback)
 
     def _embedding_backward(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         grad, indices = args[0], args[1]

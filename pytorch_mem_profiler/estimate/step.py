@@ -156,6 +156,9 @@ class StepMemory:
     #: the operations of ``error_bounds`` whose bound is a kernel's own buffer inside one operator
     #: (never alive together with another's: the peak may be off by the largest of them, not their sum)
     transient_bounds: frozenset[str] = frozenset()
+    #: the operations of ``error_bounds`` whose bound is of workspaces that give way under a memory
+    #: limit (cuDNN's convolutions run another plan): a batch search leaves no room for them
+    fallback_bounds: frozenset[str] = frozenset()
     #: bytes at the peak of each parallel role (:data:`.parallel.PARALLEL_ROLES`; in ``breakdown["other"]``)
     parallel_parts: Mapping[str, int] = field(default_factory=dict)
     #: the peak of each of the two steps run: the first (no optimizer state before its
@@ -693,7 +696,9 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
         **compiled.bounds(step.peak_layers, step.breakdown),
     }
     if bounds:
-        step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds), transient_bounds=frozenset(transient))
+        fallback = frozenset(scratch.fallback_bounds) if scratch is not None else frozenset()
+        step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds), transient_bounds=frozenset(transient),
+                                   fallback_bounds=fallback)  # fmt: skip
     return dataclasses.replace(step, notes=(*compiled.notes(), *_stand_in_notes(mode.draws.stand_ins)))
 
 
@@ -897,4 +902,5 @@ def _step_events(counter: StorageLifeCounter) -> StepEvents:
         thread = cublas_thread(phase)
         firsts[thread] = min(tick, firsts.get(thread, tick))
     blas_first = tuple(bisect.bisect_right(ticks, tick) for tick in sorted(firsts.values()))
-    return StepEvents(tuple((key, nbytes) for _, key, nbytes in timeline), marks, MappingProxyType(sources), blas_first)
+    fallback = frozenset(key for key, life in enumerate(counter.lives) if life.fallback and life.nbytes > 0)
+    return StepEvents(tuple((key, nbytes) for _, key, nbytes in timeline), marks, MappingProxyType(sources), blas_first, fallback)
