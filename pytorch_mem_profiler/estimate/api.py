@@ -32,7 +32,7 @@ from .allocator import (
     workspaces_at_first_use,
 )
 from .fake import batch_of
-from .result import CHOSEN_BY_FUNCTION, REPEATED_BLOCKS, BatchFit, MemoryEstimate, error_bound_of
+from .result import CHOSEN_BY_FUNCTION, REPEATED_BLOCKS, BatchFit, MemoryEstimate, search_bound_of
 from .step import EstimateUnsupported, StepMemory, StepPlan, run_step
 
 __all__ = ["estimate_memory", "EstimateUnsupported", "OPTIMIZATIONS", "parse_autocast"]
@@ -474,8 +474,7 @@ class _StepsByBatch:
         """The bytes of the step's error bound at ``batch`` that a batch search leaves free: all but
         the bounds of workspaces that give way under a limit (see :attr:`MemoryEstimate.search_bound`)."""
         step = self.step(batch)
-        kept = {op: n for op, n in step.error_bounds.items() if op not in step.fallback_bounds}
-        return error_bound_of(kept, step.transient_bounds)
+        return search_bound_of(step.error_bounds, step.transient_bounds, step.fallback_bounds)
 
 
 def _fit(plan: StepPlan, first: StepMemory, batch: int) -> BatchFit:

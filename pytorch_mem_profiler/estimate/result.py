@@ -255,6 +255,19 @@ def error_bound_of(bounds: Mapping[str, int], transient: frozenset[str] | set[st
     return largest + sum(n for op, n in bounds.items() if op not in transient)
 
 
+def search_bound_of(bounds: Mapping[str, int], transient: frozenset[str] | set[str] = frozenset(),
+                    fallback: frozenset[str] | set[str] = frozenset()) -> int:  # fmt: skip
+    """The bytes of :func:`error_bound_of` a batch search leaves free: all but the bounds in
+    ``fallback``, of workspaces that give way under a memory limit (cuDNN's convolutions).
+
+    Example::
+
+        >>> search_bound_of({"conv": 300, "rnn": 200, "kept": 40}, {"conv", "rnn"}, {"conv"})
+        240
+    """
+    return error_bound_of({op: n for op, n in bounds.items() if op not in fallback}, transient)
+
+
 @dataclass(frozen=True)
 class BatchSearch:
     """How :meth:`MemoryEstimate.batch_search` found the largest batch; bytes.
@@ -461,8 +474,7 @@ class MemoryEstimate:
             >>> est.error_bound, est.search_bound
             (340, 240)
         """
-        kept = {op: n for op, n in self.error_bounds.items() if op not in self.fallback_bounds}
-        return error_bound_of(kept, self.transient_bounds)
+        return search_bound_of(self.error_bounds, self.transient_bounds, self.fallback_bounds)
 
     @property
     def activations(self) -> int:
