@@ -347,6 +347,7 @@ def test_the_command_says_what_it_left_free_for_the_stated_bound(tmp_path, capsy
     assert est.search_bound == est.error_bound > 0 and search.bound > est.error_bound  # the bound at the answer, a larger batch
     assert f"Largest batch on a device of 1,500 MB: {search.batch_size} (" in out
     assert f"; {format_amount(search.bound, 'MB', digits=3)} left free for the stated ±;" in out
+    assert "give way" not in out  # no convolution
 
 
 def test_the_convolutions_bound_is_not_left_free_since_cudnn_falls_back(tmp_path, capsys):
@@ -362,6 +363,7 @@ def test_the_convolutions_bound_is_not_left_free_since_cudnn_falls_back(tmp_path
     assert est.fallback_bounds == set(est.error_bounds)
     search = est.batch_search(1500 * 10**6, margin=0)
     assert search.bound == 0 and "left free for the stated" not in out
+    assert "cuDNN's convolution workspaces give way where they do not fit (cuDNN runs another plan), their ± not left free" in out
     assert f"Largest batch on a device of 1,500 MB: {search.batch_size} (" in out
 
 

@@ -224,6 +224,8 @@ def run(args: argparse.Namespace, fail: Callable[[str], int]) -> int:
                 total = search.batch_size * estimate.world_size
                 where = f"Largest batch per rank on a device of {memory}: {search.batch_size} ({total} across the {estimate.world_size} ranks; "
             left = f"; {format_amount(search.bound, unit, digits=3)} left free for the stated ±" if search.bound else ""
+            if estimate.fallback_bounds:
+                left += "; cuDNN's convolution workspaces give way where they do not fit (cuDNN runs another plan), their ± not left free"
             if search.layout:
                 left += f"; {format_amount(search.layout, unit, digits=3)} for where the device's blocks may lie otherwise"
             if search.process != "fresh":
