@@ -21,7 +21,7 @@ from pytorch_mem_profiler.estimate.conv_workspace import (
 )
 from pytorch_mem_profiler.estimate.counter import StorageLifeCounter
 from pytorch_mem_profiler.estimate.layout_copies import layout_copies
-from pytorch_mem_profiler.estimate.scratch import CONVOLUTION_BACKWARD_BOUND, CONVOLUTION_BOUND, KernelScratch, Passes
+from pytorch_mem_profiler.estimate.scratch import CONVOLUTION_BACKWARD_BOUND, CONVOLUTION_BOUND, UNSIZED_LAYOUT, KernelScratch, Passes
 from pytorch_mem_profiler.estimate.step import StepPlan, run_step
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
@@ -803,3 +803,29 @@ def test_the_search_leaves_the_convolutions_bound_unreserved():
     above = min(batch for batch, fits in search.tried if not fits and batch > search.largest)
     assert est.batch_fits(search.largest, limit, outside=0) and not est.batch_fits(above, limit, outside=0)
     assert est.reserved_at(search.largest, limit - est._layout(limit), process="fresh") is not None
+
+
+class _TokenConv(nn.Module):
+    """A Conv1d over token embeddings, transposed (channels innermost) or made contiguous first."""
+
+    def __init__(self, contiguous: bool) -> None:
+        super().__init__()
+        self.embed, self.conv, self.contiguous = nn.Embedding(512, 64), nn.Conv1d(64, 64, 3, padding=1), contiguous
+
+    def forward(self, ids):
+        x = self.embed(ids).transpose(1, 2)
+        return self.conv(x.contiguous() if self.contiguous else x).amax(-1)
+
+
+def test_a_layout_the_rule_does_not_size_does_not_give_way():
+    # a Conv1d over embed(ids).transpose(1, 2) runs channels_last on the device, off the NCHW rule by
+    # twice (268.4 MB for 134.2 MB measured): its workspaces and its bound are kept, under its own name
+    ids = torch.zeros(16, 256, dtype=torch.long)
+    kwargs = {"optimizer": SGD, "device": "cuda", "emulate": True, "autocast": torch.bfloat16}
+    transposed = estimate_memory(_TokenConv(contiguous=False), ids, **kwargs)
+    assert set(transposed.error_bounds) == {CONVOLUTION_BOUND + UNSIZED_LAYOUT, CONVOLUTION_BACKWARD_BOUND + UNSIZED_LAYOUT}
+    assert not transposed.fallback_bounds and transposed.search_bound == transposed.error_bound > 0
+    assert not transposed.step_events.fallback
+    contiguous = estimate_memory(_TokenConv(contiguous=True), ids, **kwargs)
+    assert contiguous.fallback_bounds == {CONVOLUTION_BOUND, CONVOLUTION_BACKWARD_BOUND} and contiguous.search_bound == 0
+    assert contiguous.step_events.fallback

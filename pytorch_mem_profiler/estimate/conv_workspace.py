@@ -64,7 +64,10 @@ batch 21 under 4.75 GiB on an H200, where batch 20 met none). The passes'
 blocks say so (:attr:`ConvScratch.fallback`): the allocator replay under a
 limit does without a block it cannot place, and the batch search leaves no
 room for their bound (see ``MemoryEstimate.batch_search``). The layout copies
-and the bias gradient's reduction are ATen's and give way to nothing.
+and the bias gradient's reduction are ATen's and give way to nothing, and a
+1-D convolution over channels-innermost input, which the device runs
+channels_last off the rule by twice (:func:`unsized_layout`), keeps its
+workspaces and its bound.
 
 ``torch.backends.cudnn.benchmark=True``: the steady workspace is the heuristics'
 (measured the same), but the first call of each shape times every candidate plan
@@ -210,7 +213,8 @@ class ConvScratch:
     #: segment of its own: its bound
     headroom: tuple[int, ...] = ()
     #: whether each of ``passes`` is cuDNN's workspace, which cuDNN does without when the allocator
-    #: refuses it (it runs the next plan; empty: none is)
+    #: refuses it (it runs the next plan; empty: none is); not where the rule does not size the
+    #: call's layout (:func:`unsized_layout`)
     fallback: tuple[bool, ...] = ()
 
     @property
@@ -249,6 +253,25 @@ def memory_format(tensor: torch.Tensor) -> str:
     if tensor.dim() in (4, 5) and _channels_last_strides(tensor.shape, tensor.stride()):
         return "channels_last"
     return "contiguous"
+
+
+def unsized_layout(input: torch.Tensor) -> bool:
+    """Whether ``input`` is a 1-D convolution's in a layout the rule does not size: channels
+    innermost (a transposed ``(N, L, C)`` tensor, as ``embed(ids).transpose(1, 2)`` gives), which
+    the device runs channels_last. An H200 asked 268.4 MB in such a backward (the weight-normed text
+    CNN, bf16, batch 64) where the NCHW rule has 134.2 MB: its workspaces are not taken to give way
+    under a limit, and its bound stays left free in a batch search (:attr:`ConvScratch.fallback`).
+
+    Example::
+
+        >>> tokens = torch.empty(2, 16, 8, device="meta")  # (batch, length, channels)
+        >>> unsized_layout(tokens.transpose(1, 2)), unsized_layout(torch.empty(2, 8, 16, device="meta"))
+        (True, False)
+    """
+    if input.dim() != 3:
+        return False
+    _, channels, length = input.shape
+    return channels > 1 and length > 1 and input.stride(1) == 1 and input.stride(2) >= channels
 
 
 def _in_format(tensor: torch.Tensor, channels_last: bool) -> bool:
@@ -593,7 +616,8 @@ def convolution_scratch(
                         channels_last=channels_last, benchmark=_flags(benchmark), groups=groups)  # fmt: skip
     workspace, bound = passes["forward"]
     kept = _nonzero([(workspace,)])
-    return ConvScratch(tuple(_copies([input, weight], channels_last)), kept, bound, backend, fallback=(True,) * len(kept))
+    gives_way = not unsized_layout(input)
+    return ConvScratch(tuple(_copies([input, weight], channels_last)), kept, bound, backend, fallback=(gives_way,) * len(kept))
 
 
 def _nonzero_each(passes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -668,7 +692,9 @@ def convolution_backward_scratch(
         # how many partial sums it adds to the transforms is cuDNN's choice per call: up to its bound
         room.append(b if sums_partials and workspace > grad_bias else 0)
         bound = max(bound, b)
-    cudnn_passes = len(taken)  # the data and filter passes are cuDNN's workspaces; the reduction is ATen's
+    # the data and filter passes are cuDNN's workspaces (giving way unless the rule does not size
+    # them); the reduction is ATen's
+    cudnn_passes = 0 if unsized_layout(input) else len(taken)
     taken.append(reduction)
     room.append(0)
     kept = [(one, extra, i < cudnn_passes) for i, (one, extra) in enumerate(zip(_nonzero_each(taken), room)) if one]

@@ -92,7 +92,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .allocator import block_size
-from .conv_workspace import convolution_backward_scratch, convolution_scratch, memory_format
+from .conv_workspace import ConvScratch, convolution_backward_scratch, convolution_scratch, memory_format, unsized_layout
 from .kernel_probe import convolution_key, measured_or_pending
 from .layout_copies import COPYING_OPERATORS
 
@@ -114,6 +114,9 @@ __all__ = [
 #: How the report names the convolutions' bounds (cuDNN's workspace, by the plan its heuristics pick).
 CONVOLUTION_BOUND = "aten.convolution (cuDNN workspace)"
 CONVOLUTION_BACKWARD_BOUND = "aten.convolution_backward (cuDNN workspace)"
+#: What the report names a convolution's bound in a layout the rule does not size
+#: (:func:`~.conv_workspace.unsized_layout`): kept apart, since it does not give way under a limit.
+UNSIZED_LAYOUT = " in a 1-D channels-last layout"
 BATCH_NORM_BOUND = "batch norm, channels_last (cuDNN workspace)"
 #: The bound for cuDNN's NHWC batch norm workspace: four times the 1.06 MB measured.
 BATCH_NORM_WORKSPACE_BOUND = 4 << 20
@@ -568,6 +571,12 @@ class KernelScratch:
 
         return bounded
 
+    def _convolution_bound(self, operation: str, found: ConvScratch, input: torch.Tensor) -> None:
+        """A convolution call's bound: cuDNN's workspaces', which give way under a limit, apart from a
+        layout the rule does not size (:func:`~.conv_workspace.unsized_layout`), named apart."""
+        unsized = unsized_layout(input)
+        self._bound(operation + (UNSIZED_LAYOUT if unsized else ""), found.bound, fallback=found.backend == "cudnn" and not unsized)
+
     def _bound(self, operation: str, nbytes: int, *, fallback: bool = False) -> None:
         if nbytes > 0:
             self.bounds[operation] = max(self.bounds.get(operation, 0), nbytes)
@@ -593,7 +602,7 @@ class KernelScratch:
             transposed=bool(bound["transposed"]), groups=int(bound["groups"]), output_padding=bound["output_padding"],
             benchmark=self.cudnn_benchmark,
         )  # fmt: skip
-        self._bound(CONVOLUTION_BOUND, found.bound, fallback=found.backend == "cudnn")
+        self._convolution_bound(CONVOLUTION_BOUND, found, bound["input"])
         return Passes(found.held, found.passes, fallback=found.fallback)
 
     def _convolution_backward(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
@@ -610,7 +619,7 @@ class KernelScratch:
             multiprocessors=self.multiprocessors,
         )  # fmt: skip
         # a cuDNN call's bound is its workspaces' (and a few KiB of the bias gradient's reduction)
-        self._bound(CONVOLUTION_BACKWARD_BOUND, found.bound, fallback=found.backend == "cudnn")
+        self._convolution_bound(CONVOLUTION_BACKWARD_BOUND, found, bound["input"])
         return Passes(found.held, found.passes, found.headroom, found.fallback)
 
     def _embedding_backward(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
