@@ -216,6 +216,8 @@ class ConvScratch:
     #: refuses it (it runs the next plan; empty: none is); not where the rule does not size the
     #: call's layout (:func:`unsized_layout`)
     fallback: tuple[bool, ...] = ()
+    #: a layout the rule does not size (:func:`unsized_layout`): its workspaces and its bound do not give way
+    unsized: bool = False
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -616,8 +618,9 @@ def convolution_scratch(
                         channels_last=channels_last, benchmark=_flags(benchmark), groups=groups)  # fmt: skip
     workspace, bound = passes["forward"]
     kept = _nonzero([(workspace,)])
-    gives_way = not unsized_layout(input)
-    return ConvScratch(tuple(_copies([input, weight], channels_last)), kept, bound, backend, fallback=(gives_way,) * len(kept))
+    unsized = unsized_layout(input)
+    return ConvScratch(tuple(_copies([input, weight], channels_last)), kept, bound, backend, fallback=(not unsized,) * len(kept),
+                       unsized=unsized)  # fmt: skip
 
 
 def _nonzero_each(passes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -667,9 +670,10 @@ def convolution_backward_scratch(
         reduction = column_reduction_scratch(rows, channels, multiprocessors=multiprocessors or DEFAULT_MULTIPROCESSORS)
     # an NCHW gradient's sum over (0, 2, 3) takes a few KiB of partial sums (not sized here)
     bias_bound = NCHW_BIAS_REDUCTION_BOUND if want_bias and not reduction else 0
+    unsized = unsized_layout(input)
     if backend == "depthwise":
         copies = _copies([t for t, wanted in ((grad_output, True), (input, want_weight), (weight, want_input)) if wanted], False)
-        return ConvScratch(tuple(copies), _nonzero([reduction]), bias_bound, backend)
+        return ConvScratch(tuple(copies), _nonzero([reduction]), bias_bound, backend, unsized=unsized)
     needed = [grad_output] + ([input] if want_weight else []) + ([weight] if want_input else [])
     copies = _copies(needed, channels_last) if (want_input or want_weight) else []
     passes, sums_partials = _passes(input, weight, grad_output.shape, stride=stride, padding=padding,
@@ -694,12 +698,12 @@ def convolution_backward_scratch(
         bound = max(bound, b)
     # the data and filter passes are cuDNN's workspaces (giving way unless the rule does not size
     # them); the reduction is ATen's
-    cudnn_passes = 0 if unsized_layout(input) else len(taken)
+    cudnn_passes = 0 if unsized else len(taken)
     taken.append(reduction)
     room.append(0)
     kept = [(one, extra, i < cudnn_passes) for i, (one, extra) in enumerate(zip(_nonzero_each(taken), room)) if one]
     return ConvScratch(tuple(copies), tuple(one for one, _, _ in kept), bound, backend, tuple(extra for _, extra, _ in kept),
-                       tuple(workspace for _, _, workspace in kept))  # fmt: skip
+                       tuple(workspace for _, _, workspace in kept), unsized)  # fmt: skip
 
 
 # -- the benchmark's cases ---------------------------------------------------------------

@@ -92,7 +92,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .allocator import block_size
-from .conv_workspace import ConvScratch, convolution_backward_scratch, convolution_scratch, memory_format, unsized_layout
+from .conv_workspace import ConvScratch, convolution_backward_scratch, convolution_scratch, memory_format
 from .kernel_probe import convolution_key, measured_or_pending
 from .layout_copies import COPYING_OPERATORS
 
@@ -571,11 +571,11 @@ class KernelScratch:
 
         return bounded
 
-    def _convolution_bound(self, operation: str, found: ConvScratch, input: torch.Tensor) -> None:
-        """A convolution call's bound: cuDNN's workspaces', which give way under a limit, apart from a
-        layout the rule does not size (:func:`~.conv_workspace.unsized_layout`), named apart."""
-        unsized = unsized_layout(input)
-        self._bound(operation + (UNSIZED_LAYOUT if unsized else ""), found.bound, fallback=found.backend == "cudnn" and not unsized)
+    def _convolution_bound(self, operation: str, found: ConvScratch) -> None:
+        """A convolution call's bound: cuDNN's workspaces', which give way under a limit, but in a
+        layout the rule does not size (``ConvScratch.unsized``), named apart."""
+        name = operation + (UNSIZED_LAYOUT if found.unsized else "")
+        self._bound(name, found.bound, fallback=found.backend == "cudnn" and not found.unsized)
 
     def _bound(self, operation: str, nbytes: int, *, fallback: bool = False) -> None:
         if nbytes > 0:
@@ -602,7 +602,7 @@ class KernelScratch:
             transposed=bool(bound["transposed"]), groups=int(bound["groups"]), output_padding=bound["output_padding"],
             benchmark=self.cudnn_benchmark,
         )  # fmt: skip
-        self._convolution_bound(CONVOLUTION_BOUND, found, bound["input"])
+        self._convolution_bound(CONVOLUTION_BOUND, found)
         return Passes(found.held, found.passes, fallback=found.fallback)
 
     def _convolution_backward(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
@@ -619,7 +619,7 @@ class KernelScratch:
             multiprocessors=self.multiprocessors,
         )  # fmt: skip
         # a cuDNN call's bound is its workspaces' (and a few KiB of the bias gradient's reduction)
-        self._convolution_bound(CONVOLUTION_BACKWARD_BOUND, found, bound["input"])
+        self._convolution_bound(CONVOLUTION_BACKWARD_BOUND, found)
         return Passes(found.held, found.passes, found.headroom, found.fallback)
 
     def _embedding_backward(self, args: tuple, kwargs: dict) -> tuple[int, ...]:

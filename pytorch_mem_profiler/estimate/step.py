@@ -892,15 +892,18 @@ def _step_events(counter: StorageLifeCounter) -> StepEvents:
     ticks = [tick for tick, _, _ in timeline]
     marks = tuple((bisect.bisect_right(ticks, tick), step, phase) for tick, step, phase in counter.marks)
     sources = {}
+    fallback = set()
     for key, life in enumerate(counter.lives):
         if life.nbytes > 0:
             made = "adopted before the step" if life.op is None else str(life.op)
             sources[key] = f"{made}; {life.phase}; {_category(life)}"
+            if life.fallback:
+                fallback.add(key)
     # each thread's first cuBLAS operator (the first of its phases')
     firsts: dict[str, int] = {}
     for phase, tick in counter.blas_first.items():
         thread = cublas_thread(phase)
         firsts[thread] = min(tick, firsts.get(thread, tick))
     blas_first = tuple(bisect.bisect_right(ticks, tick) for tick in sorted(firsts.values()))
-    fallback = frozenset(key for key, life in enumerate(counter.lives) if life.fallback and life.nbytes > 0)
-    return StepEvents(tuple((key, nbytes) for _, key, nbytes in timeline), marks, MappingProxyType(sources), blas_first, fallback)
+    return StepEvents(tuple((key, nbytes) for _, key, nbytes in timeline), marks, MappingProxyType(sources), blas_first,
+                      frozenset(fallback))  # fmt: skip
