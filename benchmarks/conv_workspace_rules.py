@@ -100,10 +100,17 @@ SHAPES: list[tuple[str, int, int, int, int, int, int, int, int, bool]] = [
     ("conv1d_audio", 1, 16, 1, 64, 16000, 7, 2, 1, False),
     ("conv1d_seq", 1, 32, 256, 256, 1024, 3, 1, 1, False),
     ("conv1d_dw", 1, 32, 512, 512, 512, 7, 1, 512, False),
+    ("conv1d_text_k3", 1, 64, 1024, 1024, 512, 3, 1, 1, False),  # a text CNN over embeddings (held-back normalized_cnn)
+    ("conv1d_text_k5", 1, 64, 1024, 1024, 512, 5, 1, 1, False),
+    ("conv1d_pos_g16", 1, 8, 768, 768, 199, 128, 1, 16, False),  # Wav2Vec2-base's positional convolution
+    ("conv1d_feat_s2", 1, 8, 512, 512, 3199, 3, 2, 1, False),  # Wav2Vec2's feature extractor
     ("conv3d_video", 3, 4, 3, 64, 32, 3, 1, 1, False),
     ("conv3d_mid", 3, 2, 64, 64, 16, 3, 1, 1, False),
     ("conv3d_s2", 3, 2, 32, 64, 32, 3, 2, 1, False),
 ]
+#: 1-D shapes also run over a channels-innermost input (``embed(ids).transpose(1, 2)``: a transposed (N, L, C)
+#: tensor), which ATen hands cuDNN channels_last, with the output gradient in the same layout
+CHANNELS_INNERMOST_SHAPES = {"conv1d_seq", "conv1d_dw", "conv1d_text_k3", "conv1d_text_k5", "conv1d_pos_g16"}
 #: Shapes also run in fp16, with cudnn.benchmark=True, and with allow_tf32=False.
 FP16_SHAPES = {"unet_dec", "resnet_stem", "resnet_l1", "c512_s16", "odd_5_17", "dw_3x3", "conv1d_seq", "conv3d_mid"}
 BENCHMARK_SHAPES = {"unet_dec", "unet_c32", "resnet_stem", "resnet_l1", "c512_s16", "c256_s32", "unet_up", "odd_5_17",
@@ -145,14 +152,17 @@ def _padded_nhwc(shape: list[int], element: int) -> int:
     return _nbytes([shape[0], -(-shape[1] // 8) * 8, *shape[2:]], element)
 
 
-def conv_cases(quick: bool) -> list[dict[str, Any]]:
-    """Every (shape, dtype, layout, call) measured under one flag setting, the zoo's shapes first."""
+def conv_cases(quick: bool, shapes: frozenset[str] | None = None) -> list[dict[str, Any]]:
+    """Every (shape, dtype, layout, call) measured under one flag setting, the zoo's shapes first
+    (``shapes``: only those named)."""
     cases = []
     for name, dims, n, cin, cout, size, kernel, stride, groups, transposed in SHAPES:
-        if quick and name not in QUICK_SHAPES:
+        if quick and name not in QUICK_SHAPES or shapes is not None and name not in shapes:
             continue
         dtypes = ["float32", "bfloat16"] + (["float16"] if name in FP16_SHAPES else [])
         layouts = ["contiguous"] + (["channels_last"] if dims >= 2 else [])
+        if name in CHANNELS_INNERMOST_SHAPES:
+            layouts.append("channels_innermost")
         if name in ("unet_dec", "resnet_l1", "odd_5_17", "conv1d_seq"):
             layouts.append("noncontig")
         if name in ("resnet_l1", "unet_dec"):
@@ -183,6 +193,8 @@ def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
         return t.contiguous(memory_format=torch.channels_last)
     if layout in ("channels_last",) and t.dim() == 5:
         return t.contiguous(memory_format=torch.channels_last_3d)
+    if layout == "channels_innermost" and t.dim() == 3:  # (N, C, L) as a transposed (N, L, C)
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
     return t.contiguous()
 
 
@@ -205,7 +217,7 @@ def _conv_tensors(case: dict[str, Any], device: torch.device) -> dict[str, Any]:
     w = _layout(torch.randn(weight_shape, device=device, dtype=dtype), weight_layout)
     b = torch.randn(cout, device=device, dtype=dtype)
     out_shape = [n, cout, *out_spatial]
-    grad_layout = "channels_last" if layout in ("channels_last", "weight_channels_last") else "contiguous"
+    grad_layout = "channels_last" if layout in ("channels_last", "weight_channels_last") else layout if layout == "channels_innermost" else "contiguous"
     go = _layout(torch.randn(out_shape, device=device, dtype=dtype), grad_layout) if case["call"] == "backward" else None
     return {"x": x, "w": w, "b": b, "go": go, "out_shape": out_shape, "weight_shape": weight_shape}
 
@@ -278,11 +290,11 @@ def case_key(case: dict[str, Any], flags_name: str) -> str:
 
 
 def run_convolutions(flags: dict[str, Any], quick: bool, deadline: float, rows: list[dict[str, Any]], save: Callable[[], None],
-                     done: frozenset[str] = frozenset()) -> None:  # fmt: skip
+                     done: frozenset[str] = frozenset(), shapes: frozenset[str] | None = None) -> None:  # fmt: skip
     device = torch.device("cuda")
     torch.backends.cudnn.benchmark = flags["benchmark"]
     torch.backends.cudnn.allow_tf32 = flags["allow_tf32"]
-    cases = conv_cases(quick)
+    cases = conv_cases(quick, shapes)
     if flags["benchmark"]:
         cases = [c for c in cases if c["shape_name"] in BENCHMARK_SHAPES and c["dtype"] != "float16" and c["layout"] in ("contiguous", "channels_last")
                  and c["mask"] in (None, [True, True, True])]
@@ -484,8 +496,9 @@ FLAG_SETS = {
 }
 
 
-def run_part(part: str, quick: bool, seconds: float, json_path: Path, done: frozenset[str] = frozenset()) -> None:
-    """One process's share: a flag setting's convolutions (and, for the default, the other ops)."""
+def run_part(part: str, quick: bool, seconds: float, json_path: Path, done: frozenset[str] = frozenset(),
+             shapes: frozenset[str] | None = None) -> None:  # fmt: skip
+    """One process's share: a flag setting's convolutions (and, for the default without ``shapes``, the other ops)."""
     deadline = time.perf_counter() + seconds
     rows: list[dict[str, Any]] = []
     flags = dict(FLAG_SETS[part])
@@ -496,10 +509,11 @@ def run_part(part: str, quick: bool, seconds: float, json_path: Path, done: froz
         json_path.write_text(json.dumps(rows))
 
     torch.zeros(1, device="cuda")
-    ops_left = sum(case_key(c, "ops") not in done for c in _other_op_cases(quick))
-    run_convolutions(flags, quick, deadline - (min(12, ops_left) if part == "default" else 0), rows, save, done)
+    other_ops = part == "default" and shapes is None
+    ops_left = sum(case_key(c, "ops") not in done for c in _other_op_cases(quick)) if other_ops else 0
+    run_convolutions(flags, quick, deadline - min(12, ops_left), rows, save, done, shapes)
     save()
-    if part == "default":
+    if other_ops:
         run_other_ops(quick, deadline, rows, done)
     save()
 
@@ -513,14 +527,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--parts", default="default,benchmark,no_tf32",
                         help="flag settings to run, in order (default: default,benchmark,no_tf32)")
     parser.add_argument("--resume", default=None, help="a previous conv_workspace_rules.json: its rows are kept, its cases not run again")
+    parser.add_argument("--shapes", default=None, help=f"comma-separated convolution shapes to run, and no other operator "
+                        f"(default: every one: {','.join(name for name, *_ in SHAPES)})")
     parser.add_argument("--part", choices=sorted(FLAG_SETS), help=argparse.SUPPRESS)
     parser.add_argument("--part-json", help=argparse.SUPPRESS)
     parser.add_argument("--part-seconds", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--done-json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    shapes = frozenset(n for n in args.shapes.split(",") if n) if args.shapes else None
+    unknown_shapes = (shapes or frozenset()) - {name for name, *_ in SHAPES}
+    if unknown_shapes:
+        parser.error(f"--shapes: unknown {sorted(unknown_shapes)}; choose from {[name for name, *_ in SHAPES]}")
     if args.part:
         done = frozenset(json.loads(Path(args.done_json).read_text())) if args.done_json else frozenset()
-        run_part(args.part, args.quick, args.part_seconds, Path(args.part_json), done)
+        run_part(args.part, args.quick, args.part_seconds, Path(args.part_json), done, shapes)
         return []
     parts = [p for p in args.parts.split(",") if p]
     unknown = set(parts) - set(FLAG_SETS)
@@ -529,7 +549,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     started = time.perf_counter()
     env = environment()
     if args.dry_run or not torch.cuda.is_available():
-        cases = conv_cases(args.quick)
+        cases = conv_cases(args.quick, shapes)
         rows = [{"part": "conv", "flags": FLAG_SETS["default"], **c, "rule": _rule_for(c, FLAG_SETS["default"])} for c in cases]
         print(f"{len(cases)} convolution cases under the default flags; {len(_other_op_cases(args.quick))} other-operator cases"
               + ("" if torch.cuda.is_available() else " (no GPU: nothing measured)"))
@@ -561,6 +581,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    "--done-json", str(done_json)]  # fmt: skip
         if args.quick:
             command.append("--quick")
+        if args.shapes:
+            command += ["--shapes", args.shapes]
         finished = subprocess.run(command, check=False, timeout=seconds + 60)
         part_rows = json.loads(part_json.read_text()) if part_json.exists() else []
         if finished.returncode != 0:

@@ -79,6 +79,37 @@ def test_the_rule_is_within_its_bound_of_this_gpus_convolutions(x_shape, w_shape
         assert abs(sum(rule.blocks) - measured) <= rule.bound, f"backward {mask}: rule {sum(rule.blocks):,} measured {measured:,} bound {rule.bound:,}"
 
 
+#: 1-D convolutions over a channels-innermost input: (batch, channels, length, kernel, groups, dtype).
+CHANNELS_INNERMOST = [
+    (16, 256, 512, 3, 1, torch.float32),
+    (16, 256, 512, 5, 1, torch.bfloat16),
+    (16, 256, 512, 7, 256, torch.float32),  # depthwise
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("n, c, length, k, groups, dtype", CHANNELS_INNERMOST)
+def test_the_rule_holds_for_1d_convolutions_over_channels_innermost_input(n, c, length, k, groups, dtype):
+    # embed(ids).transpose(1, 2): the device runs them channels_last; every output mask autograd passes
+    _fresh()
+    x = torch.randn(n, length, c, device=CUDA, dtype=dtype).transpose(1, 2)
+    w = torch.randn(c, c // groups, k, device=CUDA, dtype=dtype)
+    b = torch.randn(c, device=CUDA, dtype=dtype)
+    geometry = {"stride": [1], "padding": [k // 2], "dilation": [1], "transposed": False, "groups": groups}
+    aten = torch.ops.aten
+    measured = _scratch(lambda: aten.convolution.default(x, w, b, [1], [k // 2], [1], False, [0], groups))
+    rule = convolution_scratch(x, w, **geometry)
+    assert rule.channels_innermost and not any(rule.fallback)
+    assert abs(sum(rule.blocks) - measured) <= rule.bound, f"forward: rule {sum(rule.blocks):,} measured {measured:,} bound {rule.bound:,}"
+    go = torch.randn(n, length, c, device=CUDA, dtype=dtype).transpose(1, 2)  # the gradient of a transpose back
+    for mask in ([True, True, True], [True, True, False], [False, True, True], [True, False, False], [False, False, True]):
+        measured = _scratch(lambda: aten.convolution_backward.default(
+            go, x, w, [c], [1], [k // 2], [1], False, [0], groups, mask))  # fmt: skip
+        rule = convolution_backward_scratch(go, x, w, output_mask=mask, **geometry)
+        # the bias's sum alone is sized to the byte on an H200 (its partial sums within a few KiB elsewhere)
+        allowed = max(rule.bound, 64 << 10)
+        assert abs(sum(rule.blocks) - measured) <= allowed, f"backward {mask}: rule {sum(rule.blocks):,} measured {measured:,} bound {rule.bound:,}"
+
+
 def test_the_probe_measures_what_this_process_measures():
     from pytorch_mem_profiler.estimate.kernel_probe import MEASURED, convolution_key, measure_convolutions
 

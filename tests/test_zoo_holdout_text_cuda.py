@@ -45,9 +45,11 @@ KNOWN: dict[str, str] = {
     "frozen_fastpath": "reserved -13.2% (peak -0.02%); the predicted 112 under 3.5 GiB runs out of memory",
     "normalized_cnn": (
         "reserved -8.9%, its upper figure -6.5% (peak -0.10%, stated bound 3.1%; H100 and H200, 2026-11-28): its "
-        "Conv1d over a transposed embedding runs channels_last on the device, whose backward asks 268.4 MB where "
-        "the rule has NCHW's 134.2 MB (a layout the rule does not size, conv_workspace.unsized_layout: its bound "
-        "stays left free in the batch search, which predicts 207 under 2.75 GiB; 207 ran and 228 ran out, H200)"
+        "Conv1d over a transposed embedding runs channels_last on the device in one workspace per pass (268.4 MB in "
+        "each backward, the H200's allocator history) where the estimate asks the input's and the gradient's copies "
+        "(67.1 MB each) and the NCHW transforms (134.2 MB): the sums agree, the blocks lay the segments out otherwise "
+        "(conv_workspace.channels_innermost_1d; those workspaces do not give way, and the batch search predicts 207 "
+        "under 2.75 GiB: 207 ran and 228 ran out, H200)"
     ),
 }
 

@@ -65,9 +65,8 @@ blocks say so (:attr:`ConvScratch.fallback`): the allocator replay under a
 limit does without a block it cannot place, and the batch search leaves no
 room for their bound (see ``MemoryEstimate.batch_search``). The layout copies
 and the bias gradient's reduction are ATen's and give way to nothing, and a
-1-D convolution over channels-innermost input, which the device runs
-channels_last off the rule by twice (:func:`unsized_layout`), keeps its
-workspaces and its bound.
+1-D convolution over channels-innermost input (:func:`channels_innermost_1d`),
+which the device runs channels_last, keeps its workspaces and its bound.
 
 ``torch.backends.cudnn.benchmark=True``: the steady workspace is the heuristics'
 (measured the same), but the first call of each shape times every candidate plan
@@ -113,6 +112,7 @@ __all__ = [
     "DILATED_FILTER_PARTIALS",
     "ConvScratch",
     "memory_format",
+    "channels_innermost_1d",
     "conv_backend",
     "nhwc_bytes",
     "transforms_bytes",
@@ -213,11 +213,12 @@ class ConvScratch:
     #: segment of its own: its bound
     headroom: tuple[int, ...] = ()
     #: whether each of ``passes`` is cuDNN's workspace, which cuDNN does without when the allocator
-    #: refuses it (it runs the next plan; empty: none is); not where the rule does not size the
-    #: call's layout (:func:`unsized_layout`)
+    #: refuses it (it runs the next plan; empty: none is); not over a 1-D channels-innermost input
+    #: (:func:`channels_innermost_1d`)
     fallback: tuple[bool, ...] = ()
-    #: a layout the rule does not size (:func:`unsized_layout`): its workspaces and its bound do not give way
-    unsized: bool = False
+    #: a 1-D convolution over channels-innermost input (:func:`channels_innermost_1d`): its workspaces
+    #: and its bound do not give way
+    channels_innermost: bool = False
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -257,23 +258,29 @@ def memory_format(tensor: torch.Tensor) -> str:
     return "contiguous"
 
 
-def unsized_layout(input: torch.Tensor) -> bool:
-    """Whether ``input`` is a 1-D convolution's in a layout the rule does not size: channels
-    innermost (a transposed ``(N, L, C)`` tensor, as ``embed(ids).transpose(1, 2)`` gives), which
-    the device runs channels_last. An H200 asked 268.4 MB in such a backward (the weight-normed text
-    CNN, bf16, batch 64) where the NCHW rule has 134.2 MB: its workspaces are not taken to give way
-    under a limit, and its bound stays left free in a batch search (:attr:`ConvScratch.fallback`).
+def channels_innermost_1d(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a 1-D convolution's input or gradient with its channels innermost (a
+    transposed ``(N, L, C)`` tensor, as ``embed(ids).transpose(1, 2)`` gives), which ATen hands
+    cuDNN as a channels_last ``(N, C, 1, L)``.
+
+    Measured on an H200 (cuDNN 9.19, ``benchmarks/conv_workspace_rules.py --shapes``, five shapes in
+    fp32 and bf16): each pass takes a copy-sized share for the input and the gradient besides the
+    NCHW rule's workspace, the data pass too where no weight gradient is asked
+    (:func:`convolution_backward_scratch`), and the bias gradient's sum over such a gradient takes
+    a copy of it and the column reduction's partial sums. Under a memory limit these workspaces were
+    seen not to give way (the weight-normed text CNN's largest batch, H200): their bound stays left
+    free in a batch search (:attr:`ConvScratch.channels_innermost`).
 
     Example::
 
         >>> tokens = torch.empty(2, 16, 8, device="meta")  # (batch, length, channels)
-        >>> unsized_layout(tokens.transpose(1, 2)), unsized_layout(torch.empty(2, 8, 16, device="meta"))
+        >>> channels_innermost_1d(tokens.transpose(1, 2)), channels_innermost_1d(torch.empty(2, 8, 16, device="meta"))
         (True, False)
     """
-    if input.dim() != 3:
+    if tensor.dim() != 3:
         return False
-    _, channels, length = input.shape
-    return channels > 1 and length > 1 and input.stride(1) == 1 and input.stride(2) >= channels
+    _, channels, length = tensor.shape
+    return channels > 1 and length > 1 and tensor.stride(1) == 1 and tensor.stride(2) >= channels
 
 
 def _in_format(tensor: torch.Tensor, channels_last: bool) -> bool:
@@ -618,9 +625,10 @@ def convolution_scratch(
                         channels_last=channels_last, benchmark=_flags(benchmark), groups=groups)  # fmt: skip
     workspace, bound = passes["forward"]
     kept = _nonzero([(workspace,)])
-    unsized = unsized_layout(input)
-    return ConvScratch(tuple(_copies([input, weight], channels_last)), kept, bound, backend, fallback=(not unsized,) * len(kept),
-                       unsized=unsized)  # fmt: skip
+    # over a channels-innermost 1-D input: the input's copy and the NCHW transforms, to the byte (H200)
+    innermost = channels_innermost_1d(input)
+    return ConvScratch(tuple(_copies([input, weight], channels_last)), kept, bound, backend,
+                       fallback=(not innermost,) * len(kept), channels_innermost=innermost)  # fmt: skip
 
 
 def _nonzero_each(passes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -665,17 +673,34 @@ def convolution_backward_scratch(
     channels = grad_output.shape[1] if grad_output.dim() > 1 else 0
     grad_bias = block_size(channels * element) if want_bias else 0
     reduction: tuple[int, ...] = ()
+    processors = multiprocessors or DEFAULT_MULTIPROCESSORS
     if want_bias and grad_output.dim() >= 3 and memory_format(grad_output) == "channels_last":
         rows = grad_output.numel() // max(channels, 1)
-        reduction = column_reduction_scratch(rows, channels, multiprocessors=multiprocessors or DEFAULT_MULTIPROCESSORS)
+        reduction = column_reduction_scratch(rows, channels, multiprocessors=processors)
+    elif want_bias and channels_innermost_1d(grad_output):
+        # a copy of the gradient, then the column reduction of its (N * L, C) rows: to the byte in
+        # fp32 and bf16 for three of five shapes on an H200, 12-25 KB over for Wav2Vec2's positional one
+        rows = grad_output.numel() // channels
+        reduction = (block_size(grad_output.numel() * element),
+                     *column_reduction_scratch(rows, channels, multiprocessors=processors))  # fmt: skip
     # an NCHW gradient's sum over (0, 2, 3) takes a few KiB of partial sums (not sized here)
     bias_bound = NCHW_BIAS_REDUCTION_BOUND if want_bias and not reduction else 0
-    unsized = unsized_layout(input)
+    innermost = channels_innermost_1d(input)
+    # Over a channels-innermost 1-D input the device runs channels_last, and every pass that makes the
+    # input's or the weight's gradient takes the input's and the gradient's copy-sized shares in it
+    # (given back before the bias's sum, which then takes its own): the data pass alone too
+    # (H200: 549,454,336 bytes for the text CNN's fp32 (64, 1024, 512) k3, the transforms and two copies).
+    in_passes = _copies([grad_output, input], False) if innermost and (want_input or want_weight) else []
     if backend == "depthwise":
+        if innermost:
+            return ConvScratch((), _nonzero([tuple(in_passes), reduction]), bias_bound, backend, channels_innermost=True)
         copies = _copies([t for t, wanted in ((grad_output, True), (input, want_weight), (weight, want_input)) if wanted], False)
-        return ConvScratch(tuple(copies), _nonzero([reduction]), bias_bound, backend, unsized=unsized)
-    needed = [grad_output] + ([input] if want_weight else []) + ([weight] if want_input else [])
-    copies = _copies(needed, channels_last) if (want_input or want_weight) else []
+        return ConvScratch(tuple(copies), _nonzero([reduction]), bias_bound, backend)
+    if innermost:
+        copies = _copies([weight], channels_last) if want_input else []
+    else:
+        needed = [grad_output] + ([input] if want_weight else []) + ([weight] if want_input else [])
+        copies = _copies(needed, channels_last) if (want_input or want_weight) else []
     passes, sums_partials = _passes(input, weight, grad_output.shape, stride=stride, padding=padding,
                                     transposed=transposed, channels_last=channels_last, benchmark=_flags(benchmark),
                                     groups=groups)  # fmt: skip
@@ -684,26 +709,26 @@ def convolution_backward_scratch(
     taken, room, bound = [], [], bias_bound
     if want_input:
         workspace, b = passes["data"]  # for a transposed one: the forward of the convolution it transposes
-        taken.append((workspace - grad_weight - grad_bias,))
+        taken.append((*in_passes, workspace - grad_weight - grad_bias))
         room.append(0)
         bound = max(bound, b)
     if want_weight:
         workspace, b = passes["filter"]
-        taken.append((workspace - grad_bias,))
+        taken.append((*in_passes, workspace - grad_bias))
         if any(d != 1 for d in dilation) and not channels_last:
             # a dilated filter pass may take split-K partial weight gradients instead (not sized by shape)
             b = max(b, DILATED_FILTER_PARTIALS * weight.numel() * 4 + WORKSPACE_FLOOR - workspace)
         # how many partial sums it adds to the transforms is cuDNN's choice per call: up to its bound
         room.append(b if sums_partials and workspace > grad_bias else 0)
         bound = max(bound, b)
-    # the data and filter passes are cuDNN's workspaces (giving way unless the rule does not size
-    # them); the reduction is ATen's
-    cudnn_passes = 0 if unsized else len(taken)
+    # the data and filter passes are cuDNN's workspaces (giving way, but over a channels-innermost
+    # 1-D input); the reduction is ATen's
+    cudnn_passes = 0 if innermost else len(taken)
     taken.append(reduction)
     room.append(0)
     kept = [(one, extra, i < cudnn_passes) for i, (one, extra) in enumerate(zip(_nonzero_each(taken), room)) if one]
     return ConvScratch(tuple(copies), tuple(one for one, _, _ in kept), bound, backend, tuple(extra for _, extra, _ in kept),
-                       tuple(workspace for _, _, workspace in kept), unsized)  # fmt: skip
+                       tuple(workspace for _, _, workspace in kept), innermost)  # fmt: skip
 
 
 # -- the benchmark's cases ---------------------------------------------------------------
@@ -720,6 +745,8 @@ def rule_for_sweep_case(case: dict[str, Any], flags: dict[str, Any]) -> dict[str
     with torch.device("meta"):
         if layout == "noncontig":
             x = torch.empty([case["n"], 2 * case["cin"], *spatial], dtype=dtype)[:, : case["cin"]]
+        elif layout == "channels_innermost" and dims == 1:  # a transposed (N, L, C) tensor
+            x = torch.empty([case["n"], *spatial, case["cin"]], dtype=dtype).transpose(1, 2)
         else:
             x = torch.empty([case["n"], case["cin"], *spatial], dtype=dtype)
         w = torch.empty(weight_shape, dtype=dtype)
@@ -735,6 +762,8 @@ def rule_for_sweep_case(case: dict[str, Any], flags: dict[str, Any]) -> dict[str
     else:
         out_shape = _output_shape(x.shape, w.shape, [s] * dims, [p] * dims, [1] * dims, case["transposed"], [0] * dims, g)
         go = torch.empty(out_shape, dtype=dtype, device="meta")
+        if layout == "channels_innermost" and dims == 1:
+            go = go.transpose(1, 2).contiguous().transpose(1, 2)
         if layout in ("channels_last", "weight_channels_last") and dims >= 2:
             go = go.contiguous(memory_format=fmt)
         found = convolution_backward_scratch(go, x, w, output_mask=case["mask"], **geometry)

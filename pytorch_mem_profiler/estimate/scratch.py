@@ -114,9 +114,9 @@ __all__ = [
 #: How the report names the convolutions' bounds (cuDNN's workspace, by the plan its heuristics pick).
 CONVOLUTION_BOUND = "aten.convolution (cuDNN workspace)"
 CONVOLUTION_BACKWARD_BOUND = "aten.convolution_backward (cuDNN workspace)"
-#: What the report names a convolution's bound in a layout the rule does not size
-#: (:func:`~.conv_workspace.unsized_layout`): kept apart, since it does not give way under a limit.
-UNSIZED_LAYOUT = " in a 1-D channels-last layout"
+#: What the report adds to a convolution's bound over a 1-D channels-innermost input
+#: (:func:`~.conv_workspace.channels_innermost_1d`): kept apart, since it does not give way under a limit.
+CHANNELS_INNERMOST_LAYOUT = " in a 1-D channels-last layout"
 BATCH_NORM_BOUND = "batch norm, channels_last (cuDNN workspace)"
 #: The bound for cuDNN's NHWC batch norm workspace: four times the 1.06 MB measured.
 BATCH_NORM_WORKSPACE_BOUND = 4 << 20
@@ -572,10 +572,11 @@ class KernelScratch:
         return bounded
 
     def _convolution_bound(self, operation: str, found: ConvScratch) -> None:
-        """A convolution call's bound: cuDNN's workspaces', which give way under a limit, but in a
-        layout the rule does not size (``ConvScratch.unsized``), named apart."""
-        name = operation + (UNSIZED_LAYOUT if found.unsized else "")
-        self._bound(name, found.bound, fallback=found.backend == "cudnn" and not found.unsized)
+        """A convolution call's bound: cuDNN's workspaces', which give way under a limit, but over a
+        1-D channels-innermost input (``ConvScratch.channels_innermost``), named apart."""
+        innermost = found.channels_innermost
+        name = operation + (CHANNELS_INNERMOST_LAYOUT if innermost else "")
+        self._bound(name, found.bound, fallback=found.backend == "cudnn" and not innermost)
 
     def _bound(self, operation: str, nbytes: int, *, fallback: bool = False) -> None:
         if nbytes > 0:
