@@ -60,7 +60,11 @@ UNSTEADY: dict[str, str] = {
     ),
     "compiled_mlp": (
         "the predicted 142 under 12.5 GiB ran out of memory in one fresh process and fit (157 out) in the next, on "
-        "H100s the same day (2026-11-27), the estimate the same (peak +0.00%, reserved -2.83% and -2.90%)"
+        "H100s the same day (2026-11-27), the estimate the same (peak +0.00%, reserved -2.83% and -2.90%). The H200's "
+        "allocator history at 141 (2026-11-28, replay_against_real.py): a process that compiles for that batch times "
+        "candidate kernels on the device (Inductor's benchmarking: eleven 60 MiB buffers and 516 trial tensors, 1,066 "
+        "requests in two steps) and reserves 803 MB more than the estimate by its second step; with the compiled "
+        "code in Inductor's cache the same batch ran under the card (538 requests, 149 MB above the estimate)"
     ),
 }
 
