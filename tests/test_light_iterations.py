@@ -411,10 +411,14 @@ def test_a_fault_while_taking_the_hooks_off_leaves_them_on(counting, monkeypatch
     assert [r.reported for r, *_ in seen].count(True) == 2
 
 
-def test_forward_is_split_by_module_only_while_the_peak_is_there(counting):
+def test_forward_is_split_by_module_only_while_the_peak_is_there(counting, monkeypatch):
     """Per-layer mode reads the counters at each tracked module's end in forward on the first
     reported iteration, then only while forward holds the iteration's peak: one read per module
-    saved, and where the peak was is found all the same."""
+    saved, and where the peak was is found all the same. (Backward read at every module here:
+    what reading it around its peak saves is tests/test_backward_marks.py's.)"""
+    from pytorch_mem_profiler.measure.intervals import PhaseIntervals
+
+    monkeypatch.setattr(PhaseIntervals, "backward_marks", lambda self: None)
 
     class Widen(nn.Module):
         """A forward-time transient much larger than anything backward or the step holds."""

@@ -8,7 +8,9 @@ read closing one interval and giving its peak. From those readings
 
 - the peak of each phase and what was allocated at its end;
 - the iteration's peak, the phase it was reached in and the module running then
-  (per-layer mode; ``None`` where forward was not split by module);
+  (per-layer mode; ``None`` where forward was not split by module, or backward not there);
+- in per-layer mode, where backward peaked: the next per-layer iteration reads backward
+  around that interval only while it peaks there (:meth:`PhaseIntervals.backward_marks`);
 - the feature maps: what the largest forward pass left allocated, from its start
   to its exit from the model (kept for backward, with its outputs);
 - the weight gradients, measured when backward ends (``optimizer.zero_grad()``
@@ -96,6 +98,13 @@ class PhaseIntervals(Observer):
         self._last: Reading | None = None
         self._start: Reading | None = None
         self._before = 0
+        # per-layer mode: where this iteration reads backward (the plan's marks), each backward
+        # interval's module ("": from backward's start; None: no module), and where it peaked
+        self._marks: tuple[str, ...] | None = plan.backward_marks if plan is not None else None
+        self._per_layer = plan is not None and plan.per_layer
+        self._backward_labels: list[str | None] = []
+        self._backward_peak = -1
+        self._backward_peak_at: int | None = None
 
     def boundary(self, reading: Reading, ended: str, following: str, where: str | None) -> None:
         peak = reading.peak_allocated
@@ -105,6 +114,11 @@ class PhaseIntervals(Observer):
                 phase_peak[ended] = peak
             if self._iteration_peak is None or peak > self._iteration_peak:
                 self._iteration_peak, self._peak_phase, self._peak_location = peak, ended, where
+            if ended == "backward" and self._per_layer:
+                labels = self._backward_labels
+                if peak > self._backward_peak:
+                    self._backward_peak, self._backward_peak_at = peak, len(labels)
+                labels.append(where)
         reserved = reading.peak_reserved
         if reserved is not None and (self._peak_reserved is None or reserved > self._peak_reserved):
             self._peak_reserved = reserved
@@ -116,6 +130,32 @@ class PhaseIntervals(Observer):
                 # post-mortem reads it mid-iteration).
                 self._feature_maps = max(self._before, reading.allocated - self._start.allocated)
         self._last = reading
+
+    def backward_marks(self) -> tuple[str, ...] | None:
+        """Where the next per-layer iteration reads backward (:attr:`~.plan.IterationPlan.backward_marks`):
+        from a backward read at every tracked module, the modules that began the interval where it
+        peaked and the one after it (``("", b)``: from backward's start; ``(a,)``: to its end); from
+        one read at those, the same while it peaked in that interval; ``None`` (every module) where
+        it peaked elsewhere, no module began two intervals, or no backward peak was read.
+
+        Example::
+
+            >>> from pytorch_mem_profiler.measure.plan import IterationPlan
+            >>> intervals = PhaseIntervals([])
+            >>> intervals.begin(IterationPlan.make("full", per_layer=True))
+            >>> for where, peak in (("", 10), ("2", 30), ("1", 20), ("0", 15)):  # backward reached 2, 1, 0
+            ...     intervals.boundary(Reading(0, peak, None, None), "backward", "backward", where)
+            >>> intervals.backward_marks()   # it peaked where module 2 began, up to module 1
+            ('2', '1')
+        """
+        at, labels = self._backward_peak_at, self._backward_labels
+        if at is None:
+            return None
+        if self._marks is not None:
+            return self._marks if labels[at] is not None else None
+        if None in labels or len(set(labels)) != len(labels):
+            return None
+        return tuple(label for label in labels[at : at + 2] if label is not None)
 
     def forward_began(self, args: Any, entry: Any) -> None:
         # at the boundary just read

@@ -318,6 +318,10 @@ class LayerAttribution(Observer):
 
     # -- the observer's events (iterations at the "full" level) --------------------------
     def begin(self, plan: Any) -> None:
+        # the tracked modules whose outputs tell when backward reaches them (None: every one; the
+        # plan reads backward at a few: no gradient hook on the others' outputs)
+        marks = plan.backward_marks if plan is not None else None
+        self._reach: frozenset[str] | None = None if marks is None else frozenset(marks)
         # whether the running pass is attributed; the breakdown of the pass that kept the most
         # (and what it kept), and the most any pass kept
         self._attributed = False
@@ -420,7 +424,7 @@ class LayerAttribution(Observer):
             if key in self._tracked:
                 if self.on_exit is not None:
                     self.on_exit(name, stack[-1][1])
-                if self.on_backward_enter is not None:
+                if self.on_backward_enter is not None and (self._reach is None or name in self._reach):
                     if isinstance(output, torch.Tensor):  # ``_watch_backward``'s common case, inline
                         node = output.grad_fn
                         if node is not None:

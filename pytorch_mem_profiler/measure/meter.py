@@ -674,7 +674,7 @@ class Meter:
         figures = intervals.figures()
         self._read_peaks(figures.iteration_peak, figures.peak_reserved)
         if self._plan.per_layer and figures.peak_phase is not None:
-            observers.peaked_in(figures.peak_phase)
+            observers.peaked_in(figures.peak_phase, intervals.backward_marks())
         peak = self._peak_result(figures.iteration_peak)
         state = self._model_state
         sizes = figures.gradient_sizes

@@ -41,7 +41,8 @@ from .plan import IterationPlan
 
 __all__ = ["ObserverSet"]
 
-#: the key of the plan at "full" with forward split by module (the other plans': their level)
+#: the key of the plan at "full" with forward split by module (the other plans': their level, and at
+#: "full" where backward is read)
 _SPLIT_FULL = "full, forward split"
 
 
@@ -58,7 +59,7 @@ class ObserverSet:
         intervals: the phase intervals (``None`` until :meth:`start_with`).
         peak: the peak breakdown (``None``: none on this device, or switched off).
         attribution: the per-layer attribution (``None``: not by layer, or switched off).
-        plans: the plans made, by level (at ``"full"``: and whether forward is split); read it,
+        plans: the plans made, by level (at ``"full"``: and where forward and backward are split); read it,
             never change it (:meth:`plan` makes them).
 
     Example::
@@ -69,9 +70,9 @@ class ObserverSet:
         >>> observers.start_with(PhaseIntervals([]))
         >>> observers.plan("full").split_forward, observers.plan("full").per_layer  # no attribution yet
         (False, False)
-        >>> observers.peaked_in("optimizer")  # a per-layer iteration peaked in the step
-        >>> observers.split_forward
-        False
+        >>> observers.peaked_in("optimizer", ("1", "0"))  # peaked in the step; backward in module 1's interval
+        >>> observers.split_forward, observers.backward_marks
+        (False, ('1', '0'))
     """
 
     def __init__(self, by_layer: bool, guard: FaultGuard) -> None:
@@ -86,8 +87,10 @@ class ObserverSet:
         # Per-layer mode reads the counters at every tracked module's end in forward only while
         # forward is where the iterations peak (the first watched one always): one read per
         # module saved otherwise. Backward's module boundaries are always read (the
-        # intermediate gradients at backward's peak are measured from them).
+        # intermediate gradients at backward's peak are measured from them), the first time at
+        # each tracked module, then around the interval where backward peaked while it peaks there.
         self.split_forward = True
+        self.backward_marks: tuple[str, ...] | None = None
 
     # -- which observers there are -----------------------------------------------------------
     def start_with(self, intervals: PhaseIntervals) -> None:
@@ -122,7 +125,9 @@ class ObserverSet:
         """The plan for ``level``, with the observers there are and ``every`` (on every
         iteration, light ones included); the same object until they change."""
         # where forward is split matters at "full" only: one plan for every light iteration
-        key = _SPLIT_FULL if level == "full" and self.split_forward else level
+        key = level
+        if level == "full":
+            key = f"{_SPLIT_FULL if self.split_forward else level}, backward {self.backward_marks}"
         plan = self.plans.get(key)
         if plan is not None:
             return plan
@@ -136,7 +141,7 @@ class ObserverSet:
             if per_layer and level == "full":
                 observers.append(self.attribution)  # type: ignore[arg-type]
         observers.extend(every)
-        plan = self.plans[key] = IterationPlan.make(level, tuple(observers), per_layer, self.split_forward)
+        plan = self.plans[key] = IterationPlan.make(level, tuple(observers), per_layer, self.split_forward, self.backward_marks)
         return plan
 
     def begin(self, plan: IterationPlan) -> None:
@@ -147,12 +152,16 @@ class ObserverSet:
         for observer in begins[1]:
             observer.begin(plan)
 
-    def peaked_in(self, phase: str) -> None:
-        """A per-layer iteration peaked in ``phase``: forward is split by module while that is forward.
+    def peaked_in(self, phase: str, backward_marks: tuple[str, ...] | None = None) -> None:
+        """A per-layer iteration peaked in ``phase``: forward is split by module while that is forward;
+        backward is read at ``backward_marks`` (``None``: at every tracked module; see
+        :attr:`~.plan.IterationPlan.backward_marks`), as :meth:`~.intervals.PhaseIntervals.backward_marks`
+        gives them.
 
-        A peak in a forward not split by module has no location (``None``, not a guess): the
-        next watched iteration splits it."""
+        A peak in a forward not split by module, or in backward outside the interval read as a full
+        split reads it, has no location (``None``, not a guess): the next watched iteration splits it."""
         self.split_forward = phase == "forward"
+        self.backward_marks = backward_marks
 
     # -- faults and the end --------------------------------------------------------------------
     def drop_switched_off(self) -> None:

@@ -249,6 +249,8 @@ class PhaseMachine:
         self._plan = _RESTING
         # the plan's ``watched``, kept here: every event reads it
         self._watched = False
+        # per-layer mode, backward read at marks: whether the interval read as a full split reads it began
+        self._exact_begun = False
         self._routes = _NO_ROUTES
 
     def read_from(self, read: Callable[[], Any]) -> None:
@@ -319,9 +321,28 @@ class PhaseMachine:
             self._mark("forward", now_in)
 
     def backward_reached(self, name: str) -> None:
-        """Backward reached the outputs of the tracked module ``name`` (per-layer mode)."""
+        """Backward reached the outputs of the tracked module ``name`` (per-layer mode): read at
+        each such module, or only at the plan's :attr:`~.plan.IterationPlan.backward_marks`, where
+        the interval from the first to the second is read as a full split reads it and the rest
+        has no module."""
         if self.phase == "backward" and self._watched:
-            self._mark("backward", name)
+            marks = self._plan.backward_marks
+            if marks is None:
+                self._mark("backward", name)
+            elif name in marks:
+                exact = name == marks[0] and not self._exact_begun
+                self._exact_begun = self._exact_begun or exact
+                self._mark("backward", name if exact else None)
+
+    def _backward_location(self) -> str | None:
+        """Where backward's first interval runs: ``""`` (not in a tracked module) in per-layer mode,
+        unless the plan reads backward at marks that begin later (then no module: ``None``)."""
+        plan = self._plan
+        if not plan.per_layer:
+            return None
+        marks = plan.backward_marks
+        self._exact_begun = marks is not None and marks[0] == ""
+        return "" if marks is None or self._exact_begun else None
 
     # -- forward ---------------------------------------------------------------------------------
     def entered(self, grad_enabled: bool, args: Any, entry: Any) -> bool:
@@ -416,7 +437,7 @@ class PhaseMachine:
             self.phase = "backward"
             self._backward.unsettled = True
             return False
-        self._mark("backward", "" if self._plan.per_layer else None)
+        self._mark("backward", self._backward_location())
         self._count("backward")
         listeners = self._routes.backward_started
         if listeners:
@@ -503,7 +524,7 @@ class PhaseMachine:
             self._begin_forward((), None, explicit=True)
         elif phase == "backward":
             self._close_forward()
-            self._switch("backward", "" if self._plan.per_layer else None)
+            self._switch("backward", self._backward_location())
             self._count("backward")
         else:
             self.step_began()
