@@ -618,7 +618,7 @@ def convolution_scratch(
     if backend == "empty":
         return ConvScratch(backend=backend)
     if backend == "depthwise":
-        return ConvScratch(held=tuple(_copies([input, weight], False)), backend=backend)
+        return ConvScratch(held=tuple(_copies([input, weight], False)), backend=backend, channels_innermost=channels_innermost_1d(input))
     channels_last = memory_format(input) == "channels_last" or memory_format(weight) == "channels_last"
     out_shape = _output_shape(input.shape, weight.shape, stride, padding, dilation, transposed, output_padding, groups)
     passes, _ = _passes(input, weight, out_shape, stride=stride, padding=padding, transposed=transposed,
