@@ -139,3 +139,33 @@ def test_a_marked_iteration_hooks_only_the_outputs_of_the_modules_it_reads(build
     run(build, 3, full=False, monkeypatch=monkeypatch)
     tracked = len(build())
     assert len(registered) == tracked + 2 * marked  # the first iteration every module, then those read
+
+
+class Reordered(nn.Module):
+    """Three blocks, the heavy one first or, while ``swapped``, after the one that is light."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.heavy, self.light, self.out = nn.Linear(64, 64), Heavy(), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.heavy.big = True
+        self.swapped = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        x = self.heavy(self.light(x)) if self.swapped else self.light(self.heavy(x))
+        return self.out(x)
+
+
+def test_a_model_that_runs_otherwise_leaves_the_interval_no_module(monkeypatch):
+    # Backward peaked where it reached the heavy block's output, up to the input layer's; then the model
+    # runs the light block between them: that interval is no more the one read as a full split reads it
+    # (the light block's backward inside it), and it is named after no module, not after the heavy one.
+    def swap(model, i):
+        model.swapped = i == 2
+
+    marked, reads = run(Reordered, 4, full=False, monkeypatch=monkeypatch, before_step=swap)
+    every, _ = run(Reordered, 4, full=True, monkeypatch=monkeypatch, before_step=swap)
+    assert [r.peak_location for r in every[:2]] == ["heavy", "heavy"] and every[2].peak_phase == "backward"
+    assert reads[1] < reads[0]  # read at marks from the second iteration
+    assert marked[2].peak_location is None
+    assert fields(marked[1]) == fields(every[1]) and fields(marked[3]) == fields(every[3])

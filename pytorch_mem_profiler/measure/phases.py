@@ -63,7 +63,7 @@ from ..faults import FaultGuard
 from .observers import Observer
 from .plan import IterationPlan
 
-__all__ = ["PhaseMachine", "ForwardPass", "EventRoutes", "EXPLICIT_PHASES", "check_phase_name"]
+__all__ = ["PhaseMachine", "MarkedBackward", "ForwardPass", "EventRoutes", "EXPLICIT_PHASES", "check_phase_name"]
 
 #: The phases a framework can mark itself (``MemoryProfiler.phase(name)``).
 EXPLICIT_PHASES = ("forward", "backward", "optimizer")
@@ -202,6 +202,75 @@ class _BackwardWatch:
         self.off = False
 
 
+class MarkedBackward:
+    """Per-layer mode where the plan reads backward at marks (:attr:`~.plan.IterationPlan.backward_marks`):
+    the interval from the first mark to the second is read as a full split reads it, and named
+    after the first mark's module only where it ends as it did then (at the second mark, or at
+    backward's end where there is none) and the tracked modules' forwards ended in the same order
+    as in the last forward whose backward was read at every module (a layer skipped then and run
+    now would put its backward inside it); the rest of backward has no module.
+
+    Example::
+
+        >>> marked = MarkedBackward()
+        >>> marked.exits = ["0", "1", "2"]; marked.read_fully()       # a forward, then backward read fully
+        >>> marked.backward_began(("2", "1"), watched=True)           # the next: read at 2 and 1
+        >>> marked.reached("2", ("2", "1"))                           # read there...
+        True
+        >>> marked.begin_exact("2", ("2", "1"))                       # ...and the interval begins
+        >>> marked.reached("1", ("2", "1")), marked.ended(("2", "1"))  # it ends at 1: named after 2
+        (True, '2')
+    """
+
+    __slots__ = ("begun", "pending", "closed_by_mark", "exits", "exits_read")
+
+    def __init__(self) -> None:
+        #: whether the interval read as a full split reads it began in this backward
+        self.begun = False
+        #: its module while it runs (named when it ends, if it ends as it did)
+        self.pending: str | None = None
+        #: whether the mark that ends it is the one that ended it then (None: not ended by a mark)
+        self.closed_by_mark: bool | None = None
+        #: the tracked modules' forward ends, in order: in the running forward, and in the last one
+        #: whose backward was read at every module
+        self.exits: list[str] = []
+        self.exits_read: list[str] | None = None
+
+    def read_fully(self) -> None:
+        """Backward begins and is read at every module: how the model ran, kept."""
+        self.exits_read = list(self.exits)
+
+    def backward_began(self, marks: tuple[str, ...], watched: bool) -> None:
+        """Backward begins, read at ``marks``: from its start where the first is ``""``."""
+        self.begun = marks[0] == ""
+        self.closed_by_mark = None
+        self.pending = "" if self.begun and watched else None
+
+    def reached(self, name: str, marks: tuple[str, ...]) -> bool:
+        """Backward reached the tracked module ``name``: whether it is read there. A module reached
+        inside the interval that is not a mark leaves it no module."""
+        if name not in marks:
+            self.pending = None
+            return False
+        if self.pending is not None:
+            self.closed_by_mark = len(marks) > 1 and name == marks[1]
+        return True
+
+    def begin_exact(self, name: str, marks: tuple[str, ...]) -> None:
+        """After the read at ``name``: the interval read as a full split reads it begins there,
+        at the first mark's first reach."""
+        if name == marks[0] and not self.begun:
+            self.begun = True
+            self.pending = name
+
+    def ended(self, marks: tuple[str, ...] | None) -> str | None:
+        """The running interval (the one read as a full split reads it) ended: its module, or ``None``."""
+        closes_exact = self.closed_by_mark if self.closed_by_mark is not None else len(marks or ()) == 1
+        where = self.pending if closes_exact and self.exits == self.exits_read else None
+        self.pending = self.closed_by_mark = None
+        return where
+
+
 class PhaseMachine:
     """Where the running iteration is, from the events the hook set reports; no torch in it.
 
@@ -249,8 +318,8 @@ class PhaseMachine:
         self._plan = _RESTING
         # the plan's ``watched``, kept here: every event reads it
         self._watched = False
-        # per-layer mode, backward read at marks: whether the interval read as a full split reads it began
-        self._exact_begun = False
+        # per-layer mode: backward read at the plan's marks
+        self._marked = MarkedBackward()
         self._routes = _NO_ROUTES
 
     def read_from(self, read: Callable[[], Any]) -> None:
@@ -292,6 +361,8 @@ class PhaseMachine:
         (equal to the running phase: split at a module boundary) run in ``location``."""
         reading = self._read()
         ended, where = self.phase, self._location
+        if self._marked.pending is not None:
+            where = self._marked.ended(self._plan.backward_marks)
         for observer, boundary in self._routes.boundary:
             try:
                 boundary(reading, ended, following, where)
@@ -316,6 +387,8 @@ class PhaseMachine:
     def module_left(self, ended_in: str, now_in: str) -> None:
         """A tracked module's forward ended (per-layer mode): what ran since the last boundary is
         put down to ``ended_in``; the code runs in ``now_in`` from here."""
+        if self.phase == "forward":
+            self._marked.exits.append(ended_in)
         if self.phase == "forward" and self._plan.split_forward:
             self._location = ended_in
             self._mark("forward", now_in)
@@ -323,26 +396,31 @@ class PhaseMachine:
     def backward_reached(self, name: str) -> None:
         """Backward reached the outputs of the tracked module ``name`` (per-layer mode): read at
         each such module, or only at the plan's :attr:`~.plan.IterationPlan.backward_marks`, where
-        the interval from the first to the second is read as a full split reads it and the rest
-        has no module."""
+        the interval from the first to the second is read as a full split reads it (and named
+        after the first where no other tracked module was reached in it and it ended at the
+        second) and the rest has no module."""
         if self.phase == "backward" and self._watched:
             marks = self._plan.backward_marks
             if marks is None:
                 self._mark("backward", name)
-            elif name in marks:
-                exact = name == marks[0] and not self._exact_begun
-                self._exact_begun = self._exact_begun or exact
-                self._mark("backward", name if exact else None)
+            else:
+                marked = self._marked
+                if marked.reached(name, marks):
+                    self._mark("backward", None)
+                    marked.begin_exact(name, marks)
 
-    def _backward_location(self) -> str | None:
-        """Where backward's first interval runs: ``""`` (not in a tracked module) in per-layer mode,
-        unless the plan reads backward at marks that begin later (then no module: ``None``)."""
+    def _open_backward(self, boundary: Callable[..., Any]) -> None:
+        """Backward begins: ``boundary`` (:meth:`_mark` or :meth:`_switch`) opens its first interval,
+        run in ``""`` (no tracked module) in per-layer mode; where the plan reads backward at marks,
+        in no module (``None``), unless it peaked there when fully read (then ``""`` once it ends
+        where it did)."""
         plan = self._plan
-        if not plan.per_layer:
-            return None
-        marks = plan.backward_marks
-        self._exact_begun = marks is not None and marks[0] == ""
-        return "" if marks is None or self._exact_begun else None
+        if not plan.per_layer or plan.backward_marks is None:
+            boundary("backward", "" if plan.per_layer else None)
+            self._marked.read_fully()
+            return
+        boundary("backward", None)
+        self._marked.backward_began(plan.backward_marks, self._watched)
 
     # -- forward ---------------------------------------------------------------------------------
     def entered(self, grad_enabled: bool, args: Any, entry: Any) -> bool:
@@ -387,6 +465,7 @@ class PhaseMachine:
                 callback, self._on_first_forward = self._on_first_forward, None
                 callback()
             if self._watched:
+                self._marked.exits = []
                 start = self._mark("forward", location)
                 self._count("forward")
             else:  # the light path: only the phase and the count
@@ -437,7 +516,7 @@ class PhaseMachine:
             self.phase = "backward"
             self._backward.unsettled = True
             return False
-        self._mark("backward", self._backward_location())
+        self._open_backward(self._mark)
         self._count("backward")
         listeners = self._routes.backward_started
         if listeners:
@@ -524,7 +603,7 @@ class PhaseMachine:
             self._begin_forward((), None, explicit=True)
         elif phase == "backward":
             self._close_forward()
-            self._switch("backward", self._backward_location())
+            self._open_backward(self._switch)
             self._count("backward")
         else:
             self.step_began()
