@@ -169,3 +169,26 @@ def test_a_model_that_runs_otherwise_leaves_the_interval_no_module(monkeypatch):
     assert reads[1] < reads[0]  # read at marks from the second iteration
     assert marked[2].peak_location is None
     assert fields(marked[1]) == fields(every[1]) and fields(marked[3]) == fields(every[3])
+
+
+def test_a_phases_iteration_between_per_layer_ones_keeps_the_interval_named(monkeypatch):
+    # The budget may run an iteration at "phases" (no module read) between two at "full": the
+    # per-layer iteration after it still knows how the model ran when backward was last read fully.
+    from pytorch_mem_profiler.measure.budget import CostBudget
+
+    levels = iter(["full", "full", "phases", "full", "full"])
+    monkeypatch.setattr(CostBudget, "choose", lambda self: next(levels, "full"))
+    torch.manual_seed(0)
+    model = wide_middle()
+    x = torch.randn(256, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    records = []
+    with MemoryProfiler(model, 1, by_layer=True, stream=io.StringIO(), strict=True) as profiler:
+        for _ in range(5):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            records.append(profiler.record_stats())
+    assert [r.detail for r in records] == ["full", "full", "phases", "full", "full"]
+    # read at marks from the second on; the fourth, after the "phases" one, names the module as the others
+    assert [r.peak_location for r in records if r.detail == "full"] == ["4"] * 4

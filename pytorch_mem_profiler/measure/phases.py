@@ -214,7 +214,7 @@ class MarkedBackward:
 
         >>> marked = MarkedBackward()
         >>> marked.exits = ["0", "1", "2"]; marked.read_fully()       # a forward, then backward read fully
-        >>> marked.backward_began(("2", "1"), watched=True)           # the next: read at 2 and 1
+        >>> marked.backward_began(("2", "1"))                         # the next: read at 2 and 1
         >>> marked.reached("2", ("2", "1"))                           # read there...
         True
         >>> marked.begin_exact("2", ("2", "1"))                       # ...and the interval begins
@@ -240,11 +240,12 @@ class MarkedBackward:
         """Backward begins and is read at every module: how the model ran, kept."""
         self.exits_read = list(self.exits)
 
-    def backward_began(self, marks: tuple[str, ...], watched: bool) -> None:
-        """Backward begins, read at ``marks``: from its start where the first is ``""``."""
+    def backward_began(self, marks: tuple[str, ...]) -> None:
+        """Backward begins, read at ``marks`` (per-layer mode: a watched iteration): from its start
+        where the first is ``""``."""
         self.begun = marks[0] == ""
         self.closed_by_mark = None
-        self.pending = "" if self.begun and watched else None
+        self.pending = "" if self.begun else None
 
     def reached(self, name: str, marks: tuple[str, ...]) -> bool:
         """Backward reached the tracked module ``name``: whether it is read there. A module reached
@@ -415,12 +416,16 @@ class PhaseMachine:
         in no module (``None``), unless it peaked there when fully read (then ``""`` once it ends
         where it did)."""
         plan = self._plan
-        if not plan.per_layer or plan.backward_marks is None:
-            boundary("backward", "" if plan.per_layer else None)
+        if not plan.per_layer:
+            boundary("backward", None)
+        elif plan.backward_marks is None:
+            boundary("backward", "")
+            # only a backward read at every module says how the model ran then (a "phases"
+            # iteration between two per-layer ones reads no module and keeps no order)
             self._marked.read_fully()
-            return
-        boundary("backward", None)
-        self._marked.backward_began(plan.backward_marks, self._watched)
+        else:
+            boundary("backward", None)
+            self._marked.backward_began(plan.backward_marks)
 
     # -- forward ---------------------------------------------------------------------------------
     def entered(self, grad_enabled: bool, args: Any, entry: Any) -> bool:
