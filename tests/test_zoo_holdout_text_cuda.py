@@ -42,7 +42,12 @@ KNOWN: dict[str, str] = {
         "reserved -14.7% (peak +5.1%, inside its stated bound of 4.6% plus 2%; H200, 2026-11-28, once the CTC "
         "loss's lengths were read again inside the fake mode; its upper reserved figure -13.9%)"
     ),
-    "frozen_fastpath": "reserved -13.2% (peak -0.02%); the predicted 112 under 3.5 GiB runs out of memory",
+    "frozen_fastpath": (
+        "reserved -11.1% (peak -0.02%; H200, 2026-11-29, the frozen encoder on its fused fast path, its forward's "
+        "requests the device's: -13.2% before); the predicted 112 under 3.5 GiB runs out of memory in the second "
+        "step: the trained layer's efficient attention backward takes blocks of its own (its delta, a split-keys "
+        "accumulator for the queries' gradient) that no rule sizes"
+    ),
     "normalized_cnn": (
         "reserved -8.9%, its upper figure -6.5% (peak -0.10%, stated bound 3.1%; H100 and H200, 2026-11-28): its "
         "Conv1d over a transposed embedding runs channels_last on the device in one workspace per pass (268.4 MB in "

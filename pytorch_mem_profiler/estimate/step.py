@@ -59,6 +59,7 @@ from .allocator import StepEvents, block_size, cublas_thread, simulate_reserved
 from .counter import COLLECTIVE_ROLE, Life, StorageLifeCounter
 from .cpu_kernels import CpuKernels
 from .emulation import HostScalars, cuda_rules
+from .fast_paths import FusedFastPaths, fast_paths_kept
 from .build import build_model
 from .draws import user_line
 from .compiled import CompiledModules
@@ -76,6 +77,10 @@ from .scripted import scripted_as_python
 from .scratch import KernelScratch
 
 __all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks", "moved_order"]
+
+#: The function modes the step runs under: the modules' fast-path checks do not see them
+#: (:func:`~.fast_paths.fast_paths_kept`), so that the step takes the path the device's takes.
+OWN_FUNCTION_MODES = (MathAttentionRules, LinearBiasRules, CudnnRNNRules, LossRules, HostScalars, FusedFastPaths)
 
 #: What the estimate tells a user to do instead when the fake mode cannot run their step.
 REAL_PROFILER = (
@@ -569,7 +574,9 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
     attention = MathAttentionRules() if target.type == "cuda" and run_device.type == "cuda" else contextlib.nullcontext()
     made, build_error = _construct(plan)
     context = plan.context() if plan.context is not None else contextlib.nullcontext()
-    with context, mode, _unsupported_as_errors(), rules, rnn if rnn is not None else contextlib.nullcontext(), losses, linear, attention:
+    kept = fast_paths_kept(OWN_FUNCTION_MODES)  # an encoder in eval without gradients runs fused, as on the device
+    fused = FusedFastPaths() if target.type == "cuda" else contextlib.nullcontext()  # ... with the kernels' own blocks
+    with context, mode, _unsupported_as_errors(), kept, rules, rnn if rnn is not None else contextlib.nullcontext(), losses, linear, attention, fused:
         try:
             model, checkpointed = _build(plan, mode, run_device, made)
         except Exception as err:
