@@ -43,10 +43,10 @@ KNOWN: dict[str, str] = {
         "loss's lengths were read again inside the fake mode; its upper reserved figure -13.9%)"
     ),
     "frozen_fastpath": (
-        "reserved -11.1% (peak -0.02%; H200, 2026-11-29, the frozen encoder on its fused fast path, its forward's "
-        "requests the device's: -13.2% before); the predicted 112 under 3.5 GiB runs out of memory in the second "
-        "step: the trained layer's efficient attention backward takes blocks of its own (its delta, a split-keys "
-        "accumulator for the queries' gradient) that no rule sizes"
+        "reserved -11.0% (peak -0.02%; H200, 2026-11-29: the frozen encoder on its fused fast path and the efficient "
+        "attention backward's blocks measured, 440 of the device's 444 requests made; -13.2% before); the predicted "
+        "112 under 3.5 GiB runs out of memory in the second step: each backward of the trained layer asks for one "
+        "batch x length x width float32 block and 2 KB more than the estimate, not identified"
     ),
     "normalized_cnn": (
         "reserved -8.9%, its upper figure -6.5% (peak -0.10%, stated bound 3.1%; H100 and H200, 2026-11-28): its "

@@ -67,6 +67,15 @@ before and after it), and have a rule here giving the bytes of the blocks they t
   bytes, the rule's 29,819,392 plus twice 14,680,064), as FlashAttention-2's ``dk_expanded`` and
   ``dv_expanded`` beside flash's.
 
+- **the efficient attention kernel's backward** (:func:`efficient_attention_backward_scratch`):
+  after the three gradients, in float32 a block of the query gradient's size and two floats per
+  query row, in half precision one float per row, then the query gradient's split-keys accumulator in
+  float32 (positions and head dim rounded up to the kernel's blocks), all given back; exact on the
+  141 calls of ``benchmarks/attention_backward_rules.py`` (an H200, torch 2.11). Before the
+  gradients, a contiguous copy of the output's gradient where it is not laid out as the kernel's
+  output (:func:`efficient_attention_grad_out_copy`: ``nn.MultiheadAttention`` hands it back
+  positions first), given back last.
+
 Not covered: other kernels' scratch (cuDNN's attention workspaces other than the backward's, sorts,
 ``index_put`` with accumulation), reductions over inner or middle dimensions,
 float64 reductions, tensors split for 32-bit indexing (over 2**31 elements), the
@@ -102,6 +111,8 @@ __all__ = [
     "DEFAULT_THREADS_PER_MULTIPROCESSOR",
     "column_reduction_scratch",
     "cudnn_attention_backward_scratch",
+    "efficient_attention_backward_scratch",
+    "efficient_attention_grad_out_copy",
     "embedding_backward_scratch",
     "flash_attention_backward_scratch",
     "grouped_query_gradients",
@@ -376,6 +387,40 @@ def flash_attention_backward_scratch(query_shape: Sequence[int], grouped: Sequen
     return rounded + tuple(grouped)
 
 
+def efficient_attention_backward_scratch(query_shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    """The blocks the efficient attention kernel's backward
+    (``aten._scaled_dot_product_efficient_attention_backward``) takes after the three gradients and
+    gives back before it returns, for a query of ``(batch, heads, positions, head_dim)`` of
+    ``itemsize`` bytes an element: in float32 a block of the query's gradient's size and two floats
+    per query row, in half precision one float per query row (its ``delta``); then the split-keys
+    accumulator of the query's gradient in float32, positions rounded up to the kernel's query block
+    and the head dim to its bucket (64 up to 64, else 128), with 16 bytes per query block.
+
+    Measured to the byte on all 141 calls of ``benchmarks/attention_backward_rules.py`` (an H200,
+    torch 2.11: float32 and bf16; batch 8 to 112, 4 to 16 heads, 128 to 1,024 positions, head dims
+    32, 64, 80, 128; query, key and value packed in one tensor or apart; masked, causal or neither):
+    the query block is 128 positions for half precision at a head-dim bucket of 128, else 64. Head
+    dims above 128 take the bucket of the next multiple of 64 (not measured).
+
+    Example::
+
+        >>> efficient_attention_backward_scratch((112, 12, 512, 64), 4)   # measured: the same four blocks
+        (176160768, 2752512, 2752512, 176332800)
+        >>> efficient_attention_backward_scratch((8, 12, 500, 80), 2)     # bf16: delta, then the accumulator
+        (192000, 25171968)
+    """
+    *leading, positions, head_dim = query_shape
+    pairs = math.prod(leading)
+    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else -(-head_dim // 64) * 64
+    block = 128 if itemsize < 4 and bucket == 128 else 64
+    blocks = -(-positions // block)
+    rows = 4 * pairs * positions
+    accumulator = 4 * pairs * blocks * block * bucket + 16 * pairs * blocks
+    if itemsize >= 4:
+        return (pairs * positions * head_dim * itemsize, rows, rows, accumulator)
+    return (rows, accumulator)
+
+
 def grouped_query_gradients(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
     """The bytes of the key's and value's gradients at every query head, which an attention backward
     makes before summing each group of heads down (``()`` where key and value have the query's heads).
@@ -391,6 +436,43 @@ def grouped_query_gradients(query: torch.Tensor, key: torch.Tensor, value: torch
         return ()
     batch, heads = query.size(0), query.size(1)
     return tuple(batch * heads * t.size(2) * t.size(3) * t.element_size() for t in (key, value))
+
+
+def _efficient_attention_backward(args: tuple, kwargs: dict) -> tuple[int, ...]:
+    # (grad_out, query, key, value, ...)
+    grad_out = args[0] if args else kwargs.get("grad_out")
+    query = args[1] if len(args) > 1 else kwargs.get("query")
+    if not isinstance(query, torch.Tensor) or query.dim() != 4:
+        return ()
+    after = efficient_attention_backward_scratch(query.shape, query.element_size())
+    copy = efficient_attention_grad_out_copy(grad_out)
+    if not copy:
+        return after
+    # the copy first, before the gradients; the rest after them; the copy given back last
+    steps: list[tuple] = [("take", copy), ("outputs",)]
+    steps += [("take", nbytes) for nbytes in after]
+    steps += [("give", number) for number in range(len(after), -1, -1)]
+    return KernelSteps(steps)
+
+
+def efficient_attention_grad_out_copy(grad_out: Any) -> int:
+    """The bytes of the contiguous copy ATen's ``_efficient_attention_backward`` makes of the output's
+    gradient before anything else (``grad_out_.contiguous()`` of its ``(batch, positions, heads,
+    head_dim)`` view), 0 where that view is contiguous already: the gradient as a model hands it
+    back laid out as the kernel's output (transformers' ``transpose(1, 2).reshape``), where
+    ``nn.MultiheadAttention``'s ``permute(2, 0, 1, 3).contiguous()`` hands back positions first.
+
+    Example::
+
+        >>> with torch.device("meta"):
+        ...     as_output = torch.empty(8, 512, 12, 64).transpose(1, 2)           # (8, 12, 512, 64)
+        ...     positions_first = torch.empty(512, 8, 12, 64).permute(1, 2, 0, 3)
+        >>> efficient_attention_grad_out_copy(as_output), efficient_attention_grad_out_copy(positions_first)
+        (0, 12582912)
+    """
+    if not isinstance(grad_out, torch.Tensor) or grad_out.dim() != 4 or grad_out.transpose(1, 2).is_contiguous():
+        return 0
+    return grad_out.numel() * grad_out.element_size()
 
 
 def safe_softmax_scratch(shape: Sequence[int], dim: int, itemsize: int) -> tuple[int, ...]:
@@ -521,6 +603,7 @@ class KernelScratch:
             aten._scaled_dot_product_cudnn_attention_backward.default: self._attention_backward(cudnn_attention_backward_scratch),
             **({aten._safe_softmax.default: _safe_softmax} if hasattr(aten, "_safe_softmax") else {}),  # torch 2.5 and later
             aten._scaled_dot_product_flash_attention_backward.default: self._attention_backward(flash_attention_backward_scratch),
+            aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
             # the CPU's flash kernel stands in for CUDA's where the emulation runs grouped-query attention
             aten._scaled_dot_product_flash_attention_for_cpu_backward.default: self._attention_backward(flash_attention_backward_scratch),
             **COPYING_OPERATORS,
