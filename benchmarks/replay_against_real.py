@@ -10,8 +10,9 @@ the estimate predicted under the card of the conformance run, where the real run
 :data:`CASES`), twice:
 without a limit, and under ``torch.cuda.set_per_process_memory_fraction`` of the card:
 
-- **the real run**, as ``benchmarks/zoo_conformance.py`` measures it: a warm-up step at batch 1 (the
-  libraries' workspaces stay), the cache emptied, then a freshly built model's two training steps,
+- **the real run**, as ``benchmarks/zoo_conformance.py`` measures it: a warm-up step at its
+  ``WARM_BATCH`` (two: a BatchNorm after global pooling refuses one in training; the libraries'
+  workspaces stay), the cache emptied, then a freshly built model's two training steps,
   with the allocator's history recorded (``torch.cuda.memory._record_memory_history``,
   ``--max-entries``, Python stacks) from before the model; ``memory_stats()`` read at each phase's
   start (its allocation and free counts place the phase in the trace); ``torch.cuda.memory._snapshot()``
@@ -117,6 +118,7 @@ def real_run(entry: Any, batch: int, device: torch.device, *, limit_fraction: fl
     conformance run's is; an ``OutOfMemoryError`` ends it, and the snapshot is taken after it.
     """
     from benchmarks.zoo.training import Training, call
+    from zoo_conformance import WARM_BATCH
 
     from pytorch_mem_profiler.measure.allocator import history
 
@@ -130,7 +132,7 @@ def real_run(entry: Any, batch: int, device: torch.device, *, limit_fraction: fl
         # workspaces) carry the frames that made them; stopping clears that history
         history.start(max_entries=max_entries, stacks=stacks)
         try:
-            warm = Training(entry, "real", device, 1)
+            warm = Training(entry, "real", device, min(WARM_BATCH, batch))
             warm.step()
             del warm
             fresh(device)
