@@ -11,7 +11,8 @@ backward over a sweep of shapes, dtypes, layouts (query, key and value packed in
 apart), masks and causality, with the allocator's history recorded around the call alone
 (``torch.cuda.memory._record_memory_history``), and writes every block the call asked for, in
 order, whether it was given back inside the call, and the returned gradients' storages' bytes
-(also with the output's gradient laid out as ``nn.MultiheadAttention`` hands it back):
+(also with the output's gradient laid out as ``nn.MultiheadAttention`` hands it back, and with
+dropout):
 ``attention_backward_rules.json`` in ``--out``. ``estimate/scratch.py``'s rule for this operator
 rests on it; ``tests/test_estimate_attention_backward.py`` holds the rule to rows of it.
 """
@@ -50,16 +51,17 @@ def _inputs(batch: int, heads: int, length: int, head: int, dtype: torch.dtype, 
 
 
 def one_call(batch: int, heads: int, length: int, head: int, dtype: torch.dtype, layout: str, masked: bool,
-             causal: bool, device: torch.device, grad_layout: str = "output") -> dict[str, Any]:  # fmt: skip
+             causal: bool, device: torch.device, grad_layout: str = "output", dropout: float = 0.0) -> dict[str, Any]:  # fmt: skip
     """One backward call's blocks: ``asked`` (bytes, in order, and whether given back inside) and the
     returned gradients' storages' bytes. ``grad_layout``: the output's gradient laid out as the
     output (``"output"``), or as ``nn.MultiheadAttention`` hands it back (``"positions_first"``: a
-    ``(length, batch, heads, head)`` tensor permuted, from its ``permute(2, 0, 1, 3).contiguous()``)."""
+    ``(length, batch, heads, head)`` tensor permuted, from its ``permute(2, 0, 1, 3).contiguous()``);
+    ``dropout``: the attention's dropout probability, forward and backward."""
     q, k, v = _inputs(batch, heads, length, head, dtype, layout, device)
     bias = None
     if masked:  # a key padding mask, expanded as nn.MultiheadAttention expands it
         bias = torch.zeros(batch, 1, 1, length, dtype=dtype, device=device).expand(batch, heads, length, length)
-    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal)
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout, causal)
     if grad_layout == "positions_first":
         grad_out = torch.randn(length, batch, heads, head, dtype=dtype, device=device).permute(1, 2, 0, 3)
     else:
@@ -68,7 +70,7 @@ def one_call(batch: int, heads: int, length: int, head: int, dtype: torch.dtype,
     torch.cuda.memory._record_memory_history(max_entries=100_000)
     try:
         grads = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], causal
+            grad_out, q, k, v, bias, out, lse, seed, offset, dropout, [True, True, True, False], causal
         )
         torch.cuda.synchronize(device)
         snapshot = torch.cuda.memory._snapshot(device)
@@ -88,7 +90,7 @@ def one_call(batch: int, heads: int, length: int, head: int, dtype: torch.dtype,
     del grads
     return {
         "batch": batch, "heads": heads, "length": length, "head": head, "dtype": str(dtype).removeprefix("torch."),
-        "layout": layout, "masked": masked, "causal": causal, "grad_layout": grad_layout,
+        "layout": layout, "masked": masked, "causal": causal, "grad_layout": grad_layout, "dropout": dropout,
         "query_contiguous": q.is_contiguous(), "grad_out_contiguous": grad_out.is_contiguous(),
         "asked": asked, "returned": returned,
     }  # fmt: skip
@@ -98,7 +100,9 @@ def sweep() -> list[tuple]:
     rows: list[tuple] = []
     for dtype, layout in itertools.product((torch.float32, torch.bfloat16), ("packed", "apart")):
         # the output's gradient as nn.MultiheadAttention hands it back
-        rows += [(b, 12, 512, 64, dtype, layout, m, False, "positions_first") for b in (8, 112) for m in (False, True)]
+        rows += [(b, 12, 512, 64, dtype, layout, m, False, "positions_first", 0.0) for b in (8, 112) for m in (False, True)]
+        # with dropout (nn.MultiheadAttention's in training), as it hands the gradient back
+        rows += [(b, 12, 512, 64, dtype, layout, m, False, "positions_first", 0.1) for b in (8, 112) for m in (False, True)]
     for batch, heads, length, head in ((8, 12, 512, 64), (32, 12, 512, 64), (112, 12, 512, 64), (16, 4, 128, 64),
                                        (8, 8, 1024, 64), (8, 12, 512, 128), (8, 12, 500, 80), (64, 16, 256, 32)):  # fmt: skip
         for dtype, layout, masked, causal in itertools.product(
@@ -106,7 +110,7 @@ def sweep() -> list[tuple]:
         ):
             if masked and causal:
                 continue
-            rows.append((batch, heads, length, head, dtype, layout, masked, causal, "output"))
+            rows.append((batch, heads, length, head, dtype, layout, masked, causal, "output", 0.0))
     return rows
 
 
@@ -122,8 +126,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     for config in sweep():
         try:
-            *shape, grad_layout = config
-            rows.append(one_call(*shape, device=device, grad_layout=grad_layout))
+            *shape, grad_layout, dropout = config
+            rows.append(one_call(*shape, device=device, grad_layout=grad_layout, dropout=dropout))
         except Exception as exc:  # noqa: BLE001 - a shape the kernel refuses is a row too
             rows.append({"config": [str(c) for c in config], "error": f"{type(exc).__name__}: {exc}"[:300]})
         torch.cuda.empty_cache()
