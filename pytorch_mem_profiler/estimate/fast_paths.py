@@ -145,9 +145,9 @@ def _native_multi_head_attention(args: tuple, kwargs: dict) -> Any:
             chunks = [c.view(batch, -1, heads, head).transpose(1, 2) for c in packed.chunk(3, -1)]
             # the attention kernel CUDA picks, as the step's own attention calls get it
             attended = F.scaled_dot_product_attention(*chunks)
-            del chunks, packed
             context = attended.transpose(1, 2).reshape(batch, -1, embed)
-            del attended
+            # the projection is made while the packed projection and the attention's output are
+            # alive (ATen's locals, given back when it returns)
             return aten.linear.default(context, given["proj_weight"], given["proj_bias"]), None
     length = query.size(1)
     rows = batch * length
@@ -199,8 +199,7 @@ def _transformer_encoder_layer_fwd(args: tuple, kwargs: dict) -> Any:
         x = _layer_norm(x, given["norm_weight_2"], given["norm_bias_2"], eps)
     x = _ffn(x, given["ffn_weight_1"], given["ffn_bias_1"], given["ffn_weight_2"], given["ffn_bias_2"], bool(given["use_gelu"]))
     x.add_(before_ffn)
-    del before_ffn
-    if not norm_first:
+    if not norm_first:  # made while the residual is alive (ATen's ``pre_ffn_res``, given back at the return)
         x = _layer_norm(x, given["norm_weight_2"], given["norm_bias_2"], eps)
     return x
 
