@@ -45,8 +45,10 @@ KNOWN: dict[str, str] = {
     "frozen_fastpath": (
         "reserved -11.0% (peak -0.02%; H200, 2026-11-29: the frozen encoder on its fused fast path and the efficient "
         "attention backward's blocks measured, 440 of the device's 444 requests made; -13.2% before); the predicted "
-        "112 under 3.5 GiB runs out of memory in the second step: each backward of the trained layer asks for one "
-        "batch x length x width float32 block and 2 KB more than the estimate, not identified"
+        "112 under 3.5 GiB runs out of memory in the second step: each backward of the trained layer asked for one "
+        "batch x length x width float32 block and 2 KB more than the estimate; the block's size is that of ATen's "
+        "copy of the output gradient nn.MultiheadAttention hands back positions first, which the estimate asks for "
+        "since (not yet run on the GPU: strict, so a pass shows)"
     ),
     "normalized_cnn": (
         "reserved -8.9%, its upper figure -6.5% (peak -0.10%, stated bound 3.1%; H100 and H200, 2026-11-28): its "
