@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode_temporarily
 
 from .emulation import cuda_backend
+from .operator_args import bound_arguments
 
 __all__ = ["FAST_PATH_CHECKERS", "FusedFastPaths", "fast_paths_kept"]
 
@@ -97,19 +98,6 @@ def fast_paths_kept(own: tuple[type, ...]) -> Iterator[None]:
         torch.overrides.has_torch_function = real  # type: ignore[assignment]
 
 
-def _bound(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The operator's arguments by their schema's names, defaults filled in."""
-    given: dict[str, Any] = {}
-    for i, argument in enumerate(func._schema.arguments):
-        if i < len(args):
-            given[argument.name] = args[i]
-        elif argument.name in kwargs:
-            given[argument.name] = kwargs[argument.name]
-        else:
-            given[argument.name] = argument.default_value if argument.has_default_value() else None
-    return given
-
-
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     # ``at::layer_norm``: ``native_layer_norm``'s mean and rstd are made and dropped
     return aten.layer_norm.default(x, [x.size(-1)], weight, bias, eps, True)
@@ -130,7 +118,7 @@ def _native_multi_head_attention(args: tuple, kwargs: dict) -> Any:
     the output projection; otherwise the projection without its bias, ``_transform_bias_rescale_qkv``'s
     three heads-first tensors, the scores, their softmax (a new matrix under a mask, in place without),
     the context written over the queries, and ``transform0213_gemm_nt_bias``'s copy and projection."""
-    given = _bound(aten._native_multi_head_attention.default, args, kwargs)
+    given = bound_arguments(aten._native_multi_head_attention.default, args, kwargs)
     query, key, value = given["query"], given["key"], given["value"]
     if any(t.is_nested for t in (query, key, value)) or not (query is key and key is value):
         return NotImplemented  # torch's fake kernel, or the operator named where there is none
@@ -176,7 +164,7 @@ def _native_multi_head_attention(args: tuple, kwargs: dict) -> Any:
 def _transformer_encoder_layer_fwd(args: tuple, kwargs: dict) -> Any:
     """``transformer_encoder_layer_forward`` for a dense input: attention (the operator above), the
     residual added in place, the norms, the feed-forward, the residual added in place."""
-    given = _bound(aten._transformer_encoder_layer_fwd.default, args, kwargs)
+    given = bound_arguments(aten._transformer_encoder_layer_fwd.default, args, kwargs)
     src = given["src"]
     if src.is_nested:
         return NotImplemented

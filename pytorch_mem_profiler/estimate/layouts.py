@@ -55,6 +55,8 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
+from .operator_args import bound_arguments
+
 __all__ = ["sparse_rule", "foreach_as_loop", "sparse_like", "has_other_layout", "MAKES_SPARSE"]
 
 aten = torch.ops.aten
@@ -297,14 +299,7 @@ def foreach_as_loop(func: Any, args: tuple, kwargs: dict) -> Any:
     if found is None:
         return NotImplemented
     op, each = found
-    given: list[Any] = []
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args):
-            given.append(args[i])
-        elif arg.name in kwargs:
-            given.append(kwargs[arg.name])
-        else:
-            given.append(arg.default_value if arg.has_default_value() else None)
+    given = list(bound_arguments(func, args, kwargs).values())
     length = min((len(value) for value, is_list in zip(given, each) if is_list), default=0)
     params = list(op._schema.arguments)
     results = []
