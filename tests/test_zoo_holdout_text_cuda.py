@@ -64,7 +64,9 @@ UNSTEADY: dict[str, str] = {
         "the device's own reserved differs by a gigabyte between processes for the same step: 7,304.4 MB after "
         "Qwen2 in one process (estimate 7,335.8 MB, +0.4%; H200, 2026-11-28) and 6,276.8 MB after Mistral in "
         "another (+16.9%; H200, 2026-11-29), the peak allocated the same (estimate -0.02%); in the second the predicted 34 "
-        "under 11.75 GiB fit and 38 ran out"
+        "under 11.75 GiB fit and 38 ran out. The replay of the device's own requests gives its reserved to the byte "
+        "with the device's addresses and parts from it at the loss's 1 GB request with each new segment placed below "
+        "the others: where the driver placed the segments decided it"
     ),
 }
 
