@@ -57,3 +57,24 @@ def test_a_cuda_estimate_makes_dropouts_mask_before_its_output_as_the_fused_kern
     made = [n for key, n in events.events if n > 0 and events.sources.get(key, "").startswith("aten.native_dropout.default;")]
     mask, output = 32 * 256, 32 * 256 * 4  # one byte an element; float32
     assert made == [mask, output] * 2, made  # two steps
+
+
+def test_a_cuda_estimate_leaves_the_efficient_attention_kernels_seed_and_offset_in_host_memory():
+    """CUDA's efficient attention kernel allocates its output and log-sum-exp on the device and keeps
+    its dropout seed and offset in host memory (the fake kernel puts them on the device: two 512-byte
+    blocks per call the H200's allocator history did not have). Float32 attention takes that kernel
+    on CUDA; the estimate's requests from it are the output's and the log-sum-exp's, per step."""
+    from benchmarks.workloads import CausalSelfAttention
+    from pytorch_mem_profiler import estimate_memory
+    from pytorch_mem_profiler.estimate.allocator import block_size
+
+    batch, length, width, heads = 8, 40, 64, 4
+    model = CausalSelfAttention(width, heads)
+    est = estimate_memory(model, torch.zeros(batch, length, width), device="cuda", emulate=True, fit=False)
+    events = est.step_events
+    source = "aten._scaled_dot_product_efficient_attention.default;"
+    made = [n for key, n in events.events if n > 0 and events.sources.get(key, "").startswith(source)]
+    output = batch * length * width * 4
+    logsumexp = batch * heads * 64 * 4  # positions padded to the kernel's 32
+    forward = [block_size(output), block_size(logsumexp)]
+    assert made == forward * 2, made  # two steps; no seed or offset

@@ -214,8 +214,9 @@ class StorageLifeCounter(MemoryCounter):
         accumulation: where autograd's engine sums gradient pieces in place on the target
             (:class:`~pytorch_mem_profiler.measure.engine_sums.EngineAccumulation`, calibrated after :meth:`start`);
             default: every sum a new tensor, as under a dispatch mode.
-        output_order: ``(func, outputs) -> indices``: the order the target's kernel makes an
-            operator's outputs in (see :mod:`~.output_order`); default: the order it returns them.
+        output_order: ``(func, outputs) -> indices``: the outputs the target's kernel makes on the
+            device, in the order it makes them (see :mod:`~.output_order`; one left out is made in
+            host memory and not counted); default: all of them, in the order returned.
         formulas: backward formulas that scatter into their zeros in place on the target
             (:class:`~.backward_formulas.InPlaceFormulas`); default: as the fake mode runs them.
     """
