@@ -59,11 +59,12 @@ import contextlib
 import re
 import threading
 import warnings
-import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+
+from .tensor_refs import identity_ref
 
 __all__ = [
     "LOWER_PRECISION_FP",
@@ -241,7 +242,7 @@ class _CastCache:
     """
 
     def __init__(self) -> None:
-        self._casts: dict[tuple[int, torch.dtype], tuple[weakref.ref, torch.Tensor]] = {}
+        self._casts: dict[tuple[int, torch.dtype], tuple[Callable[[], torch.Tensor | None], torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -252,7 +253,7 @@ class _CastCache:
                 return hit[1]
         copy = tensor.to(dtype)
         with self._lock:
-            self._casts[key] = (weakref.ref(tensor), copy)
+            self._casts[key] = (identity_ref(tensor), copy)
         return copy
 
     def clear(self) -> None:

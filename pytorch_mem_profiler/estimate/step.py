@@ -75,6 +75,7 @@ from .rnn import CudnnRNNRules, flatten_weights
 from .library_rules import library_rules
 from .scripted import scripted_as_python
 from .scratch import KernelScratch
+from .tensor_refs import swappable_fakes
 
 __all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks", "moved_order"]
 
@@ -575,8 +576,9 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
     made, build_error = _construct(plan)
     context = plan.context() if plan.context is not None else contextlib.nullcontext()
     kept = fast_paths_kept(OWN_FUNCTION_MODES)  # an encoder in eval without gradients runs fused, as on the device
+    swappable = swappable_fakes(mode)  # a forward may convert its own layers (module.to(dtype)), as it does for real
     fused = FusedFastPaths() if target.type == "cuda" else contextlib.nullcontext()  # ... with the kernels' own blocks
-    with context, mode, _unsupported_as_errors(), kept, rules, rnn if rnn is not None else contextlib.nullcontext(), losses, linear, attention, fused:
+    with context, mode, _unsupported_as_errors(), kept, swappable, rules, rnn if rnn is not None else contextlib.nullcontext(), losses, linear, attention, fused:
         try:
             model, checkpointed = _build(plan, mode, run_device, made)
         except Exception as err:
