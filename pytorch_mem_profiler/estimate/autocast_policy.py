@@ -238,7 +238,8 @@ class _CastCache:
     As ATen's: a float32 leaf that requires grad, cast to the autocast dtype, is cast
     once and the copy kept until ``torch.clear_autocast_cache()`` (which
     ``torch.autocast`` calls when its outermost region exits). Keyed by the tensor's
-    identity, with a weak reference to tell a reused id apart.
+    identity, with a reference to tell a reused id apart (weak; strong for a parameter, which a
+    module conversion may swap: :func:`~.tensor_refs.identity_ref`).
     """
 
     def __init__(self) -> None:
