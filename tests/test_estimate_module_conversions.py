@@ -1,9 +1,8 @@
 """A model whose forward converts its own layers (``module.to(dtype)``) is estimated as it runs.
 
-``nn.Module._apply`` swaps a fake parameter in place (``torch.utils.swap_tensors``), which torch
-refuses while a weak reference points to it, and the fake mode's own memo points to every fake it
-wrapped: the estimate raised ``_apply(): Couldn't swap Linear.weight`` on such a model
-(``estimate/tensor_refs.py``). Each case is estimated on the CPU and compared with the measured
+``nn.Module._apply`` sets a real parameter's ``.data`` but swaps a fake one in place
+(``torch.utils.swap_tensors``), which torch refuses while weak references point to it: the estimate
+raised ``_apply(): Couldn't swap Linear.weight`` on such a model (``estimate/module_conversions.py``). Each case is estimated on the CPU and compared with the measured
 peak of the same two steps, to the byte.
 """
 
@@ -24,17 +23,50 @@ SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 
 class _Router(nn.Module):
     """A body and a small router that the forward converts to ``dtype`` at every call, as Switch
-    Transformers' router does (``self.classifier = self.classifier.to(self.dtype)``)."""
+    Transformers' router does (``self.classifier = self.classifier.to(self.dtype)``); ``after``:
+    the router and the body converted after they ran, in the same forward."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, after: bool = False) -> None:
         super().__init__()
-        self.dtype = dtype
+        self.dtype, self.after = dtype, after
         self.body = nn.Linear(64, 64)
         self.classifier = nn.Linear(64, 4, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.after:
+            y = self.classifier(torch.relu(self.body(x)))
+            self.classifier = self.classifier.to(self.dtype)
+            self.body = self.body.float()
+            return y.float()
         self.classifier = self.classifier.to(self.dtype)
         return self.classifier(torch.relu(self.body(x)).to(self.dtype)).float()
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16_autocast"])
+def test_layers_converted_after_they_ran_are_estimated_to_the_byte(autocast):
+    """A swap would leave the backward already recorded unable to reach the parameters (and under
+    autocast its cast cache refuses it); the conversion takes the real tensors' path instead."""
+    build = functools.partial(_Router, torch.float32, after=True)
+    x = lambda batch=8: torch.randn(batch, 64)  # noqa: E731
+    measured = measured_peak(build, x, SGD, autocast=autocast)
+    est = estimate_memory(build, lambda b: x(b), batch_size=8, optimizer=SGD, device="cpu", fit=False,
+                          **({"autocast": autocast} if autocast is not None else {}))  # fmt: skip
+    assert est.peak == measured
+
+
+def test_a_conversion_swaps_where_the_user_asked_torch_to_swap():
+    """Under ``set_swap_module_params_on_conversion(True)`` real parameters are swapped too: so are
+    the fake ones, once the fake mode's memo lets them go."""
+    build = functools.partial(_Router, torch.float64)
+    x = lambda batch=8: torch.randn(batch, 64)  # noqa: E731
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        measured = measured_peak(build, x, SGD)
+        est = estimate_memory(build, lambda b: x(b), batch_size=8, optimizer=SGD, device="cpu", fit=False)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert est.peak == measured
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["same_dtype", "to_float64"])

@@ -59,12 +59,11 @@ import contextlib
 import re
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-
-from .tensor_refs import identity_ref
 
 __all__ = [
     "LOWER_PRECISION_FP",
@@ -238,12 +237,11 @@ class _CastCache:
     As ATen's: a float32 leaf that requires grad, cast to the autocast dtype, is cast
     once and the copy kept until ``torch.clear_autocast_cache()`` (which
     ``torch.autocast`` calls when its outermost region exits). Keyed by the tensor's
-    identity, with a reference to tell a reused id apart (weak; strong for a parameter, which a
-    module conversion may swap: :func:`~.tensor_refs.identity_ref`).
+    identity, with a weak reference to tell a reused id apart.
     """
 
     def __init__(self) -> None:
-        self._casts: dict[tuple[int, torch.dtype], tuple[Callable[[], torch.Tensor | None], torch.Tensor]] = {}
+        self._casts: dict[tuple[int, torch.dtype], tuple[weakref.ref, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -254,7 +252,7 @@ class _CastCache:
                 return hit[1]
         copy = tensor.to(dtype)
         with self._lock:
-            self._casts[key] = (identity_ref(tensor), copy)
+            self._casts[key] = (weakref.ref(tensor), copy)
         return copy
 
     def clear(self) -> None:

@@ -86,8 +86,6 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .tensor_refs import identity_ref
-
 __all__ = ["SMALL_VALUE_NUMEL", "HOST_VALUE_NUMEL", "SEED", "Draws", "user_line"]
 
 #: Tensors of at most this many elements that a step makes from nothing get real values.
@@ -228,7 +226,7 @@ class Draws:
         self._host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self.reads: dict[str, int] = {}
         self._state: torch.Tensor | None = None
-        self._drawn: dict[int, Callable[[], torch.Tensor | None]] = {}
+        self._drawn: dict[int, weakref.ref] = {}
         #: tensors a factory made, not random, of more than one element, that no operator has
         #: touched since: (the tensor, the factory, its arguments made real for the CPU)
         self._fresh: dict[int, tuple[weakref.ref, Any, tuple, dict]] = {}
@@ -533,7 +531,7 @@ class Draws:
             self._run(func, real_args, _on_cpu(real_kwargs), True)
             with no_dispatch():
                 target.constant.copy_(real_args[written[0]])  # the value aliases of it share
-            self._drawn[id(target)] = identity_ref(target)
+            self._drawn[id(target)] = weakref.ref(target)
             return target
         fake = fallback(func, args, kwargs)
         results = fake if isinstance(fake, (list, tuple)) else [fake]
@@ -577,14 +575,14 @@ class Draws:
                 self._keep_value(mode, f, r)
                 value = f
             if drawn:
-                self._drawn[id(value)] = identity_ref(value)
+                self._drawn[id(value)] = weakref.ref(value)
             made.append(value)
         return tree_unflatten(made, spec)
 
     def _mark(self, out: Any, mode: Any) -> None:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and mode.is_our_fake(t) and t.constant is not None:
-                self._drawn[id(t)] = identity_ref(t)
+                self._drawn[id(t)] = weakref.ref(t)
 
 
 @contextlib.contextmanager

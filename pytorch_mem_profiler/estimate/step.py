@@ -73,9 +73,9 @@ from .output_order import allocation_order
 from .loss_rules import LossRules
 from .rnn import CudnnRNNRules, flatten_weights
 from .library_rules import library_rules
+from .module_conversions import swappable_fakes
 from .scripted import scripted_as_python
 from .scratch import KernelScratch
-from .tensor_refs import swappable_fakes
 
 __all__ = ["StepPlan", "StepMemory", "EstimateUnsupported", "run_step", "checkpoint_blocks", "moved_order"]
 
