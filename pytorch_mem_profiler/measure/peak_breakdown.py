@@ -250,7 +250,10 @@ class CpuPeakBreakdown(PeakBreakdown):
         self._params, self.module_name = params, module_name
         self.counter.unwatch_storages()
         self._reset()
-        self._buffers = list(buffers)
+        # the buffers' counted storages, not the buffers: a forward that replaces a buffer
+        # (``self.pe = self.pe.to(x.dtype)``) frees the old one, with the profiler as without it
+        self._buffer_refs: set[Any] = set()
+        self._add_refs(self._buffer_refs, buffers)
         self._live, self._events = self.counter.watch_storages()
         self._total = sum(self._live.values())
         # what was alive when the iteration began: ``other`` there is not the iteration's
@@ -362,7 +365,7 @@ class CpuPeakBreakdown(PeakBreakdown):
             self._add_refs(self._state, optimizer_state_tensors(optimizers))
             weights: set[Any] = set()
             self._add_refs(weights, params)
-            self._add_refs(weights, self._buffers)
+            weights |= self._buffer_refs
             top, alive = self._best
             breakdown, layers, before, step = self._categorize(alive, weights)
             # The hooks' peak is read from the same changes: equal unless another thread counted
@@ -385,7 +388,7 @@ class CpuPeakBreakdown(PeakBreakdown):
             self.counter.unwatch_storages()
             self._reset()
 
-    _buffers: Sequence[torch.Tensor] = ()
+    _buffer_refs: set[Any] = frozenset()  # type: ignore[assignment]
 
     def close(self) -> None:
         super().close()
