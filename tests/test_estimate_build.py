@@ -163,3 +163,28 @@ def test_a_model_by_function_keeping_tensors_in_lists_and_dicts_estimates_as_mea
     assert estimate.peak == measured, (estimate.peak, measured)
     # and the emulated CUDA step runs too: the plain tensors follow the model to its device
     assert estimate_memory(ListedAnchors, torch.randn(8, 4), device="cuda", fit=False).peak > 0
+
+
+class _MisconfiguredNet(nn.Module):
+    """A constructor that reads small tensors' values, then refuses its own configuration (as a
+    transformers BiT whose group norm's groups do not divide its channels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rates = [x.item() for x in torch.linspace(0, 0.1, 4)]
+        self.norm = nn.GroupNorm(32, 16)  # ValueError: num_channels must be divisible by num_groups
+
+
+def test_a_constructor_that_fails_for_real_is_named_before_what_the_fake_mode_could_not_read():
+    """Built with its small tensors real the constructor raises its own ValueError; built inside the
+    fake mode it stops earlier, at ``.item()``. The error leads with the constructor's own."""
+    from pytorch_mem_profiler.estimate import EstimateUnsupported
+
+    with pytest.raises(ValueError) as real:
+        _MisconfiguredNet()
+    with pytest.raises(EstimateUnsupported) as refused:
+        estimate_memory(_MisconfiguredNet, lambda b: torch.randn(b, 16), batch_size=2, device="cpu", fit=False)
+    message = str(refused.value)
+    assert message.startswith(f"model() raised ValueError: {real.value}")
+    assert "aten._local_scalar_dense" in message and refused.value.operation == "aten._local_scalar_dense.default"
+    assert isinstance(refused.value.__cause__, ValueError)

@@ -158,6 +158,20 @@ class LanguageModel(nn.Module):
         return self.head(self.rnn(self.embed(tokens))[0])
 
 
+class SequenceBatchNorm(nn.Module):
+    """Batch norm over a (batch, length, channels) sequence, transposed to channels first and back
+    (PatchTST's ``PatchTSTBatchNorm``): the CPU's output is contiguous in the transposed shape, so
+    the linear layer after it reads a non-contiguous input and copies it."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(channels)
+        self.proj = nn.Linear(channels, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x.transpose(1, 2)).transpose(1, 2))
+
+
 def _seeded(build):
     def built():
         torch.manual_seed(0)
@@ -174,6 +188,9 @@ def _images(*shape, memory_format=torch.contiguous_format):
 FAMILY = {
     "batchnorm1d-linear": (lambda: Blocks(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU()), _images(6, 12), BF16, SGD_MOMENTUM, None),
     "batchnorm1d-sequence": (lambda: Blocks(nn.Conv1d(3, 16, 3), nn.BatchNorm1d(16)), _images(4, 3, 20), BF16, SGD_MOMENTUM, None),
+    "batchnorm1d-transposed-sequence": (lambda: Blocks(nn.Linear(12, 16), SequenceBatchNorm(16), SequenceBatchNorm(16)), _images(4, 10, 12), None,
+                                        SGD_MOMENTUM, None),
+    "batchnorm1d-transposed-sequence-bf16": (lambda: Blocks(nn.Linear(12, 16), SequenceBatchNorm(16)), _images(4, 10, 12), BF16, SGD_MOMENTUM, None),
     "batchnorm2d": (lambda: Blocks(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(inplace=True)), _images(2, 3, 12, 12), BF16, SGD_MOMENTUM, None),
     "batchnorm2d-fp16": (lambda: Blocks(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16)), _images(2, 3, 12, 12), FP16, SGD_MOMENTUM, None),
     "batchnorm2d-no-affine": (lambda: Blocks(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16, affine=False)), _images(2, 3, 12, 12), BF16, SGD_MOMENTUM, None),
@@ -486,3 +503,22 @@ def test_for_cuda_only_the_rules_cudas_kernels_share_apply():
         bn_args = (x16, torch.empty(8), torch.empty(8), None, None, True, 0.1, 1e-5)
         statistics = lambda kernels: kernels(aten.native_batch_norm.default, bn_args, {}, aten.native_batch_norm(*bn_args))[1].dtype  # noqa: E731
         assert (statistics(CpuKernels()), statistics(CpuKernels(device_type="cuda"))) == (torch.float32, BF16)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_for_cuda_batch_norms_input_gradient_keeps_channels_last_in_training(train):
+    """CUDA's ``native_batch_norm_backward`` (a bfloat16 ``BatchNorm2d``, which does not take cuDNN's):
+    in training the input's gradient is channels-last where the input is, in evaluation contiguous
+    (measured on an H200: ``tests/test_estimate_norm_layouts_cuda.py``); torch 2.11's fake kernel
+    makes it contiguous in both, 2.13's on the CPU channels-last in both."""
+    aten = torch.ops.aten
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(2, 8, 5, 4, dtype=BF16).contiguous(memory_format=CHANNELS_LAST)
+        grad = torch.empty_like(x)
+        weight, mean, var = torch.empty(8, dtype=BF16), torch.empty(8, dtype=BF16), torch.empty(8, dtype=BF16)
+        args = (grad, x, weight, mean, var, mean, var, train, 1e-5, [True, True, True])
+        fake = aten.native_batch_norm_backward(*args)
+        made = CpuKernels(device_type="cuda")(aten.native_batch_norm_backward.default, args, {}, fake)
+    assert made[0].is_contiguous(memory_format=CHANNELS_LAST if train else torch.contiguous_format)
+    assert made[0].untyped_storage().nbytes() == x.untyped_storage().nbytes()

@@ -273,6 +273,57 @@ def test_a_mask_from_host_data_indexes_with_its_real_shape(batch):
     assert estimate.fit is not None and estimate.fit.per_sample > 0
 
 
+class _GlobalTokens(nn.Module):
+    """Longformer's and LED's reading of their mask: the mask of ones made additive in floating point
+    (``(1.0 - mask) * finfo.min``, a row per sequence), the global tokens found as its positive
+    entries and the global branch taken on ``.any().item()``; here that branch keeps a copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
+        mask[:, :2] = 2  # the first two tokens attend globally, as a user marks them
+        additive = (1.0 - mask[:, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+        is_global = additive > 0  # 1 - 2 < 0, times finfo.min: positive where a token is global
+        h = self.proj(x)
+        if is_global.flatten().any().item():
+            h = h + h.mean(1, keepdim=True)
+        if (additive < 0).flatten().any().item():  # none is masked out: no such branch
+            h = h * 0
+        return h
+
+
+@pytest.mark.parametrize("batch", [2, 16])
+def test_a_floating_point_mask_made_from_a_mask_of_ones_keeps_its_values(batch):
+    """A floating-point mask computed from values alone keeps them up to HOST_VALUE_NUMEL elements
+    (here 2 x 300 and 16 x 300, above the SMALL_VALUE_NUMEL a draw gets), so the global branch is
+    taken as the real step takes it: estimated to the byte on the CPU, and without a GPU for CUDA."""
+    frames = 300
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    measured = measured_peak(_GlobalTokens, lambda: torch.randn(batch, frames, 16), sgd)
+    estimate = estimate_memory(_GlobalTokens, lambda b: torch.randn(b, frames, 16), optimizer=sgd, batch_size=batch, device="cpu", fit=False)
+    assert estimate.peak == measured
+    on_gpu = estimate_memory(_GlobalTokens, lambda b: torch.randn(b, frames, 16), optimizer=sgd, batch_size=batch, device="cuda", fit=False)
+    assert on_gpu.peak > 0 and sum(on_gpu.peak_breakdown.values()) == on_gpu.peak
+
+
+def test_a_floating_point_range_stays_without_values_above_small_value_numel():
+    """Ranges, unlike results computed from values, keep floating-point values only up to
+    SMALL_VALUE_NUMEL elements: a sinusoidal table made from one each step is not computed for real."""
+    from pytorch_mem_profiler.estimate.draws import SMALL_VALUE_NUMEL
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    mode = fake_mode()
+    with mode:
+        with mode.draws.on():
+            small, large = torch.arange(float(SMALL_VALUE_NUMEL)), torch.arange(float(SMALL_VALUE_NUMEL + 1))
+            from_ones = torch.ones(4, SMALL_VALUE_NUMEL) * 3.0
+    assert small.constant is not None and large.constant is None
+    assert from_ones.constant is not None and float(from_ones.constant.sum()) == 12.0 * SMALL_VALUE_NUMEL
+
+
 def test_the_line_named_is_a_libraries_whose_folder_begins_like_torchs():
     """torchvision's folder begins with torch's name: its frames are a library's, not torch's."""
     import traceback

@@ -1,9 +1,9 @@
 """A wide sweep of small models the zoo lacks, for the CPU's checks and a quick GPU run.
 
-:data:`SWEEP` (name -> :class:`~benchmarks.zoo.registry.ZooModel`) holds 126 small models, each
+:data:`SWEEP` (name -> :class:`~benchmarks.zoo.registry.ZooModel`) holds 156 small models, each
 built from a config or code at one size (``"small"`` and ``"real"`` build the same model: the
 sweep is for the CPU, where a model's figures are exact at any size): transformers decoders,
-encoders, encoder-decoders, a state-space model and vision models, all given attention masks of
+encoders, encoder-decoders, state-space and recurrent models, time series, speech, video and vision models, all given attention masks of
 ones where they take masks; timm and torchvision CNNs and vision transformers of kinds the zoo
 lacks; and plain-torch models of operations it lacks (dilated convolutions, a GRU
 encoder-decoder, message passing by ``index_add_``, an STFT front end, pixel shuffle,
@@ -411,6 +411,21 @@ def _smoothed_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.reshape(-1, VOCAB), labels.reshape(-1), label_smoothing=0.1)
 
 
+def _mae_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """ViT-MAE's own reconstruction loss over the masked patches (the target is unused)."""
+    return output.loss
+
+
+def _main_output_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """The mean square of a model's main output (logits, predictions, a depth map, an image, hidden
+    states): for models trained on their own heads' outputs here (the target is unused)."""
+    for name in ("logits", "prediction_outputs", "predicted_depth", "reconstruction", "last_hidden_state", "state_preds"):
+        found = getattr(output, name, None)
+        if isinstance(found, torch.Tensor):
+            return found.float().pow(2).mean()
+    raise TypeError(f"no main output in {type(output).__name__}")
+
+
 def _l1(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.l1_loss(output, target)
 
@@ -629,8 +644,109 @@ def _entries() -> list[ZooModel]:
         ("orthogonal_rnn", "plain torch", "an orthogonal parametrization (matrix exponential) recomputed at every step of a Python loop",
          _plain(OrthogonalRNNCell), lambda size, batch: torch.randint(0, VOCAB, (batch, SEQ)), _token_targets, token_loss, ADAMW, None, ()),
     ]
+    seq2seq = dict(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                   encoder_ffn_dim=128, decoder_ffn_dim=128)
+    entries += [  # a fourth probe: transformers and timm families none of the above has
+        ("longformer", "encoder", "Longformer: sliding-window attention, global tokens found by reading a float mask back",
+         _transformers("LongformerConfig", "LongformerForMaskedLM", **encoder, attention_window=16, pad_token_id=1), _tokens_and_mask,
+         _token_targets, token_loss, ADAMW, None, hf),
+        ("led", "encoder-decoder", "LED: Longformer's encoder under a BART-style decoder",
+         _transformers("LEDConfig", "LEDForConditionalGeneration", **seq2seq, attention_window=16, max_encoder_position_embeddings=64,
+                       max_decoder_position_embeddings=64), _seq2seq, _seq2seq_targets, token_loss, ADAMW, None, hf),
+        ("mbart", "encoder-decoder", "mBART: pre-norm BART, layer norms on the embeddings",
+         _transformers("MBartConfig", "MBartForConditionalGeneration", **seq2seq, max_position_embeddings=64), _seq2seq, _seq2seq_targets,
+         token_loss, ADAMW, None, hf),
+        ("switch_transformers", "mixture of experts", "Switch Transformers: top-1 routing, a router converted to fp32 in its forward",
+         _transformers("SwitchTransformersConfig", "SwitchTransformersForConditionalGeneration", vocab_size=VOCAB, d_model=64, d_kv=16,
+                       d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, num_experts=4, encoder_sparse_step=1, decoder_sparse_step=1,
+                       decoder_start_token_id=0),
+         _seq2seq, _seq2seq_targets, token_loss, ADAMW, None, hf),
+        ("gpt_neo", "decoder", "GPT-Neo: global and local attention alternating",
+         _transformers("GPTNeoConfig", "GPTNeoForCausalLM", vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                       attention_types=[[["global", "local"], 1]], window_size=16, max_position_embeddings=64), _tokens_and_mask, _token_targets,
+         token_loss, ADAMW, None, hf),
+        ("codegen", "decoder", "CodeGen: fused qkv split in model-parallel blocks, partial rotary",
+         _transformers("CodeGenConfig", "CodeGenForCausalLM", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64,
+                       n_ctx=64), _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("xglm", "decoder", "XGLM: sinusoidal positions made in the forward", _transformers("XGLMConfig", "XGLMForCausalLM", vocab_size=VOCAB,
+         d_model=64, num_layers=2, attention_heads=4, ffn_dim=128, max_position_embeddings=64), _tokens_and_mask, _token_targets, token_loss,
+         ADAMW, None, hf),
+        ("biogpt", "decoder", "BioGPT: scaled embeddings, learned positions offset by two", _transformers("BioGptConfig", "BioGptForCausalLM",
+         **dict(encoder, max_position_embeddings=64)), _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("deberta", "encoder", "DeBERTa (v1): disentangled attention, relative positions", _transformers("DebertaConfig", "DebertaForMaskedLM",
+         **encoder, relative_attention=True, pos_att_type=["c2p", "p2c"]), _tokens_and_mask, _token_targets, token_loss, ADAMW, None, hf),
+        ("vit_mae", "vision transformer", "ViT-MAE: random masking by argsort of noise, the kept patches gathered",
+         _transformers("ViTMAEConfig", "ViTMAEForPreTraining", image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=128, decoder_hidden_size=32, decoder_num_hidden_layers=1, decoder_num_attention_heads=4,
+                       decoder_intermediate_size=64), _pixels(32), lambda size, batch: torch.zeros(batch), _mae_loss, ADAMW, None, hf),
+    ]
+    audio = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, conv_dim=(32, 32), conv_stride=(5, 4),
+                 conv_kernel=(10, 4), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, vocab_size=32, layerdrop=0.0, mask_time_prob=0.0)
+    waveform, frames = (lambda size, batch: {"input_values": torch.randn(batch, 4000)}), (lambda size, batch: torch.zeros(batch))
+    video = lambda size, batch: {"pixel_values": torch.randn(batch, 4, 3, 32, 32)}  # noqa: E731
+    entries += [  # a fifth probe: time series, reinforcement learning, video, dense prediction, super-resolution, speech
+        ("patchtst", "time series", "PatchTST: patches per channel, batch norm over the transposed sequence",
+         _transformers("PatchTSTConfig", "PatchTSTForPrediction", num_input_channels=3, context_length=64, patch_length=8, patch_stride=8,
+                       prediction_length=16, d_model=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64),
+         lambda size, batch: {"past_values": torch.randn(batch, 64, 3)}, frames, _main_output_loss, ADAMW, None, hf),
+        ("decision_transformer", "reinforcement learning", "Decision Transformer: states, actions and returns interleaved for GPT-2",
+         _transformers("DecisionTransformerConfig", "DecisionTransformerModel", state_dim=8, act_dim=3, hidden_size=64, n_layer=2, n_head=4,
+                       max_ep_len=64, n_positions=128),
+         lambda size, batch: {"states": torch.randn(batch, 16, 8), "actions": torch.randn(batch, 16, 3), "rewards": torch.randn(batch, 16, 1),
+                              "returns_to_go": torch.randn(batch, 16, 1), "timesteps": torch.arange(16).repeat(batch, 1),
+                              "attention_mask": torch.ones(batch, 16, dtype=torch.long)}, frames, _main_output_loss, ADAMW, None, hf),
+        ("perceiver", "encoder", "Perceiver: cross-attention into latents, decoded by queries",
+         _transformers("PerceiverConfig", "PerceiverForMaskedLM", vocab_size=VOCAB, d_model=64, d_latents=64, num_latents=16, num_blocks=1,
+                       num_self_attends_per_block=2, num_self_attention_heads=4, num_cross_attention_heads=4, max_position_embeddings=64,
+                       qk_channels=64, v_channels=64),
+         lambda size, batch: {"inputs": torch.randint(1, VOCAB, (batch, 2 * SEQ)), "attention_mask": torch.ones(batch, 2 * SEQ, dtype=torch.long)},
+         _long_token_targets, token_loss, ADAMW, None, hf),
+        ("rwkv", "recurrent", "RWKV: time-mixing recurrence written in Python over the sequence",
+         _transformers("RwkvConfig", "RwkvForCausalLM", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+                       intermediate_size=128, context_length=64), _tokens, _token_targets, token_loss, ADAMW, None, hf),
+        ("longt5", "encoder-decoder", "LongT5: transient-global attention over local blocks",
+         _transformers("LongT5Config", "LongT5ForConditionalGeneration", vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                       num_decoder_layers=2, num_heads=4, local_radius=8, encoder_attention_type="transient-global", decoder_start_token_id=0),
+         _seq2seq, _seq2seq_targets, token_loss, ADAMW, None, hf),
+        ("prophetnet", "encoder-decoder", "ProphetNet: n-gram streams in the decoder's self-attention",
+         _transformers("ProphetNetConfig", "ProphetNetForConditionalGeneration", vocab_size=VOCAB, hidden_size=64, encoder_ffn_dim=128,
+                       decoder_ffn_dim=128, num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
+                       num_decoder_attention_heads=4, max_position_embeddings=64, ngram=2, num_buckets=8, relative_max_distance=16),
+         _seq2seq, frames, _main_output_loss, ADAMW, None, hf),
+        ("videomae", "video", "VideoMAE: tubelet embeddings, one attention over space and time",
+         _transformers("VideoMAEConfig", "VideoMAEForVideoClassification", image_size=32, patch_size=8, num_frames=4, tubelet_size=2,
+                       hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=10),
+         video, _classes, class_loss, ADAMW, None, hf),
+        ("timesformer", "video", "TimeSformer: divided attention, in time then in space",
+         _transformers("TimesformerConfig", "TimesformerForVideoClassification", image_size=32, patch_size=8, num_frames=4, hidden_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=10), video, _classes, class_loss, ADAMW, None, hf),
+        ("dpt", "dense prediction", "DPT: a ViT's tokens reassembled at four scales and fused into a depth map",
+         _transformers("DPTConfig", "DPTForDepthEstimation", image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, intermediate_size=128, neck_hidden_sizes=[16, 32, 64, 64], fusion_hidden_size=32,
+                       backbone_out_indices=[0, 1, 2, 3]), _pixels(32), frames, _main_output_loss, ADAMW, None, hf),
+        ("swin2sr", "super-resolution", "Swin2SR: shifted windows at full resolution, a pixel-shuffle upsampler",
+         _transformers("Swin2SRConfig", "Swin2SRForImageSuperResolution", image_size=32, patch_size=1, embed_dim=32, depths=[2], num_heads=[4],
+                       window_size=8, upscale=2), _pixels(32), frames, _main_output_loss, ADAMW, None, hf),
+        ("wav2vec2_conformer", "audio", "Wav2Vec2-Conformer: relative positions, a convolution module with batch norm",
+         _transformers("Wav2Vec2ConformerConfig", "Wav2Vec2ConformerModel", **audio, position_embeddings_type="relative",
+                       conv_depthwise_kernel_size=7), waveform, frames, _main_output_loss, ADAMW, None, hf),
+        ("hubert", "audio", "HuBERT: a waveform front end and an encoder, no quantizer",
+         _transformers("HubertConfig", "HubertModel", **audio), waveform, frames, _main_output_loss, ADAMW, None, hf),
+        ("layoutlm", "encoder", "LayoutLM: 2-D position embeddings from each token's box",
+         _transformers("LayoutLMConfig", "LayoutLMForMaskedLM", **encoder),
+         lambda size, batch: {**_tokens_and_mask(size, batch), "bbox": torch.randint(0, 500, (batch, SEQ, 4)).sort(-1).values},
+         _token_targets, token_loss, ADAMW, None, hf),
+        ("bit", "CNN", "BiT: weight-standardized convolutions, group norm",
+         _transformers("BitConfig", "BitForImageClassification", hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1], embedding_size=32,
+                       num_groups=8, num_labels=10), _pixels(64), _classes, class_loss, SGD_MOMENTUM, None, hf),
+    ]
+    for name, settings in {"davit_tiny": {}, "focalnet_tiny_srf": {}, "mobilenetv4_conv_small": {}, "eva02_tiny_patch14_224": {"img_size": 64},
+                           "tnt_s_patch16_224": {"img_size": 64}, "coat_tiny": {"img_size": 64}}.items():
+        entries.append((f"timm_{name}", "timm", f"timm {name}", _timm(name, **settings), _images(64), _classes, class_loss, ADAMW, None, tm))
+    #: routing by data (Switch Transformers' top-1 experts: ``nonzero`` of the experts the router chose) is refused, naming it
+    refused = {"switch_transformers": "aten.nonzero"}
     return [
-        ZooModel(name, family, exercises, build, inputs, targets, loss, optimizer, autocast, {"small": 2, "real": 2}, needs)
+        ZooModel(name, family, exercises, build, inputs, targets, loss, optimizer, autocast, {"small": 2, "real": 2}, needs, refused.get(name))
         for name, family, exercises, build, inputs, targets, loss, optimizer, autocast, needs in entries
     ]
 

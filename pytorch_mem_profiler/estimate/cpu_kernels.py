@@ -17,10 +17,16 @@ autocast; torch 2.13 and 2.14; ``tests/test_estimate_cpu_kernels.py`` does it):
   float32 parameters (autocast's usual case: the input was cast, the weights were
   not) keep their saved mean and inverse standard deviation in float32; the fake
   kernels give them the input's dtype, half the bytes.
-- **memory formats of batch and group norm**: the CPU's ``native_group_norm``
-  output and ``native_batch_norm_backward``'s and ``native_group_norm_backward``'s
-  input gradient keep the input's memory format (channels-last stays
-  channels-last), the fake kernels make them contiguous; the fake
+- **memory formats of batch and group norm**: the CPU's batch norm and
+  ``native_group_norm`` outputs and ``native_batch_norm_backward``'s and
+  ``native_group_norm_backward``'s input gradient are in the input's suggested
+  memory format (channels-last stays channels-last; anything else is
+  contiguous), where the fake kernels make the gradients contiguous and the
+  batch norm's output in the input's own strides: ``BatchNorm1d`` over a
+  sequence transposed to channels first (PatchTST's ``PatchTSTBatchNorm``:
+  ``bn(x.transpose(1, 2)).transpose(1, 2)``) gave a contiguous result where the
+  CPU's is not, and the linear layers after it did not copy their input as they
+  do for real (24,576 B under the CPU's peak on a small PatchTST); the fake
   ``native_group_norm_backward`` also makes its gradient float32 where the CPU
   keeps the input's dtype (twice the bytes under autocast).
 - **layer norm's input gradient is contiguous**: ``native_layer_norm_backward``
@@ -31,7 +37,11 @@ autocast; torch 2.13 and 2.14; ``tests/test_estimate_cpu_kernels.py`` does it):
   backward a non-contiguous gradient that a later ``view`` cannot take: the
   estimate copied it (``reshape``: ``clone``), 32,768 B over on timm's PVT-v2-b0,
   and autograd's in-place accumulation of it took other paths. On CUDA this rule
-  is the only one applied (:class:`CpuKernels` with ``device_type="cuda"``).
+  is applied too (:class:`CpuKernels` with ``device_type="cuda"``), with one of
+  CUDA's own: ``native_batch_norm_backward`` in training gives the input's gradient
+  the input's suggested memory format (a bfloat16 ``BatchNorm2d`` over
+  channels-last input, which takes it rather than cuDNN's), in evaluation a
+  contiguous one, where the fake kernel makes it contiguous in both.
 - **losses reduced in place**: ``mse_loss``, ``smooth_l1_loss``,
   ``binary_cross_entropy`` and ``soft_margin_loss`` with ``reduction="mean"`` or
   ``"sum"`` reduce into their elementwise buffer and shrink it: the 0-d loss
@@ -272,6 +282,19 @@ def _contiguous_input_gradient(func: Any, args: tuple, kwargs: dict, out: Any) -
     return _replaced(out, changes) if changes else out
 
 
+def _training_input_gradient_like_input(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """CUDA's ``native_batch_norm_backward``: in training the input's gradient is in the input's
+    suggested memory format (channels-last stays channels-last: measured on an H200 for a
+    bfloat16 ``BatchNorm2d`` over channels-last input, where the fake kernel makes it contiguous);
+    in evaluation it is contiguous, as torch 2.11's fake kernel makes it in both."""
+    if _argument(func, args, kwargs, "train"):
+        return _input_gradient_like_input(func, args, kwargs, out)
+    grad = out[0]
+    if not isinstance(grad, torch.Tensor) or grad.is_contiguous():
+        return out
+    return _replaced(out, {0: _like(grad, memory_format=torch.contiguous_format)})
+
+
 def _reduced_in_place(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     """A loss reduced (mean or sum) into its own elementwise buffer: the 0-d result keeps the
     storage of the input and target broadcast together."""
@@ -342,16 +365,20 @@ def _both(first: Rule, second: Rule) -> Rule:
 _ON_CUDA_TOO = frozenset({"native_layer_norm_backward.default"})
 
 
+#: CUDA's own rules, where its kernel makes an output otherwise than the CPU's and the fake one.
+_CUDA_OWN: dict[str, Rule] = {"native_batch_norm_backward.default": _training_input_gradient_like_input}
+
+
 def _rules(device_type: str = "cpu") -> dict[Any, Rule]:
     aten = torch.ops.aten
     by_name: dict[str, Rule] = {
         # (input, weight, bias, running_mean, running_var, ...) -> (output, save_mean, save_invstd, ...)
-        "native_batch_norm.default": _float32_statistics(slice(1, 5), (1, 2)),
-        "_native_batch_norm_legit.default": _float32_statistics(slice(1, 5), (1, 2)),
-        "_native_batch_norm_legit.no_stats": _float32_statistics(slice(1, 3), (1, 2)),
-        "_native_batch_norm_legit_no_training.default": _float32_statistics(slice(1, 5), (1, 2)),
-        "_batch_norm_with_update.default": _float32_statistics(slice(1, 5), (1, 2)),
-        "_batch_norm_no_update.default": _float32_statistics(slice(1, 5), (1, 2)),
+        "native_batch_norm.default": _both(_float32_statistics(slice(1, 5), (1, 2)), _output_like_input),
+        "_native_batch_norm_legit.default": _both(_float32_statistics(slice(1, 5), (1, 2)), _output_like_input),
+        "_native_batch_norm_legit.no_stats": _both(_float32_statistics(slice(1, 3), (1, 2)), _output_like_input),
+        "_native_batch_norm_legit_no_training.default": _both(_float32_statistics(slice(1, 5), (1, 2)), _output_like_input),
+        "_batch_norm_with_update.default": _both(_float32_statistics(slice(1, 5), (1, 2)), _output_like_input),
+        "_batch_norm_no_update.default": _both(_float32_statistics(slice(1, 5), (1, 2)), _output_like_input),
         # (input, normalized_shape, weight, bias, eps) -> (output, mean, rstd)
         "native_layer_norm.default": _layer_norm_statistics,
         # (input, weight, bias, N, C, HxW, group, eps) -> (output, mean, rstd)
@@ -370,10 +397,11 @@ def _rules(device_type: str = "cpu") -> dict[Any, Rule]:
         "_embedding_bag_forward_only.default": _bag_buffers,
         "mkldnn_rnn_layer_backward.default": _lstm_gradients,
     }
+    if device_type != "cpu":  # CUDA's kernels: the rules they share with the CPU's, and their own
+        by_name = {name: rule for name, rule in by_name.items() if name in _ON_CUDA_TOO}
+        by_name.update(_CUDA_OWN)
     rules = {}
     for name, rule in by_name.items():
-        if device_type != "cpu" and name not in _ON_CUDA_TOO:
-            continue
         packet, overload = name.split(".")
         op = getattr(getattr(aten, packet, None), overload, None)  # an operator this torch lacks: no rule
         if op is not None:

@@ -31,8 +31,11 @@ real value (FakeTensor's ``constant``) to a tensor of at most
   computation on every operator that reads them.
 
 The fake mode computes on tensors with values as torch's own constant
-propagation does (up to the same size here, so that a slice of a drawn vector
-keeps its values), and a Python number read from one of them is the real one.
+propagation does, and keeps a result's value up to :data:`HOST_VALUE_NUMEL`
+elements of any dtype (torch keeps one element): a slice of a drawn vector keeps
+its values, and so does a mask of ones made additive in floating point
+(``(1.0 - mask) * finfo.min``), which Longformer and LED read back to find their
+global tokens. A Python number read from one of them is the real one.
 Everything computed from an input, a weight, or anything else without a value
 stays without one: reading it is refused as before, naming the operator and
 the line.
@@ -191,14 +194,22 @@ def _fill(func: Any) -> bool:
 _RANGES = frozenset({"arange", "linspace", "logspace", "eye", "tril_indices", "triu_indices"})
 
 
-def value_sized(t: Any) -> bool:
-    """A tensor small enough to carry a value computed for it (a range, or an operator's result on
-    values): integer and boolean ones up to :data:`HOST_VALUE_NUMEL` elements (indices, positions,
-    masks), floating-point ones up to :data:`SMALL_VALUE_NUMEL` (a CPU value may round otherwise
-    than the device's kernel)."""
+def range_sized(t: Any) -> bool:
+    """A range small enough to get its value: integer ones up to :data:`HOST_VALUE_NUMEL` elements
+    (indices, positions), floating-point ones up to :data:`SMALL_VALUE_NUMEL` (a sinusoidal table
+    made from a range each step would otherwise be computed for real in every estimate)."""
     if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
         return False
     return t.numel() <= (SMALL_VALUE_NUMEL if t.is_floating_point() or t.is_complex() else HOST_VALUE_NUMEL)
+
+
+def value_sized(t: Any) -> bool:
+    """An operator's result computed from values alone that is small enough to keep its value: up to
+    :data:`HOST_VALUE_NUMEL` elements of any dtype. Masks are integer or boolean when the user gives
+    them, and floating-point once a model turns them into additive ones (``(1.0 - mask) *
+    finfo.min``, a row of a batch of sequences); Longformer and LED read theirs back
+    (``is_index_global_attn.flatten().any().item()``), as a real step does."""
+    return isinstance(t, torch.Tensor) and t.layout is torch.strided and t.numel() <= HOST_VALUE_NUMEL
 
 
 def _fill_sized(t: Any) -> bool:
@@ -486,7 +497,7 @@ class Draws:
         results = fake if isinstance(fake, (list, tuple)) else [fake]
         if not random and results and (
             (_fill(func) and all(_fill_sized(t) for t in results))
-            or (_op_name(func) in _RANGES and all(value_sized(t) for t in results))
+            or (_op_name(func) in _RANGES and all(range_sized(t) for t in results))
         ):
             # a mask of ones the model makes itself (a decoder given no attention mask): a library
             # reads it (transformers skips a mask of ones) as the real step does; and a range it

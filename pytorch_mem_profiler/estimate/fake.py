@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from ..measure.accounting import part_of_a_storage
 from ..measure.trees import tensors_in
 from .conv_workspace import memory_format
 from .draws import HOST_VALUE_NUMEL, Draws, value_sized
+from .scalar_overflow import check_fill_fits
 from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rule
 from .kernel_fakes import KERNEL_RULES
 from .lengths import LENGTH_RULES
@@ -90,6 +91,8 @@ class EstimateFakeMode(FakeTensorMode):
       :data:`HOST_VALUE_NUMEL` elements, so indexing by them has its real shape.
     - While the inputs are made (:meth:`.Draws.inputs`), what the user fixed in them (a mask of
       ones, position ids) keeps its values up to :data:`HOST_VALUE_NUMEL` elements.
+    - A fill whose number overflows its tensor's dtype raises the real kernel's error
+      (:mod:`.scalar_overflow`): the step fails for real too.
 
     ``allow_fallback_kernels=False``: an operator without a fake implementation
     raises instead of running its real kernel on made-up data (which would allocate
@@ -114,6 +117,7 @@ class EstimateFakeMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        check_fill_fits(func, args, kwargs)  # a fill that overflows its dtype fails here as on the device
         by_rule = _OPERATOR_RULES.get(func)
         if by_rule is not None:
             with self:
@@ -129,6 +133,11 @@ class EstimateFakeMode(FakeTensorMode):
                 if out is not NotImplemented:
                     return out
         fallback = super().__torch_dispatch__
+        if kwargs.get("layout") not in (None, torch.strided) or func in _MAKES_OTHER_LAYOUT:
+            # torch's constant propagation fails on a sparse result (it has no storage to
+            # invalidate), so a sparse tensor made from tensors with values is made without them
+            with _values_set_aside(args, kwargs):
+                return fallback(func, types, args, kwargs)
         try:
             if self.draws.active or self.draws.making_inputs or self.draws.kept_elsewhere:
                 return self.draws.dispatch(self, func, args, kwargs, lambda f, a, k: fallback(f, types, a, k))
@@ -137,6 +146,27 @@ class EstimateFakeMode(FakeTensorMode):
             if type(err) is not RuntimeError:  # the fake mode's own refusals, already named
                 raise
             raise FakeKernelRefused(func, err) from err
+
+
+#: operators that make a tensor of another layout than strided without a ``layout`` argument
+_MAKES_OTHER_LAYOUT = frozenset(
+    getattr(getattr(torch.ops.aten, name), overload)
+    for name, overload in (("_to_sparse", "default"), ("_to_sparse", "sparse_dim"), ("_to_sparse_csr", "default"), ("_to_sparse_csc", "default"))
+    if hasattr(torch.ops.aten, name) and hasattr(getattr(torch.ops.aten, name), overload)
+)
+
+
+@contextlib.contextmanager
+def _values_set_aside(args: tuple, kwargs: dict) -> Iterator[None]:
+    """The arguments' fake tensors without their values (FakeTensor's ``constant``) for a call."""
+    held = [(t, t.constant) for t in tensors_in((args, kwargs)) if isinstance(t, FakeTensor) and t.constant is not None]
+    for t, _ in held:
+        t.constant = None
+    try:
+        yield
+    finally:
+        for t, value in held:
+            t.constant = value
 
 
 def _device_type(args: tuple) -> str:
@@ -180,7 +210,9 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
     keeps as plain attributes (not registered) are made fake on ``device`` too. Any other is copied with
     ``copy.deepcopy``, each parameter and buffer replaced by a fake one on
     ``device`` (one per storage, so tied weights stay tied); ``requires_grad`` is
-    kept. The user's model is never changed.
+    kept; tensors it keeps as plain attributes (a positional table assigned as
+    ``self.pe = ...``) become fake tensors on their own device, where
+    ``model.to(device)`` leaves them. The user's model is never changed.
     """
     tensors = [*model.parameters(), *model.buffers()]
     if owned and all(_on(t, device) for t in tensors):
@@ -189,19 +221,22 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
     by_storage: dict[Any, torch.Tensor] = {}
     bases: dict[Any, torch.Tensor] = {}  # a larger storage that tensors are parts of, made once
     for module in model.modules():
-        # a model built for the estimate: tensors kept as plain attributes follow it to the device too
-        plain = _plain_tensors(module) if owned else {}
+        # tensors kept as plain attributes: a model built for the estimate's follow it to the device;
+        # a user's stay on their own device, as model.to(device) leaves them (deepcopy of a real
+        # tensor inside the fake mode fails, so each is made fake here)
+        plain = _plain_tensors(module)
         for store in (module._parameters, module._buffers, plain):
             for t in store.values():
                 if t is None or id(t) in memo:
                     continue
-                if _on(t, device):
+                to = device if owned or store is not plain else (t.device if not isinstance(t, FakeTensor) else t.fake_device)
+                if _on(t, to):
                     memo[id(t)] = t
                     continue
                 key = _storage_identity(t)
                 fake: torch.Tensor | None = by_storage.get(key) if key is not None else None
-                if fake is None:
-                    fake = _fake_part(t, device, bases, key[0]) if key is not None and part_of_a_storage(t) else fake_like(t, device)
+                if fake is None or fake.device != to:
+                    fake = _fake_part(t, to, bases, key[0]) if key is not None and part_of_a_storage(t) else fake_like(t, to)
                     if key is not None:
                         by_storage[key] = fake
                 if isinstance(t, nn.Parameter):

@@ -580,11 +580,20 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
     fused = FusedFastPaths() if target.type == "cuda" else contextlib.nullcontext()  # ... with the kernels' own blocks
     with context, mode, _unsupported_as_errors(), kept, swappable, rules, rnn if rnn is not None else contextlib.nullcontext(), losses, linear, attention, fused:
         try:
-            model, checkpointed = _build(plan, mode, run_device, made)
+            with _unsupported_as_errors():  # named here, so that a failed build outside can lead below
+                model, checkpointed = _build(plan, mode, run_device, made)
         except Exception as err:
-            if build_error is not None:
-                raise err from build_error
-            raise
+            if build_error is None:
+                raise
+            if isinstance(err, EstimateUnsupported):
+                # both builds failed: the constructor's own error leads (a real build likely raises it too)
+                raise EstimateUnsupported(
+                    f"model() raised {type(build_error).__name__}: {build_error} (built with its small tensors "
+                    f"real and its large ones on the meta device); built inside the fake mode instead, it "
+                    f"stopped at: {err}",
+                    err.operation,
+                ) from build_error
+            raise err from build_error
         compiled = CompiledModules(counter, target, key=plan.model)
         model = compiled.install(model, source=made if made is not None else plan.model if isinstance(plan.model, nn.Module) else None)
         if model is not plan.model:  # the step's own copy: what is not estimated as compiled runs eagerly,
@@ -611,13 +620,17 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
                 f"{name} iteration",
                 operation=f"{name}.step(closure)",
             )
-        buffers = [b for b in model.buffers() if b is not None]
+        buffer_bytes = 0
         counter.start()
         with counter.paused():
             sums.calibrate()  # under the step's modes, before anything is counted
         try:
             # on the device in the order model.to(device) copies them: what the replay starts from
             _adopt_weights(counter, model, flattened)
+            # the buffers' bytes as the step starts, not the buffers: a forward that replaces one
+            # (a positional table cast to autocast's dtype, self.pe = self.pe.to(x.dtype)) frees the
+            # old one, as for real; a list of them here would keep it alive through both steps
+            buffer_bytes = _bytes_of(counter, [b for b in model.buffers() if b is not None])
             _adopt_set_up(counter, set_up)
             # state an optimizer makes when it is built (Adagrad's sums), after the weights, as a user's
             # script makes it: counted from the start, as the step's own state is from its first step
@@ -683,7 +696,7 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
             layers = attribution.result()
         finally:
             counter.stop()
-    step = _summarize(counter, batch_size, layers, params, buffers, optimizer_state, gradients, target)
+    step = _summarize(counter, batch_size, layers, params, buffer_bytes, optimizer_state, gradients, target)
     step = dataclasses.replace(
         step,
         step_peaks=tuple(step_peaks),
@@ -811,7 +824,7 @@ def _summarize(
     batch_size: int | None,
     layers: LayerFeatureMaps,
     params: list[torch.Tensor],
-    buffers: list[torch.Tensor],
+    buffer_bytes: int,
     optimizer_state: int,
     gradients: int,
     target: torch.device,
@@ -832,7 +845,6 @@ def _summarize(
     phase_peaks = dict(counter.phase_peaks)
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p]) if phase_peaks else "other"
     param_bytes = _bytes_of(counter, params)
-    buffer_bytes = _bytes_of(counter, buffers)
     inputs = sum(life.nbytes for life in counter.lives if "inputs" in life.roles and life.died is None)
     reserved = None
     events: tuple[tuple[int, int], ...] = ()
