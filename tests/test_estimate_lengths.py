@@ -146,3 +146,55 @@ def test_lengths_whose_values_the_fake_mode_holds_are_read_inside_it():
     # log_alpha follows the longest target's value, not the padded width
     assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real]
     assert fake[1].shape[-1] == 2 * max(lengths) + 1 != 2 * WIDTH + 1
+
+
+class _PackedTagger(nn.Module):
+    """An LSTM over ``pack_padded_sequence`` (sorted or not), padded back with or without a total
+    length, and a per-token head: the packed rows follow the lengths' values."""
+
+    def __init__(self, batch_first: bool, enforce_sorted: bool, total: bool, bidirectional: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.lstm = nn.LSTM(16, 16, num_layers=2, batch_first=batch_first, bidirectional=bidirectional)
+        self.head = nn.Linear(32 if bidirectional else 16, 5)
+        self.batch_first, self.enforce_sorted, self.total = batch_first, enforce_sorted, total
+
+    def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        ids, lengths = batch  # a list: one argument, for the estimate and the measurement alike
+        x = self.embed(ids if self.batch_first else ids.t())
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=self.batch_first, enforce_sorted=self.enforce_sorted)
+        out, _ = self.lstm(packed)
+        total = ids.shape[1] if self.total else None
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=self.batch_first, total_length=total)
+        return self.head(padded)
+
+
+def _packed_inputs(batch: int, enforce_sorted: bool) -> list[torch.Tensor]:
+    lengths = torch.tensor([12 - (i * 5) % 9 for i in range(batch)])
+    if enforce_sorted:
+        lengths = lengths.sort(descending=True).values
+    return [torch.randint(0, 50, (batch, 12)), lengths]
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "batch_first, enforce_sorted, total, bidirectional",
+    [(True, False, True, True), (False, True, False, False), (True, True, False, True)],
+    ids=["batch-first-unsorted-total", "time-first-sorted", "batch-first-sorted"],
+)
+def test_a_packed_lstm_is_estimated_to_the_byte_on_the_cpu(batch_first, enforce_sorted, total, bidirectional, autocast):
+    """The lengths the inputs give keep their values, so the packed rows and ``batch_sizes`` are
+    the real step's (``aten._pack_padded_sequence``, refused before); padding back runs ATen's own
+    steps (``estimate.packed_sequences``)."""
+    build = functools.partial(_PackedTagger, batch_first, enforce_sorted, total, bidirectional)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    measured = measured_peak(build, lambda: _packed_inputs(6, enforce_sorted), sgd, autocast=autocast)
+    estimate = estimate_memory(build, lambda b: _packed_inputs(b, enforce_sorted), optimizer=sgd, autocast=autocast, batch_size=6, device="cpu", fit=False)
+    assert estimate.peak == measured
+
+
+def test_a_packed_lstm_for_cuda_is_refused_naming_the_packing():
+    """On CUDA the LSTM takes cuDNN's packed kernel, whose buffers are not measured: refused, naming it."""
+    build = functools.partial(_PackedTagger, True, False, True, True)
+    with pytest.raises(EstimateUnsupported, match=r"aten\._pack_padded_sequence"):
+        estimate_memory(build, lambda b: _packed_inputs(b, False), batch_size=6, device="cuda", fit=False)

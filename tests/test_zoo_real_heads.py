@@ -51,13 +51,18 @@ def _embeddings(model: torch.nn.Module, which: str) -> torch.nn.Module | None:
         return None
 
 
-def _configured_width(model: torch.nn.Module) -> int | None:
-    """The logits' width a transformers model declares: its output embedding's, else its labels'."""
+def _configured_width(model: torch.nn.Module, tokens: bool) -> int | None:
+    """The logits' width a transformers model declares: its output embedding's, else, for a token
+    loss, its vocabulary's (Perceiver decodes tokens without an output embedding), else its labels'."""
     out = _embeddings(model, "output")
     if out is not None and hasattr(out, "out_features"):
         return int(out.out_features)
     config = getattr(model, "config", None)
-    return int(config.num_labels) if config is not None and hasattr(config, "num_labels") else None
+    if config is None:
+        return None
+    if tokens and getattr(config, "vocab_size", None):
+        return int(config.vocab_size)
+    return int(config.num_labels) if hasattr(config, "num_labels") else None
 
 
 def _logit_widths(entry: ZooModel, model: torch.nn.Module, inputs: Any) -> list[int]:
@@ -66,7 +71,7 @@ def _logit_widths(entry: ZooModel, model: torch.nn.Module, inputs: Any) -> list[
             output = call(model, to_device(inputs, META))
     except (NotImplementedError, RuntimeError, AttributeError):  # the forward reads values (or, on torch 2.4,
         # checkpointing looks for a `torch.meta` device module)
-        width = _configured_width(model)
+        width = _configured_width(model, tokens=entry.loss is token_loss)
         if width is not None:
             return [width]
         # a model of torch's own (packed sequences, routing by nonzero): one real forward on the CPU

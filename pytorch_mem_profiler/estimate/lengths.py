@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
+from torch._guards import detect_fake_mode
 from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["LENGTH_RULES", "length_rule"]
@@ -124,6 +125,29 @@ def _use_miopen_ctc_loss(args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def _pack_padded_sequence(args: tuple, kwargs: dict) -> Any:
+    """``pack_padded_sequence``'s kernel on the CPU: the data, ``(sum(lengths), *features)`` in the
+    input's dtype, and ``batch_sizes``, the number of sequences still running at each step: a real
+    int64 tensor of the host, as the kernel makes it, which the recurrent layers' kernels and
+    ``pad_packed_sequence`` (see :mod:`.packed_sequences`) read. Lengths without values are refused,
+    naming the operator, and so is a CUDA estimate (on fake CUDA tensors or emulated): there the
+    LSTM takes cuDNN's packed kernel, whose buffers have not been measured on a GPU."""
+    names = ("input", "lengths", "batch_first")
+    given = dict(zip(names, args))
+    given.update(kwargs)
+    lengths = _values(given["lengths"])
+    x = given["input"]
+    mode = detect_fake_mode((x,))
+    target = getattr(mode, "kernels", None) or x.device.type
+    if lengths is None or target != "cpu":
+        # on CUDA the packed LSTM runs cuDNN's packed kernel, whose buffers are not measured yet
+        raise DynamicOutputShapeException(aten._pack_padded_sequence.default)
+    data = x.new_empty((sum(lengths), *x.shape[2:]))
+    with _disable_current_modes():
+        sizes = torch.tensor([sum(1 for n in lengths if n > t) for t in range(max(lengths, default=0))], dtype=torch.int64)
+    return data, sizes
+
+
 #: The rules by operator (the fake mode looks them up with the others of its kind).
 LENGTH_RULES: dict[Any, Callable[[tuple, dict], Any]] = {
     aten._ctc_loss.default: _ctc_loss(aten._ctc_loss.default),
@@ -132,6 +156,7 @@ LENGTH_RULES: dict[Any, Callable[[tuple, dict], Any]] = {
     aten._ctc_loss_backward.Tensor: _ctc_loss_backward,
     aten._use_cudnn_ctc_loss.default: _use_cudnn_ctc_loss(aten._use_cudnn_ctc_loss.default),
     aten._use_cudnn_ctc_loss.Tensor: _use_cudnn_ctc_loss(aten._use_cudnn_ctc_loss.Tensor),
+    aten._pack_padded_sequence.default: _pack_padded_sequence,
 }
 if torch.version.hip is None and hasattr(aten, "_use_miopen_ctc_loss"):
     # (on ROCm the question stays unanswered: a refusal naming it, rather than a guess)

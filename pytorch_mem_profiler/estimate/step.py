@@ -74,6 +74,7 @@ from .loss_rules import LossRules
 from .rnn import CudnnRNNRules, flatten_weights
 from .library_rules import library_rules
 from .module_conversions import swappable_fakes
+from .packed_sequences import padded_as_aten_does
 from .scripted import scripted_as_python
 from .scratch import KernelScratch
 
@@ -653,9 +654,10 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
             # tiny tensors the step makes from nothing get values (a LayerDrop draw read in Python);
             # scripted functions run as Python (a fused TorchScript kernel would read fake memory)
             # libraries' choices from values (transformers' packed sequences) as the real step makes them
+            # packed sequences padded back by ATen's own steps (its kernel writes through a pointer)
             with mode.draws.on(), scripted_as_python(model, enabled=run_device.type == "cuda"), library_rules(
                 [*tensors_in(inputs), *tensors_in(targets)]
-            ):
+            ), padded_as_aten_does():
                 for step_number in (1, 2):
                     counter.step = step_number
                     for bounded in (rnn, scratch, outputs):
