@@ -75,6 +75,7 @@ from .rnn import CudnnRNNRules, flatten_weights
 from .library_rules import library_rules
 from .module_conversions import swappable_fakes
 from .packed_sequences import padded_as_aten_does
+from .tensor_checks import checks_taken_as_passing
 from .scripted import scripted_as_python
 from .scratch import KernelScratch
 
@@ -654,10 +655,14 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
             # tiny tensors the step makes from nothing get values (a LayerDrop draw read in Python);
             # scripted functions run as Python (a fused TorchScript kernel would read fake memory)
             # libraries' choices from values (transformers' packed sequences) as the real step makes them
-            # packed sequences padded back by ATen's own steps (its kernel writes through a pointer)
-            with mode.draws.on(), scripted_as_python(model, enabled=run_device.type == "cuda"), library_rules(
-                [*tensors_in(inputs), *tensors_in(targets)]
-            ), padded_as_aten_does():
+            # packed sequences padded back by ATen's own steps (its kernel writes through a pointer);
+            # a library's check on values the step does not have taken as passing, and noted
+            with contextlib.ExitStack() as around_the_step:  # one block: Python limits how deep blocks nest
+                around_the_step.enter_context(mode.draws.on())
+                around_the_step.enter_context(scripted_as_python(model, enabled=run_device.type == "cuda"))
+                around_the_step.enter_context(library_rules([*tensors_in(inputs), *tensors_in(targets)]))
+                around_the_step.enter_context(padded_as_aten_does())
+                checks_taken = around_the_step.enter_context(checks_taken_as_passing())
                 for step_number in (1, 2):
                     counter.step = step_number
                     for bounded in (rnn, scratch, outputs):
@@ -723,7 +728,7 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
         fallback = frozenset(scratch.fallback_bounds) if scratch is not None else frozenset()
         step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds), transient_bounds=frozenset(transient),
                                    fallback_bounds=fallback)  # fmt: skip
-    return dataclasses.replace(step, notes=(*compiled.notes(), *_stand_in_notes(mode.draws.stand_ins)))
+    return dataclasses.replace(step, notes=(*compiled.notes(), *_stand_in_notes(mode.draws.stand_ins), *_check_notes(checks_taken)))
 
 
 def _stand_in_notes(stand_ins: Mapping[str, int]) -> tuple[str, ...]:
@@ -736,6 +741,17 @@ def _stand_in_notes(stand_ins: Mapping[str, int]) -> tuple[str, ...]:
         f"The optimizer's step read {n} number{'s' if n != 1 else ''} from tensors without values "
         f"({'; '.join(stand_ins)}): 1 stood in for each; they scale updates made in place, which allocate "
         f"the same whatever the number",
+    )
+
+
+def _check_notes(taken: Mapping[str, int]) -> tuple[str, ...]:
+    """The report's note on checks of values the step does not have (see :mod:`.tensor_checks`)."""
+    if not taken:
+        return ()
+    n = sum(taken.values())
+    return (
+        f"The step checked {n} condition{'s' if n != 1 else ''} on values it does not have ({'; '.join(taken)}): "
+        f"taken as passing, as in a step that runs; a check that fails stops the real step",
     )
 
 

@@ -1,0 +1,89 @@
+"""A library's check on values the fake step does not have is taken as passing, and noted; one on
+values it has is checked, failing as the real step fails (``estimate.tensor_checks``)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from pytorch_mem_profiler import estimate_memory
+
+from .helpers import measured_peak, transformers_or_skip
+
+
+class MarkedTokens(nn.Module):
+    """Scatters a learned vector into the positions of a marker token, after checking, as
+    vision-language models check their image tokens, that as many markers as expected are there."""
+
+    def __init__(self, marker: int = 7, expected: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 32)
+        self.fill = nn.Parameter(torch.zeros(32))
+        self.head = nn.Linear(32, 4)
+        self.marker, self.expected = marker, expected
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = ids == self.marker
+        torch._check_tensor_all_with(ValueError, mask.sum(1) == self.expected, lambda: "marker count")
+        h = self.embed(ids)
+        h = h.masked_scatter(mask.unsqueeze(-1), self.fill.expand(int(ids.shape[0]) * self.expected, 32))
+        return self.head(h)
+
+
+def _ids(batch: int) -> torch.Tensor:
+    ids = torch.randint(0, 7, (batch, 12))
+    ids[:, :3] = 7  # three markers a row: what the check expects
+    return ids
+
+
+def test_a_check_on_data_is_taken_as_passing_noted_and_the_step_exact():
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    original = torch._check_tensor_all_with
+    measured = measured_peak(MarkedTokens, lambda: _ids(4), sgd)
+    estimate = estimate_memory(MarkedTokens, _ids, optimizer=sgd, batch_size=4, device="cpu", fit=False)
+    assert estimate.peak == measured
+    assert any("taken as passing" in note and "test_estimate_tensor_checks.py" in note for note in estimate.notes), estimate.notes
+    assert torch._check_tensor_all_with is original  # nothing left installed
+
+
+def test_a_check_on_values_the_step_has_fails_as_the_real_step_fails():
+    """Markers the inputs fix (a fill), counted against the wrong number: the real step raises, so does the estimate."""
+    build = functools.partial(MarkedTokens, 7, 4)
+    fixed = lambda b: torch.full((b, 12), 7, dtype=torch.long)  # noqa: E731 - twelve markers a row, four expected
+    with pytest.raises(ValueError, match="marker count"):
+        build()(fixed(2))
+    with pytest.raises(ValueError, match="marker count"):
+        estimate_memory(build, fixed, batch_size=2, device="cpu", fit=False)
+
+
+def test_a_vision_language_model_is_estimated_to_the_byte_on_the_cpu():
+    """transformers' Llava checks that its image tokens match the image features it scatters into them."""
+    transformers = transformers_or_skip()
+
+    class Llava(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            vision = transformers.CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=2, num_attention_heads=4)  # fmt: skip
+            text = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+            config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=255, vision_feature_layer=-1,
+                                              vision_feature_select_strategy="full")  # fmt: skip
+            self.model = transformers.LlavaForConditionalGeneration(config)
+
+        def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
+            ids, pixels = batch
+            return self.model(input_ids=ids, pixel_values=pixels).logits
+
+    def inputs(batch: int) -> list[torch.Tensor]:
+        image = torch.full((batch, 17), 255, dtype=torch.long)  # 16 patches and the class token
+        return [torch.cat([image, torch.randint(1, 255, (batch, 20))], 1), torch.randn(batch, 3, 32, 32)]
+
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-4)
+    measured = measured_peak(Llava, lambda: inputs(2), adamw)
+    estimate = estimate_memory(Llava, inputs, optimizer=adamw, batch_size=2, device="cpu", fit=False)
+    assert estimate.peak == measured
