@@ -522,3 +522,21 @@ def test_for_cuda_batch_norms_input_gradient_keeps_channels_last_in_training(tra
         made = CpuKernels(device_type="cuda")(aten.native_batch_norm_backward.default, args, {}, fake)
     assert made[0].is_contiguous(memory_format=CHANNELS_LAST if train else torch.contiguous_format)
     assert made[0].untyped_storage().nbytes() == x.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("dtype, contiguous", [(torch.float32, True), (BF16, False)], ids=["fp32-cudnn", "bf16-aten"])
+def test_for_cuda_batch_norm_over_a_transposed_sequence_is_laid_out_as_its_kernel_lays_it_out(dtype, contiguous):
+    """On fake CPU tensors standing in for CUDA ones: where CUDA takes cuDNN's batch norm (float32)
+    the output of a sequence transposed to channels first is contiguous, where it takes ATen's own
+    (bfloat16) it keeps the input's strides (both measured on an H200:
+    ``tests/test_estimate_norm_layouts_cuda.py``); the fake kernel keeps the strides in both."""
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        x = torch.empty(6, 8, 32, dtype=dtype).transpose(1, 2)
+        weight, bias = torch.empty(32, dtype=dtype), torch.empty(32, dtype=dtype)
+        mean, var = torch.empty(32, dtype=dtype), torch.empty(32, dtype=dtype)
+        args = (x, weight, bias, mean, var, True, 0.1, 1e-5)
+        fake = aten.native_batch_norm(*args)
+        made = CpuKernels(device_type="cuda")(aten.native_batch_norm.default, args, {}, fake)
+    assert not fake[0].is_contiguous()
+    assert made[0].is_contiguous() == contiguous

@@ -47,7 +47,6 @@ KNOWN: dict[str, str] = {
     "tv_regnet_y_400mf": _SMALL_RESERVED.format(-16.18, 142.6, 0.22, 36.2),
     # joined 2026-11-29 (one H200, torch 2.11, transformers 5.17)
     "dpt": _SMALL_RESERVED.format(-20.83, 100.7, -22.40, 134.1),
-    "patchtst": "the emulated estimate's peak -2.13% of 0.8 MB (17 KB; fake CUDA +0.77%, reserved exact)",
 }
 
 #: At the edge of a goal (one run each, just past it): not to be read as fixed when they pass.

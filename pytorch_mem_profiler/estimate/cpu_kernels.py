@@ -365,8 +365,42 @@ def _both(first: Rule, second: Rule) -> Rule:
 _ON_CUDA_TOO = frozenset({"native_layer_norm_backward.default"})
 
 
+def _takes_cudnn(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether CUDA's batch norm takes cuDNN's kernel for these arguments (ATen's
+    ``_batch_norm_impl_index``): no bfloat16, half only with float32 weights, weights and biases
+    given, running statistics given (or neither, in training), three dimensions or more, and a
+    batch cuDNN takes."""
+    x, weight, bias = args[0], args[1], args[2]
+    if not all(isinstance(t, torch.Tensor) for t in (x, weight, bias)) or x.dim() < 3:
+        return False
+    if torch.bfloat16 in (x.dtype, weight.dtype) or (x.dtype == torch.float16 and weight.dtype != torch.float32):
+        return False
+    names = {a.name for a in func._schema.arguments}
+    if "training" in names:
+        training = bool(_argument(func, args, kwargs, "training"))
+    else:  # _batch_norm_with_update trains; _batch_norm_no_update and _legit_no_training do not
+        training = func._schema.name.endswith("_with_update")
+    return x.shape[0] <= (880801 if training else 65535) and x.numel() < 2**31 - 1
+
+
+def _cudnn_output_like_input(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """Batch norm on fake CPU tensors standing in for CUDA ones: where CUDA takes cuDNN's kernel its
+    output is in the input's suggested memory format (a sequence transposed to channels first
+    comes out contiguous: measured on an H200), where it takes ATen's own the input's strides, as
+    the fake kernel makes it."""
+    return _output_like_input(func, args, kwargs, out) if _takes_cudnn(func, args, kwargs) else out
+
+
 #: CUDA's own rules, where its kernel makes an output otherwise than the CPU's and the fake one.
-_CUDA_OWN: dict[str, Rule] = {"native_batch_norm_backward.default": _training_input_gradient_like_input}
+_CUDA_OWN: dict[str, Rule] = {
+    "native_batch_norm_backward.default": _training_input_gradient_like_input,
+    # the emulation's forms (fake CPU tensors): on fake CUDA tensors cuDNN's kernel is its own operator
+    "native_batch_norm.default": _cudnn_output_like_input,
+    "_native_batch_norm_legit.default": _cudnn_output_like_input,
+    "_batch_norm_with_update.default": _cudnn_output_like_input,
+    "_native_batch_norm_legit_no_training.default": _cudnn_output_like_input,
+    "_batch_norm_no_update.default": _cudnn_output_like_input,
+}
 
 
 def _rules(device_type: str = "cpu") -> dict[Any, Rule]:
