@@ -32,7 +32,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy
 import torch
@@ -47,12 +47,12 @@ from benchmarks.zoo.checks import (  # noqa: E402
     check_record,
     measured_peak,
     profiled_run,
+    refused_as_named,
 )
 from benchmarks.zoo.registry import ADAMW, SGD_MOMENTUM, ZooModel  # noqa: E402
 from benchmarks.zoo.training import Training  # noqa: E402
 from benchmarks.zoo.sweep import SWEEP  # noqa: E402
 from pytorch_mem_profiler import estimate_memory, memory_profiler  # noqa: E402
-from pytorch_mem_profiler.estimate import EstimateUnsupported  # noqa: E402
 from pytorch_mem_profiler.estimate.step import checkpoint_blocks  # noqa: E402
 
 
@@ -95,22 +95,8 @@ def _swapped(entry: ZooModel) -> None:
     check_cpu_estimate(other, runs)
 
 
-def _refused_as_named(entry: ZooModel, **settings: Any) -> bool:
-    """For an entry whose estimate is to be refused (``unsupported``): whether ``estimate_memory`` with
-    ``settings`` refuses it naming that operation (``AssertionError`` if it gives a figure instead).
-    ``False`` for any other entry: its check goes on."""
-    if not entry.unsupported:
-        return False
-    try:
-        estimate_memory(**dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cpu", **settings))
-    except EstimateUnsupported as err:
-        assert entry.unsupported in str(err), (entry.name, str(err))
-        return True
-    raise AssertionError(f"{entry.name}: estimated, though {entry.unsupported} was to be refused")
-
-
 def _checkpointing(entry: ZooModel) -> None:
-    if _refused_as_named(entry, fit=False, checkpointing=True):
+    if refused_as_named(entry, fit=False, checkpointing=True):
         return
 
     def checkpointed(size: str) -> torch.nn.Module:
@@ -161,7 +147,7 @@ def _measured_at(entry: ZooModel, batch: int) -> int:
 
 
 def _largest_batch(entry: ZooModel) -> None:
-    if _refused_as_named(entry, fit=True, outside=0):
+    if refused_as_named(entry, fit=True, outside=0):
         return
     limit = 6 * _measured_at(entry, 2)
     est = estimate_memory(**dict(entry.estimate_kwargs("small"), batch_size=2, device="cpu", fit=True, outside=0))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import io
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -121,18 +122,26 @@ def check_record(entry: ZooModel, runs: tuple[Iteration, ...]) -> None:
         assert first.optimizer_state == second.optimizer_state, name
 
 
+def refused_as_named(entry: ZooModel, **settings: Any) -> bool:
+    """For an entry whose estimate is to be refused (``unsupported``): whether ``estimate_memory`` on
+    the CPU with ``settings`` refuses it naming that operation (``AssertionError`` if it gives a
+    figure instead). ``False`` for any other entry: its check goes on."""
+    if not entry.unsupported:
+        return False
+    try:
+        estimate_memory(**dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cpu", **settings))
+    except EstimateUnsupported as err:
+        assert entry.unsupported in str(err), (entry.name, str(err))
+        return True
+    raise AssertionError(f"{entry.name}: estimated, though {entry.unsupported} was to be refused")
+
+
 def check_cpu_estimate(entry: ZooModel, runs: tuple[Iteration, ...] | None = None) -> None:
     """``estimate_memory`` on the CPU equals the step :func:`profiled_run` measured, to the byte
     (``AssertionError``); an entry with ``unsupported`` must be refused, naming that operation."""
-    kwargs = dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cpu", fit=False)
-    if entry.unsupported:
-        try:
-            estimate_memory(**kwargs)
-        except EstimateUnsupported as err:
-            assert entry.unsupported in str(err), (entry.name, str(err))
-            return
-        raise AssertionError(f"{entry.name}: estimated, though {entry.unsupported} was to be refused")
-    estimate = estimate_memory(**kwargs)
+    if refused_as_named(entry, fit=False):
+        return
+    estimate = estimate_memory(**dict(entry.estimate_kwargs("small"), batch_size=entry.batch["small"], device="cpu", fit=False))
     runs = runs if runs is not None else profiled_run(entry)
     measured = measured_peak(runs)
     assert estimate.weights == runs[0].weights, entry.name

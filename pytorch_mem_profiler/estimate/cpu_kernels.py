@@ -368,8 +368,8 @@ _ON_CUDA_TOO = frozenset({"native_layer_norm_backward.default"})
 def _takes_cudnn(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether CUDA's batch norm takes cuDNN's kernel for these arguments (ATen's
     ``_batch_norm_impl_index``): no bfloat16, half only with float32 weights, weights and biases
-    given, running statistics given (or neither, in training), three dimensions or more, and a
-    batch cuDNN takes."""
+    given, three dimensions or more, and a batch cuDNN takes (the forms here that run without
+    running statistics are training ones, which cuDNN takes too)."""
     x, weight, bias = args[0], args[1], args[2]
     if not all(isinstance(t, torch.Tensor) for t in (x, weight, bias)) or x.dim() < 3:
         return False

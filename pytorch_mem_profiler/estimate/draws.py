@@ -89,7 +89,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["SMALL_VALUE_NUMEL", "HOST_VALUE_NUMEL", "SEED", "Draws", "user_line"]
+__all__ = ["SMALL_VALUE_NUMEL", "HOST_VALUE_NUMEL", "SEED", "Draws", "user_line", "values_set_aside"]
 
 #: Tensors of at most this many elements that a step makes from nothing get real values.
 SMALL_VALUE_NUMEL = 256
@@ -374,16 +374,11 @@ class Draws:
         if func in _INDEXING:
             args, kwargs = self._masks_as_positions(mode, func, args, kwargs, fallback)
             flat = _flat(args, kwargs)
-        valued = [(t, t.constant) for t in flat if isinstance(t, torch.Tensor) and getattr(t, "constant", None) is not None]
         everything = all(getattr(t, "constant", None) is not None for t in flat if isinstance(t, torch.Tensor) and mode.is_our_fake(t))
         written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        for t, _ in valued:
-            t.constant = None  # torch's constant propagation would return the result on the values' device
-        try:
+        # set aside: torch's constant propagation would return the result on the values' device
+        with values_set_aside(flat) as valued:
             out = fallback(func, args, kwargs)
-        finally:
-            for t, value in valued:
-                t.constant = value
         real: Any = None
         if everything:
             try:
@@ -594,6 +589,20 @@ class Draws:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and mode.is_our_fake(t) and t.constant is not None:
                 self._drawn[id(t)] = weakref.ref(t)
+
+
+@contextlib.contextmanager
+def values_set_aside(values: Iterable[Any]) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The fake tensors among ``values`` without their values (FakeTensor's ``constant``) for the
+    block, which gets the ``(tensor, value)`` pairs set aside; the values are put back after it."""
+    held = [(t, t.constant) for t in values if isinstance(t, torch.Tensor) and getattr(t, "constant", None) is not None]
+    for t, _ in held:
+        t.constant = None
+    try:
+        yield held
+    finally:
+        for t, value in held:
+            t.constant = value
 
 
 @contextlib.contextmanager

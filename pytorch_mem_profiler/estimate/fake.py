@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
+from torch.utils._pytree import tree_flatten
 
 from ..measure.accounting import part_of_a_storage
 from ..measure.trees import tensors_in
 from .conv_workspace import memory_format
-from .draws import HOST_VALUE_NUMEL, Draws, value_sized
+from .draws import HOST_VALUE_NUMEL, Draws, value_sized, values_set_aside
 from .scalar_overflow import check_fill_fits
 from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rule
 from .kernel_fakes import KERNEL_RULES
@@ -136,7 +137,7 @@ class EstimateFakeMode(FakeTensorMode):
         if kwargs.get("layout") not in (None, torch.strided) or func in _MAKES_OTHER_LAYOUT:
             # torch's constant propagation fails on a sparse result (it has no storage to
             # invalidate), so a sparse tensor made from tensors with values is made without them
-            with _values_set_aside(args, kwargs):
+            with values_set_aside(tree_flatten((args, kwargs))[0]):
                 return fallback(func, types, args, kwargs)
         try:
             if self.draws.active or self.draws.making_inputs or self.draws.kept_elsewhere:
@@ -154,19 +155,6 @@ _MAKES_OTHER_LAYOUT = frozenset(
     for name, overload in (("_to_sparse", "default"), ("_to_sparse", "sparse_dim"), ("_to_sparse_csr", "default"), ("_to_sparse_csc", "default"))
     if hasattr(torch.ops.aten, name) and hasattr(getattr(torch.ops.aten, name), overload)
 )
-
-
-@contextlib.contextmanager
-def _values_set_aside(args: tuple, kwargs: dict) -> Iterator[None]:
-    """The arguments' fake tensors without their values (FakeTensor's ``constant``) for a call."""
-    held = [(t, t.constant) for t in tensors_in((args, kwargs)) if isinstance(t, FakeTensor) and t.constant is not None]
-    for t, _ in held:
-        t.constant = None
-    try:
-        yield
-    finally:
-        for t, value in held:
-            t.constant = value
 
 
 def _device_type(args: tuple) -> str:
@@ -229,7 +217,7 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
             for t in store.values():
                 if t is None or id(t) in memo:
                     continue
-                to = device if owned or store is not plain else (t.device if not isinstance(t, FakeTensor) else t.fake_device)
+                to = device if owned or store is not plain else t.device
                 if _on(t, to):
                     memo[id(t)] = t
                     continue

@@ -48,6 +48,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch._guards import detect_fake_mode
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .operator_args import bound_arguments
+
 __all__ = ["LENGTH_RULES", "length_rule"]
 
 aten = torch.ops.aten
@@ -132,9 +134,7 @@ def _pack_padded_sequence(args: tuple, kwargs: dict) -> Any:
     ``pad_packed_sequence`` (see :mod:`.packed_sequences`) read. Lengths without values are refused,
     naming the operator, and so is a CUDA estimate (on fake CUDA tensors or emulated): there the
     LSTM takes cuDNN's packed kernel, whose buffers have not been measured on a GPU."""
-    names = ("input", "lengths", "batch_first")
-    given = dict(zip(names, args))
-    given.update(kwargs)
+    given = bound_arguments(aten._pack_padded_sequence.default, args, kwargs)
     lengths = _values(given["lengths"])
     x = given["input"]
     mode = detect_fake_mode((x,))

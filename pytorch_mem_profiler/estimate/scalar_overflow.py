@@ -33,6 +33,11 @@ import traceback
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._mode_utils import no_dispatch
+
+from .draws import user_line
+from .operator_args import bound_arguments
 
 __all__ = ["ScalarOverflow", "check_fill_fits"]
 
@@ -74,7 +79,7 @@ def check_fill_fits(func: Any, args: tuple, kwargs: dict) -> None:
     if found is None:
         return
     name, factory = found
-    bound = _bound(func, args, kwargs)
+    bound = bound_arguments(func, args, kwargs)
     value = _number(bound.get(name))
     if value is None or not math.isfinite(value):
         return
@@ -85,19 +90,11 @@ def check_fill_fits(func: Any, args: tuple, kwargs: dict) -> None:
     type_name = _TYPE_NAMES.get(dtype)
     if type_name is None or abs(value) <= torch.finfo(dtype).max:
         return
-    from .draws import user_line
-
     where = user_line(traceback.extract_stack())
     raise ScalarOverflow(
         f"value cannot be converted to type {type_name} without overflow ({func}{f' at {where}' if where else ''}: "
         f"{value!r} does not fit {dtype}; the real step raises this too)"
     )
-
-
-def _bound(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    bound = {a.name: v for a, v in zip(func._schema.arguments, args)}
-    bound.update(kwargs)
-    return bound
 
 
 def _number(value: Any) -> float | int | None:
@@ -108,11 +105,9 @@ def _number(value: Any) -> float | int | None:
     if isinstance(value, (int, float)):
         return value
     if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
-        held = getattr(value, "constant", None) if hasattr(value, "fake_mode") else value
+        held = value.constant if isinstance(value, FakeTensor) else value
         if held is None:
             return None
-        from torch.utils._mode_utils import no_dispatch
-
         with no_dispatch():
             return held.item()
     return None

@@ -622,7 +622,6 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
                 f"{name} iteration",
                 operation=f"{name}.step(closure)",
             )
-        buffer_bytes = 0
         counter.start()
         with counter.paused():
             sums.calibrate()  # under the step's modes, before anything is counted

@@ -31,6 +31,8 @@ from typing import Any, Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .draws import user_line
+
 __all__ = ["checks_taken_as_passing"]
 
 
@@ -42,8 +44,6 @@ def _unknown(cond: Any) -> bool:
 def checks_taken_as_passing() -> Iterator[dict[str, int]]:
     """Patch ``torch._check_tensor_all_with`` and ``torch._check_tensor_all`` for the fake step;
     yields the lines of the checks taken as passing, with how often each ran."""
-    from .draws import user_line
-
     taken: dict[str, int] = {}
     with_error, plain = torch._check_tensor_all_with, torch._check_tensor_all
 
@@ -51,8 +51,6 @@ def checks_taken_as_passing() -> Iterator[dict[str, int]]:
         # the line that asked for the check, past a library's own checking helpers (transformers'
         # torch_check): the model's line is what a reader can act on
         frames = traceback.extract_stack()
-        while frames and "check" in frames[-1].name:
-            frames.pop()
         frames = [f for f in frames if "check" not in f.name] or frames
         line = user_line(frames) or "torch._check_tensor_all"
         taken[line] = taken.get(line, 0) + 1
