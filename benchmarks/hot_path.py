@@ -7,6 +7,7 @@
     python benchmarks/hot_path.py --reads            # us per device read, peak reset and driver read
     python benchmarks/hot_path.py --read-floor       # what the reads alone add to the tiny MLP's step (CUDA)
     python benchmarks/hot_path.py --workload gpt2 --by-layer --profile-only   # cProfile of profiled steps
+    python benchmarks/hot_path.py --by-layer --no-budget    # per-layer mode at every reported iteration
     python benchmarks/hot_path.py --by-position --print-period 10   # what each iteration of a period adds
     python benchmarks/hot_path.py --inside           # time inside each hook and its reads, in the real loop
     python benchmarks/hot_path.py --light-inside [--device cuda]   # what stays installed at "light", and its cost
@@ -308,7 +309,7 @@ def print_by_position(work, args, device: torch.device, sink) -> None:
     whole: list[float] = []
     for _ in range(max(args.rounds, 9)):
         before = block(None)
-        prof = MemoryProfiler(work.model, period, stream=sink, by_layer=args.by_layer)
+        prof = MemoryProfiler(work.model, period, stream=sink, by_layer=args.by_layer, **_budget(args))
         # The profiler's first period holds its learning iteration: leave it out.
         times = block(prof)[period:]
         prof.close()
@@ -381,7 +382,7 @@ def print_timeline(work, args, device: torch.device, sink, steps: int = 20) -> N
 
     def warmed(by_layer: bool, off: Iterable[str] = ()) -> MemoryProfiler:
         """A profiler with ``off`` switched off, past its learning iteration."""
-        prof = MemoryProfiler(work.model, 1, stream=sink, by_layer=by_layer)
+        prof = MemoryProfiler(work.model, 1, stream=sink, by_layer=by_layer, **_budget(args))
         prof._guard.disabled.update(off)
         for _ in range(3):
             work.step()
@@ -473,7 +474,7 @@ def print_time_inside_hooks(work, args, device: torch.device, sink, null_counter
     meter_module.make_counter = make_timed_counter
     try:
         base = median([run(work, args.steps, None, device) for _ in range(3)])
-        prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer)
+        prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer, **_budget(args))
         run(work, 20, prof, device)
         spent.clear()
         with_prof = run(work, args.steps, prof, device)
@@ -562,7 +563,7 @@ def print_light_inside(work, args, device: torch.device, sink, steps: int = 300)
 
     def profiler() -> MemoryProfiler:
         """A profiler past its learning iteration, its hooks asleep."""
-        prof = MemoryProfiler(model, 10**9, stream=sink, by_layer=args.by_layer)
+        prof = MemoryProfiler(model, 10**9, stream=sink, by_layer=args.by_layer, **_budget(args))
         for _ in range(5):
             work.step()
             prof.record_stats()
@@ -650,6 +651,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--host-cost", action="store_true", help="only the host cost per iteration, on the CPU")
     parser.add_argument("--by-layer", action="store_true", help="the profiler with by_layer=True")
+    parser.add_argument("--no-budget", action="store_true", help="the profiler with overhead=None (no cost budget)")
     parser.add_argument("--profile-only", action="store_true", help="only the cProfile of the profiled steps")
     parser.add_argument("--reads", action="store_true", help="only the cost of each device read (CUDA)")
     parser.add_argument("--read-floor", action="store_true", help="what the allocator reads alone add to the step (CUDA)")
@@ -736,7 +738,7 @@ def main() -> None:
             before = run(work, args.steps, None, device)
             meter_module.make_counter = (lambda d: NullCounter(d)) if parts.get("counter") else real_make_counter
             StepHooks._backward_started = (lambda self, g: None) if parts.get("backward") else real_backward_started
-            prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer)
+            prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer, **_budget(args))
             if parts.get("outputs"):
                 prof._sinks = prof._record_outputs = []
             with_ = run(work, args.steps, prof, device)
@@ -759,9 +761,15 @@ def main() -> None:
     print_profile(work, args, device, sink)
 
 
+def _budget(args: argparse.Namespace) -> dict:
+    """The profiler's cost budget for ``args``: none with ``--no-budget`` (every reported iteration at
+    the richest level allowed, as the overhead benchmark's per-layer rows run), else the default."""
+    return {"overhead": None} if getattr(args, "no_budget", False) else {}
+
+
 def print_profile(work, args, device: torch.device, sink) -> None:
     """cProfile of ``args.steps`` profiled steps: the costliest functions, then this package's."""
-    prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer)
+    prof = MemoryProfiler(work.model, args.print_period, stream=sink, by_layer=args.by_layer, **_budget(args))
     out = io.StringIO()
     profile = cProfile.Profile()
     profile.enable()

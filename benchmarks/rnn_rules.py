@@ -3,6 +3,7 @@
     python benchmarks/rnn_rules.py --out results/      # on a GPU: about a minute on an H100
     python benchmarks/rnn_rules.py --quick --device cpu  # the estimate's side only, seconds: a smoke test
     python benchmarks/rnn_rules.py --grid 500 --out results/  # the rule against cuDNN's own answer, seconds on a GPU
+    python benchmarks/rnn_rules.py --packed 60 --out results/  # layers over packed batches: run, and asked
 
 For a grid of ``nn.LSTM``/``nn.GRU`` configurations (layers, hidden and input size,
 sequence length, batch, bidirectional, ``batch_first``, fp32 and bf16 autocast), on
@@ -48,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchutil import environment_line, markdown_table, output_dir  # noqa: E402
 
 from pytorch_mem_profiler import estimate_memory  # noqa: E402
-from pytorch_mem_profiler.estimate.rnn import cudnn_rnn_buffers  # noqa: E402
+from pytorch_mem_profiler.estimate.rnn import cudnn_rnn_buffers, dropout_state_bytes  # noqa: E402
 
 BASE = {"mode": "lstm", "layers": 2, "hidden": 512, "input": 256, "seq": 128, "batch": 32, "bidirectional": False, "batch_first": False, "autocast": None}
 VARIED = {
@@ -235,6 +236,113 @@ def grid(device: torch.device, count: int, seed: int = 0) -> dict[str, Any]:
     return {"configurations": count, "asked": asked, "outside_bound": outside, "reserve_exact": reserve_exact, "rows": rows}
 
 
+#: The packed grid's axes (``--packed``): a bidirectional or one-way layer over sequences of unequal lengths.
+PACKED_AXES = {
+    "mode": ["lstm", "gru"], "layers": [1, 2], "hidden": [64, 256, 512, 1024], "input": [64, 256, 512],
+    "seq": [16, 64, 200], "batch": [4, 16, 32, 64], "bidirectional": [False, True],
+    "dtype": [torch.float32, torch.float32, torch.float16], "dropout": [0.0, 0.1],
+}  # fmt: skip
+
+
+def packed_configurations(count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``count`` configurations drawn from :data:`PACKED_AXES`, each with its sequences' lengths (1
+    to ``seq``, the longest ``seq``: a padded batch of ``seq`` steps), the same for the same seed."""
+    import random
+
+    draw = random.Random(seed)
+    out = []
+    for _ in range(count):
+        c = {key: draw.choice(values) for key, values in PACKED_AXES.items()}
+        c["lengths"] = [c["seq"]] + [draw.randint(1, c["seq"]) for _ in range(c["batch"] - 1)]
+        out.append(c)
+    return out
+
+
+def measure_packed(c: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """One forward and backward of the real layer over a packed batch (after a warm-up): the reserve
+    it saves (the uint8 tensor), the forward's peak above what it leaves, the backward's above its start."""
+    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+    kind = nn.LSTM if c["mode"] == "lstm" else nn.GRU
+    model = kind(c["input"], c["hidden"], c["layers"], bidirectional=c["bidirectional"], dropout=c["dropout"]).to(device, c["dtype"])
+    padded = torch.randn(c["seq"], c["batch"], c["input"], device=device, dtype=c["dtype"])
+    packed = pack_padded_sequence(padded, torch.tensor(c["lengths"]), enforce_sorted=False)
+    data = packed.data.detach().requires_grad_()
+    inp = PackedSequence(data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
+    for _ in range(2):
+        model(inp)[0].data.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    data.grad = None
+    _fresh()
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.uint8:
+            saved.append(t.untyped_storage().nbytes())
+        return t
+
+    before = torch.cuda.memory_allocated()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, states = model(inp)
+    torch.cuda.synchronize()
+    after_forward = torch.cuda.memory_allocated()
+    forward_peak = torch.cuda.max_memory_allocated()
+    loss = out.data.float().sum()
+    del states
+    torch.cuda.reset_peak_memory_stats()
+    at_backward = torch.cuda.memory_allocated()
+    loss.backward()
+    torch.cuda.synchronize()
+    # cuDNN's dropout state (ATen's, kept for the process once a layer trained with dropout) is saved too
+    properties = torch.cuda.get_device_properties(device)
+    state, _ = dropout_state_bytes((properties.multi_processor_count, properties.max_threads_per_multi_processor))
+    dropout_state = state if len(saved) > 1 and state in saved else 0
+    result = {
+        "batch_sizes": packed.batch_sizes.tolist(),
+        "forward_leaves": after_forward - before,
+        "forward_workspace": forward_peak - after_forward,
+        "backward_above_start": torch.cuda.max_memory_allocated() - at_backward,
+        "reserve": sum(saved) - dropout_state,
+        "dropout_state": dropout_state,
+    }
+    del model, padded, packed, data, inp, out, loss
+    return result
+
+
+def packed(device: torch.device, count: int, seed: int = 0) -> dict[str, Any]:
+    """Recurrent layers over packed batches (``--packed``): the real layer's reserve and workspace
+    (:func:`measure_packed`) beside cuDNN's answer for the packed descriptor ATen makes, its answer
+    for the padded batch of the same longest length, and the rule (:func:`cudnn_rnn_buffers`) for
+    the padded batch and for the packed rows as one step."""
+    from pytorch_mem_profiler.measure.cudnn_sizes import packed_lengths, rnn_temp_sizes
+
+    rows = []
+    for c in packed_configurations(count, seed):
+        element = torch.empty((), dtype=c["dtype"]).element_size()
+        directions = 2 if c["bidirectional"] else 1
+        layer = measure_packed(c, device)
+        lengths = packed_lengths(layer["batch_sizes"])
+        shape = dict(input_size=c["input"], hidden=c["hidden"], proj=0, layers=c["layers"], bidirectional=c["bidirectional"],
+                     dtype=c["dtype"], dropout=c["dropout"])  # fmt: skip
+        asked = rnn_temp_sizes(device, c["mode"], **shape, seq_len=max(lengths), batch=len(lengths), lengths=lengths)
+        padded = rnn_temp_sizes(device, c["mode"], **shape, seq_len=c["seq"], batch=c["batch"])
+        rules = {
+            key: cudnn_rnn_buffers(c["mode"], seq_len=t, batch=b, hidden=c["hidden"], proj=c["hidden"], layers=c["layers"],
+                                   directions=directions, element_size=element, input_size=c["input"])  # fmt: skip
+            for key, (t, b) in (("rule_padded", (c["seq"], c["batch"])), ("rule_rows", (1, sum(c["lengths"]))))
+        }
+        row = {**c, "dtype": str(c["dtype"]).removeprefix("torch."), "tokens": sum(c["lengths"]), **layer}
+        for key, answer in (("asked_packed", asked), ("asked_padded", padded)):
+            if answer is not None:
+                row[key] = {"forward_workspace": answer.forward_workspace, "backward_workspace": answer.backward_workspace,
+                            "reserve": answer.reserve}  # fmt: skip
+        for key, buffers in rules.items():
+            row[key] = {"workspace": buffers.workspace, "reserve": buffers.reserve, "bound": buffers.bound}
+        rows.append(row)
+    exact = sum(1 for r in rows if r.get("asked_packed", {}).get("reserve") == r["reserve"])
+    return {"configurations": count, "reserve_exact_asked_packed": exact, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for rnn_rules.json and rnn_rules.md (default: $OUT)")
@@ -242,8 +350,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--quick", action="store_true", help="small sizes, six configurations")
     parser.add_argument("--grid", type=int, metavar="N", help="instead: the rule against cuDNN's own answer on N drawn configurations")
     parser.add_argument("--seed", type=int, default=0, help="the grid's draws (--grid): another seed, other configurations")
+    parser.add_argument("--packed", type=int, metavar="N", help="instead: N layers over packed batches, run and asked (GPU)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.packed:
+        found = packed(device, args.packed, args.seed)
+        print(f"{environment_line(device)}: {found['configurations']} packed layers, the reserve as cuDNN answers the "
+              f"packed descriptor on {found['reserve_exact_asked_packed']}")  # fmt: skip
+        out = output_dir(args.out)
+        if out is not None:
+            (out / "rnn_rules_packed.json").write_text(json.dumps(found, indent=1))
+        return found["rows"]
     if args.grid:
         found = grid(device, args.grid, args.seed)
         line = (f"{environment_line(device)}: {found['configurations']} configurations, cuDNN answered {found['asked']}; "

@@ -167,6 +167,40 @@ def measured_peak(build, make_input, optimizer, *, autocast=None, loss_fn=None, 
     return max(peaks)
 
 
+def cuda_measured_peak(build, inputs, loss_fn, optimizer=None) -> int:
+    """Peak ``torch.cuda.max_memory_allocated()`` over two steps (AdamW unless ``optimizer`` says) above
+    what was allocated before the model (after a warm-up step, whose libraries' workspaces stay), as the
+    zoo's conformance run measures. ``inputs``: a tensor, a dict of keywords, or a list of positional
+    parts handed over as one argument; the output is held through backward, as in the estimate's step."""
+
+    def steps(n: int) -> None:
+        model = build().cuda()
+        opt = (optimizer or functools.partial(torch.optim.AdamW, lr=1e-4))(model.parameters())
+        if isinstance(inputs, dict):
+            x = {k: v.cuda() for k, v in inputs.items()}
+        elif isinstance(inputs, (list, tuple)):
+            x = [v.cuda() for v in inputs]
+        else:
+            x = inputs.cuda()
+        for _ in range(n):
+            out = model(**x) if isinstance(x, dict) else model(x)
+            loss = loss_fn(out)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out, loss
+
+    steps(1)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    steps(2)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 class KeywordInputs(torch.nn.Module):
     """A model given its inputs as one dict (as ``measured_peak`` calls it) or as keywords (as the
     estimate calls a model whose example inputs are a dict): a transformers model's batch."""

@@ -15,39 +15,12 @@ from torch import nn
 from pytorch_mem_profiler import estimate_memory
 from pytorch_mem_profiler.estimate.draws import Draws
 
-from .helpers import transformers_or_skip
+from .helpers import cuda_measured_peak, transformers_or_skip
 
 pytestmark = pytest.mark.cuda
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
 BATCH, SEQ, VOCAB = 8, 512, 32_000
-
-
-def _measured(build, inputs, loss_fn) -> int:
-    """Peak allocated over two AdamW steps above what was allocated before the model (after a
-    warm-up step, whose libraries' workspaces stay), as the zoo's conformance run measures."""
-
-    def steps(n: int) -> None:
-        model = build().cuda()
-        opt = ADAMW(model.parameters())
-        x = {k: v.cuda() for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.cuda()
-        for _ in range(n):
-            out = model(**x) if isinstance(x, dict) else model(x)
-            loss = loss_fn(out)
-            loss.backward()  # the output held through backward, as in the estimate's step
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del out, loss
-
-    steps(1)
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    steps(2)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def _opt():
@@ -70,7 +43,7 @@ def test_a_mask_of_ones_made_on_the_gpu_is_skipped_as_the_real_step_skips_it(mon
     CUDA step reads it the same way; without the values it builds a (batch, 1, length, length) mask
     the real step does not."""
     inputs = {"input_ids": torch.randint(0, VOCAB, (BATCH, SEQ))}
-    measured = _measured(_opt, inputs, _logits_loss)
+    measured = cuda_measured_peak(_opt, inputs, _logits_loss)
     estimate = estimate_memory(_opt, inputs, optimizer=ADAMW, loss_fn=_logits_loss, device="cuda", fit=False)
     assert abs(estimate.peak - measured) <= 0.005 * measured, (estimate.peak, measured)
     assert _masks_built(estimate) == 0
@@ -109,7 +82,7 @@ def test_a_draw_on_the_gpu_is_taken_in_the_fake_step_and_its_read_noted():
     x = torch.randn(512, 1024)
     build = functools.partial(DeviceLayerDrop, 0.0)
     loss = lambda out: out.float().pow(2).mean()  # noqa: E731
-    measured = _measured(build, x, loss)
+    measured = cuda_measured_peak(build, x, loss)
     estimate = estimate_memory(build, x, optimizer=ADAMW, loss_fn=loss, device="cuda", fit=False)
     assert abs(estimate.peak - measured) <= 0.005 * measured, (estimate.peak, measured)
     assert any("torch.rand([], device=x.device)" in line for line in estimate.random_reads)
@@ -125,7 +98,7 @@ def test_a_mask_of_ones_sent_from_the_cpu_is_skipped_as_the_real_step_skips_it(m
     the user gave, whether the inputs are a template on the CPU, on the GPU or a function. Without
     the value it builds (batch, 1, length, length) masks the real step does not."""
     inputs = _ones_batch(BATCH)
-    measured = _measured(_opt, inputs, _logits_loss)
+    measured = cuda_measured_peak(_opt, inputs, _logits_loss)
     on_gpu = {k: v.cuda() for k, v in inputs.items()}
     for given in (inputs, on_gpu, _ones_batch):
         estimate = estimate_memory(_opt, given, batch_size=BATCH, optimizer=ADAMW, loss_fn=_logits_loss, device="cuda", fit=False)
@@ -153,6 +126,6 @@ def test_a_model_that_fails_on_a_built_mask_is_estimated_as_it_runs():
 
     inputs = _ones_batch(BATCH)
     loss = lambda out: out.logits.float().mean()  # noqa: E731
-    measured = _measured(build, inputs, loss)
+    measured = cuda_measured_peak(build, inputs, loss)
     estimate = estimate_memory(build, inputs, optimizer=ADAMW, loss_fn=loss, device="cuda", fit=False)
     assert abs(estimate.peak - measured) <= 0.02 * measured, (estimate.peak, measured)

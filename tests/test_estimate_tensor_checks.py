@@ -59,31 +59,40 @@ def test_a_check_on_values_the_step_has_fails_as_the_real_step_fails():
         estimate_memory(build, fixed, batch_size=2, device="cpu", fit=False)
 
 
+class Llava(nn.Module):
+    """transformers' Llava (a CLIP vision tower, a Llama decoder), its batch ``[token ids, pixels]`` as
+    one list; ``image`` pixels a side in patches of 8 (or 16 from 64 up), ``width`` the decoder's width."""
+
+    def __init__(self, image: int = 32, width: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        transformers = transformers_or_skip()
+        torch.manual_seed(0)
+        patch = 16 if image >= 64 else 8
+        vision = transformers.CLIPVisionConfig(image_size=image, patch_size=patch, hidden_size=width // 2,
+                                               intermediate_size=width, num_hidden_layers=layers, num_attention_heads=4)  # fmt: skip
+        text = transformers.LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)  # fmt: skip
+        config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=255, vision_feature_layer=-1,
+                                          vision_feature_select_strategy="full")  # fmt: skip
+        self.model = transformers.LlavaForConditionalGeneration(config)
+        self.image_tokens = (image // patch) ** 2 + 1  # the patches and the class token
+
+    def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        ids, pixels = batch
+        return self.model(input_ids=ids, pixel_values=pixels).logits
+
+
+def llava_inputs(batch: int, image: int = 32, text: int = 20) -> list[torch.Tensor]:
+    """A Llava batch: as many image tokens as the vision tower gives features, then ``text`` tokens."""
+    patch = 16 if image >= 64 else 8
+    image_ids = torch.full((batch, (image // patch) ** 2 + 1), 255, dtype=torch.long)
+    return [torch.cat([image_ids, torch.randint(1, 255, (batch, text))], 1), torch.randn(batch, 3, image, image)]
+
+
 def test_a_vision_language_model_is_estimated_to_the_byte_on_the_cpu():
     """transformers' Llava checks that its image tokens match the image features it scatters into them."""
-    transformers = transformers_or_skip()
-
-    class Llava(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            vision = transformers.CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
-                                                   num_hidden_layers=2, num_attention_heads=4)  # fmt: skip
-            text = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
-            config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=255, vision_feature_layer=-1,
-                                              vision_feature_select_strategy="full")  # fmt: skip
-            self.model = transformers.LlavaForConditionalGeneration(config)
-
-        def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
-            ids, pixels = batch
-            return self.model(input_ids=ids, pixel_values=pixels).logits
-
-    def inputs(batch: int) -> list[torch.Tensor]:
-        image = torch.full((batch, 17), 255, dtype=torch.long)  # 16 patches and the class token
-        return [torch.cat([image, torch.randint(1, 255, (batch, 20))], 1), torch.randn(batch, 3, 32, 32)]
-
+    transformers_or_skip()
     adamw = functools.partial(torch.optim.AdamW, lr=1e-4)
-    measured = measured_peak(Llava, lambda: inputs(2), adamw)
-    estimate = estimate_memory(Llava, inputs, optimizer=adamw, batch_size=2, device="cpu", fit=False)
+    measured = measured_peak(Llava, lambda: llava_inputs(2), adamw)
+    estimate = estimate_memory(Llava, llava_inputs, optimizer=adamw, batch_size=2, device="cpu", fit=False)
     assert estimate.peak == measured

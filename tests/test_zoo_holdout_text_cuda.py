@@ -41,10 +41,6 @@ pytestmark = pytest.mark.cuda
 #: backward's own blocks (reserved -2.7%, peak -0.08%, 111 fits under 3.5 GiB and 123 runs out, H200,
 #: 2026-11-29).
 KNOWN: dict[str, str] = {
-    "packed_lstm": (
-        "refused on CUDA naming aten._pack_padded_sequence (the LSTM takes cuDNN's packed kernel there, whose "
-        "buffers are not measured yet); exact to the byte on the CPU since 2026-11-29"
-    ),
     "wav2vec2": (
         "reserved -14.7% (peak +5.1%, inside its stated bound of 4.6% plus 2%; H200, 2026-11-28, once the CTC "
         "loss's lengths were read again inside the fake mode; its upper reserved figure -13.9%)"

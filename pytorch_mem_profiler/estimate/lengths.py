@@ -45,7 +45,6 @@ from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
-from torch._guards import detect_fake_mode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .operator_args import bound_arguments
@@ -132,15 +131,12 @@ def _pack_padded_sequence(args: tuple, kwargs: dict) -> Any:
     input's dtype, and ``batch_sizes``, the number of sequences still running at each step: a real
     int64 tensor of the host, as the kernel makes it, which the recurrent layers' kernels and
     ``pad_packed_sequence`` (see :mod:`.packed_sequences`) read. Lengths without values are refused,
-    naming the operator, and so is a CUDA estimate (on fake CUDA tensors or emulated): there the
-    LSTM takes cuDNN's packed kernel, whose buffers have not been measured on a GPU."""
+    naming the operator. The kernel makes the same two on CUDA (the data on the device, ``batch_sizes``
+    on the host), where the recurrent layers take cuDNN's packed kernel (:mod:`.rnn`)."""
     given = bound_arguments(aten._pack_padded_sequence.default, args, kwargs)
     lengths = _values(given["lengths"])
     x = given["input"]
-    mode = detect_fake_mode((x,))
-    target = getattr(mode, "kernels", None) or x.device.type
-    if lengths is None or target != "cpu":
-        # on CUDA the packed LSTM runs cuDNN's packed kernel, whose buffers are not measured yet
+    if lengths is None:
         raise DynamicOutputShapeException(aten._pack_padded_sequence.default)
     data = x.new_empty((sum(lengths), *x.shape[2:]))
     with _disable_current_modes():

@@ -19,6 +19,10 @@ nothing else. ATen's CUDA code (``aten/src/ATen/native/Loss.cpp``) is a composit
 :class:`LossRules` (a ``TorchFunctionMode`` for the length of a CUDA estimate's step)
 runs the loss as an autograd function that makes ATen's tensors, in ATen's order, with
 fake tensors. Under autocast the loss runs in float32, as CUDA's autocast casts it.
+``F.ctc_loss`` with a ``"mean"`` or ``"sum"`` reduction is reduced as ATen reduces it for plain
+tensors (its composite takes another branch for tensor subclasses, fake ones included: a
+division by the lengths where they lie, which fails for lengths kept on the host beside a CUDA
+loss, where the real step runs).
 What is not covered: a full reduction's own scratch (a ``mean`` of a large loss takes
 two 512-byte blocks inside its kernel on an H200), a ``target`` that requires a gradient
 (the operator runs as the fake mode runs it).
@@ -101,6 +105,8 @@ class LossRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if func is F.ctc_loss:
+            return _ctc_loss_reduced(args, kwargs)
         parsed = None
         if func is F.binary_cross_entropy_with_logits:
             parsed = _functional_args(args, kwargs)
@@ -117,6 +123,27 @@ class LossRules(TorchFunctionMode):
             )
         with torch.autocast(self.autocast_device, enabled=False):
             return _BCEWithLogits.apply(input, target, weight, pos_weight, reduction)
+
+
+def _ctc_loss_reduced(args: tuple, kwargs: dict) -> Any:
+    """``F.ctc_loss`` as ATen reduces it for tensors that are not subclasses: the lengths read on the
+    host and the mean taken over the per-sequence losses divided by ``target_lengths`` made anew on
+    the loss's device (``at::tensor(target_lengths, res.options())``). Fake tensors are subclasses,
+    for which ATen divides by ``target_lengths`` where it lies: lengths kept on the host beside a
+    CUDA loss made the fake step fail where the real one runs."""
+    names = ("log_probs", "targets", "input_lengths", "target_lengths", "blank", "reduction", "zero_infinity")
+    bound = {"blank": 0, "reduction": "mean", "zero_infinity": False, **dict(zip(names, args)), **kwargs}
+    log_probs, target_lengths, reduction = bound.get("log_probs"), bound.get("target_lengths"), bound["reduction"]
+    if reduction not in ("mean", "sum") or not isinstance(log_probs, torch.Tensor) or log_probs.dim() != 3:
+        return F.ctc_loss(*args, **kwargs)
+    losses = F.ctc_loss(**{**bound, "reduction": "none"})
+    if reduction == "sum":
+        return losses.sum()
+    if isinstance(target_lengths, torch.Tensor):
+        divisor = target_lengths.to(losses.device, torch.long, copy=True)
+    else:
+        divisor = torch.tensor(list(target_lengths), dtype=torch.long, device=losses.device)
+    return (losses / divisor.clamp_min(1)).mean()
 
 
 def _functional_args(args: tuple, kwargs: dict) -> tuple | None:

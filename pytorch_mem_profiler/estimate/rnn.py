@@ -428,7 +428,16 @@ class CudnnRNNRules(TorchFunctionMode):
             if dtype != x.dtype:
                 x = x.to(dtype)
                 states = [s.to(dtype) for s in states]
+            lengths = None
             if packed:
+                from torch.utils._python_dispatch import _disable_current_modes
+
+                from ..measure.cudnn_sizes import packed_lengths
+
+                # batch_sizes is a real host tensor (see :mod:`.lengths`): the sequences' lengths, read
+                # outside the fake mode
+                with _disable_current_modes():
+                    lengths = packed_lengths([int(n) for n in args[1].tolist()])
                 seq_len, batch = 1, x.shape[0]
             else:
                 seq_len, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
@@ -448,7 +457,7 @@ class CudnnRNNRules(TorchFunctionMode):
             # something the rule's bound covered and this does not tell apart
             asked = None if autocast else self._asked(
                 mode, x, hidden=hidden, proj=proj, layers=layers, bidirectional=bool(bidirectional), seq_len=seq_len,
-                batch=batch, dtype=dtype, dropout=float(_drop), train=bool(train), packed=packed,
+                batch=batch, dtype=dtype, dropout=float(_drop), train=bool(train), lengths=lengths,
             )  # fmt: skip
             if asked is not None:
                 # cuDNN's own answer, as ATen asks it before each call: exact, no bound left
@@ -484,16 +493,19 @@ class CudnnRNNRules(TorchFunctionMode):
         return tuple(outputs)
 
     def _asked(self, mode: str, x: torch.Tensor, *, hidden: int, proj: int, layers: int, bidirectional: bool, seq_len: int,
-               batch: int, dtype: torch.dtype, dropout: float, train: bool, packed: bool) -> Any:  # fmt: skip
+               batch: int, dtype: torch.dtype, dropout: float, train: bool, lengths: tuple[int, ...] | None) -> Any:  # fmt: skip
         """cuDNN's own sizes for this training call (:func:`~..measure.cudnn_sizes.rnn_temp_sizes`), where
-        the estimate's device is a GPU here and ``exact`` is on; ``None``: the rule stands."""
-        if not self.exact or packed or not train or x.device.type != "cuda":
+        the estimate's device is a GPU here and ``exact`` is on; ``None``: the rule stands. ``lengths``:
+        a packed batch's sequence lengths (asked with ATen's packed descriptor), else ``None``."""
+        if not self.exact or not train or x.device.type != "cuda":
             return None
         from ..measure.cudnn_sizes import rnn_temp_sizes
 
+        if lengths is not None:
+            seq_len, batch = max(lengths, default=0), len(lengths)
         return rnn_temp_sizes(x.device, mode, input_size=x.shape[-1], hidden=hidden, proj=0 if proj == hidden else proj,
                               layers=layers, bidirectional=bidirectional, seq_len=seq_len, batch=batch, dtype=dtype,
-                              dropout=dropout)  # fmt: skip
+                              dropout=dropout, lengths=lengths)  # fmt: skip
 
     def _make_dropout_state(self, x: torch.Tensor) -> None:
         """ATen's ``get_dropout_state``: a seed drawn into a scalar on the device and read back

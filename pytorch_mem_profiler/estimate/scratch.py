@@ -368,6 +368,63 @@ def cudnn_attention_backward_scratch(query_shape: Sequence[int], grouped: Sequen
     return (4 * rows * head_dim + 4 * rows + CUDNN_ATTENTION_BACKWARD_PAD + sum(grouped),)
 
 
+def ctc_loss_scratch(batch: int) -> KernelSteps:
+    """The blocks CUDA's ``_ctc_loss`` takes for ``batch`` sequences (``ctc_loss_gpu_template``): the
+    targets' offsets copied to the device and the lengths made there (``batch`` int64 each), before its
+    outputs (``log_alpha``, the losses), given back at its return.
+
+    Example::
+
+        >>> tuple(ctc_loss_scratch(16))
+        (128, 128, 128)
+    """
+    small = 8 * batch
+    return KernelSteps([("take", small), ("take", small), ("take", small), ("outputs",), ("give", 0), ("give", 1), ("give", 2)])
+
+
+def ctc_loss_backward_scratch(
+    log_probs_shape: Sequence[int], log_alpha_shape: Sequence[int], element_size: int, *, zero_infinity: bool
+) -> KernelSteps:
+    """The blocks CUDA's ``_ctc_loss_backward`` takes (``ctc_loss_backward_gpu_template``) for log
+    probabilities of ``(frames, batch, classes)`` and ``log_alpha`` of ``(batch, frames, 2 L + 1)``:
+    the lengths and the targets' offsets on the device, ``log_beta`` (``log_alpha``'s size), then the
+    gradient; for a large problem (ATen's own test of the sizes) the blanks' term, a ``logsumexp``
+    over ``log_alpha + log_beta`` at the blank positions (``(batch, frames, L + 1)``: the sum, and
+    ``logsumexp``'s maxima, their ``abs() == inf`` test, the shifted copy and the result); with
+    ``zero_infinity`` the gradient is made again by ``where`` (the first one given back after it).
+    The operator's output is the last gradient.
+
+    Example::
+
+        >>> steps = ctc_loss_backward_scratch((400, 16, 32), (16, 400, 121), 4, zero_infinity=False)
+        >>> sum(steps)  # log_beta, the sum and the shifted copy, maxima, result, the small blocks
+        6272384
+    """
+    frames, batch, classes = log_probs_shape
+    width = log_alpha_shape[2] // 2 + 1  # the blank positions: L + 1
+    small = 8 * batch
+    log_beta = math.prod(log_alpha_shape) * element_size
+    steps: list[tuple] = [("take", small), ("take", small), ("take", small), ("take", log_beta)]
+    taken = 4
+    if zero_infinity:
+        steps.append(("take", math.prod(log_probs_shape) * element_size))  # the first gradient
+        first = taken
+        taken += 1
+    else:
+        steps.append(("outputs",))
+    if 2 * frames + (24 * batch) // 10 + (2 * classes) // 10 > 450:
+        blanks = batch * frames * width * element_size
+        rows = batch * frames * element_size
+        steps += [("take", blanks), ("take", rows), ("take", rows), ("take", batch * frames)]  # sum, maxima, abs, == inf
+        steps += [("give", taken + 2), ("give", taken + 3), ("take", blanks), ("take", rows)]  # the shifted copy, result
+        steps += [("give", taken + 4), ("give", taken + 1), ("give", taken), ("give", taken + 5)]
+        taken += 6
+    if zero_infinity:
+        steps += [("take", batch), ("take", element_size), ("outputs",), ("give", taken), ("give", taken + 1), ("give", first)]
+    steps += [("give", 3), ("give", 0), ("give", 1), ("give", 2)]
+    return KernelSteps(steps)
+
+
 def flash_attention_backward_scratch(query_shape: Sequence[int], grouped: Sequence[int] = ()) -> tuple[int, ...]:
     """The buffers flash attention's backward makes for a query of ``(batch, heads, positions,
     head_dim)``: the query's gradient accumulated in float32 and a float per row, positions rounded
@@ -436,6 +493,25 @@ def grouped_query_gradients(query: torch.Tensor, key: torch.Tensor, value: torch
         return ()
     batch, heads = query.size(0), query.size(1)
     return tuple(batch * heads * t.size(2) * t.size(3) * t.element_size() for t in (key, value))
+
+
+def _ctc_loss(args: tuple, kwargs: dict) -> tuple[int, ...]:
+    log_probs = args[0] if args else kwargs.get("log_probs")
+    if not isinstance(log_probs, torch.Tensor):
+        return ()
+    return ctc_loss_scratch(log_probs.shape[1] if log_probs.dim() == 3 else 1)
+
+
+def _ctc_loss_backward(args: tuple, kwargs: dict) -> tuple[int, ...]:
+    # (grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity)
+    names = ("grad", "log_probs", "targets", "input_lengths", "target_lengths", "neg_log_likelihood", "log_alpha", "blank",
+             "zero_infinity")  # fmt: skip
+    bound = {**dict(zip(names, args)), **kwargs}
+    log_probs, log_alpha = bound.get("log_probs"), bound.get("log_alpha")
+    if not isinstance(log_probs, torch.Tensor) or not isinstance(log_alpha, torch.Tensor) or log_probs.dim() != 3:
+        return ()
+    return ctc_loss_backward_scratch(tuple(log_probs.shape), tuple(log_alpha.shape), log_probs.element_size(),
+                                     zero_infinity=bool(bound.get("zero_infinity", False)))  # fmt: skip
 
 
 def _efficient_attention_backward(args: tuple, kwargs: dict) -> tuple[int, ...]:
@@ -604,6 +680,10 @@ class KernelScratch:
             **({aten._safe_softmax.default: _safe_softmax} if hasattr(aten, "_safe_softmax") else {}),  # torch 2.5 and later
             aten._scaled_dot_product_flash_attention_backward.default: self._attention_backward(flash_attention_backward_scratch),
             aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
+            aten._ctc_loss.default: _ctc_loss,
+            aten._ctc_loss.Tensor: _ctc_loss,
+            aten._ctc_loss_backward.default: _ctc_loss_backward,
+            aten._ctc_loss_backward.Tensor: _ctc_loss_backward,
             # the CPU's flash kernel stands in for CUDA's where the emulation runs grouped-query attention
             aten._scaled_dot_product_flash_attention_for_cpu_backward.default: self._attention_backward(flash_attention_backward_scratch),
             **COPYING_OPERATORS,

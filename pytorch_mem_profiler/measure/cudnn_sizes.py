@@ -53,7 +53,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["RNNTempSizes", "rnn_algorithm", "rnn_temp_sizes"]
+__all__ = ["RNNTempSizes", "packed_lengths", "rnn_algorithm", "rnn_temp_sizes"]
 
 # cudnn_adv.h / cudnn_graph.h (cuDNN 8.x and 9.x)
 _ALGO_STANDARD, _ALGO_PERSIST_STATIC, _ALGO_PERSIST_STATIC_SMALL_H = 0, 1, 3
@@ -63,8 +63,8 @@ _UNIDIRECTIONAL, _BIDIRECTIONAL = 0, 1
 _LINEAR_INPUT = 0
 _DATA_TYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2}
 _DEFAULT_MATH, _TENSOR_OP_MATH, _FMA_MATH = 0, 1, 3
-_PADDED_IO_ENABLED = 1
-_SEQ_MAJOR_UNPACKED = 0
+_PADDED_IO_DISABLED, _PADDED_IO_ENABLED = 0, 1
+_SEQ_MAJOR_UNPACKED, _SEQ_MAJOR_PACKED = 0, 1
 _FWD_MODE_TRAINING = 1
 
 
@@ -184,6 +184,7 @@ def _dropout(index: int, probability: float) -> ctypes.c_void_p | None:
 def _ask(
     lib: ctypes.CDLL, handle: ctypes.c_void_p, dropout: ctypes.c_void_p, mode: str, *, algorithm: int, data_type: int,
     math_type: int, input_size: int, hidden: int, proj: int, layers: int, bidirectional: bool, seq_len: int, batch: int,
+    lengths: tuple[int, ...] | None = None,
 ) -> tuple[int, int] | None:  # fmt: skip
     rnn, data = ctypes.c_void_p(), ctypes.c_void_p()
     if lib.cudnnCreateRNNDescriptor(ctypes.byref(rnn)) != 0:
@@ -194,13 +195,17 @@ def _ask(
         compute = 0 if data_type == _DATA_TYPES[torch.float16] else data_type  # ATen's promote_rnn_math_type
         status = lib.cudnnSetRNNDescriptor_v8(
             rnn, algorithm, _MODES[mode], _DOUBLE_BIAS, _BIDIRECTIONAL if bidirectional else _UNIDIRECTIONAL, _LINEAR_INPUT,
-            data_type, compute, math_type, input_size, hidden, proj or hidden, layers, dropout, _PADDED_IO_ENABLED,
+            # ATen's RNN descriptor: padded input and output for an unpacked batch only
+            data_type, compute, math_type, input_size, hidden, proj or hidden, layers, dropout,
+            _PADDED_IO_ENABLED if lengths is None else _PADDED_IO_DISABLED,
         )  # fmt: skip
         if status != 0:
             return None
-        lengths = (ctypes.c_int * batch)(*([seq_len] * batch))
+        # a packed batch (ATen's descriptor for one): each sequence's length, longest first
+        layout = _SEQ_MAJOR_UNPACKED if lengths is None else _SEQ_MAJOR_PACKED
+        each = (ctypes.c_int * batch)(*([seq_len] * batch if lengths is None else lengths))
         fill = ctypes.c_double(0.0) if data_type == _DATA_TYPES[torch.float64] else ctypes.c_float(0.0)
-        if lib.cudnnSetRNNDataDescriptor(data, data_type, _SEQ_MAJOR_UNPACKED, seq_len, batch, input_size, lengths, ctypes.byref(fill)) != 0:
+        if lib.cudnnSetRNNDataDescriptor(data, data_type, layout, seq_len, batch, input_size, each, ctypes.byref(fill)) != 0:
             return None
         workspace, reserve = ctypes.c_size_t(), ctypes.c_size_t()
         if lib.cudnnGetRNNTempSpaceSizes(handle, rnn, _FWD_MODE_TRAINING, data, ctypes.byref(workspace), ctypes.byref(reserve)) != 0:
@@ -212,10 +217,22 @@ def _ask(
         lib.cudnnDestroyRNNDescriptor(rnn)
 
 
+def packed_lengths(batch_sizes: list[int]) -> tuple[int, ...]:
+    """A packed batch's sequence lengths, longest first, from its ``batch_sizes`` (how many
+    sequences still run at each step): what ATen hands cuDNN's packed data descriptor.
+
+    Example::
+
+        >>> packed_lengths([3, 2, 2, 1])  # ABCD, EFG, HI
+        (4, 3, 1)
+    """
+    return tuple(sum(1 for n in batch_sizes if n > i) for i in range(batch_sizes[0] if batch_sizes else 0))
+
+
 @functools.lru_cache(maxsize=4096)
 def _temp_sizes(
     index: int, mode: str, input_size: int, hidden: int, proj: int, layers: int, bidirectional: bool, seq_len: int,
-    batch: int, dtype: torch.dtype, tf32: bool, probability: float,
+    batch: int, dtype: torch.dtype, tf32: bool, probability: float, lengths: tuple[int, ...] | None = None,
 ) -> RNNTempSizes | None:  # fmt: skip
     made, dropout = _handle(index), _dropout(index, probability)
     if made is None or dropout is None:
@@ -229,8 +246,13 @@ def _temp_sizes(
     shape = dict(input_size=input_size, hidden=hidden, proj=proj, layers=layers, bidirectional=bidirectional, seq_len=seq_len, batch=batch)
     answers = []
     for forward in (True, False):
-        algorithm = rnn_algorithm(mode, **shape, half=half, double=double, forward=forward, device_properties=card)
-        answer = _ask(lib, handle, dropout, mode, algorithm=algorithm, data_type=data_type, math_type=math_type, **shape)
+        # ATen's get_algo: a packed input runs the standard algorithm (the persistent ones refuse
+        # lengths that vary across the batch)
+        algorithm = _ALGO_STANDARD if lengths is not None else rnn_algorithm(
+            mode, **shape, half=half, double=double, forward=forward, device_properties=card
+        )  # fmt: skip
+        answer = _ask(lib, handle, dropout, mode, algorithm=algorithm, data_type=data_type, math_type=math_type, **shape,
+                      lengths=lengths)  # fmt: skip
         if answer is None:
             return None
         answers.append(answer)
@@ -240,18 +262,23 @@ def _temp_sizes(
 
 def rnn_temp_sizes(
     device: torch.device, mode: str, *, input_size: int, hidden: int, proj: int, layers: int, bidirectional: bool,
-    seq_len: int, batch: int, dtype: torch.dtype, dropout: float,
+    seq_len: int, batch: int, dtype: torch.dtype, dropout: float, lengths: tuple[int, ...] | None = None,
 ) -> RNNTempSizes | None:  # fmt: skip
     """What cuDNN takes for one training call of this layer on ``device`` (see the module), or
     ``None`` where it cannot be asked: not a CUDA device here, a dtype cuDNN's RNN does not take, a
-    failing call. ``proj``: LSTM's ``proj_size`` (0: none); ``dropout``: between layers, in training."""
+    failing call. ``proj``: LSTM's ``proj_size`` (0: none); ``dropout``: between layers, in training;
+    ``lengths``: a packed batch's sequence lengths, longest first (``batch`` of them, the longest
+    ``seq_len``), as :func:`packed_lengths` reads them from ``batch_sizes``; ``None``: unpacked."""
     if device.type != "cuda" or dtype not in _DATA_TYPES or mode not in _MODES or batch < 1 or seq_len < 1:
+        return None
+    if lengths is not None and (len(lengths) != batch or max(lengths) != seq_len):
         return None
     try:
         if not torch.cuda.is_available():
             return None
         index = device.index if device.index is not None else torch.cuda.current_device()
         return _temp_sizes(index, mode, int(input_size), int(hidden), int(proj), int(layers), bool(bidirectional), int(seq_len),
-                           int(batch), dtype, bool(torch.backends.cudnn.allow_tf32), float(dropout))  # fmt: skip
+                           int(batch), dtype, bool(torch.backends.cudnn.allow_tf32), float(dropout),
+                           None if lengths is None else tuple(int(n) for n in lengths))  # fmt: skip
     except Exception:  # noqa: BLE001 - cuDNN could not be asked: the rule stands
         return None
