@@ -325,7 +325,7 @@ def test_on_fake_cuda_tensors_cudnn_s_own_sizes_replace_the_rule(monkeypatch, ex
     if exact is True:
         assert buffers == [111 * 512, 333 * 512]  # the forward's workspace, then the reserve
         assert asked == [("cuda", "gru", {"input_size": 16, "hidden": 24, "proj": 0, "layers": 2, "bidirectional": False,
-                                          "seq_len": 7, "batch": 5, "dtype": torch.float32, "dropout": 0.25})]  # fmt: skip
+                                          "seq_len": 7, "batch": 5, "dtype": torch.float32, "dropout": 0.25, "lengths": None})]  # fmt: skip
         assert rules.bounds == {} and rules.reserve_bounds == {}
     else:
         weight_buf = [sum(p.numel() for p in layer.parameters()) * 2] if exact == "autocast" else []

@@ -96,3 +96,55 @@ def test_a_vision_language_model_is_estimated_to_the_byte_on_the_cpu():
     measured = measured_peak(Llava, lambda: llava_inputs(2), adamw)
     estimate = estimate_memory(Llava, llava_inputs, optimizer=adamw, batch_size=2, device="cpu", fit=False)
     assert estimate.peak == measured
+
+
+class GaussianHead(nn.Module):
+    """A regressor with a Normal (or Student-t) head, trained by its negative log-likelihood, as a
+    probabilistic forecaster or an actor's policy is: ``torch.distributions`` validates the scale
+    (positive) and the sample (in the support) from values at each call."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 2 * 8))
+        self.kind = kind
+
+    def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        loc, raw = self.body(x).chunk(2, -1)
+        scale = nn.functional.softplus(raw) + 1e-3
+        if self.kind == "normal":
+            dist = torch.distributions.Normal(loc, scale, validate_args=True)
+        else:
+            dist = torch.distributions.StudentT(3.0 + scale.detach(), loc, scale, validate_args=True)
+        return -dist.log_prob(y).mean(-1)
+
+
+def _regression(batch: int) -> list[torch.Tensor]:
+    return [torch.randn(batch, 16), torch.randn(batch, 8)]
+
+
+@pytest.mark.parametrize("kind", ["normal", "student_t"])
+def test_a_distribution_s_validation_is_taken_as_passing_and_the_step_exact(kind):
+    """``torch.distributions`` checks its arguments and the sample (``torch._is_all_true``), refused
+    before at the distribution's line (transformers' Informer and time-series heads build one)."""
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-4)
+    build = functools.partial(GaussianHead, kind)
+    measured = measured_peak(build, lambda: _regression(4), adamw)
+    estimate = estimate_memory(build, _regression, optimizer=adamw, batch_size=4, device="cpu", fit=False)
+    assert estimate.peak == measured
+    assert any("taken as passing" in note and "test_estimate_tensor_checks.py" in note for note in estimate.notes), estimate.notes
+
+
+def test_a_distribution_s_validation_on_known_values_still_fails_as_the_real_step():
+    """A scale with values (a real tensor) that is not positive fails as torch fails it; one without
+    values (a fake tensor the step made) is taken as passing."""
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+    from pytorch_mem_profiler.estimate.tensor_checks import checks_taken_as_passing
+
+    with checks_taken_as_passing() as taken, pytest.raises(ValueError, match="scale"):
+        torch.distributions.Normal(torch.zeros(3), torch.full((3,), -1.0), validate_args=True)
+    assert taken == {}
+    with fake_mode(), checks_taken_as_passing() as taken:
+        torch.distributions.Normal(torch.zeros(3), torch.empty(3), validate_args=True)
+    assert sum(taken.values()) == 2  # the location and the scale: neither has values

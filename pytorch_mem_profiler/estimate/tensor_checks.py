@@ -4,7 +4,9 @@ Libraries check their inputs with ``torch._check_tensor_all_with(error_type, con
 (transformers' ``torch_check``: a vision-language model checks that its image tokens match the
 image features it scatters into them, ``special_image_mask.sum() == image_features.numel()``). A
 check reads its condition's value (``.item()``), which a fake tensor computed from the data (token
-ids drawn at random) does not have, and the estimate was refused at that line. A check decides only
+ids drawn at random) does not have, and the estimate was refused at that line; so were
+``torch.distributions``' checks of their arguments and samples (``if not torch._is_all_true(valid)``:
+a probabilistic forecaster's Student-t head, an actor's Normal policy). A check decides only
 whether the step raises: a step that runs passes it, and allocates what it allocates whatever the
 values. For the length of the fake step, :func:`checks_taken_as_passing` lets a check whose
 condition has no value pass and notes its line (the estimate reports them); a condition with a
@@ -42,10 +44,11 @@ def _unknown(cond: Any) -> bool:
 
 @contextlib.contextmanager
 def checks_taken_as_passing() -> Iterator[dict[str, int]]:
-    """Patch ``torch._check_tensor_all_with`` and ``torch._check_tensor_all`` for the fake step;
-    yields the lines of the checks taken as passing, with how often each ran."""
+    """Patch ``torch._check_tensor_all_with``, ``torch._check_tensor_all`` and ``torch._is_all_true``
+    (which ``torch.distributions`` validates its arguments and samples with) for the fake step; yields
+    the lines of the checks taken as passing, with how often each ran."""
     taken: dict[str, int] = {}
-    with_error, plain = torch._check_tensor_all_with, torch._check_tensor_all
+    with_error, plain, is_all_true = torch._check_tensor_all_with, torch._check_tensor_all, torch._is_all_true
 
     def note() -> None:
         # the line that asked for the check, past a library's own checking helpers (transformers'
@@ -67,8 +70,17 @@ def checks_taken_as_passing() -> Iterator[dict[str, int]]:
             return
         plain(cond, message)
 
-    torch._check_tensor_all_with, torch._check_tensor_all = check_with, check
+    def all_true(tensor: Any) -> Any:
+        # ``if not torch._is_all_true(valid): raise ...``: torch.distributions' argument and sample
+        # validation (on by default), read by ``bool()``; Python's True where the values are unknown
+        # (a tensor, even a real one, would be read through the fake mode)
+        if _unknown(tensor):
+            note()
+            return True
+        return is_all_true(tensor)
+
+    torch._check_tensor_all_with, torch._check_tensor_all, torch._is_all_true = check_with, check, all_true
     try:
         yield taken
     finally:
-        torch._check_tensor_all_with, torch._check_tensor_all = with_error, plain
+        torch._check_tensor_all_with, torch._check_tensor_all, torch._is_all_true = with_error, plain, is_all_true
