@@ -347,3 +347,54 @@ def test_a_fault_in_the_attribution_takes_its_hooks_away_by_the_iterations_end(c
         assert record.layers is None and record.peak_location is None and record.peak_layers is None
         assert record.peak_breakdown is not None
         assert sum(record.peak_breakdown.values()) == record.iteration_peak_allocated
+
+
+class SampledScores(nn.Module):
+    """Attention that picks its queries by scores it computes and drops (ProbSparse's sparsity
+    measure, a router's top-k): the scores' graph saves tensors the forward frees before it ends."""
+
+    def __init__(self, width: int = 32, picked: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k = nn.Linear(width, width), nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+        self.picked = picked
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.q(x), self.k(x)
+        scores = (q @ k.transpose(1, 2)).tanh().exp()  # saved: tanh's and exp's outputs, dropped below
+        top = scores.amax(-1).topk(self.picked, dim=-1).indices  # indices only: the graph above goes
+        del scores
+        rows = torch.gather(q, 1, top.unsqueeze(-1).expand(-1, -1, q.shape[-1]))
+        return self.out(torch.softmax(rows @ k.transpose(1, 2), -1) @ k)
+
+
+def _kept_at_forward_end(model: nn.Module, x: torch.Tensor) -> int:
+    """The user's own pack hook: bytes of the unique storages autograd saved that are alive when the
+    forward returns (parameters left out), the input included."""
+    import weakref
+
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: list[tuple[weakref.ref, int]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights and all(r() is not storage for r, _ in saved):
+            saved.append((weakref.ref(storage), storage.nbytes()))
+        return t.detach() if t.grad_fn is not None else t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    kept = sum(n for r, n in saved if r() is not None)
+    dropped = sum(n for r, n in saved if r() is None)
+    del out
+    return kept, dropped
+
+
+@needs_saved_tensor_watch
+def test_storages_saved_in_a_branch_the_forward_drops_are_not_counted():
+    model, x = SampledScores(), torch.randn(8, 64, 32)
+    kept, dropped = _kept_at_forward_end(model, x)
+    assert dropped > 0  # the scores' saved tensors were there, and went
+    record, _ = profile_one_step(model, x)
+    assert record.layers.total + record.layers.inputs == kept

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -72,19 +73,22 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 
 class SavedStorages:
-    """The user's own pack hook: unique storages autograd saves inside :meth:`hooks`, the
-    model's parameters and buffers left out (the forward's inputs kept: the profiler counts
-    them under ``"(input)"``)."""
+    """The user's own pack hook: unique storages autograd saves inside :meth:`hooks` and that are
+    alive when the forward returns (a storage saved in a branch the forward drops is not kept for
+    backward), the model's parameters and buffers left out (the forward's inputs kept: the
+    profiler counts them under ``"(input)"``)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.skip = {(str(t.device), t.untyped_storage().data_ptr()) for t in [*model.parameters(), *model.buffers()]}
-        self.seen: dict[tuple[str, int], int] = {}
+        self.seen: dict[tuple[str, int], tuple[weakref.ref, int]] = {}
+        self.total = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         for s in _storages(t):
             key = (str(s.device), s.data_ptr())
-            if key not in self.skip and s.data_ptr() != 0:
-                self.seen[key] = s.nbytes()
+            known = self.seen.get(key)
+            if key not in self.skip and s.data_ptr() != 0 and (known is None or known[0]() is None):
+                self.seen[key] = (weakref.ref(s), s.nbytes())  # new, or a dead one's address taken again
         # A saved output comes with the node that saves it: kept as it is, the two would hold each
         # other through C++ and a branch backward never reaches would stay allocated. Without hooks
         # autograd keeps it without its node; so does this hook.
@@ -95,10 +99,8 @@ class SavedStorages:
         self.seen = {}
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
             yield
-
-    @property
-    def total(self) -> int:
-        return sum(self.seen.values())
+        # the forward returned: what its saved storages still hold
+        self.total = sum(nbytes for ref, nbytes in self.seen.values() if ref() is not None)
 
 
 def call(model: nn.Module, inputs: Any) -> Any:

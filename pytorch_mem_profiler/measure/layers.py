@@ -59,6 +59,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from threading import get_ident
 from typing import Any, Callable
@@ -225,7 +226,9 @@ class LayerAttribution(Observer):
         # the forward's thread: the module hooks are global, and another thread's modules (a
         # DataParallel replica on another GPU) run meanwhile
         self._thread: int | None = None
-        self._seen: set[tuple[int, int]] = set()
+        # the storages this forward saw, by key; a counted one with a weak reference to it, where its
+        # bytes went and how many (a storage saved in a branch the forward drops dies before its end)
+        self._seen: dict[tuple[int, int], tuple[weakref.ref, tuple[str, str], int] | None] = {}
         self._inputs: set[tuple[int, int]] = set()
         self._current = LayerBreakdown()
         self.begin(None)
@@ -249,7 +252,7 @@ class LayerAttribution(Observer):
         that is not the root (``net`` under a wrapper whose method calls ``self.net``).
         """
         self._current = LayerBreakdown()
-        self._seen = set()
+        self._seen = {}
         self._inputs = set()
         self.resume(inputs, entry)
 
@@ -286,7 +289,19 @@ class LayerAttribution(Observer):
     def stop(self) -> LayerBreakdown:
         """End attributing (at the end of the forward) and hand back what was saved."""
         self.close()
+        self._drop_dead()
         return self._current
+
+    def _drop_dead(self) -> None:
+        """Take out what storages that died before the forward ended had counted: saved in a branch
+        whose graph the forward dropped (scores computed only for ``topk`` or ``argmax`` indices),
+        they are not kept for backward."""
+        by_module = self._current.by_module
+        for key, counted in list(self._seen.items()):
+            if counted is not None and counted[0]() is None:
+                _, slot, nbytes = counted
+                by_module[slot] -= nbytes
+                self._seen[key] = None
 
     @property
     def breakdown(self) -> LayerBreakdown:
@@ -361,6 +376,8 @@ class LayerAttribution(Observer):
 
     def forward_closed(self, kept: int | None) -> None:
         attributed, self._attributed = self._attributed, False
+        if attributed:
+            self._drop_dead()
         if kept is None:
             return
         if (
@@ -459,10 +476,9 @@ class LayerAttribution(Observer):
                 return
             storage = kept.untyped_storage()
             key = (storage.data_ptr(), dev.index or 0)
-            if key[0] == 0 or key in self._seen or key in self._state_ptrs:
+            if key[0] == 0 or key in self._state_ptrs or (key in self._seen and self._still_held(key)):
                 return
-            self._seen.add(key)
-            self._count(key, storage.nbytes(), kept)
+            self._count(key, storage, kept)
             return
         for t in tensors_in(kept):
             for part in storage_parts(t):
@@ -480,12 +496,21 @@ class LayerAttribution(Observer):
         else:
             key = _storage_key(part)
             storage = None
-        if key[0] == 0 or key in self._seen or key in self._state_ptrs:
+        if key[0] == 0 or key in self._state_ptrs or (key in self._seen and self._still_held(key)):
             return
-        self._seen.add(key)
-        self._count(key, (storage if storage is not None else part.untyped_storage()).nbytes(), saved)
+        self._count(key, storage if storage is not None else part.untyped_storage(), saved)
 
-    def _count(self, key: tuple[int, int], nbytes: int, saved: torch.Tensor) -> None:
+    def _still_held(self, key: tuple[int, int]) -> bool:
+        """Whether the storage counted at ``key`` is alive (not counted: taken as alive); a dead
+        one's bytes are taken out, and the storage now at its address is a new one."""
+        counted = self._seen[key]
+        if counted is None or counted[0]() is not None:
+            return True
+        _, slot, nbytes = counted
+        self._current.by_module[slot] -= nbytes
+        return False
+
+    def _count(self, key: tuple[int, int], storage: Any, saved: torch.Tensor) -> None:
         """A storage seen for the first time in this forward, not a weight's: its bytes go to the
         model's input or to the module running now."""
         if key in self._inputs:
@@ -494,8 +519,13 @@ class LayerAttribution(Observer):
             module = self._stack[-1][1] if self._stack else ""
             category = WEIGHT_COPIES if self._is_weight_copy(saved) else ACTIVATIONS
         slot = (module, category)
+        nbytes = storage.nbytes()
         by_module = self._current.by_module
         by_module[slot] = by_module.get(slot, 0) + nbytes
+        try:
+            self._seen[key] = (weakref.ref(storage), slot, nbytes)
+        except TypeError:  # a storage that takes no weak reference: taken as kept to the end
+            self._seen[key] = None
 
     def _is_weight_copy(self, t: torch.Tensor) -> bool:
         """A cast of a parameter (autocast's bf16/fp16 weight copies), or a view of one.
