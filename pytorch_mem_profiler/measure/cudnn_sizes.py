@@ -27,6 +27,13 @@ projections and ``batch_first``). Asking takes no device memory from torch's
 allocator: cuDNN's handle is made once per process (cuDNN keeps a little of its own
 device memory for it, outside the caching allocator).
 
+A packed batch (``pack_padded_sequence``) is asked with ATen's descriptor for one: the
+standard algorithm, padded input and output off, each sequence's length (``lengths=``, from
+``batch_sizes`` by :func:`packed_lengths`). On an H200 the answer was the layer's reserve to the
+byte and its forward workspace within the allocator's rounding on 60 drawn layers
+(``benchmarks/rnn_rules.py --packed 60``); asked with padded input and output on, as for an
+unpacked batch, the workspace came out up to 2.4x the real one.
+
 Where it cannot be asked (no GPU here, a dtype cuDNN's RNN does not take, a cuDNN
 the call fails on), :func:`rnn_temp_sizes` returns ``None``.
 ``benchmarks/rnn_rules.py --grid N`` checks the estimate's rule
