@@ -249,8 +249,9 @@ def _unsupported_as_errors() -> Iterator[None]:
             if isinstance(err, FakeKernelRefused):
                 name = str(err.func)
                 raise EstimateUnsupported(
-                    f"{name}{_reading_line(err)}: torch's fake kernel for it refused the call ({err}). Where "
-                    f"the real step runs this call, that kernel is stricter than the real one and the "
+                    f"{name}{_reading_line(err)}: torch's fake kernel for it refused the call ({err}). If the "
+                    f"real step fails there the same way, the inputs or the model are at fault, not the estimate; "
+                    f"where the real step runs this call, that kernel is stricter than the real one and the "
                     f"estimate has no rule for it. {REAL_PROFILER}",
                     name,
                 ) from err
