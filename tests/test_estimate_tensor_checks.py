@@ -148,3 +148,32 @@ def test_a_distribution_s_validation_on_known_values_still_fails_as_the_real_ste
     with fake_mode(), checks_taken_as_passing() as taken:
         torch.distributions.Normal(torch.zeros(3), torch.empty(3), validate_args=True)
     assert sum(taken.values()) == 2  # the location and the scale: neither has values
+
+
+class DelayAggregation(nn.Module):
+    """Autoformer's time-delay aggregation: the delays ``topk`` picks from the data, each read back as a
+    0-d index (``x[:, delays[i]]``: a view whichever delay) and used to roll the values."""
+
+    def __init__(self, width: int = 16, top: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.out = nn.Linear(width, width), nn.Linear(width, width)
+        self.top = top
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = self.proj(x)  # (batch, length, width)
+        scores = (v * x).mean(-1)  # (batch, length)
+        _, delays = torch.topk(scores.mean(0), self.top)
+        weights = torch.softmax(torch.stack([scores[:, delays[i]] for i in range(self.top)], -1), -1)
+        mixed = sum(weights[:, i, None, None] * torch.roll(v, -int(i), 1) for i in range(self.top))
+        return self.out(mixed)
+
+
+def test_indexing_by_a_position_the_data_picks_is_taken_as_zero_noted_and_exact():
+    """A 0-d integer index is a ``select`` (a view) whichever position it holds: refused before, exact now."""
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-4)
+    measured = measured_peak(DelayAggregation, lambda: torch.randn(4, 24, 16), adamw)
+    estimate = estimate_memory(DelayAggregation, lambda b: torch.randn(b, 24, 16), optimizer=adamw, batch_size=4, device="cpu", fit=False)
+    assert estimate.peak == measured
+    # three positions a step, over the two steps the estimate runs
+    assert any("indexed by 6 positions" in note and "test_estimate_tensor_checks.py" in note for note in estimate.notes), estimate.notes

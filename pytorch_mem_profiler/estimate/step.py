@@ -75,6 +75,7 @@ from .rnn import CudnnRNNRules, flatten_weights
 from .library_rules import library_rules
 from .module_conversions import swappable_fakes
 from .packed_sequences import padded_as_aten_does
+from .scalar_indices import scalar_indices_taken_as_zero
 from .tensor_checks import checks_taken_as_passing
 from .scripted import scripted_as_python
 from .scratch import KernelScratch
@@ -663,6 +664,8 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
                 around_the_step.enter_context(library_rules([*tensors_in(inputs), *tensors_in(targets)]))
                 around_the_step.enter_context(padded_as_aten_does())
                 checks_taken = around_the_step.enter_context(checks_taken_as_passing())
+                # a 0-d integer index without a value selects a view, whichever position: index 0, noted
+                indices_taken = around_the_step.enter_context(scalar_indices_taken_as_zero())
                 for step_number in (1, 2):
                     counter.step = step_number
                     for bounded in (rnn, scratch, outputs):
@@ -728,7 +731,8 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
         fallback = frozenset(scratch.fallback_bounds) if scratch is not None else frozenset()
         step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds), transient_bounds=frozenset(transient),
                                    fallback_bounds=fallback)  # fmt: skip
-    return dataclasses.replace(step, notes=(*compiled.notes(), *_stand_in_notes(mode.draws.stand_ins), *_check_notes(checks_taken)))
+    notes = (*compiled.notes(), *_stand_in_notes(mode.draws.stand_ins), *_check_notes(checks_taken), *_index_notes(indices_taken))
+    return dataclasses.replace(step, notes=notes)
 
 
 def _stand_in_notes(stand_ins: Mapping[str, int]) -> tuple[str, ...]:
@@ -746,13 +750,23 @@ def _stand_in_notes(stand_ins: Mapping[str, int]) -> tuple[str, ...]:
 
 def _check_notes(taken: Mapping[str, int]) -> tuple[str, ...]:
     """The report's note on checks of values the step does not have (see :mod:`.tensor_checks`)."""
+    return _lines_note(taken, "checked {n} condition{s} on values it does not have",
+                       "taken as passing, as in a step that runs; a check that fails stops the real step")  # fmt: skip
+
+
+def _index_notes(taken: Mapping[str, int]) -> tuple[str, ...]:
+    """The report's note on indexing by positions the step does not have (see :mod:`.scalar_indices`)."""
+    return _lines_note(taken, "indexed by {n} position{s} it does not have",
+                       "taken as 0; a 0-d integer index selects a view of the same shape and memory whichever "
+                       "position it picks")  # fmt: skip
+
+
+def _lines_note(taken: Mapping[str, int], what: str, then: str) -> tuple[str, ...]:
+    """One note for what the step did at the lines of ``taken`` (with how often), or none."""
     if not taken:
         return ()
     n = sum(taken.values())
-    return (
-        f"The step checked {n} condition{'s' if n != 1 else ''} on values it does not have ({'; '.join(taken)}): "
-        f"taken as passing, as in a step that runs; a check that fails stops the real step",
-    )
+    return (f"The step {what.format(n=n, s='s' if n != 1 else '')} ({'; '.join(taken)}): {then}",)
 
 
 def kernel_scratch(target: torch.device, *, measured: bool = False) -> KernelScratch | None:
