@@ -764,7 +764,7 @@ def main() -> None:
 def _budget(args: argparse.Namespace) -> dict:
     """The profiler's cost budget for ``args``: none with ``--no-budget`` (every reported iteration at
     the richest level allowed, as the overhead benchmark's per-layer rows run), else the default."""
-    return {"overhead": None} if getattr(args, "no_budget", False) else {}
+    return {"overhead": None} if args.no_budget else {}
 
 
 def print_profile(work, args, device: torch.device, sink) -> None:

@@ -49,15 +49,16 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .operator_args import bound_arguments
 
-__all__ = ["LENGTH_RULES", "length_rule"]
+__all__ = ["LENGTH_RULES", "known_values", "length_rule"]
 
 aten = torch.ops.aten
 
 
-def _values(lengths: Any) -> list[int] | None:
-    """``lengths`` as ints where they are known: a list, a real tensor, or a fake tensor with values.
+def known_values(lengths: Any) -> list[int] | None:
+    """``lengths`` as ints where they are known: a list, a real tensor, or a fake tensor with values
+    (lengths, ``batch_sizes``); ``None`` where they are not.
 
-    Read with the dispatch modes off: the rule runs inside the fake mode, where any operator on
+    Read with the dispatch modes off: the rules run inside the fake mode, where any operator on
     the values (a real tensor) would make a fake tensor of them, whose ``tolist()`` has no values.
     """
     if isinstance(lengths, (list, tuple)):
@@ -76,7 +77,7 @@ def _ctc_loss(func: Any) -> Callable[[tuple, dict], Any]:
         given = dict(zip(names, args))
         given.update(kwargs)
         log_probs, targets = given["log_probs"], given["targets"]
-        lengths = _values(given["target_lengths"])
+        lengths = known_values(given["target_lengths"])
         if lengths is not None:
             longest = max(lengths, default=0)
         elif targets.dim() == 2:
@@ -112,7 +113,7 @@ def _use_cudnn_ctc_loss(func: Any) -> Callable[[tuple, dict], Any]:
             and log_probs.device.type == "cuda"
         ):
             return False
-        inputs, target_lengths = _values(given["input_lengths"]), _values(given["target_lengths"])
+        inputs, target_lengths = known_values(given["input_lengths"]), known_values(given["target_lengths"])
         if inputs is None or target_lengths is None:
             raise DataDependentOutputException(func)
         return all(n == log_probs.shape[0] for n in inputs) and all(n <= 256 for n in target_lengths)
@@ -134,7 +135,7 @@ def _pack_padded_sequence(args: tuple, kwargs: dict) -> Any:
     naming the operator. The kernel makes the same two on CUDA (the data on the device, ``batch_sizes``
     on the host), where the recurrent layers take cuDNN's packed kernel (:mod:`.rnn`)."""
     given = bound_arguments(aten._pack_padded_sequence.default, args, kwargs)
-    lengths = _values(given["lengths"])
+    lengths = known_values(given["lengths"])
     x = given["input"]
     if lengths is None:
         raise DynamicOutputShapeException(aten._pack_padded_sequence.default)

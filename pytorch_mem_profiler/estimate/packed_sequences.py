@@ -32,15 +32,16 @@ from typing import Any, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import _disable_current_modes
+
+from .lengths import known_values
 
 __all__ = ["padded_as_aten_does"]
 
 
 def _pad_packed(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool, padding_value: float, total_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ATen's ``_pad_packed_sequence`` (``PackedSequence.cpp``), step for step."""
-    with _disable_current_modes():
-        sizes = [int(n) for n in batch_sizes.tolist()]
+    sizes = known_values(batch_sizes)
+    assert sizes is not None  # a real host tensor: the caller checks
     longest = len(sizes)
     if total_length > 0 and total_length < longest:
         raise RuntimeError(

@@ -95,6 +95,7 @@ from torch.overrides import TorchFunctionMode
 
 from .allocator import block_size
 from .kernel_probe import measured_or_pending, recurrent_key
+from .lengths import known_values
 
 __all__ = [
     "DROPOUT_STATE_PER_MULTIPROCESSOR",
@@ -428,16 +429,7 @@ class CudnnRNNRules(TorchFunctionMode):
             if dtype != x.dtype:
                 x = x.to(dtype)
                 states = [s.to(dtype) for s in states]
-            lengths = None
             if packed:
-                from torch.utils._python_dispatch import _disable_current_modes
-
-                from ..measure.cudnn_sizes import packed_lengths
-
-                # batch_sizes is a real host tensor (see :mod:`.lengths`): the sequences' lengths, read
-                # outside the fake mode
-                with _disable_current_modes():
-                    lengths = packed_lengths([int(n) for n in args[1].tolist()])
                 seq_len, batch = 1, x.shape[0]
             else:
                 seq_len, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
@@ -457,7 +449,7 @@ class CudnnRNNRules(TorchFunctionMode):
             # something the rule's bound covered and this does not tell apart
             asked = None if autocast else self._asked(
                 mode, x, hidden=hidden, proj=proj, layers=layers, bidirectional=bool(bidirectional), seq_len=seq_len,
-                batch=batch, dtype=dtype, dropout=float(_drop), train=bool(train), lengths=lengths,
+                batch=batch, dtype=dtype, dropout=float(_drop), train=bool(train), batch_sizes=args[1] if packed else None,
             )  # fmt: skip
             if asked is not None:
                 # cuDNN's own answer, as ATen asks it before each call: exact, no bound left
@@ -493,15 +485,21 @@ class CudnnRNNRules(TorchFunctionMode):
         return tuple(outputs)
 
     def _asked(self, mode: str, x: torch.Tensor, *, hidden: int, proj: int, layers: int, bidirectional: bool, seq_len: int,
-               batch: int, dtype: torch.dtype, dropout: float, train: bool, lengths: tuple[int, ...] | None) -> Any:  # fmt: skip
+               batch: int, dtype: torch.dtype, dropout: float, train: bool, batch_sizes: Any) -> Any:  # fmt: skip
         """cuDNN's own sizes for this training call (:func:`~..measure.cudnn_sizes.rnn_temp_sizes`), where
-        the estimate's device is a GPU here and ``exact`` is on; ``None``: the rule stands. ``lengths``:
-        a packed batch's sequence lengths (asked with ATen's packed descriptor), else ``None``."""
+        the estimate's device is a GPU here and ``exact`` is on; ``None``: the rule stands. ``batch_sizes``:
+        a packed batch's (a host tensor with values, see :mod:`.lengths`), asked with ATen's packed
+        descriptor from the sequences' lengths it gives; ``None``: unpacked."""
         if not self.exact or not train or x.device.type != "cuda":
             return None
-        from ..measure.cudnn_sizes import rnn_temp_sizes
+        from ..measure.cudnn_sizes import packed_lengths, rnn_temp_sizes
 
-        if lengths is not None:
+        lengths = None
+        if batch_sizes is not None:
+            sizes = known_values(batch_sizes)
+            if sizes is None:
+                return None
+            lengths = packed_lengths(sizes)
             seq_len, batch = max(lengths, default=0), len(lengths)
         return rnn_temp_sizes(x.device, mode, input_size=x.shape[-1], hidden=hidden, proj=0 if proj == hidden else proj,
                               layers=layers, bidirectional=bidirectional, seq_len=seq_len, batch=batch, dtype=dtype,

@@ -51,9 +51,10 @@ def _replaced(index: Any) -> tuple[Any, int]:
     """``index`` with each unknown 0-d integer position at its top level taken as 0, and how many."""
     if _unknown_scalar(index):
         return 0, 1
-    if type(index) is tuple and any(map(_unknown_scalar, index)):
-        parts = tuple(0 if _unknown_scalar(part) else part for part in index)
-        return parts, sum(map(_unknown_scalar, index))
+    if type(index) is tuple:
+        unknown = [_unknown_scalar(part) for part in index]
+        if any(unknown):
+            return tuple(0 if taken else part for part, taken in zip(index, unknown)), sum(unknown)
     return index, 0
 
 

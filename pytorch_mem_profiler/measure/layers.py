@@ -296,12 +296,8 @@ class LayerAttribution(Observer):
         """Take out what storages that died before the forward ended had counted: saved in a branch
         whose graph the forward dropped (scores computed only for ``topk`` or ``argmax`` indices),
         they are not kept for backward."""
-        by_module = self._current.by_module
-        for key, counted in list(self._seen.items()):
-            if counted is not None and counted[0]() is None:
-                _, slot, nbytes = counted
-                by_module[slot] -= nbytes
-                self._seen[key] = None
+        for key in list(self._seen):
+            self._still_held(key)
 
     @property
     def breakdown(self) -> LayerBreakdown:
@@ -502,12 +498,13 @@ class LayerAttribution(Observer):
 
     def _still_held(self, key: tuple[int, int]) -> bool:
         """Whether the storage counted at ``key`` is alive (not counted: taken as alive); a dead
-        one's bytes are taken out, and the storage now at its address is a new one."""
+        one's bytes are taken out (once), and a storage at its address now is a new one."""
         counted = self._seen[key]
         if counted is None or counted[0]() is not None:
             return True
         _, slot, nbytes = counted
         self._current.by_module[slot] -= nbytes
+        self._seen[key] = None
         return False
 
     def _count(self, key: tuple[int, int], storage: Any, saved: torch.Tensor) -> None:
