@@ -533,3 +533,39 @@ def test_a_value_sent_to_the_gpu_stays_on_the_cpu():
             back = sent.cpu()
     assert sent.device.type == "cuda" and sent.constant.device.type == "cpu" and torch.equal(sent.constant, torch.ones(2, 3))
     assert back.device.type == "cpu" and torch.equal(back.constant, torch.ones(2, 3))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and (not torch.backends.cuda.is_built() or torch.torch_version.TorchVersion(torch.__version__) < "2.5"),
+    reason="without a GPU, torch's CPU-only build refuses .to('cuda') before any mode sees it, and torch 2.4's fake copy starts CUDA",
+)
+def test_an_operator_whose_shape_is_a_value_kept_for_the_gpu_gets_the_real_shape():
+    """``nonzero``, ``unique``, ``masked_select`` and ``repeat_interleave`` of a mask the user gave
+    and the step sent to the GPU (ViLT keeps the patches its pixel mask keeps with
+    ``x_mask.nonzero()``): the fake kernel cannot size them without values; the values kept beside
+    the fake CUDA tensor do, as the real step's. Without values they stay refused."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    mask = torch.ones(3, 16, dtype=torch.long)
+    mask[1, 10:] = 0
+    mask[2, :3] = 0
+    mode = fake_mode()
+    with mode:
+        with mode.draws.inputs():  # as the estimate places the user's inputs on the device
+            sent = mode.draws.placed(mode, torch.empty(3, 16, dtype=torch.long, device="cuda"), mask)
+        with mode.draws.on():
+            kept = sent.nonzero()
+            rows = kept[:, 0].unique()
+            selected = (sent * 3).masked_select(sent.bool())
+            repeated = torch.repeat_interleave(sent.flatten())
+            per_row = [kept[kept[:, 0] == r] for r in rows]
+            unknown = torch.randn(64, 64, device="cuda")  # larger than a draw given values
+            with pytest.raises(DynamicOutputShapeException):
+                (unknown > 0).nonzero()
+    expected = mask.nonzero()
+    for fake, real in ((kept, expected), (rows, expected[:, 0].unique()), (selected, (mask * 3).masked_select(mask.bool())),
+                       (repeated, torch.repeat_interleave(mask.flatten()))):  # fmt: skip
+        assert fake.device.type == "cuda" and fake.shape == real.shape and torch.equal(fake.constant, real)
+    assert [r.shape[0] for r in per_row] == [16, 10, 13]

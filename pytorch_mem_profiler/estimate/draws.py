@@ -376,6 +376,10 @@ class Draws:
             flat = _flat(args, kwargs)
         everything = all(getattr(t, "constant", None) is not None for t in flat if isinstance(t, torch.Tensor) and mode.is_our_fake(t))
         written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        if everything and not written and _tag(func, "dynamic_output_shape"):
+            shaped = self._shaped_by_values(mode, func, args, kwargs, flat, fallback)
+            if shaped is not NotImplemented:
+                return shaped
         # set aside: torch's constant propagation would return the result on the values' device
         with values_set_aside(flat) as valued:
             out = fallback(func, args, kwargs)
@@ -403,6 +407,34 @@ class Draws:
                 ):  # fmt: skip
                     self._keep_value(mode, o, r)
         if self._drawn and any(self.is_drawn(t) for t, _ in valued):
+            self._mark(out, mode)  # computed from a draw: reading it is noted, as on the CPU
+        return out
+
+    def _shaped_by_values(self, mode: Any, func: Any, args: tuple, kwargs: dict, flat: list[Any], fallback: Callable[..., Any]) -> Any:
+        """An operator whose result's shape is its arguments' values (``nonzero``, ``unique``,
+        ``masked_select``, ``repeat_interleave`` by a tensor), on values kept for another device
+        than the CPU: computed on the CPU, and the result made on the arguments' device with the
+        shape the real step's has (the fake kernel, given no values, cannot say it), keeping its
+        value. ViLT finds the patches its pixel mask keeps with ``x_mask.nonzero()``, a mask the
+        user gives and the step sends to the GPU. ``NotImplemented`` where the CPU cannot compute it."""
+        try:
+            real_args, real_kwargs = tree_map(lambda v: _value_on_cpu(v, mode), (args, kwargs))
+            real = self._run(func, real_args, _on_cpu(real_kwargs), False)
+        except Exception:  # noqa: BLE001 - the fake kernel decides (it refuses, naming the operator)
+            return NotImplemented
+        device = next(t.device for t in flat if isinstance(t, torch.Tensor) and mode.is_our_fake(t) and t.device.type != "cpu")
+
+        def made(r: Any) -> Any:
+            if not isinstance(r, torch.Tensor):
+                return r
+            out = fallback(torch.ops.aten.empty.memory_format, (tuple(r.shape),), {"dtype": r.dtype, "device": device})
+            if value_sized(r):
+                self._keep_value(mode, out, r)
+            return out
+
+        out = tree_map(made, real)
+        self._used(t for t in flat if isinstance(t, torch.Tensor))
+        if self._drawn and any(self.is_drawn(t) for t in flat if isinstance(t, torch.Tensor)):
             self._mark(out, mode)  # computed from a draw: reading it is noted, as on the CPU
         return out
 
