@@ -172,3 +172,16 @@ def test_what_ifs_chosen_by_a_function_and_autocast_in_the_models_own_dtype():
         assert change.startswith("no change: what it acted on is not at the peak (")
     else:
         assert change.endswith("%")
+
+
+def test_autocast_s_weight_copies_are_named_apart_from_the_layer_s_feature_maps():
+    """Under autocast a layer holds its input saved for backward and the cast of its weight: the
+    report names them apart (``2`` and ``2 [weight copies]``), as the profiler's report does, where
+    it listed ``2`` twice."""
+    est = estimate_memory(mlp(), torch.zeros(8, 64), device="cpu", autocast="fp16", fit=False)
+    lines = str(est).splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("Feature maps by layer")))
+    names = [line.strip().split(".")[0] for line in lines[start + 1 :] if line.startswith("  ")]
+    copies = {m for (m, kind), n in est.layers.by_module.items() if kind == "weight copies" and n}
+    assert copies and len(names) == len(set(names))
+    assert {f"{m} [weight copies]" for m in copies} <= set(names)

@@ -1,5 +1,6 @@
-"""The training loop's settings in the estimate: gradient accumulation, gradient clipping and
-``zero_grad(set_to_none=False)``, each against the CPU counter's measured peak of the same loop."""
+"""The training loop's settings in the estimate: gradient accumulation, gradient clipping,
+``zero_grad(set_to_none=False)`` and fp16 loss scaling (``torch.amp.GradScaler``), each against the
+CPU counter's measured peak of the same loop."""
 
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ def test_the_settings_move_the_peak_where_the_loop_holds_more():
         ({"max_grad_norm": True}, "max_grad_norm must be a number > 0 or None"),
         ({"set_to_none": "no"}, "set_to_none must be True or False"),
         ({"accumulation_steps": 2, "parallel": "ddp", "world_size": 2}, "not estimated across ranks yet"),
+        ({"grad_scaler": 1}, "grad_scaler must be True or False"),
+        ({"grad_scaler": True, "parallel": "ddp", "world_size": 2}, "grad_scaler are not estimated across ranks yet"),
     ],
 )
 def test_bad_settings_are_named(settings, message):
@@ -120,3 +123,92 @@ def test_the_command_takes_the_loop_s_settings(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Training loop: 2 micro-batches a step (gradient accumulation), gradients clipped to norm 1.0, zero_grad(set_to_none=False)" in out
     assert f".{expected.peak} B\n" in out and f".{plain.peak} B\n" not in out
+
+
+def run_scaled_loop(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, scaler: torch.amp.GradScaler, *,
+                    accumulation_steps: int = 1, max_grad_norm: float | None = None, after_step=None) -> None:  # fmt: skip
+    """Two optimizer steps of fp16 autocast with ``scaler``, as the estimate runs them with
+    ``grad_scaler=True`` (``unscale_`` before clipping; ``after_step()`` after each step)."""
+    for _ in range(2):
+        for micro_step in range(accumulation_steps):
+            if micro_step:
+                del out, loss  # noqa: F821 - the previous micro-step's
+            with torch.autocast(x.device.type, dtype=torch.float16):
+                out = model(x)
+            loss = out.float().mean()
+            scaler.scale(loss).backward()
+        if max_grad_norm is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_grad_norm)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        del out, loss
+        if after_step is not None:
+            after_step()
+
+
+def _scaled_loop_peak(optimizer, *, batch: int, accumulation_steps: int, max_grad_norm: float | None) -> tuple[int, float]:
+    """The CPU counter's peak over :func:`run_scaled_loop`, and the scale after it."""
+    model = _model()
+    opt = optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    peaks = []
+    with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
+        run_scaled_loop(model, opt, torch.randn(batch, 64), scaler, accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm,
+                        after_step=lambda: peaks.append(profiler.record_stats().iteration_peak_allocated))  # fmt: skip
+    return max(peaks), scaler.get_scale()
+
+
+def _fused_adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+
+@pytest.mark.parametrize("optimizer", [ADAMW, SGD, _fused_adamw], ids=["adamw", "sgd", "fused_adamw"])
+@pytest.mark.parametrize("accumulation_steps, max_grad_norm", [(1, None), (1, 1.0), (2, 0.5)])
+def test_fp16_loss_scaling_is_estimated_to_the_byte(optimizer, accumulation_steps, max_grad_norm):
+    """``grad_scaler=True``: the scale and growth counter made at the first ``scale``, the scaled loss,
+    the unscaling's found-inf flags and inverse scale, and the optimizer's step that the real scaler
+    runs where no gradient is infinite (the scale stays 65,536 here: no step was skipped, which the
+    estimate assumes). A fused AdamW is handed the scale and unscales in its own kernel."""
+    if optimizer is _fused_adamw:
+        try:
+            _fused_adamw([nn.Parameter(torch.zeros(2))]).step()
+        except RuntimeError as err:  # torch 2.4 has no fused AdamW on the CPU
+            pytest.skip(f"no fused AdamW on the CPU here: {err}")
+    measured, scale = _scaled_loop_peak(optimizer, batch=32, accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)
+    assert scale == 65536.0  # the real steps ran the optimizer
+    est = estimate_memory(_model, lambda b: torch.randn(b, 64), batch_size=32, optimizer=optimizer, device="cpu", fit=False,
+                          autocast=torch.float16, grad_scaler=True, loss_fn=lambda out: out.float().mean(),
+                          accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)  # fmt: skip
+    assert est.peak == measured
+    assert est.training_loop.startswith("fp16 loss scaling (torch.amp.GradScaler)")
+    if optimizer is not _fused_adamw:  # a fused optimizer's step reads no flag
+        assert any("taken as finite" in note for note in est.step_notes)
+
+
+def test_the_scaler_s_own_tensors_are_counted():
+    """Without the scaler the same loop holds its scale, growth counter and flags less: the estimate
+    with ``grad_scaler=True`` is above the one without by what the measured loops differ by."""
+    with_scaler, _ = _scaled_loop_peak(SGD, batch=8, accumulation_steps=1, max_grad_norm=None)
+    kwargs = dict(batch_size=8, optimizer=SGD, device="cpu", fit=False, autocast=torch.float16, loss_fn=lambda out: out.float().mean())
+    scaled = estimate_memory(_model, lambda b: torch.randn(b, 64), grad_scaler=True, **kwargs)
+    plain = estimate_memory(_model, lambda b: torch.randn(b, 64), **kwargs)
+    assert scaled.peak == with_scaler and scaled.peak > plain.peak
+
+
+def test_the_command_takes_the_scaler(tmp_path, capsys):
+    """``--autocast fp16 --grad-scaler`` prints what ``estimate_memory(..., grad_scaler=True)`` gives."""
+    from pytorch_mem_profiler.analysis.cli import main
+
+    path = tmp_path / "model.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\nbatch_size = 16\n"
+        "def build_model():\n    return nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))\n"
+        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 64)\n"
+    )
+    build = lambda: nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))  # noqa: E731
+    expected = estimate_memory(build, lambda b: torch.zeros(b, 64), batch_size=16, device="cpu", fit=False, autocast="fp16", grad_scaler=True)
+    assert main(["estimate", str(path), "--device", "cpu", "--units", "B", "--autocast", "fp16", "--grad-scaler"]) == 0
+    out = capsys.readouterr().out
+    assert "Training loop: fp16 loss scaling (torch.amp.GradScaler)" in out and f".{expected.peak} B\n" in out

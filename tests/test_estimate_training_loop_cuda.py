@@ -13,7 +13,7 @@ from pytorch_mem_profiler import estimate_memory
 
 from .test_estimate_cuda import CUDA, _fresh, _warm_up
 from .test_estimate_training_loop import SETTINGS as CPU_SETTINGS
-from .test_estimate_training_loop import run_loop
+from .test_estimate_training_loop import run_loop, run_scaled_loop
 
 pytestmark = pytest.mark.cuda
 
@@ -77,3 +77,36 @@ def test_accumulation_and_kept_gradients_move_the_gpu_s_peak_as_estimated():
         est = estimate_memory(_model, _input, batch_size=batch, optimizer=SGD, device="cuda", fit=False, **settings)
         assert moved > plain and est.peak > est_plain, settings
         assert abs((est.peak - est_plain) - (moved - plain)) <= 0.01 * moved, (settings, moved, plain, est.peak, est_plain)
+
+
+def _fused_adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+
+@pytest.mark.parametrize("optimizer", [SGD, ADAMW, _fused_adamw], ids=["sgd-momentum", "adamw", "fused-adamw"])
+@pytest.mark.parametrize("accumulation_steps, max_grad_norm", [(1, None), (2, 1.0)])
+def test_fp16_loss_scaling_matches_the_gpu_s_loop(optimizer, accumulation_steps, max_grad_norm):
+    """fp16 autocast with ``torch.amp.GradScaler`` on the GPU (no step skipped: the scale stays
+    65,536) against ``grad_scaler=True``, fake CUDA and emulated."""
+    batch = 512
+    _warm_up(_model, _input, optimizer, None)
+    _fresh()
+    base = torch.cuda.memory_allocated()
+    model = _model().to(CUDA)
+    opt = optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cuda")
+    x = _input(batch)
+    run_scaled_loop(model, opt, x, scaler, accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
+    assert scaler.get_scale() == 65536.0
+    del model, opt, x, scaler
+    _fresh()
+    settings = dict(batch_size=batch, optimizer=optimizer, fit=False, autocast=torch.float16, grad_scaler=True,
+                    loss_fn=lambda out: out.float().mean(), accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)  # fmt: skip
+    fake = estimate_memory(_model, _input, device="cuda", **settings)
+    emulated = estimate_memory(_model, _input, device="cuda", emulate=True, **settings)
+    detail = f"measured {measured:,}, fake CUDA {fake.peak:,}, emulated {emulated.peak:,}"
+    print(detail)
+    assert abs(fake.peak - measured) <= 0.01 * measured, detail
+    assert abs(emulated.peak - measured) <= 0.02 * measured, detail

@@ -71,6 +71,7 @@ _OVERRIDABLE = (
     "accumulation_steps",
     "max_grad_norm",
     "set_to_none",
+    "grad_scaler",
 )
 
 
@@ -128,6 +129,7 @@ def estimate_memory(
     accumulation_steps: int = 1,
     max_grad_norm: float | None = None,
     set_to_none: bool = True,
+    grad_scaler: bool = False,
 ) -> MemoryEstimate:
     """Estimate one training step's memory on ``device`` without allocating it (no GPU needed).
 
@@ -189,6 +191,11 @@ def estimate_memory(
             Hugging Face Trainer's ``max_grad_norm`` do); ``None``: no clipping.
         set_to_none: ``optimizer.zero_grad(set_to_none=...)``: with ``False`` the gradients
             stay allocated (zeroed) from one step into the next.
+        grad_scaler: fp16 loss scaling with ``torch.amp.GradScaler``, as under ``autocast=torch.float16``
+            (Lightning's ``precision="16-mixed"``, the Trainer's ``fp16=True``):
+            ``scaler.scale(loss).backward()``, ``scaler.unscale_`` before clipping,
+            ``scaler.step(optimizer)``, ``scaler.update()``; the gradients are taken as finite
+            (the step that runs the optimizer; see :mod:`~pytorch_mem_profiler.estimate.grad_scaling`).
 
     Raises:
         EstimateUnsupported: the step uses an operation the fake mode cannot run
@@ -230,6 +237,8 @@ def estimate_memory(
         raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
     if not isinstance(set_to_none, bool):
         raise TypeError(f"set_to_none must be True or False, got {set_to_none!r}")
+    if not isinstance(grad_scaler, bool):
+        raise TypeError(f"grad_scaler must be True or False, got {grad_scaler!r}")
     for name, value in (("outside", outside), ("workspace", workspace)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
@@ -248,9 +257,9 @@ def estimate_memory(
         raise ValueError(f"parallel={parallel!r} needs world_size= (the number of ranks)")
     if parallel_plan is None and world_size not in (None, 1):
         raise ValueError(f"world_size={world_size} needs parallel='ddp' or 'fsdp2'")
-    if parallel_plan is not None and (accumulation_steps != 1 or max_grad_norm is not None or not set_to_none):
+    if parallel_plan is not None and (accumulation_steps != 1 or max_grad_norm is not None or not set_to_none or grad_scaler):
         raise ValueError(
-            "accumulation_steps, max_grad_norm and set_to_none=False are not estimated across ranks yet: "
+            "accumulation_steps, max_grad_norm, set_to_none=False and grad_scaler are not estimated across ranks yet: "
             "leave them at their defaults with parallel="
         )
     ranks = world_size or 1
@@ -272,6 +281,7 @@ def estimate_memory(
         accumulation_steps=accumulation_steps,
         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
         set_to_none=set_to_none,
+        grad_scaler=grad_scaler,
     )
     if parallel_plan is not None:
         rank_setup = RankSetup(parallel_plan, ranks, rank, run_device, target)
@@ -344,7 +354,7 @@ def estimate_memory(
         checkpointing=None if not checkpointing else REPEATED_BLOCKS if checkpointing is True else CHOSEN_BY_FUNCTION,
         checkpointed=step.checkpointed,
         optimizer=_optimizer_text(optimizer, step.optimizer_name),
-        training_loop=_loop_text(accumulation_steps, max_grad_norm, set_to_none),
+        training_loop=_loop_text(accumulation_steps, max_grad_norm, set_to_none, grad_scaler),
         parameter_dtypes=step.parameter_dtypes,
         random_reads=step.random_reads,
         step_notes=step.notes,
@@ -365,6 +375,7 @@ def estimate_memory(
             accumulation_steps=accumulation_steps,
             max_grad_norm=max_grad_norm,
             set_to_none=set_to_none,
+            grad_scaler=grad_scaler,
         )
         alternatives = {
             name: estimate_memory(
@@ -382,7 +393,7 @@ def estimate_memory(
     return est
 
 
-def _loop_text(accumulation_steps: int, max_grad_norm: float | None, set_to_none: bool) -> str | None:
+def _loop_text(accumulation_steps: int, max_grad_norm: float | None, set_to_none: bool, grad_scaler: bool = False) -> str | None:
     """The training loop's settings where they are not the default, for the report.
 
     Example::
@@ -391,8 +402,12 @@ def _loop_text(accumulation_steps: int, max_grad_norm: float | None, set_to_none
         '2 micro-batches a step (gradient accumulation), gradients clipped to norm 1.0, zero_grad(set_to_none=False)'
         >>> _loop_text(1, None, True) is None
         True
+        >>> _loop_text(1, None, True, grad_scaler=True)
+        'fp16 loss scaling (torch.amp.GradScaler)'
     """
     parts = []
+    if grad_scaler:
+        parts.append("fp16 loss scaling (torch.amp.GradScaler)")
     if accumulation_steps > 1:
         parts.append(f"{accumulation_steps} micro-batches a step (gradient accumulation)")
     if max_grad_norm is not None:

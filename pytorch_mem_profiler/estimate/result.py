@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from ..stats import INPUT, PEAK_CATEGORIES, PEAK_CATEGORY_LABELS, PHASE_LABELS, LayerFeatureMaps
+from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, PEAK_CATEGORY_LABELS, PHASE_LABELS, LayerFeatureMaps
 from ..units import UNITS, format_amount
 from .allocator import LAYOUT_ALLOWANCE, PROCESSES, StepEvents
 
@@ -746,11 +746,13 @@ class MemoryEstimate:
         out.append("Peak by phase:")
         for phase, n in self.phases.items():
             out.append(_line(f"  {PHASE_LABELS.get(phase, phase)}", fmt(n + self.workspace)))
-        ranked = sorted(((m, n) for (m, _), n in self.layers.by_module.items() if m != INPUT), key=lambda mn: -mn[1])
+        # a layer's weights cast by autocast are named apart from its feature maps, as in the profiler's report
+        ranked = sorted(((m, kind, n) for (m, kind), n in self.layers.by_module.items() if m != INPUT), key=lambda mkn: -mkn[2])
         if ranked:
             out.append(f"Feature maps by layer (largest {min(top, len(ranked))} of {len(ranked)}):")
-            for module, n in ranked[:top]:
-                out.append(_line(f"  {module or '(model)'}", fmt(n)))
+            for module, kind, n in ranked[:top]:
+                copies = " [weight copies]" if kind != ACTIVATIONS else ""
+                out.append(_line(f"  {module or '(model)'}{copies}", fmt(n)))
         if self.reserved is not None:
             upto = f" (up to {fmt(self.reserved + self.reserved_bound)})" if self.reserved_bound else ""
             out.append(_line("Allocator segments (reserved, at the peak)", fmt(self.reserved) + upto))

@@ -64,6 +64,7 @@ from .build import build_model
 from .draws import user_line
 from .compiled import CompiledModules
 from .global_caches import fake_values_left_out_of_caches
+from .grad_scaling import grad_scaler_note, make_grad_scaler
 from .fake import FakeKernelRefused, eager_modules, fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
 from .attention_rules import MathAttentionRules
@@ -132,6 +133,8 @@ class StepPlan:
     max_grad_norm: float | None = None
     #: ``optimizer.zero_grad(set_to_none=...)`` after each optimizer step
     set_to_none: bool = True
+    #: fp16 loss scaling: ``scaler.scale(loss).backward()``, ``scaler.step``, ``scaler.update()`` (:mod:`.grad_scaling`)
+    grad_scaler: bool = False
 
 
 @dataclass
@@ -652,6 +655,8 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
             target_args = () if targets is None else (targets if isinstance(targets, tuple) else (targets,))
             attribution = None
             gradients = optimizer_state = 0
+            # torch's own scaler, taking the gradients as finite (the step that runs the optimizer)
+            scaler = make_grad_scaler(run_device.type) if plan.grad_scaler and optimizer is not None else None
             step_peaks = []
             # tiny tensors the step makes from nothing get values (a LayerDrop draw read in Python);
             # scripted functions run as Python (a fused TorchScript kernel would read fake memory)
@@ -684,18 +689,28 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
                         counter.enter_phase("other")
                         loss = plan.loss_fn(output, *target_args) if plan.loss_fn is not None else _default_loss(output)
                         counter.enter_phase("backward")
-                        loss.backward()
+                        if scaler is not None:
+                            scaler.scale(loss).backward()  # the scaled loss, dropped as backward returns
+                        else:
+                            loss.backward()
                     gradients = _give_role(counter, [p.grad for p in params if p.grad is not None], "gradients")
                     if optimizer is not None:
                         if plan.max_grad_norm is not None:
                             counter.enter_phase("other")
+                            if scaler is not None:
+                                scaler.unscale_(optimizer)  # the true gradients are clipped
                             torch.nn.utils.clip_grad_norm_(params, plan.max_grad_norm)
                         counter.enter_phase("optimizer")
                         # a number scaling an update (Adafactor); the counts made in host memory
                         with mode.draws.stand_ins_in_step(), hosting:
-                            optimizer.step()
+                            if scaler is not None:
+                                scaler.step(optimizer)
+                            else:
+                                optimizer.step()
                         optimizer_state = _give_role(counter, list(optimizer_state_tensors([optimizer])), "optimizer_state")
                         counter.enter_phase("other")
+                        if scaler is not None:
+                            scaler.update()
                         optimizer.zero_grad(set_to_none=plan.set_to_none)
                     del output, loss
                     step_peaks.append(counter.read().peak_allocated)
@@ -731,7 +746,8 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
         fallback = frozenset(scratch.fallback_bounds) if scratch is not None else frozenset()
         step = dataclasses.replace(step, error_bounds=MappingProxyType(bounds), transient_bounds=frozenset(transient),
                                    fallback_bounds=fallback)  # fmt: skip
-    notes = (*compiled.notes(), *_stand_in_notes(mode.draws.stand_ins), *_check_notes(checks_taken), *_index_notes(indices_taken))
+    notes = (*compiled.notes(), *_stand_in_notes(mode.draws.stand_ins), *_check_notes(checks_taken), *_index_notes(indices_taken),
+             *grad_scaler_note(scaler))  # fmt: skip
     return dataclasses.replace(step, notes=notes)
 
 
