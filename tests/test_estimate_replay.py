@@ -388,3 +388,39 @@ def test_the_command_answers_for_the_process_asked(tmp_path, capsys):
         assert process or "process" not in out
     with pytest.raises(SystemExit):
         main(["estimate", str(path), "--device", "cuda", "--memory", "1200MB", "--process", "cold"])
+
+
+def test_the_peak_counts_the_allocator_s_whole_blocks():
+    """An 11 MiB weight takes a new 12 MiB segment (a request of 10 MiB or more: its size rounded up
+    to 2 MiB), and the 1 MiB left is not split off (the large pool splits only where more than 1 MiB
+    would remain): ``torch.cuda.memory_allocated()`` counts the whole 12 MiB. So does its gradient's
+    block. At the backward's peak, weight and gradient alive, the peak is the requests' plus 2 MiB,
+    counted in ``other`` beside the rest, and the breakdown still sums to the peak; on the CPU,
+    which has no such allocator, nothing is added. (On the GPU: ``tests/test_estimate_cuda.py``.)"""
+    build = lambda: nn.Linear(1408, 2048, bias=False)  # noqa: E731 - 1,408 x 2,048 x 4 B = 11 MiB
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    assert 1408 * 2048 * 4 == 11 * MIB
+    est = estimate_memory(build, torch.zeros(8, 1408), optimizer=sgd, device="cuda", emulate=True, fit=False)
+    assert est.peak_phase == "backward"
+    assert est.whole_blocks == 2 * MIB
+    assert sum(est.peak_breakdown.values()) == est.peak
+    assert est.peak_breakdown["weights"] == est.peak_breakdown["gradients"] == 11 * MIB
+    assert max(est.phases.values()) == est.peak
+    assert "(of other: the allocator's blocks beyond the requests)" in str(est)
+    on_cpu = estimate_memory(build, torch.zeros(8, 1408), optimizer=sgd, device="cpu", fit=False)
+    assert on_cpu.whole_blocks == 0
+
+
+def test_whole_blocks_after_each_event_follow_the_allocator_s_rules():
+    """``replay_whole_blocks``: 1 MiB of a request up to 1 MiB less than its block stays in it (large
+    pool), 512 bytes split off in the small pool; the workspaces' blocks are left out."""
+    from pytorch_mem_profiler.estimate.allocator import replay_whole_blocks
+
+    events = [(1, 11 * MIB), (2, 19 * MIB), (3, 700), (2, -19 * MIB), (4, 18 * MIB)]
+    reserved, whole = replay_whole_blocks([(-1, 32 * MIB)], events, at=[1, 2, 3, 4, 5])
+    assert whole[1] == 12 * MIB  # a new 12 MiB segment, 1 MiB not split off
+    assert whole[2] == 12 * MIB + 20 * MIB  # 19 MiB: a new 20 MiB segment, 1 MiB not split off either
+    assert whole[3] == whole[2] + 1024  # 700 B: a 1,024 B block of the small pool's 2 MiB segment
+    assert whole[4] == 12 * MIB + 1024
+    assert whole[5] == 12 * MIB + 1024 + 18 * MIB  # 18 MiB from the free 20 MiB block: the 2 MiB left is split off
+    assert reserved == 32 * MIB + 12 * MIB + 20 * MIB + 2 * MIB

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import torch
@@ -27,6 +28,7 @@ from .allocator import (
     StepEvents,
     cublas_workspace_bytes,
     cublas_workspaces,
+    replay_whole_blocks,
     simulate_reserved,
     with_headroom,
     workspaces_at_first_use,
@@ -302,8 +304,11 @@ def estimate_memory(
     workspace_events = [(-1 - i, n) for i, n in enumerate(blocks)]
     reserved = step_events = None
     reserved_bound = 0
+    shown = step  # the step's figures as reported: on CUDA, its peaks counted in the allocator's whole blocks
     if step.reserved is not None:
-        reserved = simulate_reserved([*workspace_events, *step.events])
+        at = {step.peak_event, *step.phase_peak_events.values()}
+        reserved, whole = replay_whole_blocks(workspace_events, step.events, at)
+        shown = _in_whole_blocks(step, whole)
         if step.headroom and reserved is not None:
             # the same replay with each kernel block that may ask more (split-K partial sums) at its bound
             upper = simulate_reserved([*workspace_events, *with_headroom(step.events, step.headroom)])
@@ -320,10 +325,10 @@ def estimate_memory(
     est = MemoryEstimate(
         device=str(target),
         batch_size=batch,
-        peak=step.peak,
-        peak_phase=step.peak_phase,
-        phases=step.phase_peaks,
-        peak_breakdown=step.breakdown,
+        peak=shown.peak,
+        peak_phase=shown.peak_phase,
+        phases=shown.phase_peaks,
+        peak_breakdown=shown.breakdown,
         peak_layers=step.peak_layers,
         layers=step.layers,
         weights=step.weights,
@@ -335,6 +340,7 @@ def estimate_memory(
         reserved_bound=reserved_bound,
         workspace=workspace,
         kernel_scratch=step.kernel_scratch,
+        whole_blocks=shown.peak - step.peak,
         outside=outside if outside is not None else (CUDA_CONTEXT_ALLOWANCE if on_cuda else 0),
         fit=batch_fit,
         emulated=run_device.type != target.type,
@@ -391,6 +397,21 @@ def estimate_memory(
         }
         est = dataclasses.replace(est, alternatives=alternatives)
     return est
+
+
+def _in_whole_blocks(step: StepMemory, whole: Mapping[int, int]) -> StepMemory:
+    """``step``'s peak and phase peaks as ``torch.cuda.max_memory_allocated()`` counts them: the whole
+    blocks alive at each (``whole``: bytes of whole blocks after so many events, see
+    :func:`~.allocator.replay_whole_blocks`), the remainders beyond the requests counted in the peak's
+    ``other``. The peak stays where the requests peak; a phase is shown at most at the peak."""
+    peak = whole.get(step.peak_event, 0)
+    if peak <= step.peak:
+        return step
+    phases = {
+        phase: min(peak, max(n, whole.get(step.phase_peak_events.get(phase, -1), 0))) for phase, n in step.phase_peaks.items()
+    }
+    breakdown = {**step.breakdown, "other": step.breakdown.get("other", 0) + peak - step.peak}
+    return dataclasses.replace(step, peak=peak, phase_peaks=MappingProxyType(phases), breakdown=MappingProxyType(breakdown))
 
 
 def _loop_text(accumulation_steps: int, max_grad_norm: float | None, set_to_none: bool, grad_scaler: bool = False) -> str | None:

@@ -249,6 +249,8 @@ class StorageLifeCounter(MemoryCounter):
         #: the phase new storages are born in, and the largest total reached in each
         self.phase = "other"
         self.phase_peaks: dict[str, int] = {}
+        #: the tick of each phase's peak (the allocator replay counts whole blocks there)
+        self.phase_peak_ticks: dict[str, int] = {}
         #: the phases an operator that runs cuBLAS on CUDA ran in (each such thread takes a workspace),
         #: each with the tick just after the first such operator's outputs in it (where a fresh
         #: process makes the thread's workspace)
@@ -427,6 +429,7 @@ class StorageLifeCounter(MemoryCounter):
             self.peak_tick = self.tick
         if now > self.phase_peaks.get(self.phase, -1):
             self.phase_peaks[self.phase] = now
+            self.phase_peak_ticks[self.phase] = self.tick
 
     # -- roles -----------------------------------------------------------------
     def life_of(self, tensor: torch.Tensor) -> Life | None:
@@ -476,6 +479,7 @@ class StorageLifeCounter(MemoryCounter):
         self.marks.append((self.tick, self.step, phase))
         if self.now > self.phase_peaks.get(phase, -1):
             self.phase_peaks[phase] = self.now
+            self.phase_peak_ticks[phase] = self.tick
 
     # -- the MemoryCounter interface ---------------------------------------------
     def _read_device(self) -> Reading:

@@ -335,6 +335,11 @@ class MemoryEstimate:
         kernel_scratch: bytes in ``peak`` (counted in ``peak_breakdown["other"]``) that a CUDA
             kernel takes for itself inside the operator running at the peak, by the rules of
             :mod:`~pytorch_mem_profiler.estimate.scratch`; 0 when the peak is not at such an operator.
+        whole_blocks: bytes in ``peak`` (counted in ``peak_breakdown["other"]``) that the CUDA
+            caching allocator hands out beyond the requests at the peak: a block is split only where
+            more than 1 MiB would remain (512 bytes in the small pool), and
+            ``torch.cuda.memory_allocated()`` counts whole blocks
+            (:func:`~pytorch_mem_profiler.estimate.allocator.replay_whole_blocks`); 0 off CUDA.
         outside: the allowance for memory outside PyTorch (the CUDA context), see
             :data:`~pytorch_mem_profiler.estimate.allocator.CUDA_CONTEXT_ALLOWANCE`.
         fit: the peak per phase as a line in the batch size (``None``: not fitted).
@@ -397,6 +402,7 @@ class MemoryEstimate:
     reserved: int | None = None
     workspace: int = 0
     kernel_scratch: int = 0
+    whole_blocks: int = 0
     reserved_bound: int = 0
     outside: int = 0
     fit: BatchFit | None = None
@@ -739,6 +745,8 @@ class MemoryEstimate:
                 out.append(_line(f"  {PEAK_CATEGORY_LABELS[category]}", fmt(n)))
         if self.kernel_scratch:
             out.append(_line("  (of other: kernel scratch)", fmt(self.kernel_scratch)))
+        if self.whole_blocks:
+            out.append(_line("  (of other: the allocator's blocks beyond the requests)", fmt(self.whole_blocks)))
         for role, n in self.parallel_parts.items():
             out.append(_line(f"  (of other: {_PARALLEL_LABELS.get(role, role)})", fmt(n)))
         if self.workspace:

@@ -188,6 +188,10 @@ class StepMemory:
     random_reads: Mapping[str, int] = field(default_factory=dict)
     #: how the step was estimated where it is not plain (compiled modules, see :mod:`.compiled`)
     notes: tuple[str, ...] = ()
+    #: how many of ``events`` come at or before the step's peak, and each phase's (CUDA only): the
+    #: allocator replay counts the whole blocks alive there (:func:`~.allocator.replay_whole_blocks`)
+    peak_event: int = 0
+    phase_peak_events: Mapping[str, int] = field(default_factory=dict)
     #: the phases an operator running cuBLAS on CUDA ran in (``None``: unknown, compiled code ran),
     #: for the workspaces (:func:`~.allocator.cublas_workspaces`)
     blas_phases: frozenset[str] | None = None
@@ -898,11 +902,15 @@ def _summarize(
     events: tuple[tuple[int, int], ...] = ()
     headroom: dict[int, int] = {}
     step_events = None
+    peak_event = 0
+    phase_peak_events: dict[str, int] = {}
     if target.type == "cuda":
         step_events = _step_events(counter)
         events = step_events.events
         headroom = {key: life.headroom for key, life in enumerate(counter.lives) if life.headroom and life.nbytes > 0}
         reserved = simulate_reserved(events)
+        peak_event = _events_until(counter.lives, counter.peak_tick)
+        phase_peak_events = {phase: _events_until(counter.lives, tick) for phase, tick in counter.phase_peak_ticks.items()}
     return StepMemory(
         batch_size=batch_size,
         peak=counter.peak,
@@ -922,6 +930,8 @@ def _summarize(
         step_events=step_events,
         kernel_scratch=scratch,
         parallel_parts=MappingProxyType({k: v for k, v in parallel_parts.items() if v}),
+        peak_event=peak_event,
+        phase_peak_events=MappingProxyType(phase_peak_events),
     )
 
 
@@ -939,6 +949,12 @@ def _bytes_of(counter: StorageLifeCounter, tensors: list[torch.Tensor]) -> int:
 def _events(lives: list[Life]) -> list[tuple[int, int]]:
     """Allocation (+bytes) and free (-bytes) events in time order, for the allocator's replay."""
     return [(key, nbytes) for _, key, nbytes in _timeline(lives)]
+
+
+def _events_until(lives: list[Life], tick: int) -> int:
+    """How many of the replay's events (:func:`_timeline`) come at or before ``tick``: each birth and
+    death has a tick of its own."""
+    return sum((life.born <= tick) + (life.died is not None and life.died <= tick) for life in lives if life.nbytes > 0)
 
 
 def _timeline(lives: list[Life]) -> list[tuple[int, int, int]]:
