@@ -102,18 +102,23 @@ def test_bad_settings_are_named(settings, message):
         estimate_memory(_model, torch.randn(4, 64), device="cpu", fit=False, **settings)
 
 
+def _command_model(tmp_path, batch_size: int):
+    """A model file for ``pytorch-mem-profiler estimate``, and the same model's builder."""
+    path = tmp_path / "model.py"
+    path.write_text(
+        f"import torch\nfrom torch import nn\nbatch_size = {batch_size}\n"
+        "def build_model():\n    return nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))\n"
+        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 64)\n"
+    )
+    return path, lambda: nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
+
+
 def test_the_command_takes_the_loop_s_settings(tmp_path, capsys):
     """``pytorch-mem-profiler estimate --accumulation-steps 2 --max-grad-norm 1 --keep-grads`` prints
     the peak the same settings give ``estimate_memory``."""
     from pytorch_mem_profiler.analysis.cli import main
 
-    path = tmp_path / "model.py"
-    path.write_text(
-        "import torch\nfrom torch import nn\nbatch_size = 256\n"
-        "def build_model():\n    return nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))\n"
-        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 64)\n"
-    )
-    build = lambda: nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))  # noqa: E731
+    path, build = _command_model(tmp_path, 256)
     settings = {"accumulation_steps": 2, "max_grad_norm": 1.0, "set_to_none": False}
     expected = estimate_memory(build, lambda b: torch.zeros(b, 64), batch_size=256, device="cpu", fit=False, **settings)
     plain = estimate_memory(build, lambda b: torch.zeros(b, 64), batch_size=256, device="cpu", fit=False)
@@ -201,13 +206,7 @@ def test_the_command_takes_the_scaler(tmp_path, capsys):
     """``--autocast fp16 --grad-scaler`` prints what ``estimate_memory(..., grad_scaler=True)`` gives."""
     from pytorch_mem_profiler.analysis.cli import main
 
-    path = tmp_path / "model.py"
-    path.write_text(
-        "import torch\nfrom torch import nn\nbatch_size = 16\n"
-        "def build_model():\n    return nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))\n"
-        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 64)\n"
-    )
-    build = lambda: nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))  # noqa: E731
+    path, build = _command_model(tmp_path, 16)
     expected = estimate_memory(build, lambda b: torch.zeros(b, 64), batch_size=16, device="cpu", fit=False, autocast="fp16", grad_scaler=True)
     assert main(["estimate", str(path), "--device", "cpu", "--units", "B", "--autocast", "fp16", "--grad-scaler"]) == 0
     out = capsys.readouterr().out
