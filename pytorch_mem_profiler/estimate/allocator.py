@@ -7,7 +7,8 @@ garbage-collection threshold), which :class:`AllocatorReplay` follows:
 - every block is a multiple of 512 bytes (``kMinBlockSize``), at least 512; an
   empty tensor takes no block. ``torch.cuda.memory_allocated()`` counts these
   rounded sizes, so an estimate of it rounds each storage the same way
-  (``round_size``);
+  (``round_size``), and counts a block whole where less than it was asked and the
+  rest was not split off (below; :func:`replay_whole_blocks`);
 - requests up to 1 MiB (``kSmallSize``) come from the small pool's 2 MiB segments
   (``kSmallBuffer``), larger ones from the large pool; a new segment for a request
   under 10 MiB (``kMinLargeAlloc``) is 20 MiB (``kLargeBuffer``), a larger one its
