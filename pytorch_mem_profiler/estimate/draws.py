@@ -376,20 +376,20 @@ class Draws:
             flat = _flat(args, kwargs)
         everything = all(getattr(t, "constant", None) is not None for t in flat if isinstance(t, torch.Tensor) and mode.is_our_fake(t))
         written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        if everything and not written and _tag(func, "dynamic_output_shape"):
-            shaped = self._shaped_by_values(mode, func, args, kwargs, flat, fallback)
-            if shaped is not NotImplemented:
-                return shaped
+        # an operator whose result's shape is its arguments' values (``nonzero``, ``unique``,
+        # ``masked_select``): the fake kernel, with the values set aside, cannot say it (ViLT finds the
+        # patches its pixel mask keeps with ``x_mask.nonzero()``): the CPU's result gives the shape
+        by_values = everything and not written and _tag(func, "dynamic_output_shape")
+        real = self._real_result(mode, func, args, kwargs) if by_values else None
         # set aside: torch's constant propagation would return the result on the values' device
         with values_set_aside(flat) as valued:
-            out = fallback(func, args, kwargs)
-        real: Any = None
-        if everything:
-            try:
-                real_args, real_kwargs = tree_map(lambda v: _value_on_cpu(v, mode), (args, kwargs))
-                real = self._run(func, real_args, _on_cpu(real_kwargs), False)
-            except Exception:  # noqa: BLE001 - a value the CPU cannot compute: the result has none
-                real = None
+            if real is not None:
+                device = next(t.device for t in flat if isinstance(t, torch.Tensor) and mode.is_our_fake(t) and t.device.type != "cpu")
+                out = tree_map(lambda r: _empty_as(r, device, fallback), real)
+            else:
+                out = fallback(func, args, kwargs)
+        if everything and not by_values:
+            real = self._real_result(mode, func, args, kwargs)
         if written and real is None:
             for name, t in _named_arguments(func, args, kwargs):
                 if name in written and isinstance(t, torch.Tensor) and getattr(t, "constant", None) is not None:
@@ -410,33 +410,14 @@ class Draws:
             self._mark(out, mode)  # computed from a draw: reading it is noted, as on the CPU
         return out
 
-    def _shaped_by_values(self, mode: Any, func: Any, args: tuple, kwargs: dict, flat: list[Any], fallback: Callable[..., Any]) -> Any:
-        """An operator whose result's shape is its arguments' values (``nonzero``, ``unique``,
-        ``masked_select``, ``repeat_interleave`` by a tensor), on values kept for another device
-        than the CPU: computed on the CPU, and the result made on the arguments' device with the
-        shape the real step's has (the fake kernel, given no values, cannot say it), keeping its
-        value. ViLT finds the patches its pixel mask keeps with ``x_mask.nonzero()``, a mask the
-        user gives and the step sends to the GPU. ``NotImplemented`` where the CPU cannot compute it."""
+    def _real_result(self, mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` run on the CPU on its arguments' values; ``None`` where the CPU cannot compute it
+        (the result then has no value)."""
         try:
             real_args, real_kwargs = tree_map(lambda v: _value_on_cpu(v, mode), (args, kwargs))
-            real = self._run(func, real_args, _on_cpu(real_kwargs), False)
-        except Exception:  # noqa: BLE001 - the fake kernel decides (it refuses, naming the operator)
-            return NotImplemented
-        device = next(t.device for t in flat if isinstance(t, torch.Tensor) and mode.is_our_fake(t) and t.device.type != "cpu")
-
-        def made(r: Any) -> Any:
-            if not isinstance(r, torch.Tensor):
-                return r
-            out = fallback(torch.ops.aten.empty.memory_format, (tuple(r.shape),), {"dtype": r.dtype, "device": device})
-            if value_sized(r):
-                self._keep_value(mode, out, r)
-            return out
-
-        out = tree_map(made, real)
-        self._used(t for t in flat if isinstance(t, torch.Tensor))
-        if self._drawn and any(self.is_drawn(t) for t in flat if isinstance(t, torch.Tensor)):
-            self._mark(out, mode)  # computed from a draw: reading it is noted, as on the CPU
-        return out
+            return self._run(func, real_args, _on_cpu(real_kwargs), False)
+        except Exception:  # noqa: BLE001 - a value the CPU cannot compute: the result has none
+            return None
 
     def _masks_as_positions(self, mode: Any, func: Any, args: tuple, kwargs: dict, fallback: Callable[..., Any]) -> tuple[tuple, dict]:
         """Indexing by a boolean mask whose value is kept (SpecAugment's time mask from numpy, sent
@@ -621,6 +602,13 @@ class Draws:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and mode.is_our_fake(t) and t.constant is not None:
                 self._drawn[id(t)] = weakref.ref(t)
+
+
+def _empty_as(real: Any, device: torch.device, fallback: Callable[..., Any]) -> Any:
+    """A fake tensor on ``device`` with ``real``'s shape and dtype (``real`` itself if not a tensor)."""
+    if not isinstance(real, torch.Tensor):
+        return real
+    return fallback(torch.ops.aten.empty.memory_format, (tuple(real.shape),), {"dtype": real.dtype, "device": device})
 
 
 @contextlib.contextmanager
