@@ -21,7 +21,7 @@ of a healthy run does. Fused optimizers that unscale inside their own kernel
 Example::
 
     >>> import torch
-    >>> scaler = make_grad_scaler("cpu")
+    >>> scaler = FiniteGradScaler("cpu")
     >>> p = torch.nn.Parameter(torch.ones(3))
     >>> opt = torch.optim.SGD([p], lr=0.1)
     >>> scaler.scale((p * 2).sum()).backward()
@@ -39,7 +39,8 @@ import torch
 
 class FiniteGradScaler(torch.amp.GradScaler):
     """A ``GradScaler`` whose ``step`` takes the gradients as finite (see the module's docstring);
-    everything else, what it allocates included, is torch's own."""
+    everything else, what it allocates included, is torch's own. ``device``: the fake step's tensors'
+    (``"cpu"`` where the CPU stands in for a GPU, whose scaler would switch itself off without one)."""
 
     def __init__(self, device: str) -> None:
         super().__init__(device)
@@ -50,12 +51,6 @@ class FiniteGradScaler(torch.amp.GradScaler):
         # torch: ``if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values())``
         self.steps_taken_as_finite += 1
         return optimizer.step(*args, **kwargs)
-
-
-def make_grad_scaler(device_type: str) -> FiniteGradScaler:
-    """The estimate's scaler for tensors of ``device_type`` (the fake step's: ``"cpu"`` where the CPU
-    stands in for a GPU, whose scaler would switch itself off without one)."""
-    return FiniteGradScaler(device_type)
 
 
 def grad_scaler_note(scaler: FiniteGradScaler | None) -> tuple[str, ...]:

@@ -64,7 +64,7 @@ from .build import build_model
 from .draws import user_line
 from .compiled import CompiledModules
 from .global_caches import fake_values_left_out_of_caches
-from .grad_scaling import grad_scaler_note, make_grad_scaler
+from .grad_scaling import FiniteGradScaler, grad_scaler_note
 from .fake import FakeKernelRefused, eager_modules, fake_inputs, fake_mode, fake_model, make_optimizer
 from .parallel import PARALLEL_ROLES
 from .attention_rules import MathAttentionRules
@@ -660,7 +660,7 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
             attribution = None
             gradients = optimizer_state = 0
             # torch's own scaler, taking the gradients as finite (the step that runs the optimizer)
-            scaler = make_grad_scaler(run_device.type) if plan.grad_scaler and optimizer is not None else None
+            scaler = FiniteGradScaler(run_device.type) if plan.grad_scaler and optimizer is not None else None
             step_peaks = []
             # tiny tensors the step makes from nothing get values (a LayerDrop draw read in Python);
             # scripted functions run as Python (a fused TorchScript kernel would read fake memory)
@@ -905,12 +905,13 @@ def _summarize(
     peak_event = 0
     phase_peak_events: dict[str, int] = {}
     if target.type == "cuda":
-        step_events = _step_events(counter)
+        step_events, ticks = _step_events(counter)
         events = step_events.events
         headroom = {key: life.headroom for key, life in enumerate(counter.lives) if life.headroom and life.nbytes > 0}
         reserved = simulate_reserved(events)
-        peak_event = _events_until(counter.lives, counter.peak_tick)
-        phase_peak_events = {phase: _events_until(counter.lives, tick) for phase, tick in counter.phase_peak_ticks.items()}
+        # the events at or before the peak's tick, and each phase's, placed as the marks are
+        peak_event = bisect.bisect_right(ticks, counter.peak_tick)
+        phase_peak_events = {phase: bisect.bisect_right(ticks, tick) for phase, tick in counter.phase_peak_ticks.items()}
     return StepMemory(
         batch_size=batch_size,
         peak=counter.peak,
@@ -951,12 +952,6 @@ def _events(lives: list[Life]) -> list[tuple[int, int]]:
     return [(key, nbytes) for _, key, nbytes in _timeline(lives)]
 
 
-def _events_until(lives: list[Life], tick: int) -> int:
-    """How many of the replay's events (:func:`_timeline`) come at or before ``tick``: each birth and
-    death has a tick of its own."""
-    return sum((life.born <= tick) + (life.died is not None and life.died <= tick) for life in lives if life.nbytes > 0)
-
-
 def _timeline(lives: list[Life]) -> list[tuple[int, int, int]]:
     """``(tick, key, +/-bytes)`` of every storage's birth and death, in time order (a key is the life's index)."""
     timeline: list[tuple[int, int, int]] = []
@@ -970,9 +965,10 @@ def _timeline(lives: list[Life]) -> list[tuple[int, int, int]]:
     return timeline
 
 
-def _step_events(counter: StorageLifeCounter) -> StepEvents:
+def _step_events(counter: StorageLifeCounter) -> tuple[StepEvents, list[int]]:
     """The counted storages' births and deaths for the replay, where each phase of each step begins
-    (the counter's marks, by tick), and what made each storage."""
+    (the counter's marks, by tick), and what made each storage; and each event's tick, in order (the
+    events at or before a tick: ``bisect.bisect_right(ticks, tick)``)."""
     timeline = _timeline(counter.lives)
     ticks = [tick for tick, _, _ in timeline]
     marks = tuple((bisect.bisect_right(ticks, tick), step, phase) for tick, step, phase in counter.marks)
@@ -990,5 +986,6 @@ def _step_events(counter: StorageLifeCounter) -> StepEvents:
         thread = cublas_thread(phase)
         firsts[thread] = min(tick, firsts.get(thread, tick))
     blas_first = tuple(bisect.bisect_right(ticks, tick) for tick in sorted(firsts.values()))
-    return StepEvents(tuple((key, nbytes) for _, key, nbytes in timeline), marks, MappingProxyType(sources), blas_first,
-                      frozenset(fallback))  # fmt: skip
+    events = StepEvents(tuple((key, nbytes) for _, key, nbytes in timeline), marks, MappingProxyType(sources), blas_first,
+                        frozenset(fallback))  # fmt: skip
+    return events, ticks
