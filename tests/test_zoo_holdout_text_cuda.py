@@ -68,6 +68,13 @@ UNSTEADY: dict[str, str] = {
         "with the device's addresses and parts from it at the loss's 1 GB request with each new segment placed below "
         "the others: where the driver placed the segments decided it"
     ),
+    "frozen_fastpath": (
+        "the same step measured two ways in fresh processes of one H200 (2026-11-29): 1,355.9 MB allocated and "
+        "1,879.0 MB reserved in one (estimate 1,828.7 MB, -2.68%; the predicted 111 under 3.5 GiB fit, 123 ran out), "
+        "1,355.1 MB and 1,728.1 MB in the next (+5.83%; the peak estimate to the byte); run after CLIP and the "
+        "torch encoder in a third, 1,728.1 MB again (the predicted 102 under 3.25 GiB fit, 113 ran out): the device's step "
+        "differs by 768 KiB of requests between processes, and its reserved by 151 MB"
+    ),
 }
 
 
