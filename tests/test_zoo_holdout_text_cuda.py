@@ -78,8 +78,14 @@ UNSTEADY: dict[str, str] = {
 }
 
 
+#: the goal every listed entry above is listed for: a listed entry that misses another fails
+#: (``assert_conforms`` raises a ``RuntimeError`` then, which the listing's xfail does not expect)
+LISTED_GOALS = ("reserved",)
+
+
 @pytest.mark.parametrize("name", cases(HOLDOUT_TEXT, KNOWN, on_cpu=False, unsteady=UNSTEADY, raises=AssertionError))
 def test_the_held_back_model_conforms_on_the_gpu(name):
     import zoo_conformance
 
-    zoo_conformance.assert_conforms(HOLDOUT_TEXT[name], torch.device("cuda", torch.cuda.current_device()))
+    listed = LISTED_GOALS if name in KNOWN or name in UNSTEADY else None
+    zoo_conformance.assert_conforms(HOLDOUT_TEXT[name], torch.device("cuda", torch.cuda.current_device()), known_misses=listed)
