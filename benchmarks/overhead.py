@@ -645,7 +645,7 @@ def host_memory_of_records(device: torch.device, iterations: int, by_layer: bool
                 profiler.record_stats()
             profiler.records.clear()
             gc.collect()
-            half = iterations // 2
+            half, held_half = iterations // 2, 0
             tracemalloc.start()
             try:
                 for i in range(iterations):
@@ -661,8 +661,7 @@ def host_memory_of_records(device: torch.device, iterations: int, by_layer: bool
             kept = len(profiler.records)
         finally:
             profiler.close()
-    per_record = (held - held_half) // max(iterations - half, 1) if iterations > 1 else held
-    return held, peak, kept, per_record
+    return held, peak, kept, (held - held_half) // max(iterations - half, 1)
 
 
 # -- the run ----------------------------------------------------------------------

@@ -383,9 +383,8 @@ def assert_conforms(
     if errors:
         raise RuntimeError(f"{entry.name}: {'; '.join(errors)}\n{row.get('traceback', '')}")
     assert "measured" in row and row["measured"]["allocated"] < 10e9, row.get("error")
-    unlisted = [m for m in missed if known_misses is not None and m not in known_misses]
-    if unlisted:
-        raise RuntimeError(f"{entry.name} missed {unlisted}, beyond what it is listed for ({sorted(known_misses or ())})")
+    if known_misses is not None and (unlisted := [m for m in missed if m not in known_misses]):
+        raise RuntimeError(f"{entry.name} missed {unlisted}, beyond what it is listed for ({sorted(known_misses)})")
     assert missed == [], (missed, {k: v for k, v in row.items() if k != "traceback"})
     return row
 

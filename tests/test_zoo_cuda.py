@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmarks.zoo import ZOO  # noqa: E402
 
-from .zoo_cases import cases  # noqa: E402
+from .zoo_cases import cases, listed_goals  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -69,8 +69,7 @@ UNSTEADY: dict[str, str] = {
 }
 
 
-#: the goal every listed entry above is listed for: a listed entry that misses another fails
-#: (``assert_conforms`` raises a ``RuntimeError`` then, which the listing's xfail does not expect)
+#: the goal every entry listed above is listed for (``listed_goals``)
 LISTED_GOALS = ("largest batch",)
 
 
@@ -78,5 +77,6 @@ LISTED_GOALS = ("largest batch",)
 def test_the_zoo_model_conforms_on_the_gpu(name):
     import zoo_conformance
 
-    listed = LISTED_GOALS if name in KNOWN or name in UNSTEADY else None
-    zoo_conformance.assert_conforms(ZOO[name], torch.device("cuda", torch.cuda.current_device()), known_misses=listed)
+    device = torch.device("cuda", torch.cuda.current_device())
+    listed = listed_goals(name, LISTED_GOALS, KNOWN, UNSTEADY)
+    zoo_conformance.assert_conforms(ZOO[name], device, known_misses=listed)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmarks.zoo.holdout_vision import HOLDOUT_VISION  # noqa: E402
 
-from .zoo_cases import cases  # noqa: E402
+from .zoo_cases import cases, listed_goals  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -58,8 +58,7 @@ KNOWN: dict[str, str] = {
 UNSTEADY: dict[str, str] = {}
 
 
-#: the goal every listed entry above is listed for: a listed entry that misses another fails
-#: (``assert_conforms`` raises a ``RuntimeError`` then, which the listing's xfail does not expect)
+#: the goal every entry listed above is listed for (``listed_goals``)
 LISTED_GOALS = ("reserved",)
 
 
@@ -67,5 +66,6 @@ LISTED_GOALS = ("reserved",)
 def test_the_held_back_model_conforms_on_the_gpu(name):
     import zoo_conformance
 
-    listed = LISTED_GOALS if name in KNOWN or name in UNSTEADY else None
-    zoo_conformance.assert_conforms(HOLDOUT_VISION[name], torch.device("cuda", torch.cuda.current_device()), known_misses=listed)
+    device = torch.device("cuda", torch.cuda.current_device())
+    listed = listed_goals(name, LISTED_GOALS, KNOWN, UNSTEADY)
+    zoo_conformance.assert_conforms(HOLDOUT_VISION[name], device, known_misses=listed)

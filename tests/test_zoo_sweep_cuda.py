@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmarks.zoo.sweep import SWEEP  # noqa: E402
 
-from .zoo_cases import cases  # noqa: E402
+from .zoo_cases import cases, listed_goals  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -33,8 +33,8 @@ _SMALL_RESERVED = "reserved {:+.1f}% of {:.0f} MB at the sweep's size (peak {:+.
 #: (``zoo_conformance.py --registry sweep --quick``): reserved of small CNNs, a convolution
 #: workspace's segment or two more or less than the estimate's replay, their peaks within bounds. The
 #: same again on four H100s, 2026-11-28, with the replay's segments placed downward: the same misses
-#: (RexNet and SelecSLS a point or two closer). The figures below as on one H200 on 2026-11-29, with the
-#: peak counted in the allocator's whole blocks (every other figure as before).
+#: (RexNet and SelecSLS a point or two closer). The figures below as on one H200 on 2026-11-29, once the
+#: peak counted the allocator's whole blocks.
 KNOWN: dict[str, str] = {
     "timm_efficientnetv2_rw_t": _SMALL_RESERVED.format(-8.33, 251.7, -0.72, 11.8),
     "timm_mobileone_s0": _SMALL_RESERVED.format(-15.28, 151.0, -0.13, 31.9),
@@ -59,8 +59,7 @@ UNSTEADY: dict[str, str] = {
 }
 
 
-#: the goal every listed entry above is listed for: a listed entry that misses another fails
-#: (``assert_conforms`` raises a ``RuntimeError`` then, which the listing's xfail does not expect)
+#: the goal every entry listed above is listed for (``listed_goals``)
 LISTED_GOALS = ("reserved",)
 
 
@@ -68,5 +67,6 @@ LISTED_GOALS = ("reserved",)
 def test_the_sweeps_model_conforms_on_the_gpu(name):
     import zoo_conformance
 
-    listed = LISTED_GOALS if name in KNOWN or name in UNSTEADY else None
-    zoo_conformance.assert_conforms(SWEEP[name], torch.device("cuda", torch.cuda.current_device()), quick=True, known_misses=listed)
+    device = torch.device("cuda", torch.cuda.current_device())
+    listed = listed_goals(name, LISTED_GOALS, KNOWN, UNSTEADY)
+    zoo_conformance.assert_conforms(SWEEP[name], device, quick=True, known_misses=listed)
