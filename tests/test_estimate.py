@@ -83,6 +83,30 @@ if hasattr(torch.optim, "Adafactor"):  # torch 2.5 and later: its step reads eac
     OPTIMIZERS["adafactor"] = torch.optim.Adafactor
 
 
+def _steps_on_the_cpu(optimizer) -> bool:
+    """Whether this torch's ``optimizer`` takes a real step on the CPU (fused kernels came to it late)."""
+    weight = nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    try:
+        optimizer([weight]).step()
+    except (RuntimeError, ValueError, TypeError, AssertionError):
+        return False
+    return True
+
+
+# torch's fused steps (no fake kernel for some of them) and settings given as tensors (the constructor
+# checks ``0.0 <= lr`` in Python): each as a user writes it
+SETTINGS_AS_TENSORS = {
+    "sgd-fused": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, fused=True),
+    "adagrad-fused": functools.partial(torch.optim.Adagrad, fused=True),
+    "adam-fused-tensor-lr": functools.partial(torch.optim.Adam, lr=torch.tensor(1e-3), fused=True),
+    "adamw-tensor-lr": functools.partial(torch.optim.AdamW, lr=torch.tensor(1e-3)),
+    "adam-tensor-betas": functools.partial(torch.optim.Adam, betas=(torch.tensor(0.9), torch.tensor(0.99)), foreach=False),
+    "sgd-tensor-lr": functools.partial(torch.optim.SGD, lr=torch.tensor(0.1), momentum=0.9),
+}
+OPTIMIZERS.update((name, made) for name, made in SETTINGS_AS_TENSORS.items() if _steps_on_the_cpu(made))
+
+
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS.values()), ids=list(OPTIMIZERS))
 def test_every_torch_optimizer_is_estimated_to_the_byte(optimizer):
     """torch's optimizers beside Adam and SGD, on the CPU: the estimate equals the measured peak, and
@@ -449,6 +473,32 @@ def test_an_optimizers_step_counts_stay_in_host_memory_beside_cuda_parameters(op
     # on the CPU, the counts are on the device: a float32 each
     on_cpu = estimate_memory(model, torch.zeros(8, 64), optimizer=optimizer, device="cpu", fit=False)
     assert on_cpu.optimizer_state == moments * sum(nbytes(p) for p in params) + 4 * len(params)
+
+
+@pytest.mark.parametrize("optimizer", [
+    functools.partial(torch.optim.Adam, capturable=True),
+    functools.partial(torch.optim.AdamW, lr=torch.tensor(1e-3), capturable=True),
+    functools.partial(torch.optim.NAdam, capturable=True),
+], ids=["adam", "adamw-tensor-lr", "nadam"])  # fmt: skip
+def test_a_capturable_optimizer_keeps_its_counts_on_the_device_where_cuda_is_emulated(optimizer):
+    """``capturable=True`` (CUDA graphs) asserts that the parameters are on a device that can capture,
+    which the CPU stand-ins are not: emulated, the step takes CUDA's capturable path, its counts a
+    block each on the device beside the moments (where the others keep them in host memory)."""
+    model = mlp()
+    params = list(model.parameters())
+    estimate = estimate_memory(model, torch.zeros(8, 64), optimizer=optimizer, device="cuda", fit=False, emulate=True)
+    counts = 2 if optimizer.func is torch.optim.NAdam else 1  # NAdam's mu_product beside its step
+    assert estimate.optimizer_state == 2 * sum(block_size(nbytes(p)) for p in params) + counts * 512 * len(params)
+    weight = nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    with pytest.raises(AssertionError, match="capturable"):  # nothing left patched: the CPU still cannot capture
+        torch.optim.Adam([weight], capturable=True).step()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the device's own runtime is here")
+def test_emulate_false_without_the_devices_runtime_is_refused_naming_the_argument():
+    with pytest.raises(ValueError, match="emulate=False.*emulate=None"):
+        estimate_memory(mlp, torch.zeros(8, 64), device="cuda", fit=False, emulate=False)
 
 
 def test_a_data_parallel_over_several_gpus_is_refused_naming_what_to_estimate():

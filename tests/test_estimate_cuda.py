@@ -109,6 +109,25 @@ def test_an_mlp_estimate_equals_the_allocators_peak_to_the_byte():
     assert estimate.peak == step_peak(mlp, lambda b: torch.randn(b or 64, 256, device=CUDA), SGD)
 
 
+@pytest.mark.parametrize("optimizer", [
+    functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, fused=True),
+    functools.partial(torch.optim.AdamW, lr=torch.tensor(1e-3), fused=True),
+    functools.partial(torch.optim.Adam, lr=torch.tensor(1e-3)),
+    functools.partial(torch.optim.Adam, capturable=True),
+    functools.partial(torch.optim.NAdam, capturable=True),
+], ids=["sgd-fused", "adamw-fused-tensor-lr", "adam-tensor-lr", "adam-capturable", "nadam-capturable"])  # fmt: skip
+def test_fused_capturable_and_tensor_lr_optimizers_equal_the_allocators_peak(optimizer):
+    """torch's fused steps (in place, some without a fake kernel), a learning rate given as a tensor
+    and capturable steps (their counts on the device): on fake CUDA tensors to the byte, and emulated
+    on the CPU with the same optimizer state and the peak within 2%."""
+    estimate = estimate_memory(mlp(), torch.zeros(64, 256), optimizer=optimizer, device="cuda", fit=False)
+    measured = step_peak(mlp, lambda b: torch.randn(b or 64, 256, device=CUDA), optimizer)
+    assert estimate.peak == measured
+    emulated = estimate_memory(mlp(), torch.zeros(64, 256), optimizer=optimizer, device="cuda", fit=False, emulate=True)
+    assert emulated.optimizer_state == estimate.optimizer_state
+    assert abs(emulated.peak - measured) <= 0.02 * measured, (emulated.peak, measured)
+
+
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
 def test_a_transformer_block_stack_estimate_is_within_three_percent(autocast):
     build = lambda: FeedForwardStack(512, 4)  # noqa: E731

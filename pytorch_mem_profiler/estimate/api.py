@@ -98,7 +98,17 @@ def parse_autocast(value: Any) -> torch.dtype | None:
 
 def _run_device(device: torch.device, emulate: bool | None) -> torch.device:
     """Where the fake step runs: on the device when its runtime is here, else on the CPU."""
-    if device.type == "cpu" or emulate is False:
+    if device.type == "cpu":
+        return device
+    if emulate is False:
+        try:
+            usable_device(device)
+        except ValueError as err:
+            # fake tensors of a device whose runtime is missing fail inside autograd's backward
+            raise ValueError(
+                f"emulate=False runs the fake step with {device.type}'s own runtime, which is not usable here "
+                f"({err}); leave emulate=None (or True) to emulate {device.type} on the CPU"
+            ) from None
         return device
     if emulate:
         return torch.device("cpu")

@@ -234,6 +234,8 @@ class Draws:
         self.active = False
         #: while the step's inputs are made (see :meth:`inputs`)
         self.making_inputs = False
+        #: while the optimizer is built (see :meth:`settings`): the user's floating-point scalars too
+        self._settings = False
         self._host: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self.reads: dict[str, int] = {}
         self._state: torch.Tensor | None = None
@@ -282,6 +284,19 @@ class Draws:
             self._host.clear()
 
     @contextlib.contextmanager
+    def settings(self) -> Iterator[Draws]:
+        """While the optimizer is built: the user's own small host tensors among its settings
+        (``lr=torch.tensor(1e-3)``, tensor ``betas``) come in with their values, of any dtype, as the
+        inputs' integer ones do (:meth:`inputs`): the constructor checks them in Python
+        (``if not 0.0 <= lr``), as the real one does."""
+        self._settings = True
+        try:
+            with self.inputs():
+                yield self
+        finally:
+            self._settings = False
+
+    @contextlib.contextmanager
     def stand_ins_in_step(self) -> Iterator[Draws]:
         """While an optimizer's step runs: a Python number read from a tensor without a value
         (Adafactor's ``param.norm(2).item()`` scaling its update) is 1 (``True``), and the line is noted.
@@ -308,7 +323,8 @@ class Draws:
     def host_value(self, mode: Any, real: torch.Tensor) -> torch.Tensor:
         """A real CPU tensor the user gave, as a fake one with its value (a copy: the step never
         writes into the user's tensor); the same fake for the same tensor. Others as they are."""
-        if type(real) not in _PLAIN or mode.is_our_fake(real) or real.device.type != "cpu" or not _input_sized(real):
+        sized = _input_sized(real) or (self._settings and real.numel() <= SMALL_VALUE_NUMEL)
+        if type(real) not in _PLAIN or mode.is_our_fake(real) or real.device.type != "cpu" or not sized:
             return real
         known = self._host.get(id(real))
         if known is not None and known[0]() is real:
@@ -483,7 +499,8 @@ class Draws:
         host tensors read come in with theirs (:meth:`inputs`)."""
         if func in getattr(mode, "lift_fns", ()):  # torch.tensor(data): the fake mode's own (see may_turn_const)
             return fallback(func, args, kwargs)
-        if isinstance(func, torch._ops.OpOverload) and _makes_tensors(func):
+        # an optimizer's state made when it is built (Adagrad's sums) is the step's, without values
+        if not self._settings and isinstance(func, torch._ops.OpOverload) and _makes_tensors(func):
             makes_from_nothing = not any(isinstance(v, torch.Tensor) for v in _flat(args, kwargs))
             if (makes_from_nothing or _reads_metadata_only(func)) and not _tag(func, "nondeterministic_seeded") and not _uninitialized(func):
                 fake = fallback(func, args, kwargs)

@@ -18,6 +18,11 @@ and two such places hold most of a transformer's memory:
   or ``fused``) stay in host memory beside CUDA parameters, but are made beside the stand-ins
   here: :class:`HostScalars` makes such a tensor uncounted (512 bytes a parameter in the
   device's figures otherwise: +2.7% on a 2 MB MobileBERT step with AdamW);
+- capturable optimizers: ``Adam(..., capturable=True)`` (and AdamW, NAdam, RAdam, Adamax, ASGD,
+  Adadelta, RMSprop, Rprop) assert that their parameters are on a device that can capture, which
+  the CPU stand-ins are not: :func:`capturable_on_stand_ins` lets the CPU pass that check while an
+  emulated optimizer is built and steps, so it takes CUDA's capturable path (its counts on the
+  device, counted);
 - autocast: CUDA's autocast lists other operators, with other policies, than the
   CPU's (``pow``, ``exp``, ``layer_norm`` in float32, a float32 ``sum`` and
   ``softmax``, no ``cross_entropy_loss`` as one operator, ...): every operator takes
@@ -56,7 +61,7 @@ from torch.overrides import TorchFunctionMode
 from ..torch_versions import CUDNN_ATTENTION_TAKES_MASK, SDPA_ENABLE_GQA, attention_softmax, math_attention_upcasts
 from .autocast_policy import cuda_autocast
 
-__all__ = ["HostScalars", "cuda_backend", "cuda_boolean_mask", "cuda_rules", "math_attention"]
+__all__ = ["HostScalars", "capturable_on_stand_ins", "cuda_backend", "cuda_boolean_mask", "cuda_rules", "math_attention"]
 
 #: Head sizes cuDNN's attention takes on Hopper with a mask (torch 2.11, cuDNN 9).
 CUDNN_MAX_HEAD_DIM = 128
@@ -290,6 +295,56 @@ def cuda_rules() -> Iterator[None]:
         finally:
             for name, original in originals.items():
                 setattr(F, name, original)
+
+
+@contextlib.contextmanager
+def capturable_on_stand_ins() -> Iterator[None]:
+    """While on: torch's optimizers take the CPU (the stand-ins' device) for a device that can run
+    ``capturable=True``, as CUDA can; real CPU tensors never reach them in an emulated step.
+
+    Each of ``torch.optim``'s modules imported ``_get_capturable_supported_devices`` by name, so
+    each module's own reference is replaced, and put back after.
+
+    Example::
+
+        >>> import torch
+        >>> step, weight = torch.zeros(()), torch.nn.Parameter(torch.ones(3))
+        >>> optimizer = torch.optim.Adam([weight], capturable=True)
+        >>> weight.grad = torch.ones(3)
+        >>> with capturable_on_stand_ins():
+        ...     optimizer.step()
+        >>> bool(weight.detach().lt(1).all())
+        True
+    """
+    import importlib
+    import pkgutil
+
+    import torch.optim
+
+    def with_cpu(original: Callable[..., list[str]]) -> Callable[..., list[str]]:
+        @functools.wraps(original)
+        def supported(*args: Any, **kwargs: Any) -> list[str]:
+            devices = list(original(*args, **kwargs))
+            return devices if "cpu" in devices else [*devices, "cpu"]
+
+        return supported
+
+    replaced = []
+    for info in pkgutil.iter_modules(torch.optim.__path__):
+        try:
+            module = importlib.import_module(f"torch.optim.{info.name}")
+        except Exception:  # noqa: BLE001 - a module that does not import has no optimizer to patch
+            continue
+        original = getattr(module, "_get_capturable_supported_devices", None)
+        if callable(original):
+            replaced.append((module, original))
+    try:
+        for module, original in replaced:
+            module._get_capturable_supported_devices = with_cpu(original)
+        yield
+    finally:
+        for module, original in replaced:
+            module._get_capturable_supported_devices = original
 
 
 #: Factories that make a tensor on the default device (host memory in a CUDA run) where given no

@@ -420,6 +420,8 @@ def make_optimizer(factory: Callable[..., torch.optim.Optimizer], model: nn.Modu
         )
     if device_type in FOREACH_DEVICES:
         for group in optimizer.param_groups:
-            if "foreach" in group and group["foreach"] is None and not group.get("fused") and not group.get("differentiable"):
+            # torch itself leaves foreach off for a tensor learning rate that is not capturable
+            tensor_lr = isinstance(group.get("lr"), torch.Tensor) and not group.get("capturable")
+            if "foreach" in group and group["foreach"] is None and not group.get("fused") and not group.get("differentiable") and not tensor_lr:
                 group["foreach"] = True
     return optimizer

@@ -16,6 +16,12 @@ non-contiguous inputs), freed before it returns:
   operand's, its rows padded to 16 bytes as ATen's ``create_grouped_gemm_output_tensor`` pads them
   for the tensor-memory-access kernels (on every build but ROCm's);
 
+- torch's fused optimizer steps in place (``aten._fused_sgd_``, ``_fused_adagrad_``, the ``tensor_lr``
+  overloads of ``_fused_adam_`` and ``_fused_adamw_``: ``SGD(..., fused=True)``, ``Adam(lr=torch.tensor(1e-3),
+  fused=True)``), which have no fake kernel where their siblings have one that does nothing: each
+  updates the parameters and the state it is given in place and returns nothing, allocating
+  nothing (the state they update is made in Python before the call, and counted there);
+
 - ``aten.cudnn_grid_sampler`` (``F.grid_sample`` on CUDA, bilinear, zero padding, 4-D, where
   cuDNN takes it): the output ``(N, C, H_out, W_out)`` from the input ``(N, C, H, W)`` and the
   grid ``(N, H_out, W_out, 2)``; ATen's ``cudnn_grid_sampler_forward`` makes the input and the grid
@@ -105,6 +111,33 @@ if hasattr(aten, "_grouped_mm"):
     KERNEL_RULES[aten._grouped_mm.default] = _grouped_mm
 if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_norm_interface_backward", "Meta"):
     KERNEL_RULES[aten._weight_norm_interface_backward.default] = _weight_norm_backward  # torch 2.4: no fake kernel
+
+
+def _updates_in_place(args: tuple, kwargs: dict) -> None:
+    """A fused optimizer step: every tensor it is given is updated in place, nothing is made."""
+    return None
+
+
+def _fused_optimizer_steps() -> list[Any]:
+    """The overloads of ``aten._fused_<name>_`` (torch's fused optimizer steps, in place) that return
+    nothing and have no fake kernel in this torch."""
+    names = getattr(torch._C, "_dispatch_get_all_op_names", lambda: [])()
+    found = []
+    for qualified in names:
+        name, _, overload = qualified.partition(".")
+        if not (name.startswith("aten::_fused_") and name.endswith("_")):
+            continue
+        packet = getattr(aten, name[len("aten::") :], None)
+        op = getattr(packet, overload or "default", None) if packet is not None else None
+        if op is None or op._schema.returns:
+            continue
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+            found.append(op)
+    return found
+
+
+for _step in _fused_optimizer_steps():
+    KERNEL_RULES[_step] = _updates_in_place
 
 
 def kernel_rule(func: Any) -> Callable[[tuple, dict], Any] | None:

@@ -58,7 +58,7 @@ from ..stats import ACTIVATIONS, INPUT, PEAK_CATEGORIES, WEIGHT_COPIES, LayerFea
 from .allocator import StepEvents, block_size, cublas_thread, simulate_reserved
 from .counter import COLLECTIVE_ROLE, Life, StorageLifeCounter
 from .cpu_kernels import CpuKernels
-from .emulation import HostScalars, cuda_rules
+from .emulation import HostScalars, capturable_on_stand_ins, cuda_rules
 from .fast_paths import FusedFastPaths, fast_paths_kept
 from .build import build_model
 from .draws import user_line
@@ -618,8 +618,17 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
         dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params if p.is_floating_point()}))
         # an optimizer's counts made with no device stay in host memory beside CUDA parameters
         host = HostScalars(counter.paused) if target.type == "cuda" and run_device.type == "cpu" else None
-        hosting = host if host is not None else contextlib.nullcontext()  # entered at construction and each step
-        with hosting:
+
+        def hosting() -> contextlib.ExitStack:  # entered at construction and each step
+            stack = contextlib.ExitStack()
+            if host is not None:  # emulated: capturable=True takes CUDA's path on the stand-ins
+                stack.enter_context(host)
+                stack.enter_context(capturable_on_stand_ins())
+            return stack
+
+        # the user's own tensors among its settings (lr=torch.tensor(1e-3)) keep their values: the
+        # constructor checks them in Python (``if not 0.0 <= lr``), as they are made for the inputs
+        with hosting(), mode.draws.settings():
             # a model with nothing to train has no optimizer step
             optimizer = make_optimizer(plan.optimizer, model, target.type) if any(p.requires_grad for p in params) else None
         if optimizer is not None and _step_needs_closure(optimizer):
@@ -706,7 +715,7 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
                             torch.nn.utils.clip_grad_norm_(params, plan.max_grad_norm)
                         counter.enter_phase("optimizer")
                         # a number scaling an update (Adafactor); the counts made in host memory
-                        with mode.draws.stand_ins_in_step(), hosting:
+                        with mode.draws.stand_ins_in_step(), hosting():
                             if scaler is not None:
                                 scaler.step(optimizer)
                             else:
