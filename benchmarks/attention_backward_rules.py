@@ -10,7 +10,8 @@ block where query, key and value are parts of one tensor (a packed projection). 
 backward over a sweep of shapes, dtypes, layouts (query, key and value packed in one tensor, or
 apart), masks and causality, with the allocator's history recorded around the call alone
 (``torch.cuda.memory._record_memory_history``), and writes every block the call asked for, in
-order, whether it was given back inside the call, and the returned gradients' storages' bytes
+order, whether it was given back inside the call, the order of takes and gives, and the returned
+gradients' storages' bytes
 (also with the output's gradient laid out as ``nn.MultiheadAttention`` hands it back, and with
 dropout):
 ``attention_backward_rules.json`` in ``--out``. ``estimate/scratch.py``'s rule for this operator
@@ -78,21 +79,24 @@ def one_call(batch: int, heads: int, length: int, head: int, dtype: torch.dtype,
         torch.cuda.memory._record_memory_history(None)
     trace = snapshot["device_traces"][device.index or 0]
     asked: list[dict[str, Any]] = []
-    live: dict[int, dict[str, Any]] = {}
+    order: list[tuple[str, int]] = []  # ("take", block) and ("give", block) as the call made them
+    live: dict[int, int] = {}  # address -> the block's number
     for event in trace:
         if event["action"] == "alloc":
-            row = {"bytes": event["size"], "given_back": False}
-            asked.append(row)
-            live[event["addr"]] = row
+            live[event["addr"]] = len(asked)
+            order.append(("take", len(asked)))
+            asked.append({"bytes": event["size"], "given_back": False})
         elif event["action"] in ("free_requested", "free_completed") and event["addr"] in live:
-            live.pop(event["addr"])["given_back"] = True
+            number = live.pop(event["addr"])
+            asked[number]["given_back"] = True
+            order.append(("give", number))
     returned = [grad.untyped_storage().nbytes() for grad in grads[:3]]
     del grads
     return {
         "batch": batch, "heads": heads, "length": length, "head": head, "dtype": str(dtype).removeprefix("torch."),
         "layout": layout, "masked": masked, "causal": causal, "grad_layout": grad_layout, "dropout": dropout,
         "query_contiguous": q.is_contiguous(), "grad_out_contiguous": grad_out.is_contiguous(),
-        "asked": asked, "returned": returned,
+        "asked": asked, "order": order, "returned": returned,
     }  # fmt: skip
 
 
@@ -111,6 +115,12 @@ def sweep() -> list[tuple]:
             if masked and causal:
                 continue
             rows.append((batch, heads, length, head, dtype, layout, masked, causal, "output", 0.0))
+    # head dims above 128 (Gemma's global layers of 256 and 512): the kernel built for any head dim
+    for batch, heads, length, head in itertools.product((8,), (4, 8), (128, 512), (160, 192, 256, 512)):
+        for dtype, masked, causal in itertools.product((torch.float32, torch.bfloat16), (False, True), (False, True)):
+            if masked and causal:
+                continue
+            rows.append((batch, heads, length, head, dtype, "contiguous", masked, causal, "output", 0.0))
     return rows
 
 

@@ -14,7 +14,7 @@ from pytorch_mem_profiler.estimate.scratch import efficient_attention_backward_s
 
 #: What ``benchmarks/attention_backward_rules.py`` recorded inside each call on an H200 (torch 2.11,
 #: 2026-11-29): the blocks after the three gradients, in order, each given back before the call
-#: returned. Every shape ran with query, key and value packed in one tensor, apart, and contiguous,
+#: returned. Every shape up to a head dim of 128 ran with query, key and value packed in one tensor, apart, and contiguous,
 #: unmasked, masked (a key padding mask expanded) and causal: the blocks were the same in all of
 #: them (141 calls; bf16 at 500 positions with a mask is refused by the kernel, its bias unaligned).
 MEASURED: dict[tuple[tuple[int, int, int, int], str], tuple[int, ...]] = {
@@ -34,6 +34,41 @@ MEASURED: dict[tuple[tuple[int, int, int, int], str], tuple[int, ...]] = {
     ((8, 12, 500, 80), "bfloat16"): (192000, 25171968),
     ((64, 16, 256, 32), "float32"): (33554432, 1048576, 1048576, 67174400),
     ((64, 16, 256, 32), "bfloat16"): (1048576, 67174400),
+    # head dims above 128 (the kernel built for any head dim; the same H200, 2026-11-29), contiguous,
+    # unmasked, masked and causal alike: tiles of 128 positions by 64 columns, and in bf16 the key's
+    # and value's gradients staged per split of the keys
+    ((8, 4, 128, 160), "float32"): (2621440, 16384, 16384, 3147264),
+    ((8, 4, 128, 160), "bfloat16"): (16384, 11535872),
+    ((8, 4, 128, 192), "float32"): (3145728, 16384, 16384, 3147264),
+    ((8, 4, 128, 192), "bfloat16"): (16384, 11535872),
+    ((8, 4, 128, 256), "float32"): (4194304, 16384, 16384, 4196352),
+    ((8, 4, 128, 256), "bfloat16"): (16384, 12584960),
+    ((8, 4, 128, 512), "float32"): (8388608, 16384, 16384, 8392704),
+    ((8, 4, 128, 512), "bfloat16"): (16384, 25169920),
+    ((8, 4, 512, 160), "float32"): (10485760, 65536, 65536, 12589056),
+    ((8, 4, 512, 160), "bfloat16"): (65536, 37754880),
+    ((8, 4, 512, 192), "float32"): (12582912, 65536, 65536, 12589056),
+    ((8, 4, 512, 192), "bfloat16"): (65536, 37754880),
+    ((8, 4, 512, 256), "float32"): (16777216, 65536, 65536, 16785408),
+    ((8, 4, 512, 256), "bfloat16"): (65536, 41951232),
+    ((8, 4, 512, 512), "float32"): (33554432, 65536, 65536, 33570816),
+    ((8, 4, 512, 512), "bfloat16"): (65536, 83902464),
+    ((8, 8, 128, 160), "float32"): (5242880, 32768, 32768, 6294528),
+    ((8, 8, 128, 160), "bfloat16"): (32768, 23071744),
+    ((8, 8, 128, 192), "float32"): (6291456, 32768, 32768, 6294528),
+    ((8, 8, 128, 192), "bfloat16"): (32768, 23071744),
+    ((8, 8, 128, 256), "float32"): (8388608, 32768, 32768, 8392704),
+    ((8, 8, 128, 256), "bfloat16"): (32768, 25169920),
+    ((8, 8, 128, 512), "float32"): (16777216, 32768, 32768, 16785408),
+    ((8, 8, 128, 512), "bfloat16"): (32768, 50339840),
+    ((8, 8, 512, 160), "float32"): (20971520, 131072, 131072, 25178112),
+    ((8, 8, 512, 160), "bfloat16"): (131072, 50343936),
+    ((8, 8, 512, 192), "float32"): (25165824, 131072, 131072, 25178112),
+    ((8, 8, 512, 192), "bfloat16"): (131072, 50343936),
+    ((8, 8, 512, 256), "float32"): (33554432, 131072, 131072, 33570816),
+    ((8, 8, 512, 256), "bfloat16"): (131072, 58736640),
+    ((8, 8, 512, 512), "float32"): (67108864, 131072, 131072, 67141632),
+    ((8, 8, 512, 512), "bfloat16"): (131072, 117473280),
 }
 
 

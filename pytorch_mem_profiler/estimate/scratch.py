@@ -70,8 +70,10 @@ before and after it), and have a rule here giving the bytes of the blocks they t
 - **the efficient attention kernel's backward** (:func:`efficient_attention_backward_scratch`):
   after the three gradients, in float32 a block of the query gradient's size and two floats per
   query row, in half precision one float per row, then the query gradient's split-keys accumulator in
-  float32 (positions and head dim rounded up to the kernel's blocks), all given back; exact on the
-  141 calls of ``benchmarks/attention_backward_rules.py`` (an H200, torch 2.11). Before the
+  float32 (positions and head dim rounded up to the kernel's blocks; above a head dim of 128, in half
+  precision, also the key's and value's gradients staged per split of the keys), all given back (in
+  float32 the product and one sum before the workspace is taken: :func:`efficient_attention_backward_steps`);
+  exact on the 269 calls of ``benchmarks/attention_backward_rules.py`` (an H200, torch 2.11). Before the
   gradients, a contiguous copy of the output's gradient where it is not laid out as the kernel's
   output (:func:`efficient_attention_grad_out_copy`: ``nn.MultiheadAttention`` hands it back
   positions first), given back last.
@@ -112,6 +114,7 @@ __all__ = [
     "column_reduction_scratch",
     "cudnn_attention_backward_scratch",
     "efficient_attention_backward_scratch",
+    "efficient_attention_backward_steps",
     "efficient_attention_grad_out_copy",
     "embedding_backward_scratch",
     "flash_attention_backward_scratch",
@@ -444,20 +447,26 @@ def flash_attention_backward_scratch(query_shape: Sequence[int], grouped: Sequen
     return rounded + tuple(grouped)
 
 
-def efficient_attention_backward_scratch(query_shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+def efficient_attention_backward_scratch(query_shape: Sequence[int], itemsize: int, keys: int | None = None) -> tuple[int, ...]:
     """The blocks the efficient attention kernel's backward
     (``aten._scaled_dot_product_efficient_attention_backward``) takes after the three gradients and
     gives back before it returns, for a query of ``(batch, heads, positions, head_dim)`` of
-    ``itemsize`` bytes an element: in float32 a block of the query's gradient's size and two floats
-    per query row, in half precision one float per query row (its ``delta``); then the split-keys
-    accumulator of the query's gradient in float32, positions rounded up to the kernel's query block
-    and the head dim to its bucket (64 up to 64, else 128), with 16 bytes per query block.
+    ``itemsize`` bytes an element and ``keys`` key positions (default: the query's): in float32 a
+    block of the query's gradient's size and two floats per query row, in half precision one float
+    per query row (its ``delta``); then the kernel's workspace, in float32:
 
-    Measured to the byte on all 141 calls of ``benchmarks/attention_backward_rules.py`` (an H200,
+    - up to a head dim of 128, the query gradient's split-keys accumulator: positions rounded up to
+      the kernel's query block and the head dim to its bucket (64 up to 64, else 128), with 16 bytes
+      per query block; the query block is 128 positions for half precision at a bucket of 128, else 64;
+    - above 128 (the kernel built for any head dim), the accumulator in tiles of 128 positions by 64
+      columns, 16 bytes each beside; in half precision also the key's and the value's gradients
+      staged per split of the keys, each split 64 keys by the head dim rounded up to 128, the
+      splits ``ceil(keys / 64)``, one where ``batch * heads`` is 256 or more over at most 128 keys,
+      and at most ``200 // (batch * heads)`` (ATen's heuristic, which bounds what that staging takes).
+
+    Measured to the byte on all 269 calls of ``benchmarks/attention_backward_rules.py`` (an H200,
     torch 2.11: float32 and bf16; batch 8 to 112, 4 to 16 heads, 128 to 1,024 positions, head dims
-    32, 64, 80, 128; query, key and value packed in one tensor or apart; masked, causal or neither):
-    the query block is 128 positions for half precision at a head-dim bucket of 128, else 64. Head
-    dims above 128 take the bucket of the next multiple of 64 (not measured).
+    32 to 512; query, key and value packed in one tensor or apart; masked, causal or neither).
 
     Example::
 
@@ -465,17 +474,29 @@ def efficient_attention_backward_scratch(query_shape: Sequence[int], itemsize: i
         (176160768, 2752512, 2752512, 176332800)
         >>> efficient_attention_backward_scratch((8, 12, 500, 80), 2)     # bf16: delta, then the accumulator
         (192000, 25171968)
+        >>> efficient_attention_backward_scratch((8, 4, 512, 512), 2)     # bf16, head dim 512: six key splits
+        (65536, 83902464)
     """
     *leading, positions, head_dim = query_shape
+    keys = positions if keys is None else keys
     pairs = math.prod(leading)
-    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else -(-head_dim // 64) * 64
-    block = 128 if itemsize < 4 and bucket == 128 else 64
-    blocks = -(-positions // block)
     rows = 4 * pairs * positions
-    accumulator = 4 * pairs * blocks * block * bucket + 16 * pairs * blocks
+    if head_dim <= 128:
+        bucket = 64 if head_dim <= 64 else 128
+        block = 128 if itemsize < 4 and bucket == 128 else 64
+        workspace = pairs * -(-positions // block) * (16 + 4 * block * bucket)
+    else:
+        per_pair = -(-positions // 128) * -(-head_dim // 64) * (16 + 4 * 128 * 64)
+        if itemsize < 4:
+            splits = -(-keys // 64)
+            if pairs >= 256 and keys <= 128:
+                splits = 1
+            splits = max(1, min(splits, 200 // pairs))
+            per_pair += 2 * 4 * splits * 64 * (-(-head_dim // 128) * 128)
+        workspace = pairs * (-(-per_pair // 16) * 16)
     if itemsize >= 4:
-        return (pairs * positions * head_dim * itemsize, rows, rows, accumulator)
-    return (rows, accumulator)
+        return (pairs * positions * head_dim * itemsize, rows, rows, workspace)
+    return (rows, workspace)
 
 
 def grouped_query_gradients(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
@@ -520,14 +541,44 @@ def _efficient_attention_backward(args: tuple, kwargs: dict) -> tuple[int, ...]:
     query = args[1] if len(args) > 1 else kwargs.get("query")
     if not isinstance(query, torch.Tensor) or query.dim() != 4:
         return ()
-    after = efficient_attention_backward_scratch(query.shape, query.element_size())
-    copy = efficient_attention_grad_out_copy(grad_out)
-    if not copy:
+    key = args[2] if len(args) > 2 else kwargs.get("key")
+    keys = key.shape[-2] if isinstance(key, torch.Tensor) and key.dim() == 4 else None
+    return efficient_attention_backward_steps(query.shape, query.element_size(), keys, efficient_attention_grad_out_copy(grad_out))
+
+
+def efficient_attention_backward_steps(
+    query_shape: Sequence[int], itemsize: int, keys: int | None = None, copy: int = 0
+) -> tuple[int, ...]:
+    """The efficient attention backward's blocks (:func:`efficient_attention_backward_scratch`) in the
+    order the call takes and gives them back (:class:`KernelSteps`), with ``copy`` bytes of the output's
+    gradient copied before the gradients (:func:`efficient_attention_grad_out_copy`).
+
+    In float32 the call makes the product of the output and its gradient and its two row sums
+    (``delta``) in one statement, and gives the product and one sum back before it takes the workspace:
+    an H200's allocator history of Gemma 4's head dim 512 held the workspace's 8,392,704 bytes apart from
+    the product's 8,388,608. In half precision its one row sum and the workspace are held together.
+
+    Example::
+
+        >>> steps = efficient_attention_backward_steps((8, 4, 128, 512), 4)
+        >>> sum(steps) == 8388608 + 2 * 16384   # the product and both sums; the workspace alone is smaller
+        True
+    """
+    after = efficient_attention_backward_scratch(query_shape, itemsize, keys)
+    if not copy and len(after) < 4:
         return after
     # the copy first, before the gradients; the rest after them; the copy given back last
-    steps: list[tuple] = [("take", copy), ("outputs",)]
-    steps += [("take", nbytes) for nbytes in after]
-    steps += [("give", number) for number in range(len(after), -1, -1)]
+    steps: list[tuple] = [("take", copy), ("outputs",)] if copy else [("outputs",)]
+    first = 1 if copy else 0
+    if len(after) == 4:
+        product, rows, kept, workspace = (first + i for i in range(4))
+        steps += [("take", after[0]), ("take", after[1]), ("take", after[2]), ("give", product), ("give", rows)]
+        steps += [("take", after[3]), ("give", workspace), ("give", kept)]
+    else:
+        steps += [("take", nbytes) for nbytes in after]
+        steps += [("give", number) for number in range(first + len(after) - 1, first - 1, -1)]
+    if copy:
+        steps.append(("give", 0))
     return KernelSteps(steps)
 
 
