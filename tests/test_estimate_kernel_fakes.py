@@ -157,3 +157,29 @@ def test_a_fake_kernel_that_refuses_the_call_is_named_with_the_line():
     assert caught.value.operation is not None and "aten.mm" in caught.value.operation
     torch_message = str(caught.value.__cause__)
     assert "x @ self.w.t()" in str(caught.value) and torch_message and torch_message in str(caught.value)
+
+
+def test_every_fused_optimizer_step_without_a_fake_kernel_has_one_that_allocates_nothing():
+    """torch's fused optimizer steps (``aten._fused_<name>_``, in place, returning nothing): each overload
+    this torch leaves without a fake kernel gets the rule, and the rule makes no storage, as the real
+    kernel updates its arguments in place."""
+    missing = []
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
+        packet = getattr(aten, name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            op = getattr(packet, overload)
+            if not op._schema.returns and not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+                missing.append(op)
+    assert all(kernel_rule(op) is not None for op in missing)
+    if not hasattr(aten, "_fused_sgd_"):
+        pytest.skip("this torch has no fused SGD")
+
+    def run(Watch):
+        params, grads, bufs = [torch.empty(64)], [torch.empty(64)], [torch.empty(64)]
+        with Watch():
+            result = aten._fused_sgd_.default(params, grads, bufs, weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0,
+                                              nesterov=False, maximize=False, is_first_step=True)  # fmt: skip
+        return result
+
+    result, made = _allocations(run)
+    assert result is None and made == []

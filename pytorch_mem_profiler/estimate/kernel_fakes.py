@@ -120,19 +120,22 @@ def _updates_in_place(args: tuple, kwargs: dict) -> None:
 
 def _fused_optimizer_steps() -> list[Any]:
     """The overloads of ``aten._fused_<name>_`` (torch's fused optimizer steps, in place) that return
-    nothing and have no fake kernel in this torch."""
-    names = getattr(torch._C, "_dispatch_get_all_op_names", lambda: [])()
+    nothing and have no fake kernel in this torch: the four torch has, and any other the dispatcher
+    lists (``torch._C._dispatch_get_all_op_names``, where this torch has it)."""
+    listed = getattr(torch._C, "_dispatch_get_all_op_names", lambda: [])()
+    names = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"}
+    names.update(q.partition(".")[0][len("aten::") :] for q in listed if q.startswith("aten::_fused_"))
     found = []
-    for qualified in names:
-        name, _, overload = qualified.partition(".")
-        if not (name.startswith("aten::_fused_") and name.endswith("_")):
+    for name in sorted(n for n in names if n.endswith("_")):
+        packet = getattr(aten, name, None)
+        if packet is None:
             continue
-        packet = getattr(aten, name[len("aten::") :], None)
-        op = getattr(packet, overload or "default", None) if packet is not None else None
-        if op is None or op._schema.returns:
-            continue
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
-            found.append(op)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if op._schema.returns:
+                continue
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+                found.append(op)
     return found
 
 
