@@ -297,6 +297,26 @@ def cuda_rules() -> Iterator[None]:
                 setattr(F, name, original)
 
 
+@functools.lru_cache(maxsize=None)
+def _capturable_checking_modules() -> tuple[Any, ...]:
+    """``torch.optim``'s modules that imported ``_get_capturable_supported_devices`` by name, found once
+    (an emulated estimate enters :func:`capturable_on_stand_ins` at each optimizer step)."""
+    import importlib
+    import pkgutil
+
+    import torch.optim
+
+    found = []
+    for info in pkgutil.iter_modules(torch.optim.__path__):
+        try:
+            module = importlib.import_module(f"torch.optim.{info.name}")
+        except Exception:  # noqa: BLE001 - a module that does not import has no optimizer to patch
+            continue
+        if callable(getattr(module, "_get_capturable_supported_devices", None)):
+            found.append(module)
+    return tuple(found)
+
+
 @contextlib.contextmanager
 def capturable_on_stand_ins() -> Iterator[None]:
     """While on: torch's optimizers take the CPU (the stand-ins' device) for a device that can run
@@ -308,7 +328,7 @@ def capturable_on_stand_ins() -> Iterator[None]:
     Example::
 
         >>> import torch
-        >>> step, weight = torch.zeros(()), torch.nn.Parameter(torch.ones(3))
+        >>> weight = torch.nn.Parameter(torch.ones(3))
         >>> optimizer = torch.optim.Adam([weight], capturable=True)
         >>> weight.grad = torch.ones(3)
         >>> with capturable_on_stand_ins():
@@ -316,10 +336,6 @@ def capturable_on_stand_ins() -> Iterator[None]:
         >>> bool(weight.detach().lt(1).all())
         True
     """
-    import importlib
-    import pkgutil
-
-    import torch.optim
 
     def with_cpu(original: Callable[..., list[str]]) -> Callable[..., list[str]]:
         @functools.wraps(original)
@@ -329,15 +345,7 @@ def capturable_on_stand_ins() -> Iterator[None]:
 
         return supported
 
-    replaced = []
-    for info in pkgutil.iter_modules(torch.optim.__path__):
-        try:
-            module = importlib.import_module(f"torch.optim.{info.name}")
-        except Exception:  # noqa: BLE001 - a module that does not import has no optimizer to patch
-            continue
-        original = getattr(module, "_get_capturable_supported_devices", None)
-        if callable(original):
-            replaced.append((module, original))
+    replaced = [(module, module._get_capturable_supported_devices) for module in _capturable_checking_modules()]
     try:
         for module, original in replaced:
             module._get_capturable_supported_devices = with_cpu(original)
