@@ -411,10 +411,18 @@ def estimate_phases(events: StepEvents) -> list[Phase]:
 # =====================================================================================
 # the comparison (runs on a CPU)
 # =====================================================================================
+#: C++ frames of the history's own recording and of the allocator (``--stacks all``): the same at every
+#: allocation, so left out of what names one
+RECORDING_FRAMES = ("torch::unwind::", "torch::CapturedTraceback::", "gather_with_cpp", "CUDACachingAllocator")
+
+
 def frames_text(frames: Iterable[Mapping[str, Any]] | None, most: int = FRAMES_SHOWN) -> str:
-    """The innermost ``most`` frames as ``file:line(name) < ...``, paths cut after ``site-packages/``."""
+    """The innermost ``most`` frames as ``file:line(name) < ...``, paths cut after ``site-packages/``,
+    the recording's and the allocator's own C++ frames left out (:data:`RECORDING_FRAMES`)."""
     out = []
     for frame in frames or ():
+        if any(part in str(frame.get("name", "")) for part in RECORDING_FRAMES):
+            continue
         name = str(frame.get("filename", "?"))
         cut = name.rfind("site-packages/")
         name = name[cut + len("site-packages/") :] if cut >= 0 else name.replace(str(ROOT) + "/", "")

@@ -321,6 +321,17 @@ def test_frames_are_shown_innermost_first_and_paths_cut():
     assert rar.frames_text([]) == "(no frames recorded)"
 
 
+def test_cpp_frames_of_the_recording_and_the_allocator_are_left_out():
+    # with --stacks all every allocation begins with the same frames of the history's own recording
+    recording = [{"filename": "??", "line": 0, "name": "torch::unwind::unwind()"},
+                 {"filename": "??", "line": 0, "name": "torch::CapturedTraceback::gather(bool, bool, bool)"},
+                 {"filename": "memory_snapshot.cpp", "line": 0, "name": "torch::cuda::(anonymous namespace)::gather_with_cpp()"},
+                 {"filename": "CUDACachingAllocator.cpp", "line": 0,
+                  "name": "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(unsigned long, CUstream_st*)"}]  # fmt: skip
+    kernel = {"filename": "Conv_v8.cpp", "line": 0, "name": "at::native::run_single_conv(...)"}
+    assert rar.frames_text(recording + [kernel], most=2) == "Conv_v8.cpp:0(at::native::run_single_conv(...))"
+
+
 def test_the_report_names_each_point_with_its_figures(tmp_path):
     step = _step(4)
     real = _step(4, extra={"step 1 backward": [(900, 6 * MIB), (900, -6 * MIB)]})
