@@ -126,3 +126,46 @@ def test_a_cuda_estimate_takes_the_blocks_around_the_gradients_in_its_step(heads
     rule = list(efficient_attention_backward_scratch((batch, 4, length, 16), 4))
     copy = [] if heads_last else [gradient]
     assert _backward_requests(heads_last, batch, length) == copy + [gradient] * 3 + rule
+
+
+class WideSelfAttention(nn.Module):
+    """Self-attention whose query and key heads are ``head`` wide and value heads ``value_head``."""
+
+    def __init__(self, head: int, value_head: int, heads: int = 4, width: int = 64) -> None:
+        super().__init__()
+        self.heads, self.head, self.value_head = heads, head, value_head
+        self.qk = nn.Linear(width, 2 * heads * head, bias=False)
+        self.v = nn.Linear(width, heads * value_head, bias=False)
+        self.out = nn.Linear(heads * value_head, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k = self.qk(x).view(b, n, 2, self.heads, self.head).permute(2, 0, 3, 1, 4)
+        v = self.v(x).view(b, n, self.heads, self.value_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize(
+    "head, value_head, autocast",
+    [(320, 320, torch.bfloat16), (128, 192, torch.float16), (160, 64, torch.bfloat16), (320, 320, None), (96, 128, torch.bfloat16)],
+)
+def test_a_cuda_estimates_forward_takes_the_float32_accumulator_above_a_head_dim_of_128(head, value_head, autocast):
+    """In half precision, with the query's or the value's head dim above 128, each forward of the
+    efficient kernel takes a float32 block of its output's elements beside the outputs and gives it
+    back (ATen's ``output_accum``, on the H200's history: ``tests/test_estimate_attention_backward_cuda.py``);
+    in float32, or up to 128, none. (Head dims apart or above 256: flash attention, which takes equal
+    head dims up to 256 unmasked in half precision, does not run them.)"""
+    batch, length, heads = 4, 64, 4
+    estimate = estimate_memory(WideSelfAttention(head, value_head, heads), torch.zeros(batch, length, 64), autocast=autocast,
+                               device="cuda", fit=False)  # fmt: skip
+    events = estimate.step_events
+    taken, given = [], []
+    for index, (key, nbytes) in enumerate(events.events):
+        if events.sources.get(key, "").startswith("aten._scaled_dot_product_efficient_attention.default; forward; other"):
+            (taken if nbytes > 0 else given).append(nbytes)
+    assert any(source.startswith("aten._scaled_dot_product_efficient_attention.default") for source in events.sources.values())
+    wide = autocast is not None and max(head, value_head) > 128
+    accumulator = 4 * batch * length * heads * value_head
+    assert taken == ([accumulator] * 2 if wide else [])  # one in each of the estimate's two steps
+    assert given == [-nbytes for nbytes in taken]

@@ -85,8 +85,10 @@ def test_the_rules_by_operator_on_shapes():
     assert rules(aten.sum.dim_IntList, (stacked, [0, 1]), {}) == rules(aten.sum.dim_IntList, (flat, [0], True), {})
     assert sum(rules(aten.mean.dim, (flat, [0]), {})) == 33_554_944
     assert rules(aten.sum.dim_IntList, (flat, [-1]), {}) == ()  # along the innermost dimension: none
-    assert rules(aten.sum.dim_IntList, (stacked, [1]), {}) == ()  # a middle dimension: not covered
-    assert rules(aten.sum.dim_IntList, (flat.t(), [0]), {}) == ()  # non-contiguous: not covered
+    # a middle dimension of 256 over 16,384 outputs, and a transposed sum along its contiguous rows:
+    # few inputs per thread, no split across thread blocks (tests/test_estimate_reductions.py)
+    assert rules(aten.sum.dim_IntList, (stacked, [1]), {}) == ()
+    assert rules(aten.sum.dim_IntList, (flat.t(), [0]), {}) == ()
     assert rules(aten.sum.dim_IntList, (doubles, [0]), {}) == ()  # float64: not measured
     assert sum(rules(aten.embedding_dense_backward.default, (grad, ids, 50257, -1, False), {})) == sum(
         embedding_backward_scratch(4096, 768)

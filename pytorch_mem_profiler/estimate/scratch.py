@@ -7,10 +7,12 @@ and an H100 (``benchmarks/op_scratch.py``, ``benchmarks/conv_workspace_rules.py`
 the allocator's peak inside each operator, less the larger of what was allocated
 before and after it), and have a rule here giving the bytes of the blocks they take:
 
-- **column reductions** (:func:`column_reduction_scratch`): ``aten.sum.dim_IntList``
-  and ``aten.mean.dim`` over the leading dimensions of a contiguous fp32, bf16 or
-  fp16 tensor (a bias's gradient is the sum of the output gradient over the
-  batch and sequence). When each output has many rows to add up, the reduction is
+- **reductions** (:func:`~.reductions.reduction_scratch`): ``aten.sum`` and ``aten.mean``
+  over any dimensions of an fp32, bf16 or fp16 tensor of any strides, as ATen's
+  ``TensorIterator`` lays the reduction out (:mod:`.reductions`); over the leading
+  dimensions of a contiguous tensor (a bias's gradient is the sum of the output
+  gradient over the batch and sequence) it is the column rule
+  (:func:`column_reduction_scratch`). When each output has many rows to add up, the reduction is
   split across thread blocks that meet in a global buffer of float partial sums
   plus a small semaphore array. The rule follows how the reduction kernel sizes
   that split (rows by threads, thread blocks by the number of multiprocessors, 16
@@ -67,6 +69,11 @@ before and after it), and have a rule here giving the bytes of the blocks they t
   bytes, the rule's 29,819,392 plus twice 14,680,064), as FlashAttention-2's ``dk_expanded`` and
   ``dv_expanded`` beside flash's.
 
+- **the efficient attention kernel's forward** (:func:`efficient_attention_forward_scratch`):
+  above a head dim of 128 (the kernel built for any head dim, which keeps its output in global
+  memory rather than registers) in half precision, the output accumulated in float32, taken after
+  the outputs and given back; none up to 128 or in float32 (an H200's allocator history, torch 2.11:
+  5,242,880 and 8,388,608 bytes at head dims 320 and 512, bf16, (8, 4, 128, d));
 - **the efficient attention kernel's backward** (:func:`efficient_attention_backward_scratch`):
   after the three gradients, in float32 a block of the query gradient's size and two floats per
   query row, in half precision one float per row, then the query gradient's split-keys accumulator in
@@ -79,8 +86,7 @@ before and after it), and have a rule here giving the bytes of the blocks they t
   positions first), given back last.
 
 Not covered: other kernels' scratch (cuDNN's attention workspaces other than the backward's, sorts,
-``index_put`` with accumulation), reductions over inner or middle dimensions,
-float64 reductions, tensors split for 32-bit indexing (over 2**31 elements), the
+``index_put`` with accumulation), float64 and integer reductions, tensors split for 32-bit indexing (over 2**31 elements), the
 small scan-by-key buffers of an embedding's ``scale_grad_by_freq``, and the fused
 accumulation later torch versions take for some embedding shapes (which drops the
 partial sums).
@@ -106,6 +112,7 @@ from .allocator import block_size
 from .conv_workspace import ConvScratch, convolution_backward_scratch, convolution_scratch, memory_format
 from .kernel_probe import convolution_key, measured_or_pending
 from .layout_copies import COPYING_OPERATORS
+from .reductions import REDUCED_DTYPES, reduction_scratch
 
 __all__ = [
     "CUDNN_ATTENTION_BACKWARD_PAD",
@@ -115,6 +122,7 @@ __all__ = [
     "cudnn_attention_backward_scratch",
     "efficient_attention_backward_scratch",
     "efficient_attention_backward_steps",
+    "efficient_attention_forward_scratch",
     "efficient_attention_grad_out_copy",
     "embedding_backward_scratch",
     "flash_attention_backward_scratch",
@@ -140,8 +148,6 @@ DEFAULT_MULTIPROCESSORS = 132
 #: Resident threads per multiprocessor assumed when no CUDA device is present (2048 since Volta).
 DEFAULT_THREADS_PER_MULTIPROCESSOR = 2048
 
-#: The dtypes the reduction rule was measured for (their partial sums are float32).
-_REDUCED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Indices up to this many take the embedding backward's direct kernel, which needs no scratch.
 _EMBEDDING_DIRECT_LIMIT = 3072
 _WARP = 32
@@ -499,6 +505,56 @@ def efficient_attention_backward_scratch(query_shape: Sequence[int], itemsize: i
     return (rows, workspace)
 
 
+#: The largest head dim the efficient attention kernels that keep their output in registers take
+#: (ATen's ``rf`` kernels); above it the ``gmem`` kernel, built for any head dim, runs.
+EFFICIENT_ATTENTION_REGISTER_HEAD_DIM = 128
+
+
+def efficient_attention_forward_scratch(
+    batch: int, positions: int, heads: int, head_dim: int, value_head_dim: int, itemsize: int
+) -> tuple[int, ...]:
+    """The block the efficient attention kernel's forward takes beside its outputs and gives back:
+    where the query's or the value's head dim is above 128, the kernel built for any head dim runs,
+    which accumulates the output in global memory, in float32 (``output_accum``, ``(batch,
+    positions, heads, value_head_dim)``); in float32 it accumulates in the output itself, and up to
+    128 in registers, so nothing.
+
+    Measured to the byte on an H200 (torch 2.11, the allocator's history of a step of
+    ``WideHeads`` in ``tests/test_estimate_attention_backward_cuda.py``): 5,242,880 bytes at head
+    dim 320 and 8,388,608 at 512 for (8, 4, 128, d) in bf16, none in float32.
+
+    Example::
+
+        >>> efficient_attention_forward_scratch(8, 128, 4, 512, 512, 2), efficient_attention_forward_scratch(8, 128, 4, 512, 512, 4)
+        ((8388608,), ())
+        >>> efficient_attention_forward_scratch(8, 128, 4, 128, 128, 2)
+        ()
+    """
+    if itemsize >= 4 or max(head_dim, value_head_dim) <= EFFICIENT_ATTENTION_REGISTER_HEAD_DIM:
+        return ()
+    return (4 * batch * positions * heads * value_head_dim,)
+
+
+def _efficient_attention_forward_heads_second(args: tuple, kwargs: dict) -> tuple[int, ...]:
+    # aten._scaled_dot_product_efficient_attention(query, key, value, ...): (batch, heads, positions, head dim)
+    query = args[0] if args else kwargs.get("query")
+    value = args[2] if len(args) > 2 else kwargs.get("value")
+    if not isinstance(query, torch.Tensor) or not isinstance(value, torch.Tensor) or query.dim() != 4 or value.dim() != 4:
+        return ()
+    batch, heads, positions, head_dim = query.shape
+    return efficient_attention_forward_scratch(batch, positions, heads, head_dim, value.shape[-1], query.element_size())
+
+
+def _efficient_attention_forward_positions_second(args: tuple, kwargs: dict) -> tuple[int, ...]:
+    # aten._efficient_attention_forward(query, key, value, ...): (batch, positions, heads, head dim)
+    query = args[0] if args else kwargs.get("query")
+    value = args[2] if len(args) > 2 else kwargs.get("value")
+    if not isinstance(query, torch.Tensor) or not isinstance(value, torch.Tensor) or query.dim() != 4 or value.dim() != 4:
+        return ()
+    batch, positions, heads, head_dim = query.shape
+    return efficient_attention_forward_scratch(batch, positions, heads, head_dim, value.shape[-1], query.element_size())
+
+
 def grouped_query_gradients(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
     """The bytes of the key's and value's gradients at every query head, which an attention backward
     makes before summing each group of heads down (``()`` where key and value have the query's heads).
@@ -633,24 +689,6 @@ def _safe_softmax(args: tuple, kwargs: dict) -> tuple[int, ...]:
     return safe_softmax_scratch(tuple(tensor.shape), dim, (dtype or tensor.dtype).itemsize)
 
 
-def _leading_reduction(tensor: torch.Tensor, dims: Sequence[int] | int | None) -> tuple[int, int] | None:
-    """``(rows, cols)`` when ``dims`` are leading dimensions of contiguous ``tensor`` and some stay."""
-    if tensor.dtype not in _REDUCED_DTYPES or not tensor.is_contiguous():
-        return None
-    ndim = tensor.dim()
-    if dims is None or ndim == 0:
-        return None
-    chosen = {d % ndim for d in ([dims] if isinstance(dims, int) else dims)}
-    if not chosen:
-        return None  # an empty dim list reduces everything
-    shape = tensor.shape
-    reduced = [d for d in range(ndim) if d in chosen and shape[d] > 1]
-    kept = [d for d in range(ndim) if d not in chosen and shape[d] > 1]
-    if not reduced or not kept or max(reduced) > min(kept):
-        return None
-    return math.prod(shape[d] for d in reduced), math.prod(shape[d] for d in kept)
-
-
 class Passes(tuple):
     """Blocks an operator takes in passes: ``held`` alive throughout, each of ``passes`` in turn.
 
@@ -724,6 +762,8 @@ class KernelScratch:
         self._rules: dict[Any, Callable[[tuple, dict], tuple[int, ...]]] = {
             aten.sum.dim_IntList: self._reduction,
             aten.mean.dim: self._reduction,
+            aten.sum.default: self._reduction,
+            aten.mean.default: self._reduction,
             aten.embedding_dense_backward.default: self._embedding_backward,
             aten.convolution.default: self._convolution,
             aten.convolution_backward.default: self._convolution_backward,
@@ -731,6 +771,9 @@ class KernelScratch:
             **({aten._safe_softmax.default: _safe_softmax} if hasattr(aten, "_safe_softmax") else {}),  # torch 2.5 and later
             aten._scaled_dot_product_flash_attention_backward.default: self._attention_backward(flash_attention_backward_scratch),
             aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
+            aten._scaled_dot_product_efficient_attention.default: _efficient_attention_forward_heads_second,
+            **({aten._efficient_attention_forward.default: _efficient_attention_forward_positions_second}
+               if hasattr(aten, "_efficient_attention_forward") else {}),  # fmt: skip
             aten._ctc_loss.default: _ctc_loss,
             aten._ctc_loss.Tensor: _ctc_loss,
             aten._ctc_loss_backward.default: _ctc_loss_backward,
@@ -750,16 +793,17 @@ class KernelScratch:
         return rule(args, kwargs)
 
     def _reduction(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
-        tensor = args[0]
+        # sum / mean (self, dim=None, keepdim=False, *, dtype=None) and their full forms (self, *, dtype=None)
+        tensor = args[0] if args else kwargs.get("self")
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in REDUCED_DTYPES:
+            return ()
+        dtype = kwargs.get("dtype", args[3] if len(args) > 3 else None)
+        if dtype is not None and dtype != tensor.dtype:
+            return ()  # summed to another dtype: not measured
         dims = args[1] if len(args) > 1 else kwargs.get("dim")
-        if not isinstance(tensor, torch.Tensor):
-            return ()
-        shape = _leading_reduction(tensor, dims)
-        if shape is None:
-            return ()
-        return column_reduction_scratch(
-            *shape, multiprocessors=self.multiprocessors, threads_per_multiprocessor=self.threads_per_multiprocessor
-        )
+        return reduction_scratch(tuple(tensor.shape), tuple(tensor.stride()), dims, tensor.element_size(),
+                                 storage_offset=tensor.storage_offset(), multiprocessors=self.multiprocessors,
+                                 threads_per_multiprocessor=self.threads_per_multiprocessor)  # fmt: skip
 
     @staticmethod
     def _attention_backward(rule: Callable[..., tuple[int, ...]]) -> Callable[[tuple, dict], tuple[int, ...]]:

@@ -1,0 +1,119 @@
+"""CUDA's sum and mean over any dimensions and strides (``estimate.reductions``): the reduction
+kernel's partial sums and semaphores, against what an H200's allocator history showed, the column
+rule where both apply, and in a CUDA estimate's step."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from pytorch_mem_profiler import estimate_memory
+from pytorch_mem_profiler.estimate.allocator import block_size
+from pytorch_mem_profiler.estimate.reductions import reduction_layout, reduction_scratch
+from pytorch_mem_profiler.estimate.scratch import KernelScratch, column_reduction_scratch
+
+from .test_estimate_scratch import MEASURED_SUMS
+
+MiB = 1 << 20
+
+#: Reductions an H200's allocator history showed inside the operator (torch 2.11, 2026-11-29): the
+#: requested bytes of the partial sums and of the semaphores, in that order. Falcon-Mamba's backward
+#: (fp32, batch 8, 128 tokens, 512 channels, state 16): the gradient of ``A[None, :, None, :]`` (a sum
+#: over batch and positions of a contiguous (8, 512, 128, 16) tensor) and of ``dt_proj``'s bias over a
+#: transposed gradient; a loss's ``sum()`` of (8, 128, 256) floats.
+HISTORY = [
+    ((8, 512, 128, 16), (1048576, 2048, 16, 1), (0, 2), 4, (67_108_864, 256)),
+    ((8, 512, 128), (65536, 1, 512), (0, 2), 4, (4_194_304, 16)),
+    ((8, 128, 256), (32768, 256, 1), None, 4, (128, 4)),
+]
+
+
+@pytest.mark.parametrize("rows, cols, measured", MEASURED_SUMS)
+def test_a_leading_reduction_of_a_contiguous_tensor_gives_the_measured_bytes(rows, cols, measured):
+    assert sum(reduction_scratch((rows, cols), (cols, 1), (0,), 4)) == measured
+
+
+@pytest.mark.parametrize("shape, strides, dims, itemsize, requested", HISTORY)
+def test_the_rule_gives_the_blocks_the_h200s_history_showed(shape, strides, dims, itemsize, requested):
+    assert reduction_scratch(shape, strides, dims, itemsize) == tuple(block_size(n) for n in requested)
+
+
+def test_it_is_the_column_rule_wherever_that_applies():
+    # contiguous tensors of 2 to 4 dimensions summed over leading ones, some of every size kept
+    sizes = (2, 7, 16, 100, 256, 768, 4096)
+    checked = 0
+    for shape in itertools.chain(itertools.product(sizes, repeat=2), itertools.product(sizes, (8, 64), (3, 1024))):
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        for lead in range(1, len(shape)):
+            rows = cols = 1
+            for size in shape[:lead]:
+                rows *= size
+            for size in shape[lead:]:
+                cols *= size
+            assert reduction_scratch(shape, strides, tuple(range(lead)), 4) == column_reduction_scratch(rows, cols), (shape, lead)
+            checked += 1
+    assert checked > 60
+
+
+def test_the_layout_puts_reduced_dimensions_first_and_merges_what_memory_runs_on():
+    # a 3-D bias gradient: batch and positions are one stretch of rows
+    assert reduction_layout((8, 256, 2048), (524288, 2048, 1), (0, 1)) == [(2048, 2048, True), (2048, 1, False)]
+    # channels_last (N, C, H, W) summed over (0, 2, 3): N, H, W one run, the channels innermost
+    assert reduction_layout((16, 64, 28, 28), (50176, 1, 1792, 64), (0, 2, 3)) == [(12544, 64, True), (64, 1, False)]
+    # a sum over the innermost dimension reduces the fastest one; sizes of 1 drop out
+    assert reduction_layout((64, 1, 768), (768, 768, 1), (2,)) == [(768, 1, True), (64, 768, False)]
+
+
+def test_a_transposed_or_sliced_input_vectorizes_only_where_its_strides_allow():
+    # the (8, 512, 128) sum over (0, 2) with the channels innermost: 4 outputs a lane, 32 x 4 threads a
+    # block, 256 inputs a thread, split over 16 blocks per output
+    assert reduction_scratch((8, 512, 128), (65536, 1, 512), (0, 2), 4) == (4 * MiB, 512)
+    # starting at an odd element, one output a lane: 32 x 16 threads, 64 inputs each, no split
+    assert reduction_scratch((8, 512, 128), (65536, 1, 512), (0, 2), 4, storage_offset=1) == ()
+
+
+def test_the_operator_rules_take_any_dims_strides_and_full_sums():
+    aten = torch.ops.aten
+    rules = KernelScratch(132)
+    with torch.device("meta"):
+        scan = torch.empty(8, 512, 128, 16)
+        transposed = torch.empty(8, 128, 512).transpose(1, 2)
+        loss = torch.empty(8, 128, 256)
+        doubles = torch.empty(2048, 2048, dtype=torch.float64)
+    assert rules(aten.sum.dim_IntList, (scan, [0, 2], True), {}) == (64 * MiB, 512)
+    assert rules(aten.mean.dim, (transposed, [0, 2]), {}) == (4 * MiB, 512)
+    assert rules(aten.sum.default, (loss,), {}) == rules(aten.mean.default, (loss,), {}) == (512, 512)
+    assert rules(aten.sum.dim_IntList, (doubles, [0]), {}) == ()  # float64: not measured
+    assert rules(aten.sum.dim_IntList, (scan, [0, 2]), {"dtype": torch.float64}) == ()  # to another dtype: not measured
+
+
+class BroadcastScale(nn.Module):
+    """A parameter broadcast over batch and positions, as a selective scan's ``A[None, :, None, :]``:
+    its gradient is a sum over a middle dimension."""
+
+    def __init__(self, channels: int = 256, state: int = 16) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(channels, state))
+        self.proj = nn.Linear(channels, channels, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, positions, channels)
+        h = self.proj(x).transpose(1, 2)  # (batch, channels, positions)
+        return torch.exp(self.a[None, :, None, :] * h[..., None])
+
+
+def test_a_cuda_estimate_takes_the_partial_sums_of_a_broadcast_parameters_gradient():
+    batch, positions, channels, state = 8, 128, 256, 16
+    estimate = estimate_memory(BroadcastScale(channels, state), torch.zeros(batch, positions, channels), device="cuda", fit=False)
+    events = estimate.step_events
+    sums = [nbytes for key, nbytes in events.events
+            if nbytes > 0 and events.sources.get(key, "").startswith("aten.sum.dim_IntList; backward; other")]  # fmt: skip
+    expected = reduction_scratch((batch, channels, positions, state), (channels * positions * state, positions * state, state, 1), (0, 2), 4)
+    assert expected and expected[0] >= MiB
+    assert sums == list(expected) * 2  # each of the estimate's two steps
+    cpu = estimate_memory(BroadcastScale(channels, state), torch.zeros(batch, positions, channels), device="cpu", fit=False)
+    assert cpu.kernel_scratch == 0  # the CPU's kernels take none the counter does not see

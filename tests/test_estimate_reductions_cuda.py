@@ -1,0 +1,69 @@
+"""CUDA's sum and mean on the GPU: what each asks of the caching allocator beside its output, from the
+allocator's history, against ``estimate.reductions.reduction_scratch``, on layouts the rule was not
+read from (middle and trailing dimensions, transposed, channels_last, sliced, full sums, bf16 and fp16).
+
+    PYTHONPATH=. python3 -m pytest tests/test_estimate_reductions_cuda.py -m cuda -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+
+def _layout(shape: tuple[int, ...], how: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if how == "transposed":  # the last two dimensions swapped in memory
+        return torch.randn(*shape[:-2], shape[-1], shape[-2], device=device, dtype=dtype).transpose(-1, -2)
+    if how == "channels_last":
+        return torch.randn(shape, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    if how == "sliced":  # a part of a wider tensor, starting at an odd element
+        wide = torch.randn(*shape[:-1], shape[-1] * 2 + 1, device=device, dtype=dtype)
+        return wide[..., 1 : shape[-1] + 1]
+    return torch.randn(shape, device=device, dtype=dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "shape, dims, how, dtype, op",
+    [
+        ((8, 512, 128, 16), (0, 2), "contiguous", torch.float32, "sum"),
+        ((16, 1024, 64, 8), (0, 2), "contiguous", torch.bfloat16, "sum"),
+        ((8, 128, 512), (0, 1), "transposed", torch.float32, "sum"),
+        ((4, 2048, 256), (0, 1), "transposed", torch.float16, "mean"),
+        ((64, 64, 56, 56), (0, 2, 3), "channels_last", torch.float32, "sum"),
+        ((32, 256, 28, 28), (0, 2, 3), "contiguous", torch.bfloat16, "sum"),
+        ((64, 512, 768), (0, 1), "sliced", torch.float32, "sum"),
+        ((4096, 3072), (0,), "contiguous", torch.float32, "mean"),
+        ((8, 4096, 1024), None, "contiguous", torch.float32, "sum"),
+        ((2, 8, 4096, 64), (1,), "contiguous", torch.float32, "sum"),
+        ((256, 65536), (1,), "contiguous", torch.bfloat16, "sum"),
+        ((16, 4096, 64), (2,), "transposed", torch.float32, "sum"),
+    ],
+)
+def test_a_reduction_takes_the_rules_blocks_beside_its_output(shape, dims, how, dtype, op):
+    from pytorch_mem_profiler.estimate.allocator import block_size
+    from pytorch_mem_profiler.estimate.reductions import reduction_scratch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = _layout(shape, how, dtype, device)
+    reduce = getattr(torch, op)
+    run = (lambda: reduce(x)) if dims is None else (lambda: reduce(x, dim=dims))
+    run()  # nothing first-call: the same call measured again
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=10_000)
+    try:
+        out = run()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][device.index]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    given = {entry["addr"] for entry in trace if entry["action"] == "free_completed"}
+    taken = [entry for entry in trace if entry["action"] == "alloc"]
+    assert [entry["size"] for entry in taken if entry["addr"] not in given] == [out.untyped_storage().nbytes()]
+    transient = tuple(block_size(entry["size"]) for entry in taken if entry["addr"] in given)
+    rule = reduction_scratch(tuple(x.shape), tuple(x.stride()), dims, x.element_size(), storage_offset=x.storage_offset(),
+                             multiprocessors=torch.cuda.get_device_properties(device).multi_processor_count,
+                             threads_per_multiprocessor=getattr(torch.cuda.get_device_properties(device), "max_threads_per_multi_processor", 2048))  # fmt: skip
+    assert transient == rule, (transient, rule)
