@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Any, Callable
 
 import torch
 import torch.utils._python_dispatch
@@ -39,6 +40,9 @@ __all__ = [
     "SDPA_ENABLE_GQA",
     "TORCH_VERSION",
     "attention_softmax",
+    "dynamo_frame_hook",
+    "never_compiled",
+    "set_dynamo_frame_hook",
     "fake_tolist_reads_values",
     "math_attention_upcasts",
     "release",
@@ -84,6 +88,35 @@ INDUCTOR_PLAN_MODELLED = TORCH_VERSION >= (2, 5)
 #: the dispatcher).
 COMPILE_YIELDS_TO_DISPATCH_MODES = hasattr(
     torch.utils._python_dispatch, "is_in_any_mode_without_ignore_compile_internals"
+)
+
+_EVAL_FRAME = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+#: Dynamo's frame hook (``torch._C._dynamo.eval_frame.set_eval_frame``): set to ``None`` it compiles
+#: no frame; it returns the hook it replaced. ``None`` where this torch has no Dynamo.
+set_dynamo_frame_hook = getattr(_EVAL_FRAME, "set_eval_frame", None)
+
+
+def _read_by_setting() -> Any:
+    prior = set_dynamo_frame_hook(None)  # type: ignore[misc]
+    set_dynamo_frame_hook(prior)  # type: ignore[misc]
+    return prior
+
+
+def never_compiled(code: Any) -> None:
+    """Mark a code object for Dynamo to run as it is, never to compile (the frames it calls are
+    Dynamo's to decide): ``skip_code``, a C call on every torch, no ``torch._dynamo`` import."""
+    if hasattr(_EVAL_FRAME, "set_code_exec_strategy") and hasattr(_EVAL_FRAME, "_FrameExecStrategy"):
+        action = _EVAL_FRAME._FrameAction
+        _EVAL_FRAME.set_code_exec_strategy(code, _EVAL_FRAME._FrameExecStrategy(action.SKIP, action.DEFAULT))
+    elif hasattr(_EVAL_FRAME, "skip_code"):  # torch before the frame execution strategies
+        _EVAL_FRAME.skip_code(code)
+
+
+#: Dynamo's frame hook now (``None``: no frame would be compiled). Read directly where torch offers
+#: ``get_eval_frame_callback``, else by setting it and putting it back.
+dynamo_frame_hook: Callable[[], Any] = (
+    getattr(_EVAL_FRAME, "get_eval_frame_callback", None)
+    or (_read_by_setting if set_dynamo_frame_hook is not None else (lambda: None))
 )
 
 

@@ -194,6 +194,28 @@ def test_the_cpu_profiler_says_where_compiled_code_goes_unseen(caplog):
         torch._dynamo.reset()
 
 
+@pytest.mark.skipif(not COMPILE_YIELDS_TO_DISPATCH_MODES, reason="this torch runs compiled code past the counter")
+def test_the_cpu_profiler_says_a_compiled_model_runs_eagerly_under_its_counter(caplog):
+    import io
+
+    from pytorch_mem_profiler import memory_profiler
+
+    runs: list[int] = []
+    torch._dynamo.reset()
+    try:
+        model = torch.compile(nn.Linear(64, 64), backend=_counting_backend(runs))
+        with caplog.at_level("WARNING", logger="pytorch_mem_profiler"):
+            with memory_profiler(model, 1, stream=io.StringIO()) as profiler:
+                out = model(torch.randn(8, 64))
+                out.sum().backward()
+                record = profiler.record_stats()
+        assert not runs  # no compiled code ran under the counter: the frame ran eagerly
+        assert any("runs a compiled model's frames eagerly" in r.getMessage() for r in caplog.records)
+        assert record.weights == (64 * 64 + 64) * 4
+    finally:
+        torch._dynamo.reset()
+
+
 def test_fake_tolist_reads_values_answers_as_fake_tensors_read_a_value():
     """Where the answer is yes, ``tolist()`` of a fake tensor with a value gives the value under a mode
     that keeps values; where it is no, torch's ``tolist`` makes symbols (torch 2.4)."""
@@ -209,3 +231,21 @@ def test_fake_tolist_reads_values_answers_as_fake_tensors_read_a_value():
     with mode, mode.draws.on():
         drawn = torch.randperm(3)
         assert sorted(drawn.tolist()) == [0, 1, 2]  # on every torch, the estimate's step reads the draw
+
+
+def test_dynamos_frame_hook_is_read_alike_both_ways_and_left_as_it_was():
+    # torch offers get_eval_frame_callback (2.13); where it does not, the hook is read by setting it
+    from pytorch_mem_profiler import torch_versions
+
+    if torch_versions.set_dynamo_frame_hook is None:
+        pytest.skip("this torch has no Dynamo")
+    assert torch_versions.dynamo_frame_hook() is None  # eager code: nothing would be compiled
+    assert torch_versions._read_by_setting() is None
+    # False: Dynamo's run-only hook (cached code runs, no frame is compiled), safe to hold here
+    prior = torch_versions.set_dynamo_frame_hook(False)
+    try:
+        assert torch_versions._read_by_setting() is False
+        assert torch_versions.dynamo_frame_hook() is False  # put back: read again alike
+    finally:
+        torch_versions.set_dynamo_frame_hook(prior)
+    assert torch_versions.dynamo_frame_hook() is None

@@ -62,6 +62,7 @@ from typing import Any, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from ..torch_versions import dynamo_frame_hook, never_compiled, set_dynamo_frame_hook
 from .accounting import PLAIN_TENSORS, storage_holder, storage_parts
 from .engine_sums import ENGINE_SUM, ENGINE_SUM_IN_PLACE, EngineAccumulation
 
@@ -382,10 +383,11 @@ class _CountingMode(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ in a Dynamo-disabling wrapper
-        # that costs about 2 us per operator. Dynamo already refuses to compile
-        # while a non-infra dispatch mode is on the stack (frames run inside this
-        # handler included), so the wrapper buys nothing here.
+        # torch wraps a mode's __torch_dispatch__ in a Dynamo-disabling wrapper that costs about
+        # 2 us per operator, at every operator. The mode is off the stack while its handler runs,
+        # so inside a compiled region Dynamo would compile the handler's own frames (and keep the
+        # tensors their cached frames hold): __torch_dispatch__ turns Dynamo's frame hook off
+        # itself, only where one is set (one C call of about 25 ns elsewhere).
         return False
 
     def __init__(self, registry: StorageRegistry) -> None:
@@ -410,11 +412,22 @@ class _CountingMode(TorchDispatchMode):
             self.sums = EngineAccumulation(plain=True)  # not calibrated: no sum in place
             _log.debug("gradient sums left out of place: %r", exc)
 
+    def _without_dynamo(self, func, types, args, kwargs):  # type: ignore[no-untyped-def]
+        # in a compiled region (a frame torch.compile runs eagerly under this mode): this handler's
+        # frames run with Dynamo's frame hook off, as torch.compiler.disable(recursive=True) runs them
+        prior = set_dynamo_frame_hook(None)
+        try:
+            return self.__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            set_dynamo_frame_hook(prior)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # The operator runs exactly once, outside any try (its errors are the user's);
         # every line of bookkeeping is inside one, so a fault there never stops it.
         # This runs for every operator of the step: each line is measured against
         # a mode that only calls the operator (benchmarks/cpu_overhead.py).
+        if dynamo_frame_hook() is not None:
+            return self._without_dynamo(func, types, args, kwargs)
         try:
             tallies = self.tallies
             rewrites = layout_rewrites(func, args, kwargs or {}) if self.sparse and tallies else None
@@ -465,6 +478,11 @@ class _CountingMode(TorchDispatchMode):
         except Exception as exc:  # noqa: BLE001 - never break the user's operator
             self.registry.fail(exc)
         return out
+
+
+# Dynamo runs the handler's own frames as they are (their callees run with its hook off, above)
+never_compiled(_CountingMode.__torch_dispatch__.__code__)
+never_compiled(_CountingMode._without_dynamo.__code__)
 
 
 class StorageRegistry:
