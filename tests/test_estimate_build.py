@@ -175,16 +175,34 @@ class _MisconfiguredNet(nn.Module):
         self.norm = nn.GroupNorm(32, 16)  # ValueError: num_channels must be divisible by num_groups
 
 
-def test_a_constructor_that_fails_for_real_is_named_before_what_the_fake_mode_could_not_read():
-    """Built with its small tensors real the constructor raises its own ValueError; built inside the
-    fake mode it stops earlier, at ``.item()``. The error leads with the constructor's own."""
-    from pytorch_mem_profiler.estimate import EstimateUnsupported
-
+def test_a_constructor_that_fails_for_real_raises_its_own_error_not_a_refusal():
+    """Built with its small tensors real the constructor raises its own ValueError (a mistake in it);
+    built inside the fake mode it stops earlier, at ``.item()``. The estimate raises the constructor's
+    ValueError, as a real build does: not an ``EstimateUnsupported``, which callers take as an operation
+    the estimate cannot run."""
     with pytest.raises(ValueError) as real:
         _MisconfiguredNet()
-    with pytest.raises(EstimateUnsupported) as refused:
+    with pytest.raises(ValueError) as raised:
         estimate_memory(_MisconfiguredNet, lambda b: torch.randn(b, 16), batch_size=2, device="cpu", fit=False)
-    message = str(refused.value)
-    assert message.startswith(f"model() raised ValueError: {real.value}")
-    assert "aten._local_scalar_dense" in message and refused.value.operation == "aten._local_scalar_dense.default"
-    assert isinstance(refused.value.__cause__, ValueError)
+    assert str(raised.value) == str(real.value)
+
+
+def test_a_constructor_that_fails_on_its_meta_tensors_is_refused_naming_the_operation():
+    """Where the build outside the fake mode failed on a large tensor it put on ``meta`` (a value read
+    from it) and the fake build stops at that read too, the refusal names the operation, after the
+    constructor's own error."""
+    from pytorch_mem_profiler.estimate import EstimateUnsupported
+
+    class ReadsALargeWeight(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Linear(2048, 2048)  # large: on meta outside the fake mode
+            self.scale = float(self.body.weight.abs().max())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x) * self.scale
+
+    with pytest.raises(EstimateUnsupported) as refused:
+        estimate_memory(ReadsALargeWeight, lambda b: torch.randn(b, 2048), batch_size=2, device="cpu", fit=False)
+    assert refused.value.operation == "aten._local_scalar_dense.default"
+    assert str(refused.value).startswith("model() raised")

@@ -183,7 +183,8 @@ def estimate_memory(
             (``{"bf16": {"autocast": torch.bfloat16}}``; :data:`OPTIMIZATIONS` is the
             seed exercise's three); each is estimated and kept in ``alternatives``.
         emulate: run on fake CPU tensors standing in for ``device`` (``None``: only
-            where the device's runtime is missing here; autocast then follows the CPU's rules).
+            where the device's runtime is missing here); autocast then follows the device's
+            rules (CUDA's dtypes per operator, :mod:`.autocast_policy`), not the CPU's.
         parallel: ``None`` (one device), ``"ddp"``, ``"fsdp2"``, or
             :class:`~.parallel.DDP` / :class:`~.parallel.FSDP2` with their settings: the figures
             are then one rank's of ``world_size``, for a batch of ``batch_size`` *per rank*

@@ -500,6 +500,21 @@ def _construct(plan: StepPlan) -> tuple[nn.Module | None, BaseException | None]:
     return made, None
 
 
+def _caused_by_the_outside_build(error: BaseException) -> bool:
+    """Whether a constructor built outside the fake mode failed for how it was built there (it read
+    or copied a large tensor's data on ``meta``: torch's errors name the meta device or have no meta
+    kernel; or it asked for a device this machine lacks), not for a mistake of its own."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current).lower()
+        if isinstance(current, NotImplementedError) or any(word in text for word in ("meta", "cuda", "driver", "device")):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def _build(
     plan: StepPlan, mode: Any, run_device: torch.device, made: nn.Module | None = None
 ) -> tuple[nn.Module, tuple[str, ...] | None]:
@@ -596,6 +611,10 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
         except Exception as err:
             if build_error is None:
                 raise
+            if isinstance(err, EstimateUnsupported) and not _caused_by_the_outside_build(build_error):
+                # a mistake in the constructor (a TypeError of its own), past a value it reads that the
+                # fake build stopped at: the user's error, as a real build raises it
+                raise build_error
             if isinstance(err, EstimateUnsupported):
                 # both builds failed: the constructor's own error leads (a real build likely raises it too)
                 raise EstimateUnsupported(
