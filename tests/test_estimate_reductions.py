@@ -13,7 +13,7 @@ from torch import nn
 from pytorch_mem_profiler import estimate_memory
 from pytorch_mem_profiler.estimate.allocator import block_size
 from pytorch_mem_profiler.estimate.reductions import reduction_layout, reduction_scratch
-from pytorch_mem_profiler.estimate.scratch import KernelScratch, column_reduction_scratch
+from pytorch_mem_profiler.estimate.scratch import KernelScratch
 
 from .test_estimate_scratch import MEASURED_SUMS
 
@@ -41,11 +41,12 @@ def test_the_rule_gives_the_blocks_the_h200s_history_showed(shape, strides, dims
     assert reduction_scratch(shape, strides, dims, itemsize) == tuple(block_size(n) for n in requested)
 
 
-def test_it_is_the_column_rule_wherever_that_applies():
-    # contiguous tensors of 2 to 4 dimensions summed over leading ones, some of every size kept
+def test_leading_dimensions_of_a_contiguous_tensor_merge_into_the_measured_two_dimensional_case():
+    # contiguous tensors of 3 and 4 dimensions summed over leading ones are one run of rows by one of
+    # columns (the 2-D case of MEASURED_SUMS): the layout merges them, so the blocks are the 2-D ones
     sizes = (2, 7, 16, 100, 256, 768, 4096)
     checked = 0
-    for shape in itertools.chain(itertools.product(sizes, repeat=2), itertools.product(sizes, (8, 64), (3, 1024))):
+    for shape in itertools.chain(itertools.product(sizes, (8, 64), (3, 1024)), itertools.product((4, 32), (16, 128), (2, 8), (64, 512))):
         strides = [1] * len(shape)
         for i in range(len(shape) - 2, -1, -1):
             strides[i] = strides[i + 1] * shape[i + 1]
@@ -55,7 +56,9 @@ def test_it_is_the_column_rule_wherever_that_applies():
                 rows *= size
             for size in shape[lead:]:
                 cols *= size
-            assert reduction_scratch(shape, strides, tuple(range(lead)), 4) == column_reduction_scratch(rows, cols), (shape, lead)
+            flat = reduction_scratch((rows, cols), (cols, 1), (0,), 4)
+            assert reduction_scratch(shape, strides, tuple(range(lead)), 4) == flat, (shape, lead)
+            assert reduction_layout(shape, strides, tuple(range(lead))) == [(rows, cols, True), (cols, 1, False)]
             checked += 1
     assert checked > 60
 

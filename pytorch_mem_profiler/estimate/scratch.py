@@ -150,14 +150,6 @@ DEFAULT_THREADS_PER_MULTIPROCESSOR = 2048
 
 #: Indices up to this many take the embedding backward's direct kernel, which needs no scratch.
 _EMBEDDING_DIRECT_LIMIT = 3072
-_WARP = 32
-_THREADS_PER_REDUCTION = 512
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
-
-
 def column_reduction_scratch(
     rows: int,
     cols: int,
@@ -170,34 +162,12 @@ def column_reduction_scratch(
     ``rows``: the product of the reduced (leading) dimensions; ``cols``: of the
     kept (trailing) ones. ``()`` when the kernel needs no global buffer; else the
     buffer of float partial sums and the semaphores, each rounded to the
-    allocator's 512-byte blocks.
+    allocator's 512-byte blocks (:func:`~.reductions.reduction_scratch` of that layout).
     """
     if rows <= 1 or cols <= 1:
         return ()  # nothing to add up, or a reduction along the innermost dimension
-    # Loads are vectorized along the outputs, 4 at a time where the row length allows.
-    vec = 4 if cols % 4 == 0 else 2 if cols % 2 == 0 else 1
-    most = _THREADS_PER_REDUCTION // vec
-    lanes = most if cols // vec >= most else _pow2_floor(cols // vec)
-    depth = most if rows >= most else _pow2_floor(rows)
-    width = min(lanes, _WARP)
-    height = min(depth, most // width)
-    width = min(lanes, most // height)
-    threads = width * height
-    # Each warp row adds its own share of the rows only when that leaves 16 or more each.
-    if rows < min(16 * height, 256):
-        return ()
-    per_thread = math.ceil(rows / height)
-    grid = math.ceil(math.ceil(cols / vec) / width)
-    target = multiprocessors * (threads_per_multiprocessor // threads)
-    if per_thread < 256 or grid > target:
-        return ()
-    # More thread blocks per output, to fill the device, keeping 16 to 256 rows per thread.
-    ctas = max(min(math.ceil(target / grid), math.ceil(per_thread / 16)), math.ceil(per_thread / 256))
-    if ctas <= 1:
-        return ()
-    partials = 4 * cols * ctas * width * vec
-    semaphores = 4 * grid
-    return (block_size(partials), block_size(semaphores))
+    return reduction_scratch((rows, cols), (cols, 1), (0,), 4, multiprocessors=multiprocessors,
+                             threads_per_multiprocessor=threads_per_multiprocessor)  # fmt: skip
 
 
 #: CUB's temporary storage (``cub::detail::AliasTemporaries``): each part aligned to 256 bytes, and
@@ -535,24 +505,19 @@ def efficient_attention_forward_scratch(
     return (4 * batch * positions * heads * value_head_dim,)
 
 
-def _efficient_attention_forward_heads_second(args: tuple, kwargs: dict) -> tuple[int, ...]:
-    # aten._scaled_dot_product_efficient_attention(query, key, value, ...): (batch, heads, positions, head dim)
-    query = args[0] if args else kwargs.get("query")
-    value = args[2] if len(args) > 2 else kwargs.get("value")
-    if not isinstance(query, torch.Tensor) or not isinstance(value, torch.Tensor) or query.dim() != 4 or value.dim() != 4:
-        return ()
-    batch, heads, positions, head_dim = query.shape
-    return efficient_attention_forward_scratch(batch, positions, heads, head_dim, value.shape[-1], query.element_size())
-
-
-def _efficient_attention_forward_positions_second(args: tuple, kwargs: dict) -> tuple[int, ...]:
+def _efficient_attention_forward(heads_second: bool) -> Callable[[tuple, dict], tuple[int, ...]]:
+    # aten._scaled_dot_product_efficient_attention(query, key, value, ...): (batch, heads, positions, head dim);
     # aten._efficient_attention_forward(query, key, value, ...): (batch, positions, heads, head dim)
-    query = args[0] if args else kwargs.get("query")
-    value = args[2] if len(args) > 2 else kwargs.get("value")
-    if not isinstance(query, torch.Tensor) or not isinstance(value, torch.Tensor) or query.dim() != 4 or value.dim() != 4:
-        return ()
-    batch, positions, heads, head_dim = query.shape
-    return efficient_attention_forward_scratch(batch, positions, heads, head_dim, value.shape[-1], query.element_size())
+    def scratch(args: tuple, kwargs: dict) -> tuple[int, ...]:
+        query = args[0] if args else kwargs.get("query")
+        value = args[2] if len(args) > 2 else kwargs.get("value")
+        if not isinstance(query, torch.Tensor) or not isinstance(value, torch.Tensor) or query.dim() != 4 or value.dim() != 4:
+            return ()
+        batch, second, third, head_dim = query.shape
+        heads, positions = (second, third) if heads_second else (third, second)
+        return efficient_attention_forward_scratch(batch, positions, heads, head_dim, value.shape[-1], query.element_size())
+
+    return scratch
 
 
 def grouped_query_gradients(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[int, ...]:
@@ -771,8 +736,8 @@ class KernelScratch:
             **({aten._safe_softmax.default: _safe_softmax} if hasattr(aten, "_safe_softmax") else {}),  # torch 2.5 and later
             aten._scaled_dot_product_flash_attention_backward.default: self._attention_backward(flash_attention_backward_scratch),
             aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
-            aten._scaled_dot_product_efficient_attention.default: _efficient_attention_forward_heads_second,
-            **({aten._efficient_attention_forward.default: _efficient_attention_forward_positions_second}
+            aten._scaled_dot_product_efficient_attention.default: _efficient_attention_forward(heads_second=True),
+            **({aten._efficient_attention_forward.default: _efficient_attention_forward(heads_second=False)}
                if hasattr(aten, "_efficient_attention_forward") else {}),  # fmt: skip
             aten._ctc_loss.default: _ctc_loss,
             aten._ctc_loss.Tensor: _ctc_loss,
