@@ -16,8 +16,9 @@ device, where it has a shape and no memory, and in-place initialisers
 (``normal_``, ``trunc_normal_``, ``copy_``) do nothing. An operator that mixes
 the two runs on ``meta``; one whose real result would exceed the size (a
 mask computed from small tensors) has that result moved to ``meta``. Moves
-(``.to("cuda")``, ``.cuda()``) keep a tensor where it is (the dtype still
-changes), so a constructor that moves its tensors needs no GPU. The
+(``.to("cuda")``, ``.cuda()``) keep a tensor where it is (the dtype and the memory
+format still change: ``model.to(memory_format=torch.channels_last)``), so a constructor
+that moves its tensors needs no GPU. The
 random-number state is saved and restored around the build: estimating a
 model leaves the process's generator where it was.
 
@@ -120,13 +121,17 @@ class SmallTensorsReal(TorchFunctionMode):
         return func(*args, **{**kwargs, "device": _CPU})
 
     def _move(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        # the tensor stays where it is; its dtype and memory format change as asked
+        # (model.to(memory_format=torch.channels_last) lays each weight out channels-last)
         tensor = args[0]
-        dtype = None
+        dtype, memory_format = None, kwargs.get("memory_format")
         if func is torch.Tensor.to:
             parsed = torch._C._nn._parse_to(*args[1:], **kwargs)
-            dtype = parsed[1]
+            dtype, memory_format = parsed[1], parsed[3]
             if isinstance(args[1] if len(args) > 1 else None, torch.Tensor):
                 dtype = args[1].dtype
+        if memory_format is not None and memory_format is not torch.preserve_format:
+            return tensor.to(dtype=dtype or tensor.dtype, memory_format=memory_format)  # its own device
         return tensor if dtype is None or dtype == tensor.dtype else tensor.to(dtype)
 
     def _shrink(self, value: Any) -> Any:
