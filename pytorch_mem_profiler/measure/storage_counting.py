@@ -415,28 +415,39 @@ class _CountingMode(TorchDispatchMode):
     def _without_dynamo(self, func, types, args, kwargs):  # type: ignore[no-untyped-def]
         # in a compiled region (a frame torch.compile runs eagerly under this mode): this handler's
         # frames run with Dynamo's frame hook off, as torch.compiler.disable(recursive=True) runs them
-        prior = set_dynamo_frame_hook(None)
+        try:
+            prior = set_dynamo_frame_hook(None)
+        except Exception as exc:  # noqa: BLE001 - the counting off, never the user's operator
+            self.registry.fail(exc)
+            return func._op(*args, **kwargs) if kwargs else func._op(*args)
         try:
             return self.__torch_dispatch__(func, types, args, kwargs)
         finally:
-            set_dynamo_frame_hook(prior)
+            try:
+                set_dynamo_frame_hook(prior)
+            except Exception as exc:  # noqa: BLE001 - as above
+                self.registry.fail(exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # The operator runs exactly once, outside any try (its errors are the user's);
         # every line of bookkeeping is inside one, so a fault there never stops it.
         # This runs for every operator of the step: each line is measured against
         # a mode that only calls the operator (benchmarks/cpu_overhead.py).
-        if dynamo_frame_hook() is not None:
-            return self._without_dynamo(func, types, args, kwargs)
         try:
-            tallies = self.tallies
-            rewrites = layout_rewrites(func, args, kwargs or {}) if self.sparse and tallies else None
-            if func is ENGINE_SUM and not kwargs and self.sums.in_place(args, {}):
-                # the engine's sum of gradient pieces, into the first: as the step makes it unwatched
-                func = ENGINE_SUM_IN_PLACE
-        except Exception as exc:  # noqa: BLE001 - never break the user's operator
+            # in a compiled region nothing more runs here before Dynamo's frame hook is off
+            compiling = dynamo_frame_hook() is not None
             tallies, rewrites = (), None
+            if not compiling:
+                tallies = self.tallies
+                rewrites = layout_rewrites(func, args, kwargs or {}) if self.sparse and tallies else None
+                if func is ENGINE_SUM and not kwargs and self.sums.in_place(args, {}):
+                    # the engine's sum of gradient pieces, into the first: as the step makes it unwatched
+                    func = ENGINE_SUM_IN_PLACE
+        except Exception as exc:  # noqa: BLE001 - never break the user's operator
+            compiling, tallies, rewrites = False, (), None
             self.registry.fail(exc)
+        if compiling:
+            return self._without_dynamo(func, types, args, kwargs)
         out = func._op(*args, **kwargs) if kwargs else func._op(*args)
         if not tallies:
             return out
