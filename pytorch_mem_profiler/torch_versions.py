@@ -41,11 +41,11 @@ __all__ = [
     "TORCH_VERSION",
     "attention_softmax",
     "dynamo_frame_hook",
-    "never_compiled",
-    "set_dynamo_frame_hook",
     "fake_tolist_reads_values",
     "math_attention_upcasts",
+    "never_compiled",
     "release",
+    "set_dynamo_frame_hook",
 ]
 
 
@@ -105,11 +105,14 @@ def _read_by_setting() -> Any:
 def never_compiled(code: Any) -> None:
     """Mark a code object for Dynamo to run as it is, never to compile (the frames it calls are
     Dynamo's to decide): ``skip_code``, a C call on every torch, no ``torch._dynamo`` import."""
-    if hasattr(_EVAL_FRAME, "set_code_exec_strategy") and hasattr(_EVAL_FRAME, "_FrameExecStrategy"):
-        action = _EVAL_FRAME._FrameAction
-        _EVAL_FRAME.set_code_exec_strategy(code, _EVAL_FRAME._FrameExecStrategy(action.SKIP, action.DEFAULT))
-    elif hasattr(_EVAL_FRAME, "skip_code"):  # torch before the frame execution strategies
-        _EVAL_FRAME.skip_code(code)
+    try:
+        if hasattr(_EVAL_FRAME, "set_code_exec_strategy") and hasattr(_EVAL_FRAME, "_FrameExecStrategy"):
+            action = _EVAL_FRAME._FrameAction
+            _EVAL_FRAME.set_code_exec_strategy(code, _EVAL_FRAME._FrameExecStrategy(action.SKIP, action.DEFAULT))
+        elif hasattr(_EVAL_FRAME, "skip_code"):  # torch before the frame execution strategies
+            _EVAL_FRAME.skip_code(code)
+    except Exception:  # noqa: BLE001 - called at import: a torch that answers otherwise compiles the frame, as before
+        pass
 
 
 #: Dynamo's frame hook now (``None``: no frame would be compiled). Read directly where torch offers

@@ -234,3 +234,25 @@ def test_dynamos_frame_hook_is_read_alike_both_ways_and_left_as_it_was():
     finally:
         torch_versions.set_dynamo_frame_hook(prior)
     assert torch_versions.dynamo_frame_hook() is None
+
+
+def test_never_compiled_marks_the_code_by_whichever_call_this_torch_has(monkeypatch):
+    import types
+
+    from pytorch_mem_profiler import torch_versions
+
+    def sample() -> None:
+        pass
+
+    marked: list = []
+    # a torch before the frame execution strategies: skip_code(code)
+    monkeypatch.setattr(torch_versions, "_EVAL_FRAME", types.SimpleNamespace(skip_code=marked.append))
+    torch_versions.never_compiled(sample.__code__)
+    assert marked == [sample.__code__]
+
+    # one that answers otherwise: nothing raised at import, the frame compiled as before
+    def refuse(code) -> None:  # type: ignore[no-untyped-def]
+        raise TypeError("incompatible function arguments")
+
+    monkeypatch.setattr(torch_versions, "_EVAL_FRAME", types.SimpleNamespace(skip_code=refuse))
+    torch_versions.never_compiled(sample.__code__)
