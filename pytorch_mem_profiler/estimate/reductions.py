@@ -38,17 +38,21 @@ import torch
 
 from .allocator import block_size
 
-__all__ = ["REDUCED_DTYPES", "reduction_layout", "reduction_scratch"]
+__all__ = ["DEFAULT_MULTIPROCESSORS", "DEFAULT_THREADS_PER_MULTIPROCESSOR", "REDUCED_DTYPES", "reduction_layout", "reduction_scratch"]
 
+#: Streaming multiprocessors assumed when no CUDA device is present: an H100 SXM's or H200's 132.
+DEFAULT_MULTIPROCESSORS = 132
+#: Resident threads per multiprocessor assumed when no CUDA device is present (2048 since Volta).
+DEFAULT_THREADS_PER_MULTIPROCESSOR = 2048
 #: The input dtypes whose partial sums are float32 and whose reductions were measured.
 REDUCED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: ATen's ``ReduceConfig`` constants: threads a reduction's block may have, the values a thread
-#: should add up (16 to 256), and the unrolling and input vectorization of its loads.
+#: should add up (16 to 256), and the input vectorization of its loads (CUDA's sum and mean unroll
+#: as many, so it applies wherever the input allows it).
 _MAX_THREADS = 512
 _WARP = 32
 _MIN_VALUES_PER_THREAD = 16
 _MAX_VALUES_PER_THREAD = 256
-_UNROLL = 4
 _INPUT_VECTOR = 4
 #: Bytes of a partial sum (float32 for the dtypes above) and of a semaphore.
 _PARTIAL = 4
@@ -127,8 +131,8 @@ def reduction_scratch(
     itemsize: int,
     *,
     storage_offset: int = 0,
-    multiprocessors: int = 132,
-    threads_per_multiprocessor: int = 2048,
+    multiprocessors: int = DEFAULT_MULTIPROCESSORS,
+    threads_per_multiprocessor: int = DEFAULT_THREADS_PER_MULTIPROCESSOR,
 ) -> tuple[int, ...]:
     """The blocks (bytes, each rounded to the allocator's 512) CUDA's sum or mean of a tensor of
     ``shape`` and ``strides`` (elements of ``itemsize`` bytes) over ``dims`` takes beside its
@@ -163,7 +167,7 @@ def reduction_scratch(
         dim0, dim1, fastest = outputs, inputs, layout[reduced][1]
     vector_out = 1
     if fastest == 1:
-        if on_fastest and dim0 > 128 and reduced == 1 and _UNROLL >= _INPUT_VECTOR:
+        if on_fastest and dim0 > 128 and reduced == 1:  # vectorized along the one reduced dimension
             dim0 //= _INPUT_VECTOR
         elif not on_fastest:  # vectorized along the outputs, where every stride and the first kept size allow
             vector_out = 4

@@ -112,7 +112,7 @@ from .allocator import block_size
 from .conv_workspace import ConvScratch, convolution_backward_scratch, convolution_scratch, memory_format
 from .kernel_probe import convolution_key, measured_or_pending
 from .layout_copies import COPYING_OPERATORS
-from .reductions import REDUCED_DTYPES, reduction_scratch
+from .reductions import DEFAULT_MULTIPROCESSORS, DEFAULT_THREADS_PER_MULTIPROCESSOR, REDUCED_DTYPES, reduction_scratch
 
 __all__ = [
     "CUDNN_ATTENTION_BACKWARD_PAD",
@@ -143,10 +143,6 @@ BATCH_NORM_BOUND = "batch norm, channels_last (cuDNN workspace)"
 #: The bound for cuDNN's NHWC batch norm workspace: four times the 1.06 MB measured.
 BATCH_NORM_WORKSPACE_BOUND = 4 << 20
 
-#: Streaming multiprocessors assumed when no CUDA device is present: an H100 SXM's or H200's 132.
-DEFAULT_MULTIPROCESSORS = 132
-#: Resident threads per multiprocessor assumed when no CUDA device is present (2048 since Volta).
-DEFAULT_THREADS_PER_MULTIPROCESSOR = 2048
 
 #: Indices up to this many take the embedding backward's direct kernel, which needs no scratch.
 _EMBEDDING_DIRECT_LIMIT = 3072
@@ -762,7 +758,7 @@ class KernelScratch:
         tensor = args[0] if args else kwargs.get("self")
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in REDUCED_DTYPES:
             return ()
-        dtype = kwargs.get("dtype", args[3] if len(args) > 3 else None)
+        dtype = kwargs.get("dtype")  # keyword-only in every form
         if dtype is not None and dtype != tensor.dtype:
             return ()  # summed to another dtype: not measured
         dims = args[1] if len(args) > 1 else kwargs.get("dim")

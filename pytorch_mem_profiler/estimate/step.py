@@ -611,11 +611,11 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
         except Exception as err:
             if build_error is None:
                 raise
-            if isinstance(err, EstimateUnsupported) and not _caused_by_the_outside_build(build_error):
-                # a mistake in the constructor (a TypeError of its own), past a value it reads that the
-                # fake build stopped at: the user's error, as a real build raises it
-                raise build_error
             if isinstance(err, EstimateUnsupported):
+                if not _caused_by_the_outside_build(build_error):
+                    # a mistake in the constructor (a TypeError of its own), past a value it reads that
+                    # the fake build stopped at: the user's error, as a real build raises it
+                    raise build_error
                 # both builds failed: the constructor's own error leads (a real build likely raises it too)
                 raise EstimateUnsupported(
                     f"model() raised {type(build_error).__name__}: {build_error} (built with its small tensors "

@@ -334,20 +334,15 @@ class Meter:
         )
         if self.device.type == "cpu" and is_compiled(self.model):
             if COMPILE_YIELDS_TO_DISPATCH_MODES:
-                _log.warning(
-                    "pytorch_mem_profiler: torch %s runs a compiled model's frames eagerly while the CPU "
-                    "counter counts (a dispatch mode is active): the figures, and the step's time, are "
-                    "the uncompiled step's; estimate_memory(model, ...) gives the compiled step's",
-                    torch.__version__,
-                )
+                what = ("runs a compiled model's frames eagerly while the CPU counter counts (a dispatch mode "
+                        "is active): the figures, and the step's time, are the uncompiled step's; "
+                        "estimate_memory(model, ...) gives the compiled step's")  # fmt: skip
             else:
-                _log.warning(
-                    "pytorch_mem_profiler: torch %s runs a compiled model's code past the CPU counter "
-                    "(inductor allocates outside the dispatcher): the tensors it makes are missing from the "
-                    "figures; profile the model uncompiled, on a GPU, or with a newer torch (2.13 runs "
-                    "compiled code eagerly while the counter counts)",
-                    torch.__version__,
-                )
+                what = ("runs a compiled model's code past the CPU counter (inductor allocates outside the "
+                        "dispatcher): the tensors it makes are missing from the figures; profile the model "
+                        "uncompiled, on a GPU, or with a newer torch (2.13 runs compiled code eagerly while "
+                        "the counter counts)")  # fmt: skip
+            _log.warning("pytorch_mem_profiler: torch %s %s", torch.__version__, what)
         machine = self._machine = PhaseMachine(
             counter.mark,
             hooks.new_pending,
