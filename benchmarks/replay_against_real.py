@@ -415,20 +415,46 @@ def estimate_phases(events: StepEvents) -> list[Phase]:
 #: allocation, so left out of what names one
 RECORDING_FRAMES = ("torch::unwind::", "torch::CapturedTraceback::", "gather_with_cpp", "CUDACachingAllocator")
 
+#: C++ frames every tensor allocation or dispatched call passes through (the empty-tensor factories,
+#: the dispatcher's wrappers): left out too, so that what is shown names the kernel that asked
+ALLOCATION_FRAMES = ("at::detail::empty", "at::native::empty", "at::empty", "at::cuda::empty", "c10::impl::", "c10::Dispatcher",
+                     "at::_ops::", "c10::KernelFunction", "c10::BoxedKernel", "wrap_kernel_functor", "make_boxed_from_unboxed")
+
+
+def _is_python(frame: Mapping[str, Any]) -> bool:
+    return str(frame.get("filename", "")).endswith(".py")
+
+
+def _frame_text(frame: Mapping[str, Any]) -> str:
+    name = str(frame.get("filename", "?"))
+    cut = name.rfind("site-packages/")
+    name = name[cut + len("site-packages/") :] if cut >= 0 else name.replace(str(ROOT) + "/", "")
+    return f"{name}:{frame.get('line', 0)}({frame.get('name', '?')})"
+
 
 def frames_text(frames: Iterable[Mapping[str, Any]] | None, most: int = FRAMES_SHOWN) -> str:
     """The innermost ``most`` frames as ``file:line(name) < ...``, paths cut after ``site-packages/``,
-    the recording's and the allocator's own C++ frames left out (:data:`RECORDING_FRAMES`)."""
-    out = []
+    the recording's and the allocator's own C++ frames left out (:data:`RECORDING_FRAMES`), and the
+    frames every allocation passes through (:data:`ALLOCATION_FRAMES`). Where C++ frames were
+    recorded (``--stacks all``) and none of those shown is Python's, the innermost Python frame
+    follows after ``...``: the model's line that called the kernel."""
+    out: list[str] = []
+    shown_python = False
+    innermost_python = None
     for frame in frames or ():
-        if any(part in str(frame.get("name", "")) for part in RECORDING_FRAMES):
+        name = str(frame.get("name", ""))
+        if any(part in name for part in RECORDING_FRAMES) or any(part in name for part in ALLOCATION_FRAMES):
             continue
-        name = str(frame.get("filename", "?"))
-        cut = name.rfind("site-packages/")
-        name = name[cut + len("site-packages/") :] if cut >= 0 else name.replace(str(ROOT) + "/", "")
-        out.append(f"{name}:{frame.get('line', 0)}({frame.get('name', '?')})")
-        if len(out) >= most:
+        if len(out) < most:
+            out.append(_frame_text(frame))
+            shown_python = shown_python or _is_python(frame)
+        elif innermost_python is None and not shown_python and _is_python(frame):
+            innermost_python = frame
             break
+        elif shown_python:
+            break
+    if innermost_python is not None:
+        out.append("... " + _frame_text(innermost_python))
     return " < ".join(out) if out else "(no frames recorded)"
 
 

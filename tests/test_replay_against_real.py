@@ -332,6 +332,26 @@ def test_cpp_frames_of_the_recording_and_the_allocator_are_left_out():
     assert rar.frames_text(recording + [kernel], most=2) == "Conv_v8.cpp:0(at::native::run_single_conv(...))"
 
 
+def test_the_frames_every_allocation_passes_are_left_out_and_the_models_line_follows():
+    # --stacks all: the empty-tensor factories and the dispatcher's wrappers say nothing of who asked;
+    # the innermost Python frame (the model's line) is shown after the kernel's frames
+    generic = [{"filename": "??", "line": 0, "name": "at::detail::empty_strided_generic(c10::ArrayRef<long>)"},
+               {"filename": "??", "line": 0, "name": "at::native::empty_strided_cuda(c10::ArrayRef<long>)"},
+               {"filename": "RegisterCUDA_0.cpp", "line": 0, "name": "c10::impl::wrap_kernel_functor_unboxed_<...>::call()"},
+               {"filename": "??", "line": 0, "name": "at::_ops::empty_strided::redispatch()"}]  # fmt: skip
+    kernel = [{"filename": "??", "line": 0, "name": "at::native::batch_norm_backward_cuda(...)"},
+              {"filename": "??", "line": 0, "name": "torch::autograd::generated::NativeBatchNormBackward0::apply()"},
+              {"filename": "??", "line": 0, "name": "torch::autograd::Engine::evaluate_function()"}]  # fmt: skip
+    model = [{"filename": "/x/site-packages/torch/autograd/graph.py", "line": 829, "name": "_engine_run_backward"},
+             {"filename": "/x/train.py", "line": 3, "name": "step"}]  # fmt: skip
+    assert rar.frames_text(generic + kernel + model, most=2) == (
+        "??:0(at::native::batch_norm_backward_cuda(...)) < ??:0(torch::autograd::generated::NativeBatchNormBackward0::apply())"
+        " < ... torch/autograd/graph.py:829(_engine_run_backward)"
+    )
+    # a Python frame among those shown: nothing follows
+    assert rar.frames_text(generic + model, most=2) == "torch/autograd/graph.py:829(_engine_run_backward) < /x/train.py:3(step)"
+
+
 def test_the_report_names_each_point_with_its_figures(tmp_path):
     step = _step(4)
     real = _step(4, extra={"step 1 backward": [(900, 6 * MIB), (900, -6 * MIB)]})
