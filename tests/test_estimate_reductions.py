@@ -15,6 +15,7 @@ from pytorch_mem_profiler.estimate.allocator import block_size
 from pytorch_mem_profiler.estimate.reductions import reduction_layout, reduction_scratch
 from pytorch_mem_profiler.estimate.scratch import KernelScratch
 
+from .helpers import measured_peak
 from .test_estimate_scratch import MEASURED_SUMS
 
 MiB = 1 << 20
@@ -92,7 +93,52 @@ def test_the_operator_rules_take_any_dims_strides_and_full_sums():
     assert rules(aten.mean.dim, (transposed, [0, 2]), {}) == (4 * MiB, 512)
     assert rules(aten.sum.default, (loss,), {}) == rules(aten.mean.default, (loss,), {}) == (512, 512)
     assert rules(aten.sum.dim_IntList, (doubles, [0]), {}) == ()  # float64: not measured
-    assert rules(aten.sum.dim_IntList, (scan, [0, 2]), {"dtype": torch.float64}) == ()  # to another dtype: not measured
+    # to another dtype: the input copied to it first (its partial sums in float64 not measured)
+    assert rules(aten.sum.dim_IntList, (scan, [0, 2]), {"dtype": torch.float64}) == (scan.numel() * 8,)
+
+
+def test_a_sum_to_another_dtype_takes_a_copy_of_its_input_in_that_dtype_first():
+    # ATen's make_reduction: self.to(the result's dtype), but half precision summed to float32
+    aten = torch.ops.aten
+    rules = KernelScratch(132)
+    with torch.device("meta"):
+        activation = torch.empty(64, 1024, 512)
+        mask = torch.empty(64, 1024, 512, dtype=torch.bool)  # amax's backward: restore_reduced_dims(out) == self
+        counts = torch.empty(4096, 512, dtype=torch.int32)
+        halves = torch.empty(8, 512, 128, 16, dtype=torch.bfloat16)
+    assert rules(aten.sum.dim_IntList, (mask, [-1], True), {}) == (mask.numel() * 8,)  # int64: 256 MiB
+    assert rules(aten.sum.default, (counts,), {}) == (counts.numel() * 8,)
+    assert rules(aten.sum.dim_IntList, (halves, [0, 2]), {"dtype": torch.float32}) == ()  # read as it is
+    assert rules(aten.sum.dim_IntList, (halves, [0, 2]), {"dtype": torch.bfloat16}) == rules(aten.sum.dim_IntList, (halves, [0, 2]), {})
+    # summed to bfloat16 from float32: the copy, then the partial sums of the copy's layout
+    partial = rules(aten.sum.dim_IntList, (activation.to(torch.bfloat16), [0, 1]), {})
+    assert partial and rules(aten.sum.dim_IntList, (activation, [0, 1]), {"dtype": torch.bfloat16}) == (activation.numel() * 2, *partial)
+    # a transposed input's copy keeps its strides (dense): its partial sums are the transposed layout's
+    transposed = activation.transpose(1, 2)
+    copy = rules(aten.sum.dim_IntList, (transposed, [0, 1]), {"dtype": torch.bfloat16})
+    assert copy == (activation.numel() * 2, *rules(aten.sum.dim_IntList, (transposed.to(torch.bfloat16), [0, 1]), {}))
+
+
+class AmaxPooled(nn.Module):
+    """Max-over-time pooling of a 1-D convolution, as text CNNs pool: ``amax``'s backward sums the
+    boolean mask of the maxima (``restore_reduced_dims(out) == self``) to int64."""
+
+    def __init__(self, channels: int = 64) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(channels, channels, 3, padding=1)
+        self.head = nn.Linear(channels, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)).amax(-1))
+
+
+def test_the_max_pools_backward_counts_the_mask_copy_on_cuda_only():
+    x = torch.randn(8, 64, 256)
+    cuda = estimate_memory(AmaxPooled, x, device="cuda", fit=False, emulate=True)
+    sums = [key for key, source in cuda.step_events.sources.items() if source.startswith("aten.sum.dim_IntList")]
+    sizes = {n for key, n in cuda.step_events.events if key in sums and n > 0}
+    assert 8 * 64 * 256 * 8 in sizes  # the int64 copy of the mask, beside the sum's output
+    assert estimate_memory(AmaxPooled, x, device="cpu", fit=False).peak == measured_peak(AmaxPooled, lambda: x.clone(), torch.optim.Adam)
 
 
 class BroadcastScale(nn.Module):

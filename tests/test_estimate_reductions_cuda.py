@@ -67,3 +67,41 @@ def test_a_reduction_takes_the_rules_blocks_beside_its_output(shape, dims, how, 
                              multiprocessors=torch.cuda.get_device_properties(device).multi_processor_count,
                              threads_per_multiprocessor=getattr(torch.cuda.get_device_properties(device), "max_threads_per_multi_processor", 2048))  # fmt: skip
     assert transient == rule, (transient, rule)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "make, dims, dtype",
+    [
+        (lambda d: torch.randn(64, 1024, 512, device=d) > 0, [-1], None),  # amax's backward: the mask's int64 copy
+        (lambda d: torch.randint(0, 9, (4096, 512), device=d, dtype=torch.int32), [0], None),
+        (lambda d: torch.randn(8, 512, 128, 16, device=d), [0, 2], torch.float64),
+        (lambda d: torch.randn(16, 1024, 64, 8, device=d, dtype=torch.bfloat16), [0, 2], torch.float32),  # read as it is
+        (lambda d: torch.randn(8, 128, 512, device=d).transpose(1, 2), [0, 1], torch.bfloat16),  # the copy, then its sums
+    ],
+    ids=["bool-mask", "int32", "to-float64", "bf16-to-float32", "transposed-to-bf16"],
+)
+def test_a_sum_to_another_dtype_takes_the_rules_copy_and_partial_sums(make, dims, dtype):
+    from pytorch_mem_profiler.estimate.allocator import block_size
+    from pytorch_mem_profiler.estimate.scratch import KernelScratch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = make(device)
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    run = lambda: torch.sum(x, dims, keepdim=True, **kwargs)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=10_000)
+    try:
+        out = run()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][device.index]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    given = {entry["addr"] for entry in trace if entry["action"] == "free_completed"}
+    taken = [entry for entry in trace if entry["action"] == "alloc"]
+    assert [block_size(entry["size"]) for entry in taken if entry["addr"] not in given] == [block_size(out.untyped_storage().nbytes())]
+    transient = tuple(block_size(entry["size"]) for entry in taken if entry["addr"] in given)
+    props = torch.cuda.get_device_properties(device)
+    rules = KernelScratch(props.multi_processor_count, getattr(props, "max_threads_per_multi_processor", 2048))
+    assert transient == rules(torch.ops.aten.sum.dim_IntList, (x, dims, True), kwargs), transient

@@ -16,9 +16,15 @@ Any sum or mean over any dimensions of a tensor of any strides is covered, where
 rule (:func:`~.scratch.column_reduction_scratch`) took a contiguous tensor's leading dimensions
 only: the reduction a broadcast's gradient makes over a middle dimension (a selective scan's
 ``A[None, :, None, :]``: the 64 MiB of Falcon-Mamba's backward on an H200), over a transposed
-gradient (its ``dt_proj`` bias: 4 MiB), and a loss's full sum (128 bytes and 4). Not covered:
-tensors split for 32-bit indexing (over 2**31 elements), other dtypes than float32, bfloat16 and
-float16, sums to another dtype.
+gradient (its ``dt_proj`` bias: 4 MiB), and a loss's full sum (128 bytes and 4).
+
+A sum to another dtype than its input's first copies the input to that dtype
+(:func:`reduction_cast_copy`, ``make_reduction``'s ``self.to(in_dtype)``): a boolean or integer
+tensor's sum is int64's, so ``mask.sum(dim)`` of a boolean mask copies it at 8 bytes an element
+(the backward of ``amax``/``amin``/``max(dim)`` sums the mask of the maxima: 256 MiB for a
+(64, 1024, 512) activation). Half precision summed to float32 is read as it is. Not covered:
+tensors split for 32-bit indexing (over 2**31 elements), the partial sums of other dtypes than
+float32, bfloat16 and float16.
 
 Example::
 
@@ -38,7 +44,15 @@ import torch
 
 from .allocator import block_size
 
-__all__ = ["DEFAULT_MULTIPROCESSORS", "DEFAULT_THREADS_PER_MULTIPROCESSOR", "REDUCED_DTYPES", "reduction_layout", "reduction_scratch"]
+__all__ = [
+    "DEFAULT_MULTIPROCESSORS",
+    "DEFAULT_THREADS_PER_MULTIPROCESSOR",
+    "REDUCED_DTYPES",
+    "copy_strides",
+    "reduction_cast_copy",
+    "reduction_layout",
+    "reduction_scratch",
+]
 
 #: Streaming multiprocessors assumed when no CUDA device is present: an H100 SXM's or H200's 132.
 DEFAULT_MULTIPROCESSORS = 132
@@ -204,3 +218,52 @@ def reduction_scratch(
     if not on_fastest:  # each lane of a block keeps its own partial sums
         partials *= width * vector_out
     return (block_size(partials), block_size(_SEMAPHORE * grid))
+
+
+def reduction_cast_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.dtype, int]:
+    """CUDA's sum of ``tensor`` (to ``dtype``: ``None`` for the default) reduces a tensor of the
+    dtype returned: the input's own, or a copy of it, whose bytes (rounded to the allocator's 512)
+    come second (0: none). ATen's ``make_reduction`` copies the input to the result's dtype unless it
+    is that dtype already, or half precision summed to float32 (read as it is); a boolean or integer
+    tensor's sum is int64 (``sum``'s type promotion). The copy keeps the input's strides where they
+    are dense and non-overlapping (``Tensor.to``), else it is contiguous: the same bytes either way.
+
+    Example::
+
+        >>> mask = torch.empty(64, 1024, 512, dtype=torch.bool, device="meta")
+        >>> reduction_cast_copy(mask, None)                      # amax's backward: mask.sum(-1, keepdim=True)
+        (torch.int64, 268435456)
+        >>> reduction_cast_copy(mask.to(torch.bfloat16), torch.float32)   # read as it is
+        (torch.bfloat16, 0)
+    """
+    if dtype is None:
+        dtype = tensor.dtype if tensor.is_floating_point() or tensor.is_complex() else torch.int64
+    if dtype == tensor.dtype or (tensor.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32):
+        return tensor.dtype, 0
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+    return dtype, block_size(tensor.numel() * itemsize)
+
+
+def copy_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
+    """The strides ``Tensor.to(dtype)`` gives its copy: the input's where they lay it out densely
+    without overlap (any order of the dimensions), else contiguous ones.
+
+    Example::
+
+        >>> copy_strides((4, 3), (1, 4)), copy_strides((4, 3), (6, 2))   # transposed; sliced
+        ((1, 4), (3, 1))
+    """
+    order = sorted(range(len(shape)), key=lambda d: (strides[d], shape[d]))
+    expected, dense = 1, True
+    for d in order:
+        if shape[d] != 1 and strides[d] != expected:
+            dense = False
+            break
+        expected *= shape[d]
+    if dense:
+        return tuple(strides)
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= size
+    return tuple(reversed(out))

@@ -112,7 +112,7 @@ from .allocator import block_size
 from .conv_workspace import ConvScratch, convolution_backward_scratch, convolution_scratch, memory_format
 from .kernel_probe import convolution_key, measured_or_pending
 from .layout_copies import COPYING_OPERATORS
-from .reductions import DEFAULT_MULTIPROCESSORS, DEFAULT_THREADS_PER_MULTIPROCESSOR, REDUCED_DTYPES, reduction_scratch
+from .reductions import DEFAULT_MULTIPROCESSORS, DEFAULT_THREADS_PER_MULTIPROCESSOR, REDUCED_DTYPES, copy_strides, reduction_cast_copy, reduction_scratch
 
 __all__ = [
     "CUDNN_ATTENTION_BACKWARD_PAD",
@@ -756,15 +756,21 @@ class KernelScratch:
     def _reduction(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         # sum / mean (self, dim=None, keepdim=False, *, dtype=None) and their full forms (self, *, dtype=None)
         tensor = args[0] if args else kwargs.get("self")
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in REDUCED_DTYPES:
+        if not isinstance(tensor, torch.Tensor):
             return ()
-        dtype = kwargs.get("dtype")  # keyword-only in every form
-        if dtype is not None and dtype != tensor.dtype:
-            return ()  # summed to another dtype: not measured
+        # summed to another dtype: a copy of the input in it first (a boolean mask's sum: int64's)
+        reduced, copy = reduction_cast_copy(tensor, kwargs.get("dtype"))  # dtype is keyword-only in every form
+        if reduced not in REDUCED_DTYPES or (not copy and reduced != kwargs.get("dtype", reduced)):
+            return (copy,) if copy else ()  # partial sums of other dtypes, and half summed to float32: not measured
         dims = args[1] if len(args) > 1 else kwargs.get("dim")
-        return reduction_scratch(tuple(tensor.shape), tuple(tensor.stride()), dims, tensor.element_size(),
-                                 storage_offset=tensor.storage_offset(), multiprocessors=self.multiprocessors,
-                                 threads_per_multiprocessor=self.threads_per_multiprocessor)  # fmt: skip
+        if copy:  # the copy is laid out as the input where that is dense, else contiguously
+            strides, offset = copy_strides(tuple(tensor.shape), tuple(tensor.stride())), 0
+        else:
+            strides, offset = tuple(tensor.stride()), tensor.storage_offset()
+        partial = reduction_scratch(tuple(tensor.shape), strides, dims, torch.empty((), dtype=reduced, device="meta").element_size(),
+                                    storage_offset=offset, multiprocessors=self.multiprocessors,
+                                    threads_per_multiprocessor=self.threads_per_multiprocessor)  # fmt: skip
+        return (copy, *partial) if copy else partial
 
     @staticmethod
     def _attention_backward(rule: Callable[..., tuple[int, ...]]) -> Callable[[tuple, dict], tuple[int, ...]]:
