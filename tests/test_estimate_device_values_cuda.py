@@ -86,6 +86,12 @@ def test_a_draw_on_the_gpu_is_taken_in_the_fake_step_and_its_read_noted():
     estimate = estimate_memory(build, x, optimizer=ADAMW, loss_fn=loss, device="cuda", fit=False)
     assert abs(estimate.peak - measured) <= 0.005 * measured, (estimate.peak, measured)
     assert any("torch.rand([], device=x.device)" in line for line in estimate.random_reads)
+    # at p = 0.5, by default the step that skips no layer (the draw on the device at the top of its range)
+    half = estimate_memory(functools.partial(DeviceLayerDrop, 0.5), x, optimizer=ADAMW, loss_fn=loss, device="cuda", fit=False)
+    assert half.peak == estimate.peak and half.random_draws == "top"
+    seeded = estimate_memory(functools.partial(DeviceLayerDrop, 0.5), x, optimizer=ADAMW, loss_fn=loss, device="cuda", fit=False,
+                             random_draws="seeded")  # fmt: skip
+    assert seeded.peak < half.peak
 
 
 def _ones_batch(batch: int) -> dict[str, torch.Tensor]:

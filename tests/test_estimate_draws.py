@@ -1,11 +1,14 @@
 """``estimate_memory`` on steps that read the value of a random draw (LayerDrop, stochastic depth, a
-random per-step choice), against the CPU counter's measurement of the same step with the same draws.
+random per-step choice), against the CPU counter's measurement of a real step.
 
-The estimate draws from its own generator, seeded with ``draws.SEED`` at each fake step. A real step
-seeded the same way (``torch.manual_seed(SEED)`` before its two steps, nothing else drawing) makes
-the same draws in the same order, so it takes the same branches: its peak, measured by the
-profiler's CPU counter, is the truth. Reads of values that depend on the inputs or the weights stay
-refused, naming the operation and the line.
+By default (``random_draws="largest"``) a uniform draw is put at an end of its range, the top and
+then the bottom, and the larger step kept: a LayerDrop model's estimate is then the measured peak of
+its step that skips no layer (the same model at ``p = 0``), whichever way its code compares the draw.
+With ``random_draws="seeded"`` the estimate draws from its own generator, seeded with ``draws.SEED``
+at each fake step; a real step seeded the same way (``torch.manual_seed(SEED)`` before its two steps,
+nothing else drawing) makes the same draws in the same order, so it takes the same branches: its
+peak, measured by the profiler's CPU counter, is the truth. Reads of values that depend on the
+inputs or the weights stay refused, naming the operation and the line.
 """
 
 from __future__ import annotations
@@ -57,6 +60,16 @@ class VectorDrop(LayerDrop):
         return self.head(x)
 
 
+class SurvivalDrop(LayerDrop):
+    """Stochastic depth written with a survival probability: a layer runs when its draw is below it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if not self.training or torch.rand(1).item() < 1.0 - self.p:
+                x = x + layer(x)
+        return self.head(x)
+
+
 class RandomChoices(nn.Module):
     """Per-step choices made with torch: ``randint(...).item()``, ``rand(1).item()``, a Bernoulli
     draw into a new tensor, a random permutation's slice read as a list."""
@@ -93,24 +106,116 @@ def line_of(cls, text: str) -> str:
     return f"{inspect.getsourcefile(cls)}:{number}"
 
 
+SEEDED = {"random_draws": "seeded"}
+
+
+@pytest.mark.parametrize("cls,end", [(LayerDrop, "top"), (VectorDrop, "top"), (SurvivalDrop, "bottom")])
+def test_by_default_the_step_is_the_one_that_skips_no_layer(cls, end):
+    # whichever way the code compares its draw (draw < p skips, draws[i] > p keeps, draw < 1 - p keeps)
+    build = functools.partial(cls, 0.5)
+    est = estimate_memory(build, torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False)
+    assert est.peak == measured(functools.partial(LayerDrop, 0.0), (64, 256))
+    assert est.random_draws == end
+    assert f"this one at the {end}, where a LayerDrop step skips no layer" in str(est)
+    seeded = estimate_memory(build, torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False, **SEEDED)
+    assert seeded.peak < est.peak and seeded.random_draws == "seeded"  # the seeded draws skip some
+    # p = 1 skips every layer at either end: a probability of one is no draw's choice
+    always = estimate_memory(functools.partial(cls, 1.0), torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False)
+    assert always.peak == measured(functools.partial(LayerDrop, 1.0), (64, 256))
+
+
+def test_the_end_chosen_holds_at_every_batch_size_and_in_the_what_ifs():
+    est = estimate_memory(functools.partial(SurvivalDrop, 0.5), torch.zeros(64, 256), optimizer=ADAM, device=CPU,
+                          compare={"seeded": SEEDED, "sgd": {"optimizer": torch.optim.SGD}})  # fmt: skip
+    assert est.fit is not None and est.fit.error is not None and est.fit.error < 1e-9  # the same branches at 2x and 3x
+    assert est.random_draws == "bottom" and est.alternatives["sgd"].random_draws == "bottom"
+    assert est.alternatives["seeded"].random_draws == "seeded" and est.alternatives["seeded"].peak < est.peak
+
+
+class Headless(LayerDrop):
+    """LayerDrop with nothing after the layers: a step that skips them all has nothing to differentiate."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.p:
+                continue
+            x = x + layer(x)
+        return x
+
+
+def test_an_end_whose_step_cannot_run_leaves_the_other_ends():
+    # at the bottom every draw is below p: every layer skipped, and backward has no graph (as a real
+    # step drawing so would fail); the top's step, which skips none, is the estimate
+    build = functools.partial(Headless, 0.5)
+    est = estimate_memory(build, torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False)
+    assert est.random_draws == "top" and est.peak == measured(functools.partial(Headless, 0.0), (64, 256))
+    # where no draw decides anything the step's own error is raised, as it is
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        estimate_memory(functools.partial(Headless, 1.0), torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False)
+
+
+def test_the_command_estimates_the_largest_step_unless_told_to_take_the_seeded_draws(tmp_path, capsys):
+    from pytorch_mem_profiler.analysis.cli import main
+
+    path = tmp_path / "model.py"
+    path.write_text(
+        "import functools, sys, torch\n"
+        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).resolve().parents[1])!r})\n"
+        "from tests.test_estimate_draws import LayerDrop\n"
+        "batch_size = 64\n"
+        "def build_model():\n    return LayerDrop(0.5)\n"
+        "def example_inputs(batch_size):\n    return torch.zeros(batch_size, 256)\n"
+    )
+    largest = estimate_memory(functools.partial(LayerDrop, 0.5), torch.zeros(64, 256), device=CPU, fit=False)
+    seeded = estimate_memory(functools.partial(LayerDrop, 0.5), torch.zeros(64, 256), device=CPU, fit=False, **SEEDED)
+    for flags, expected, other in (([], largest, seeded), (["--seeded-draws"], seeded, largest)):
+        assert main(["estimate", str(path), "--device", "cpu", "--units", "B", *flags]) == 0
+        out = capsys.readouterr().out
+        assert f".{expected.peak} B\n" in out and f".{other.peak} B\n" not in out
+
+
+def test_random_draws_other_than_the_two_are_refused_naming_the_argument():
+    with pytest.raises(ValueError, match="random_draws must be 'largest' or 'seeded'"):
+        estimate_memory(nn.Linear(8, 8), torch.zeros(4, 8), device=CPU, fit=False, random_draws="top")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_uniform_draw_at_the_top_stays_inside_its_range(dtype):
+    from pytorch_mem_profiler.estimate.fake import fake_mode
+
+    mode = fake_mode()
+    mode.draws.extreme = "top"
+    with mode, mode.draws.on():
+        top = float(torch.rand([], dtype=dtype))
+        ranged = torch.empty(3, dtype=dtype).uniform_(-2.0, 6.0)
+        values = [float(v) for v in ranged]
+    assert 0.0 < top < 1.0 and top >= 1.0 - 2 * torch.finfo(dtype).eps
+    assert all(-2.0 < v < 6.0 and v > 5.9 for v in values)
+    mode.draws.extreme = "bottom"
+    with mode, mode.draws.on():
+        assert float(torch.rand([], dtype=dtype)) == 0.0
+        assert float(torch.empty(2, dtype=dtype).uniform_(-2.0, 6.0)[1]) == -2.0
+
+
 @pytest.mark.parametrize("p", [0.0, 0.5, 1.0])
 def test_layerdrop_takes_the_branches_a_real_step_drawing_the_same_numbers_takes(p):
     build = functools.partial(LayerDrop, p)
-    est = estimate_memory(build, torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False)
+    est = estimate_memory(build, torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False, **SEEDED)
     assert est.peak == measured(build, (64, 256))
     # one read per layer and step, noted at the line that compares the draw
     (line, reads), = est.random_reads.items()
     assert line.startswith(line_of(LayerDrop, "torch.rand([]) < self.p")) and reads == 2 * 6
     assert any("drawn at random" in note and line in note for note in est.notes)
     assert "Note: The step read 12 values drawn at random" in str(est)
+    assert "the estimate's own seeded draws" in str(est)
 
 
 def test_the_draws_decide_the_memory_and_are_the_same_at_every_batch_size():
-    kept = estimate_memory(functools.partial(LayerDrop, 0.0), torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False)
-    dropped = estimate_memory(functools.partial(LayerDrop, 1.0), torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False)
-    half = estimate_memory(functools.partial(LayerDrop, 0.5), torch.zeros(64, 256), optimizer=ADAM, device=CPU)
+    kept = estimate_memory(functools.partial(LayerDrop, 0.0), torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False, **SEEDED)
+    dropped = estimate_memory(functools.partial(LayerDrop, 1.0), torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False, **SEEDED)
+    half = estimate_memory(functools.partial(LayerDrop, 0.5), torch.zeros(64, 256), optimizer=ADAM, device=CPU, **SEEDED)
     assert dropped.peak < half.peak < kept.peak  # some layers skipped, not all
-    again = estimate_memory(functools.partial(LayerDrop, 0.5), torch.zeros(64, 256), optimizer=ADAM, device=CPU)
+    again = estimate_memory(functools.partial(LayerDrop, 0.5), torch.zeros(64, 256), optimizer=ADAM, device=CPU, **SEEDED)
     assert again.peak == half.peak and again.fit == half.fit
     # the same layers are skipped at twice and three times the batch: the fit's lines hold
     assert half.fit is not None and half.fit.error is not None and half.fit.error < 1e-9
@@ -118,15 +223,18 @@ def test_the_draws_decide_the_memory_and_are_the_same_at_every_batch_size():
 
 def test_a_vector_of_draws_indexed_per_layer():
     build = functools.partial(VectorDrop, 0.5)
-    est = estimate_memory(build, torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False)
+    est = estimate_memory(build, torch.zeros(64, 256), optimizer=ADAM, device=CPU, fit=False, **SEEDED)
     assert est.peak == measured(build, (64, 256))
     assert sum(est.random_reads.values()) == 2 * 6
 
 
 def test_random_choices_made_with_torch():
-    est = estimate_memory(RandomChoices, torch.zeros(32, 128), optimizer=ADAM, device=CPU, fit=False)
+    est = estimate_memory(RandomChoices, torch.zeros(32, 128), optimizer=ADAM, device=CPU, fit=False, **SEEDED)
     assert est.peak == measured(RandomChoices, (32, 128))
     assert len(est.random_reads) == 4  # randint().item(), rand(1).item(), bool(bernoulli_), tolist()
+    # by default the uniform one at either end, the others seeded as before: never below the seeded step's
+    largest = estimate_memory(RandomChoices, torch.zeros(32, 128), optimizer=ADAM, device=CPU, fit=False)
+    assert largest.peak >= est.peak and largest.random_draws in ("top", "bottom")
 
 
 def test_the_process_generator_and_a_given_one_are_left_as_they_were():
@@ -212,7 +320,7 @@ def _transformers_missing() -> str | None:
 
 
 @pytest.mark.skipif(_transformers_missing() is not None, reason=str(_transformers_missing()))
-def test_bart_with_layerdrop_is_estimated_as_a_real_step_with_the_same_draws():
+def test_bart_with_layerdrop_is_estimated_as_its_largest_step_or_as_a_real_step_with_the_same_draws():
     from .helpers import transformers_or_skip
 
     transformers_or_skip()  # transformers 5 imports beside torch < 2.6 but builds no models there
@@ -221,25 +329,31 @@ def test_bart_with_layerdrop_is_estimated_as_a_real_step_with_the_same_draws():
     def loss_fn(out):
         return out.logits.float().sum()
 
-    est = estimate_memory(functools.partial(_bart, 0.5), inputs, optimizer=ADAM, loss_fn=loss_fn, device=CPU, fit=False)
+    est = estimate_memory(functools.partial(_bart, 0.5), inputs, optimizer=ADAM, loss_fn=loss_fn, device=CPU, fit=False, **SEEDED)
     assert {line.split(":")[0].rsplit("/", 1)[-1] for line in est.random_reads} == {"modeling_bart.py"}
     assert sum(est.random_reads.values()) == 2 * (3 + 3)  # one draw per layer, encoder and decoder, two steps
 
-    model = _bart(0.5)
-    opt = ADAM(model.parameters())
-    peaks = []
-    with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
-        real = {k: v.clone() for k, v in inputs.items()}
-        torch.manual_seed(SEED)
-        for _ in range(2):
-            out = model(**real)
-            loss = loss_fn(out)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del out, loss
-            peaks.append(profiler.record_stats().iteration_peak_allocated)
-    assert est.peak == max(peaks)
+    def real_peak(layerdrop: float) -> int:
+        model = _bart(layerdrop)
+        opt = ADAM(model.parameters())
+        peaks = []
+        with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
+            real = {k: v.clone() for k, v in inputs.items()}
+            torch.manual_seed(SEED)
+            for _ in range(2):
+                out = model(**real)
+                loss = loss_fn(out)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                del out, loss
+                peaks.append(profiler.record_stats().iteration_peak_allocated)
+        return max(peaks)
+
+    assert est.peak == real_peak(0.5)
+    # by default: the step that skips no layer, which a run of any length meets (a real one at p = 0)
+    largest = estimate_memory(functools.partial(_bart, 0.5), inputs, optimizer=ADAM, loss_fn=loss_fn, device=CPU, fit=False)
+    assert largest.peak == real_peak(0.0) > est.peak and largest.random_draws == "top"
 
 
 class _HostMasked(nn.Module):

@@ -2,7 +2,11 @@
 
 The step is the one ``estimate_memory`` runs: the forward under autocast (when the
 entry has it), the loss outside it, backward, the optimizer step,
-``zero_grad(set_to_none=True)``, the output and loss dropped. The counts are made
+``zero_grad(set_to_none=True)``, the output and loss dropped. A uniform draw the forward
+makes of at most ``SMALL_VALUE_NUMEL`` elements (LayerDrop's ``torch.rand([])``) is put at the
+top of its range (:class:`UniformDrawsAt`), as ``estimate_memory``'s default puts it where
+that step is the larger: the step a run meets that skips no layer, measured (LayerDrop's
+``draw < p``; a model skipping on ``draw < keep_probability`` would need the bottom). The counts are made
 apart from the profiler: ``untyped_storage().nbytes()`` of unique storages (a sparse
 tensor's index and value storages), and what a ``saved_tensors_hooks`` pack hook saw.
 
@@ -24,8 +28,28 @@ from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pytorch_mem_profiler.estimate.draws import SMALL_VALUE_NUMEL, at_an_end
 
 from .registry import ZooModel
+
+
+class UniformDrawsAt(TorchDispatchMode):
+    """Small uniform draws (``torch.rand``, ``rand_like``, ``uniform_``: up to ``SMALL_VALUE_NUMEL``
+    elements, the values a step reads in Python) at an end of their range, ``"top"`` or ``"bottom"``,
+    as ``estimate_memory`` gives them (:func:`~pytorch_mem_profiler.estimate.draws.at_an_end`)."""
+
+    def __init__(self, end: str = "top") -> None:
+        super().__init__()
+        self.end = end
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.numel() <= SMALL_VALUE_NUMEL:
+            at_an_end(func, args, kwargs, out, self.end)
+        return out
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
@@ -144,7 +168,10 @@ class Training:
             self.make_batch()
         dtype = self.entry.autocast
         hooks = saved.hooks() if saved is not None else contextlib.nullcontext()
-        with hooks, torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        autocast = torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+        # a compiled model's draws are inside its graph, which a dispatch mode would make run eagerly
+        draws = UniformDrawsAt("top") if not self.entry.needs_compile else contextlib.nullcontext()
+        with hooks, draws, autocast:
             output = call(self.model, self.inputs)
         loss = self.entry.loss(output, *self.targets)
         loss.backward()

@@ -74,6 +74,7 @@ _OVERRIDABLE = (
     "max_grad_norm",
     "set_to_none",
     "grad_scaler",
+    "random_draws",
 )
 
 
@@ -142,6 +143,7 @@ def estimate_memory(
     max_grad_norm: float | None = None,
     set_to_none: bool = True,
     grad_scaler: bool = False,
+    random_draws: str = "largest",
 ) -> MemoryEstimate:
     """Estimate one training step's memory on ``device`` without allocating it (no GPU needed).
 
@@ -209,6 +211,11 @@ def estimate_memory(
             ``scaler.scale(loss).backward()``, ``scaler.unscale_`` before clipping,
             ``scaler.step(optimizer)``, ``scaler.update()``; the gradients are taken as finite
             (the step that runs the optimizer; see :mod:`~pytorch_mem_profiler.estimate.grad_scaling`).
+        random_draws: where the step reads a value drawn at random in Python (LayerDrop's
+            ``if torch.rand([]) < p``, a per-step random choice): ``"largest"`` (default) gives uniform
+            draws an end of their range, the top and then the bottom, and keeps the larger step (a
+            LayerDrop step that skips no layer, which a run meets); ``"seeded"`` takes the estimate's
+            own seeded draws as they come (see :mod:`~pytorch_mem_profiler.estimate.draws`).
 
     Raises:
         EstimateUnsupported: the step uses an operation the fake mode cannot run
@@ -252,6 +259,8 @@ def estimate_memory(
         raise TypeError(f"set_to_none must be True or False, got {set_to_none!r}")
     if not isinstance(grad_scaler, bool):
         raise TypeError(f"grad_scaler must be True or False, got {grad_scaler!r}")
+    if random_draws not in ("largest", "seeded"):
+        raise ValueError(f"random_draws must be 'largest' or 'seeded', got {random_draws!r}")
     for name, value in (("outside", outside), ("workspace", workspace)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
@@ -295,6 +304,7 @@ def estimate_memory(
         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
         set_to_none=set_to_none,
         grad_scaler=grad_scaler,
+        random_draws=random_draws,
     )
     if parallel_plan is not None:
         rank_setup = RankSetup(parallel_plan, ranks, rank, run_device, target)
@@ -374,6 +384,7 @@ def estimate_memory(
         training_loop=_loop_text(accumulation_steps, max_grad_norm, set_to_none, grad_scaler),
         parameter_dtypes=step.parameter_dtypes,
         random_reads=step.random_reads,
+        random_draws=step.draws_at or "seeded",
         step_notes=step.notes,
     )
     if compare:
@@ -393,6 +404,7 @@ def estimate_memory(
             max_grad_norm=max_grad_norm,
             set_to_none=set_to_none,
             grad_scaler=grad_scaler,
+            random_draws=random_draws,
         )
         alternatives = {
             name: estimate_memory(

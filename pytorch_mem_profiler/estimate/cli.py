@@ -77,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-grad-norm", type=float, help="clip the gradients' norm to this before each step")
     parser.add_argument("--keep-grads", action="store_true", help="zero_grad(set_to_none=False): gradients stay between steps")
     parser.add_argument("--grad-scaler", action="store_true", help="fp16 loss scaling with torch.amp.GradScaler (with --autocast fp16)")
+    parser.add_argument("--seeded-draws", action="store_true",
+                        help="a branch on a random draw (LayerDrop) takes the estimate's seeded draws (default: the largest step)")
     parser.add_argument(
         "--what-if",
         metavar="STRATEGY:N,...",
@@ -204,6 +206,7 @@ def run(args: argparse.Namespace, fail: Callable[[str], int]) -> int:
             max_grad_norm=args.max_grad_norm,
             set_to_none=not args.keep_grads,
             grad_scaler=args.grad_scaler,
+            random_draws="seeded" if args.seeded_draws else "largest",
         )
     except (ValueError, TypeError, EstimateUnsupported) as err:
         return fail(str(err))

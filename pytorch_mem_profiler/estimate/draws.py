@@ -53,10 +53,21 @@ Random operators draw from a generator of the estimate's own, seeded with
 it fits) makes the same draws, the same as another estimate of the same model,
 and the process's random-number state is left as it was (a ``generator=``
 argument is not used). Each read of a drawn value is remembered with its line
-(:attr:`Draws.reads`): the estimate is of the step those draws give. With
-LayerDrop at ``p > 0`` that is a step that may skip layers, and the step that
-needs the most memory is the one that skips none: estimate that one with
-``p = 0`` (``config.encoder_layerdrop = config.decoder_layerdrop = 0``).
+(:attr:`Draws.reads`).
+
+A run takes many steps, each with its own draws, and it needs the memory of the
+largest: with LayerDrop at ``p > 0`` that is a step that skips no layer, which a
+run of any length meets (at ``p = 0.1`` over 12 layers, 28% of its steps). So a
+uniform draw (``torch.rand``, ``rand_like``, ``uniform_``) can be given a value
+at an end of its range (:attr:`Draws.extreme`): ``"top"`` just below its upper
+end, ``"bottom"`` its lower end. A branch taken on ``draw < p`` (BART's and
+wav2vec2's LayerDrop, torchaudio's, fairseq's ``draws[i] > p``) then runs every
+layer at the top, and one taken on ``draw < keep_probability`` at the bottom;
+``estimate_memory`` runs the step at both ends where it read a drawn value and
+keeps the larger (``random_draws="largest"``, the default), or takes the seeded
+draws as they come (``random_draws="seeded"``). Other draws (``randint``,
+``randperm``, ``bernoulli``, ``normal``) keep their seeded values: which of their
+outcomes needs the most memory is no end of a range.
 
 Example::
 
@@ -73,6 +84,10 @@ Example::
     ...             refused = type(err).__name__
     >>> refused, list(mode.draws.reads.values())
     ('DataDependentOutputException', [1])
+    >>> mode.draws.extreme = "top"                                    # a uniform draw just below 1
+    >>> with mode, mode.draws.on():
+    ...     bool(torch.rand([]) < 0.999)
+    False
 """
 
 from __future__ import annotations
@@ -89,7 +104,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["SMALL_VALUE_NUMEL", "HOST_VALUE_NUMEL", "SEED", "Draws", "user_line", "values_set_aside"]
+__all__ = ["SMALL_VALUE_NUMEL", "HOST_VALUE_NUMEL", "SEED", "EXTREMES", "Draws", "at_an_end", "user_line", "values_set_aside"]
 
 #: Tensors of at most this many elements that a step makes from nothing get real values.
 SMALL_VALUE_NUMEL = 256
@@ -98,6 +113,16 @@ SMALL_VALUE_NUMEL = 256
 HOST_VALUE_NUMEL = 1 << 20
 #: The seed of the estimate's own generator, at the start of each fake step.
 SEED = 0
+#: The uniform draws :attr:`Draws.extreme` puts at an end of their range: (low, high) read from the
+#: call's arguments by position and name; ``None``: [0, 1)
+_UNIFORM: dict[str, tuple[tuple[int, str, float], tuple[int, str, float]] | None] = {
+    "rand": None,
+    "rand_like": None,
+    "uniform_": ((1, "from", 0.0), (2, "to", 1.0)),
+    "uniform": ((1, "from", 0.0), (2, "to", 1.0)),
+}
+#: the values :attr:`Draws.extreme` may take
+EXTREMES = ("top", "bottom")
 
 _CPU = torch.device("cpu")
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -229,8 +254,11 @@ class Draws:
         reads: ``file:line: code`` of each line that read a value drawn at random, and how often.
     """
 
-    def __init__(self, seed: int = SEED) -> None:
+    def __init__(self, seed: int = SEED, extreme: str | None = None) -> None:
         self.seed = seed
+        #: ``"top"``/``"bottom"``: uniform draws take that end of their range (see the module);
+        #: ``None``: the seeded values
+        self.extreme = extreme
         self.active = False
         #: while the step's inputs are made (see :meth:`inputs`)
         self.making_inputs = False
@@ -578,7 +606,8 @@ class Draws:
         return self._as_values(mode, real, fake, True)
 
     def _run(self, func: Any, args: tuple, kwargs: dict, random: bool) -> Any:
-        """``func`` for real on the CPU, drawing from the estimate's generator if ``random``."""
+        """``func`` for real on the CPU, drawing from the estimate's generator if ``random`` (a
+        uniform draw then at :attr:`extreme`'s end of its range, where one is set)."""
         with no_dispatch():
             if not random:
                 return func(*args, **kwargs)
@@ -586,10 +615,13 @@ class Draws:
             assert self._state is not None
             torch.random.set_rng_state(self._state)
             try:
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
             finally:
                 self._state = torch.random.get_rng_state()
                 torch.random.set_rng_state(saved)
+            if self.extreme is not None:
+                at_an_end(func, args, kwargs, out, self.extreme)
+            return out
 
     def _as_values(self, mode: Any, real: Any, fake: Any, drawn: bool) -> Any:
         """``real``'s tensors as fake tensors with those values, on ``fake``'s devices (``fake`` where
@@ -619,6 +651,35 @@ class Draws:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and mode.is_our_fake(t) and t.constant is not None:
                 self._drawn[id(t)] = weakref.ref(t)
+
+
+def at_an_end(func: Any, args: tuple, kwargs: dict, out: Any, extreme: str) -> None:
+    """A uniform draw's values (``out``, written in place) at ``extreme``'s end of its range: its low
+    end at the bottom, one step of its dtype's precision below its high end at the top; any other
+    call's output is left as it is. A real step given the same ends takes the estimate's branches.
+
+    Example::
+
+        >>> out = torch.rand(3)
+        >>> at_an_end(torch.ops.aten.rand.default, ([3],), {}, out, "top")
+        >>> bool((out < 1).all()) and bool((out > 0.9999).all())
+        True
+    """
+    name = _op_name(func)
+    if name not in _UNIFORM or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        return
+    ends = _UNIFORM[name]
+    if ends is None:
+        low, high = 0.0, 1.0
+    else:
+        (i, key, default), (j, key2, default2) = ends
+        low = float(args[i]) if len(args) > i else float(kwargs.get(key, default))
+        high = float(args[j]) if len(args) > j else float(kwargs.get(key2, default2))
+    if extreme == "bottom":
+        out.fill_(low)
+    else:
+        value = torch.tensor(high - (high - low) * torch.finfo(out.dtype).eps, dtype=torch.float64).to(out.dtype)
+        out.fill_(max(value.item(), low) if value.item() < high else low)
 
 
 def _empty_as(real: Any, device: torch.device, fallback: Callable[..., Any]) -> Any:

@@ -379,8 +379,12 @@ class MemoryEstimate:
         parameter_dtypes: the dtypes of the model's floating-point parameters (``"float32"``).
         random_reads: the lines of the step that read a value drawn at random (``torch.rand([])``
             compared in Python: LayerDrop, stochastic depth), with how often, over the two steps:
-            the figures are of the step those draws give (the estimate's own seeded draws, see
-            :mod:`~pytorch_mem_profiler.estimate.draws`); empty when the step read none.
+            the figures are of the step those draws give (see ``random_draws``); empty when the
+            step read none.
+        random_draws: where the step read drawn values, how they were drawn: ``"top"`` or
+            ``"bottom"`` (uniform draws at that end of their range, the larger of the two steps:
+            ``estimate_memory(random_draws="largest")``), or ``"seeded"`` (the estimate's own seeded
+            draws; see :mod:`~pytorch_mem_profiler.estimate.draws`).
         step_notes: how parts of the step were estimated where that is not plain, one line each (a
             ``torch.compile``'d module estimated as Inductor runs it, or uncompiled and why: see
             :mod:`~pytorch_mem_profiler.estimate.compiled`).
@@ -428,6 +432,7 @@ class MemoryEstimate:
     training_loop: str | None = None
     parameter_dtypes: tuple[str, ...] = ()
     random_reads: Mapping[str, int] = field(default_factory=dict)
+    random_draws: str = "seeded"
     step_notes: tuple[str, ...] = ()
     transient_bounds: frozenset[str] = frozenset()
     fallback_bounds: frozenset[str] = frozenset()
@@ -449,11 +454,20 @@ class MemoryEstimate:
         if self.random_reads:
             lines = "; ".join(self.random_reads)
             n = sum(self.random_reads.values())
-            out.append(
-                f"The step read {n} value{'s' if n != 1 else ''} drawn at random ({lines}): the figures are of "
-                f"the step those draws give (the estimate's own seeded draws, the same at every batch size); "
-                f"with LayerDrop or stochastic depth at p > 0 the largest step skips no layer: estimate it with p = 0"
-            )
+            if self.random_draws in ("top", "bottom"):
+                how = (
+                    f"the figures are of the larger of two steps, one with every uniform draw (torch.rand, "
+                    f"uniform_) at the top of its range and one at the bottom: this one at the {self.random_draws}, "
+                    f"where a LayerDrop step skips no layer; other draws (randint, randperm, bernoulli) are seeded, "
+                    f"the same at every batch size"
+                )
+            else:
+                how = (
+                    "the figures are of the step those draws give (the estimate's own seeded draws, the same at "
+                    "every batch size, random_draws='seeded'); a run's largest step may take other branches: with "
+                    "LayerDrop at p > 0 it skips no layer (random_draws='largest' estimates that one)"
+                )
+            out.append(f"The step read {n} value{'s' if n != 1 else ''} drawn at random ({lines}): {how}")
         return tuple(out)
 
     @property

@@ -135,6 +135,12 @@ class StepPlan:
     set_to_none: bool = True
     #: fp16 loss scaling: ``scaler.scale(loss).backward()``, ``scaler.step``, ``scaler.update()`` (:mod:`.grad_scaling`)
     grad_scaler: bool = False
+    #: ``"largest"``: where the step reads a drawn value, uniform draws at the end of their range
+    #: that gives the larger step; ``"seeded"``: the seeded draws as they come (:mod:`.draws`)
+    random_draws: str = "largest"
+    #: the end chosen for ``"largest"`` by the first step run (``None``: none run yet), kept for every
+    #: batch size after it, so that all of them take the same branches
+    draws_at: str | None = None
 
 
 @dataclass
@@ -186,6 +192,8 @@ class StepMemory:
     #: the lines that read a value drawn at random (a branch a draw decided: LayerDrop), and how
     #: often, over the two steps (see :mod:`.draws`); empty when the step read none
     random_reads: Mapping[str, int] = field(default_factory=dict)
+    #: where uniform draws were put: ``"top"``/``"bottom"`` of their range, or ``None`` (seeded)
+    draws_at: str | None = None
     #: how the step was estimated where it is not plain (compiled modules, see :mod:`.compiled`)
     notes: tuple[str, ...] = ()
     #: how many of ``events`` come at or before the step's peak, and each phase's (CUDA only): the
@@ -551,27 +559,63 @@ def run_step(plan: StepPlan, batch_size: int | None) -> StepMemory:
     Raises:
         EstimateUnsupported: the step uses an operation the fake mode cannot run.
     """
+    if plan.random_draws == "seeded":
+        return _kernels_measured_step(plan, batch_size, None)
+    if plan.draws_at is not None:
+        return _kernels_measured_step(plan, batch_size, plan.draws_at)
+    # the first step: the uniform draws at the top of their range; where the step read a drawn
+    # value, again at the bottom, and the larger kept (see :mod:`.draws`). One end may fail where the
+    # other runs: every layer skipped leaves nothing to differentiate, as a real step drawing so would
+    read: dict[str, int] = {}
+    try:
+        step = _kernels_measured_step(plan, batch_size, "top", read)
+    except Exception as at_the_top:
+        if not read:
+            raise  # no draw was read before it: the step's own failure, at any end
+        try:
+            step = _kernels_measured_step(plan, batch_size, "bottom")
+        except Exception:
+            raise at_the_top from None
+    else:
+        if step.random_reads:
+            try:
+                other = _kernels_measured_step(plan, batch_size, "bottom")
+            except Exception:  # noqa: BLE001 - this end's step cannot run; the other end's stands
+                other = None
+            if other is not None and other.peak > step.peak:
+                step = other
+    plan.draws_at = step.draws_at
+    return step
+
+
+def _kernels_measured_step(plan: StepPlan, batch_size: int | None, draws_at: str | None, read: dict[str, int] | None = None) -> StepMemory:
+    """The step at ``batch_size`` with uniform draws at ``draws_at``; ``read`` (where given) gets the
+    lines that read a drawn value as they are read, a failed step's included."""
     run_device = plan.run_device or plan.device
     measure = plan.measure_kernels and plan.device.type == "cuda" and run_device.type == "cuda"
     scratch = kernel_scratch(plan.device, measured=measure)
-    step = _run_step(plan, batch_size, scratch)
+    step = _run_step(plan, batch_size, scratch, draws_at, read)
     if scratch is not None and scratch.pending:
         from .kernel_probe import measure_convolutions
 
         found = measure_convolutions(scratch.pending, run_device)
         scratch.pending.clear()
         if found:
-            step = _run_step(plan, batch_size, scratch)
+            step = _run_step(plan, batch_size, scratch, draws_at, read)
     return step
 
 
-def _run_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | None) -> StepMemory:
+def _run_step(
+    plan: StepPlan, batch_size: int | None, scratch: KernelScratch | None, draws_at: str | None, read: dict[str, int] | None = None
+) -> StepMemory:
     # a library's process-wide cache keeps no fake tensor for the user's real model to compute on
     with fake_values_left_out_of_caches():
-        return _fake_step(plan, batch_size, scratch)
+        return _fake_step(plan, batch_size, scratch, draws_at, read)
 
 
-def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | None) -> StepMemory:
+def _fake_step(
+    plan: StepPlan, batch_size: int | None, scratch: KernelScratch | None, draws_at: str | None = None, read: dict[str, int] | None = None
+) -> StepMemory:
     target = plan.device
     run_device = plan.run_device or target
     size_of = block_size if target.type == "cuda" else None
@@ -586,6 +630,9 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
     counter = StorageLifeCounter(run_device, size_of=size_of, scratch=scratch, outputs=outputs, accumulation=sums,
                                  output_order=order, formulas=formulas)  # fmt: skip
     mode = fake_mode(kernels=target.type)  # the target's sparse kernels, on fake CPU tensors standing in too
+    mode.draws.extreme = draws_at
+    if read is not None:
+        mode.draws.reads = read  # the caller sees the reads of a step that fails
     # Fake CPU tensors standing in for CUDA ones take CUDA's attention kernels and autocast precisions.
     rules = cuda_rules() if target.type == "cuda" and run_device.type == "cpu" else contextlib.nullcontext()
     # cuDNN's recurrent layers, with its reserve, workspace and weight buffer, on fake tensors
@@ -761,6 +808,7 @@ def _fake_step(plan: StepPlan, batch_size: int | None, scratch: KernelScratch | 
         optimizer_name=type(optimizer).__name__ if optimizer is not None else None,
         parameter_dtypes=dtypes,
         random_reads=MappingProxyType(dict(mode.draws.reads)),
+        draws_at=draws_at if mode.draws.reads else None,
         # compiled code calls its kernels past the counter: which of them run cuBLAS is not seen
         blas_phases=None if compiled.outcomes else frozenset(counter.blas_first),
     )
