@@ -92,9 +92,11 @@ def test_the_operator_rules_take_any_dims_strides_and_full_sums():
     assert rules(aten.sum.dim_IntList, (scan, [0, 2], True), {}) == (64 * MiB, 512)
     assert rules(aten.mean.dim, (transposed, [0, 2]), {}) == (4 * MiB, 512)
     assert rules(aten.sum.default, (loss,), {}) == rules(aten.mean.default, (loss,), {}) == (512, 512)
-    assert rules(aten.sum.dim_IntList, (doubles, [0]), {}) == ()  # float64: not measured
-    # to another dtype: the input copied to it first (its partial sums in float64 not measured)
-    assert rules(aten.sum.dim_IntList, (scan, [0, 2]), {"dtype": torch.float64}) == (scan.numel() * 8,)
+    # float64's partial sums are 8 bytes each: twice float32's buffer (the semaphores the same)
+    single = rules(aten.sum.dim_IntList, (doubles.to(torch.float32), [0]), {})
+    assert single and rules(aten.sum.dim_IntList, (doubles, [0]), {}) == (2 * single[0], single[1])
+    # to another dtype: the input copied to it first, then the copy's partial sums (an H200's: 64 MiB, 128 MiB, 512)
+    assert rules(aten.sum.dim_IntList, (scan, [0, 2]), {"dtype": torch.float64}) == (64 * MiB, 128 * MiB, 512)
 
 
 def test_a_sum_to_another_dtype_takes_a_copy_of_its_input_in_that_dtype_first():
@@ -106,9 +108,12 @@ def test_a_sum_to_another_dtype_takes_a_copy_of_its_input_in_that_dtype_first():
         mask = torch.empty(64, 1024, 512, dtype=torch.bool)  # amax's backward: restore_reduced_dims(out) == self
         counts = torch.empty(4096, 512, dtype=torch.int32)
         halves = torch.empty(8, 512, 128, 16, dtype=torch.bfloat16)
-    assert rules(aten.sum.dim_IntList, (mask, [-1], True), {}) == (mask.numel() * 8,)  # int64: 256 MiB
-    assert rules(aten.sum.default, (counts,), {}) == (counts.numel() * 8,)
-    assert rules(aten.sum.dim_IntList, (halves, [0, 2]), {"dtype": torch.float32}) == ()  # read as it is
+    assert rules(aten.sum.dim_IntList, (mask, [-1], True), {}) == (mask.numel() * 8,)  # int64: 256 MiB, one block a row
+    # a column sum of int32 counts: the int64 copy and int64 partial sums (an H200's: 16 MiB, 32 MiB, 512)
+    assert rules(aten.sum.dim_IntList, (counts, [0]), {}) == (16 * MiB, 32 * MiB, 512)
+    # half precision summed to float32: read as it is, its partial sums the plain sum's (an H200's: 64 MiB, 512)
+    assert rules(aten.sum.dim_IntList, (halves, [0, 2]), {"dtype": torch.float32}) == rules(aten.sum.dim_IntList, (halves, [0, 2]), {})
+    assert rules(aten.sum.dim_IntList, (halves, [0, 2]), {}) == (64 * MiB, 512)
     assert rules(aten.sum.dim_IntList, (halves, [0, 2]), {"dtype": torch.bfloat16}) == rules(aten.sum.dim_IntList, (halves, [0, 2]), {})
     # summed to bfloat16 from float32: the copy, then the partial sums of the copy's layout
     partial = rules(aten.sum.dim_IntList, (activation.to(torch.bfloat16), [0, 1]), {})

@@ -22,9 +22,10 @@ A sum to another dtype than its input's first copies the input to that dtype
 (:func:`reduction_cast_copy`, ``make_reduction``'s ``self.to(in_dtype)``): a boolean or integer
 tensor's sum is int64's, so ``mask.sum(dim)`` of a boolean mask copies it at 8 bytes an element
 (the backward of ``amax``/``amin``/``max(dim)`` sums the mask of the maxima: 256 MiB for a
-(64, 1024, 512) activation). Half precision summed to float32 is read as it is. Not covered:
-tensors split for 32-bit indexing (over 2**31 elements), the partial sums of other dtypes than
-float32, bfloat16 and float16.
+(64, 1024, 512) activation). Half precision summed to float32 is read as it is. The partial sums
+are float32's for float32, bfloat16 and float16, and 8 bytes each for int64 and float64
+(:data:`WIDE_ACCUMULATORS`, twice the buffer, measured). Not covered: tensors split for 32-bit
+indexing (over 2**31 elements), the partial sums of other dtypes.
 
 Example::
 
@@ -47,7 +48,9 @@ from .allocator import block_size
 __all__ = [
     "DEFAULT_MULTIPROCESSORS",
     "DEFAULT_THREADS_PER_MULTIPROCESSOR",
+    "PARTIAL_BYTES",
     "REDUCED_DTYPES",
+    "WIDE_ACCUMULATORS",
     "copy_strides",
     "reduction_cast_copy",
     "reduction_layout",
@@ -60,6 +63,8 @@ DEFAULT_MULTIPROCESSORS = 132
 DEFAULT_THREADS_PER_MULTIPROCESSOR = 2048
 #: The input dtypes whose partial sums are float32 and whose reductions were measured.
 REDUCED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The dtypes whose partial sums are 8 bytes (int64's, float64's): a sum's copy to them, measured.
+WIDE_ACCUMULATORS = (torch.int64, torch.float64)
 #: ATen's ``ReduceConfig`` constants: threads a reduction's block may have, the values a thread
 #: should add up (16 to 256), and the input vectorization of its loads (CUDA's sum and mean unroll
 #: as many, so it applies wherever the input allows it).
@@ -69,7 +74,7 @@ _MIN_VALUES_PER_THREAD = 16
 _MAX_VALUES_PER_THREAD = 256
 _INPUT_VECTOR = 4
 #: Bytes of a partial sum (float32 for the dtypes above) and of a semaphore.
-_PARTIAL = 4
+PARTIAL_BYTES = 4
 _SEMAPHORE = 4
 
 
@@ -147,11 +152,13 @@ def reduction_scratch(
     storage_offset: int = 0,
     multiprocessors: int = DEFAULT_MULTIPROCESSORS,
     threads_per_multiprocessor: int = DEFAULT_THREADS_PER_MULTIPROCESSOR,
+    accumulator: int = PARTIAL_BYTES,
 ) -> tuple[int, ...]:
     """The blocks (bytes, each rounded to the allocator's 512) CUDA's sum or mean of a tensor of
     ``shape`` and ``strides`` (elements of ``itemsize`` bytes) over ``dims`` takes beside its
     output: ``(partial sums, semaphores)`` where the kernel splits each output's inputs across
-    thread blocks, else ``()``.
+    thread blocks, else ``()``. ``accumulator``: the bytes of one partial sum (4: float32's, for
+    float32, bfloat16 and float16; 8: int64's and float64's, twice the buffer, as an H200 measured).
 
     Example::
 
@@ -214,7 +221,7 @@ def reduction_scratch(
     ctas = max(min(-(-target // grid), -(-per_thread // _MIN_VALUES_PER_THREAD)), -(-per_thread // _MAX_VALUES_PER_THREAD))
     if ctas <= 1:
         return ()
-    partials = _PARTIAL * outputs * ctas
+    partials = accumulator * outputs * ctas
     if not on_fastest:  # each lane of a block keeps its own partial sums
         partials *= width * vector_out
     return (block_size(partials), block_size(_SEMAPHORE * grid))

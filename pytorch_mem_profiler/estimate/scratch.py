@@ -112,7 +112,16 @@ from .allocator import block_size
 from .conv_workspace import ConvScratch, convolution_backward_scratch, convolution_scratch, memory_format
 from .kernel_probe import convolution_key, measured_or_pending
 from .layout_copies import COPYING_OPERATORS
-from .reductions import DEFAULT_MULTIPROCESSORS, DEFAULT_THREADS_PER_MULTIPROCESSOR, REDUCED_DTYPES, copy_strides, reduction_cast_copy, reduction_scratch
+from .reductions import (
+    DEFAULT_MULTIPROCESSORS,
+    DEFAULT_THREADS_PER_MULTIPROCESSOR,
+    PARTIAL_BYTES,
+    REDUCED_DTYPES,
+    WIDE_ACCUMULATORS,
+    copy_strides,
+    reduction_cast_copy,
+    reduction_scratch,
+)
 
 __all__ = [
     "CUDNN_ATTENTION_BACKWARD_PAD",
@@ -760,8 +769,12 @@ class KernelScratch:
             return ()
         # summed to another dtype: a copy of the input in it first (a boolean mask's sum: int64's)
         reduced, copy = reduction_cast_copy(tensor, kwargs.get("dtype"))  # dtype is keyword-only in every form
-        if reduced not in REDUCED_DTYPES or (not copy and reduced != kwargs.get("dtype", reduced)):
-            return (copy,) if copy else ()  # partial sums of other dtypes, and half summed to float32: not measured
+        if reduced in REDUCED_DTYPES:
+            accumulator = PARTIAL_BYTES  # half precision summed to float32 too: read as it is
+        elif reduced in WIDE_ACCUMULATORS:
+            accumulator = 8
+        else:
+            return (copy,) if copy else ()  # the partial sums of other dtypes: not measured
         dims = args[1] if len(args) > 1 else kwargs.get("dim")
         if copy:  # the copy is laid out as the input where that is dense, else contiguously
             strides, offset = copy_strides(tuple(tensor.shape), tuple(tensor.stride())), 0
@@ -769,7 +782,7 @@ class KernelScratch:
             strides, offset = tuple(tensor.stride()), tensor.storage_offset()
         partial = reduction_scratch(tuple(tensor.shape), strides, dims, torch.empty((), dtype=reduced, device="meta").element_size(),
                                     storage_offset=offset, multiprocessors=self.multiprocessors,
-                                    threads_per_multiprocessor=self.threads_per_multiprocessor)  # fmt: skip
+                                    threads_per_multiprocessor=self.threads_per_multiprocessor, accumulator=accumulator)  # fmt: skip
         return (copy, *partial) if copy else partial
 
     @staticmethod
