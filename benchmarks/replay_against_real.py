@@ -117,7 +117,7 @@ def real_run(entry: Any, batch: int, device: torch.device, *, limit_fraction: fl
     Under ``limit_fraction`` the whole run (warm-up included) is under the limit, as the
     conformance run's is; an ``OutOfMemoryError`` ends it, and the snapshot is taken after it.
     """
-    from benchmarks.zoo.training import Training, call
+    from benchmarks.zoo.training import Training, call, draws_as_estimated
     from zoo_conformance import WARM_BATCH
 
     from pytorch_mem_profiler.measure.allocator import history
@@ -153,7 +153,7 @@ def real_run(entry: Any, batch: int, device: torch.device, *, limit_fraction: fl
                 dtype = entry.autocast
                 for step in (1, 2):
                     mark(step, "forward")
-                    with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                    with draws_as_estimated(entry), torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                         output = call(run.model, run.inputs)
                     mark(step, "other")
                     loss = entry.loss(output, *run.targets)

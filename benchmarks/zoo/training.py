@@ -52,6 +52,13 @@ class UniformDrawsAt(TorchDispatchMode):
         return out
 
 
+def draws_as_estimated(entry: ZooModel) -> contextlib.AbstractContextManager:
+    """Around a real forward of ``entry``: its small uniform draws at the top of their range
+    (:class:`UniformDrawsAt`); a compiled model's draws are inside its graph, which a dispatch
+    mode would make run eagerly, so none there."""
+    return UniformDrawsAt("top") if not entry.needs_compile else contextlib.nullcontext()
+
+
 def to_device(obj: Any, device: torch.device) -> Any:
     """``obj``'s tensors (in tuples, lists and dicts) moved to ``device``."""
     if isinstance(obj, torch.Tensor):
@@ -169,9 +176,7 @@ class Training:
         dtype = self.entry.autocast
         hooks = saved.hooks() if saved is not None else contextlib.nullcontext()
         autocast = torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-        # a compiled model's draws are inside its graph, which a dispatch mode would make run eagerly
-        draws = UniformDrawsAt("top") if not self.entry.needs_compile else contextlib.nullcontext()
-        with hooks, draws, autocast:
+        with hooks, draws_as_estimated(self.entry), autocast:
             output = call(self.model, self.inputs)
         loss = self.entry.loss(output, *self.targets)
         loss.backward()
