@@ -39,19 +39,14 @@ pytestmark = pytest.mark.cuda
 #: attention added its mask in place as the device does (16 fits and 18 runs out, H200, 2026-11-28); the frozen
 #: encoder on its fused fast path once the estimate ran it as ATen does and asked for the efficient attention
 #: backward's own blocks (reserved -2.7%, peak -0.08%, 111 fits under 3.5 GiB and 123 runs out, H200,
-#: 2026-11-29).
+#: 2026-11-29); the weight-normed text CNN once a sum to another dtype took its copy (amax's backward sums
+#: the boolean mask of the maxima as int64: 256 MiB a convolution; reserved -8.7% to +0.00%, H200, 2026-11-30).
 KNOWN: dict[str, str] = {
     "wav2vec2": (
-        "reserved -14.7% (peak +5.1%, inside its stated bound of 4.6% plus 2%; H200, 2026-11-28, once the CTC "
-        "loss's lengths were read again inside the fake mode; its upper reserved figure -13.9%)"
-    ),
-    "normalized_cnn": (
-        "reserved -8.9%, its upper figure -6.5% (peak -0.10%, stated bound 3.1%; H100 and H200, 2026-11-28): its "
-        "Conv1d over a transposed embedding runs channels_last on the device in one workspace per pass (268.4 MB in "
-        "each backward, the H200's allocator history) where the estimate asks the input's and the gradient's copies "
-        "(67.1 MB each) and the NCHW transforms (134.2 MB): the sums agree, the blocks lay the segments out otherwise "
-        "(conv_workspace.channels_innermost_1d; those workspaces do not give way, and the batch search predicts 207 "
-        "under 2.75 GiB: 207 ran and 228 ran out, H200)"
+        "reserved -12.2% (up to -11.6% stated; peak -0.07%, stated bound 4.2%; H200, 2026-11-30, the estimate and "
+        "the measured step both skipping no layer under its LayerDrop of 0.1): the feature extractor's and the "
+        "positional convolution's cuDNN workspaces, a few MB above the rules' in each pass (325.6 MB where the rule "
+        "gives 317.7 MB for the first forward, the H200's allocator history), take segments of their own"
     ),
 }
 
