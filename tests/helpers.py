@@ -141,7 +141,8 @@ def measured_peak(build, make_input, optimizer, *, autocast=None, loss_fn=None, 
     """The profiler's CPU peak over the same two steps ``estimate_memory`` runs: the largest
     ``iteration_peak_allocated`` (the CPU counter counts live storages exactly). The batch (and
     the targets) are made while profiled, as the estimate counts them; the forward runs under
-    ``autocast``, the loss (``loss_fn(output, *targets)``, default the output's float sum) outside it."""
+    ``autocast``, the loss (``loss_fn(output, *targets)``, default the output's float sum) outside it.
+    An input that is a dict is given as keywords."""
     from pytorch_mem_profiler import MemoryProfiler
 
     model = build()
@@ -154,7 +155,7 @@ def measured_peak(build, make_input, optimizer, *, autocast=None, loss_fn=None, 
         targets = targets if isinstance(targets, tuple) else (targets,)
         for _ in range(steps):
             with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                out = model(x)
+                out = model(**x) if isinstance(x, dict) else model(x)
             if loss_fn is not None:
                 loss = loss_fn(out, *targets)
             else:

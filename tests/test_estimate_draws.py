@@ -334,21 +334,12 @@ def test_bart_with_layerdrop_is_estimated_as_its_largest_step_or_as_a_real_step_
     assert sum(est.random_reads.values()) == 2 * (3 + 3)  # one draw per layer, encoder and decoder, two steps
 
     def real_peak(layerdrop: float) -> int:
-        model = _bart(layerdrop)
-        opt = ADAM(model.parameters())
-        peaks = []
-        with MemoryProfiler(model, print_period=1, stream=io.StringIO(), strict=True, optimizer=opt) as profiler:
+        def make_input() -> dict[str, torch.Tensor]:
             real = {k: v.clone() for k, v in inputs.items()}
-            torch.manual_seed(SEED)
-            for _ in range(2):
-                out = model(**real)
-                loss = loss_fn(out)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                del out, loss
-                peaks.append(profiler.record_stats().iteration_peak_allocated)
-        return max(peaks)
+            torch.manual_seed(SEED)  # the estimate's draws, in the same order
+            return real
+
+        return measured_peak(functools.partial(_bart, layerdrop), make_input, ADAM, loss_fn=loss_fn)
 
     assert est.peak == real_peak(0.5)
     # by default: the step that skips no layer, which a run of any length meets (a real one at p = 0)

@@ -24,6 +24,26 @@ def _layout(shape: tuple[int, ...], how: str, dtype: torch.dtype, device: torch.
     return torch.randn(shape, device=device, dtype=dtype)
 
 
+def _blocks_of(run, device: torch.device) -> tuple[torch.Tensor, list[int], tuple[int, ...]]:
+    """``run()``'s output, the blocks it kept and those it gave back before returning (each rounded
+    as the allocator does), from the allocator's history of a second call (nothing first-call)."""
+    from pytorch_mem_profiler.estimate.allocator import block_size
+
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=10_000)
+    try:
+        out = run()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][device.index]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    given = {entry["addr"] for entry in trace if entry["action"] == "free_completed"}
+    taken = [entry for entry in trace if entry["action"] == "alloc"]
+    kept = [block_size(entry["size"]) for entry in taken if entry["addr"] not in given]
+    return out, kept, tuple(block_size(entry["size"]) for entry in taken if entry["addr"] in given)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
     "shape, dims, how, dtype, op",
@@ -50,19 +70,8 @@ def test_a_reduction_takes_the_rules_blocks_beside_its_output(shape, dims, how, 
     x = _layout(shape, how, dtype, device)
     reduce = getattr(torch, op)
     run = (lambda: reduce(x)) if dims is None else (lambda: reduce(x, dim=dims))
-    run()  # nothing first-call: the same call measured again
-    torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=10_000)
-    try:
-        out = run()
-        torch.cuda.synchronize()
-        trace = torch.cuda.memory._snapshot()["device_traces"][device.index]
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    given = {entry["addr"] for entry in trace if entry["action"] == "free_completed"}
-    taken = [entry for entry in trace if entry["action"] == "alloc"]
-    assert [entry["size"] for entry in taken if entry["addr"] not in given] == [out.untyped_storage().nbytes()]
-    transient = tuple(block_size(entry["size"]) for entry in taken if entry["addr"] in given)
+    out, kept, transient = _blocks_of(run, device)
+    assert kept == [block_size(out.untyped_storage().nbytes())]
     rule = reduction_scratch(tuple(x.shape), tuple(x.stride()), dims, x.element_size(), storage_offset=x.storage_offset(),
                              multiprocessors=torch.cuda.get_device_properties(device).multi_processor_count,
                              threads_per_multiprocessor=getattr(torch.cuda.get_device_properties(device), "max_threads_per_multi_processor", 2048))  # fmt: skip
@@ -89,19 +98,8 @@ def test_a_sum_to_another_dtype_takes_the_rules_copy_and_partial_sums(make, dims
     x = make(device)
     kwargs = {} if dtype is None else {"dtype": dtype}
     run = lambda: torch.sum(x, dims, keepdim=True, **kwargs)  # noqa: E731
-    run()
-    torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=10_000)
-    try:
-        out = run()
-        torch.cuda.synchronize()
-        trace = torch.cuda.memory._snapshot()["device_traces"][device.index]
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    given = {entry["addr"] for entry in trace if entry["action"] == "free_completed"}
-    taken = [entry for entry in trace if entry["action"] == "alloc"]
-    assert [block_size(entry["size"]) for entry in taken if entry["addr"] not in given] == [block_size(out.untyped_storage().nbytes())]
-    transient = tuple(block_size(entry["size"]) for entry in taken if entry["addr"] in given)
+    out, kept, transient = _blocks_of(run, device)
+    assert kept == [block_size(out.untyped_storage().nbytes())]
     props = torch.cuda.get_device_properties(device)
     rules = KernelScratch(props.multi_processor_count, getattr(props, "max_threads_per_multi_processor", 2048))
     assert transient == rules(torch.ops.aten.sum.dim_IntList, (x, dims, True), kwargs), transient
