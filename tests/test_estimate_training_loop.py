@@ -211,3 +211,32 @@ def test_the_command_takes_the_scaler(tmp_path, capsys):
     assert main(["estimate", str(path), "--device", "cpu", "--units", "B", "--autocast", "fp16", "--grad-scaler"]) == 0
     out = capsys.readouterr().out
     assert "Training loop: fp16 loss scaling (torch.amp.GradScaler)" in out and f".{expected.peak} B\n" in out
+
+
+def _convolutions() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+
+
+def test_clipping_takes_no_cublas_workspace():
+    """``clip_grad_norm_``'s norms are reductions, not cuBLAS calls: a step of convolutions alone takes no
+    cuBLAS workspace with clipping or without (an H200: clipping allocated nothing)."""
+    x = torch.randn(2, 3, 16, 16)
+    plain = estimate_memory(_convolutions, x, optimizer=torch.optim.SGD, device="cuda", fit=False)
+    clipped = estimate_memory(_convolutions, x, optimizer=torch.optim.SGD, device="cuda", fit=False, max_grad_norm=1.0)
+    assert plain.workspace == clipped.workspace == 0
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor is in torch 2.5 and later")
+def test_each_what_if_works_out_its_own_cublas_workspace():
+    """Adafactor's update runs a matmul (its row and column statistics), SGD's none: as a what-if of the
+    other each takes the workspace it takes estimated alone, in either direction."""
+    x = torch.randn(2, 3, 16, 16)
+    sgd, ada = torch.optim.SGD, torch.optim.Adafactor
+    alone = {name: estimate_memory(_convolutions, x, optimizer=opt, device="cuda", fit=False) for name, opt in (("sgd", sgd), ("ada", ada))}
+    assert alone["sgd"].workspace == 0 < alone["ada"].workspace
+    as_what_if = {
+        "ada": estimate_memory(_convolutions, x, optimizer=sgd, device="cuda", fit=False, compare={"w": {"optimizer": ada}}).alternatives["w"],
+        "sgd": estimate_memory(_convolutions, x, optimizer=ada, device="cuda", fit=False, compare={"w": {"optimizer": sgd}}).alternatives["w"],
+    }
+    for name in alone:
+        assert as_what_if[name].workspace == alone[name].workspace and as_what_if[name].reserved == alone[name].reserved, name

@@ -136,16 +136,26 @@ CUBLAS_OPERATORS = frozenset(
 )  # fmt: skip
 
 
+#: ``linalg_*`` operators that are element-wise kernels, reductions or views, not cuBLAS's: a norm
+#: (``clip_grad_norm_``'s, ``F.normalize``'s; a matrix norm that needs one runs ``linalg_svd``)
+#: takes no workspace (an H200: gradient clipping allocated nothing, the first matmul the 32 MiB)
+NOT_CUBLAS_LINALG = frozenset({"linalg_vector_norm", "linalg_norm", "linalg_matrix_norm", "linalg_cross", "linalg_diagonal"})
+
+
 def runs_cublas(name: str) -> bool:
     """Whether the ATen operator ``name`` (``aten.mm.default``'s is ``"mm"``) runs cuBLAS on CUDA:
-    one of :data:`CUBLAS_OPERATORS`, its in-place form, or a linear-algebra routine (``linalg_*``).
+    one of :data:`CUBLAS_OPERATORS`, its in-place form, or a linear-algebra routine (``linalg_*``)
+    but the norms and the other element-wise ones (:data:`NOT_CUBLAS_LINALG`).
 
     Example::
 
         >>> runs_cublas("addmm_"), runs_cublas("linalg_solve_triangular"), runs_cublas("convolution")
         (True, True, False)
+        >>> runs_cublas("linalg_vector_norm")       # clip_grad_norm_'s
+        False
     """
-    return name.rstrip("_") in CUBLAS_OPERATORS or name.lstrip("_").startswith("linalg_")
+    routine = name.lstrip("_")
+    return name.rstrip("_") in CUBLAS_OPERATORS or (routine.startswith("linalg_") and routine not in NOT_CUBLAS_LINALG)
 
 
 def cublas_workspaces(phases: Iterable[str] | None) -> int:

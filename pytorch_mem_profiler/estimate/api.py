@@ -288,6 +288,7 @@ def estimate_memory(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
         raise ValueError(f"rank must be an integer in [0, world_size={ranks}), got {rank!r}")
 
+    given_workspace = workspace  # each what-if of ``compare`` works out its own from the steps it runs
     run_device = _run_device(target, emulate)
     plan = StepPlan(
         model=model,
@@ -411,7 +412,7 @@ def estimate_memory(
                 **{**base, **overrides},
                 device=target,
                 outside=outside,
-                workspace=workspace,
+                workspace=given_workspace,
                 fit=fit,
                 emulate=emulate,
                 measure_kernels=measure_kernels,
