@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pytorch_mem_profiler import MemoryProfiler, estimate_memory
+from pytorch_mem_profiler.estimate import EstimateUnsupported
 
 
 def _model() -> nn.Module:
@@ -240,3 +241,18 @@ def test_each_what_if_works_out_its_own_cublas_workspace():
     }
     for name in alone:
         assert as_what_if[name].workspace == alone[name].workspace and as_what_if[name].reserved == alone[name].reserved, name
+
+
+
+def _bags() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.EmbeddingBag(1000, 8, mode="sum", sparse=True), nn.Linear(8, 1))
+
+
+def test_clipping_sparse_gradients_is_refused_naming_the_operator_and_sparse_tensors():
+    """``clip_grad_norm_`` over an ``EmbeddingBag(sparse=True)``'s gradient: the fake mode has no sparse
+    kernel for the norm; the refusal names it and says so, not a custom operator's missing kernel."""
+    x = torch.randint(0, 1000, (16, 4))
+    with pytest.raises(EstimateUnsupported, match="linalg_vector_norm.* no fake .meta. kernel for sparse tensors") as caught:
+        estimate_memory(_bags, x, optimizer=SGD, device="cpu", fit=False, max_grad_norm=1.0)
+    assert "custom operator" not in str(caught.value)

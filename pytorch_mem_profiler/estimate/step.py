@@ -213,6 +213,8 @@ class _NotInThisTorch(Exception):
 #: Newer torch names the fake mode's device mismatch (torch 2.11 does not: there it is a
 #: plain RuntimeError, which reaches the user as it is).
 _DEVICE_MISMATCH: type[BaseException] = getattr(_fake, "FakeTensorDeviceMismatchError", _NotInThisTorch)
+
+
 def _reading_line(err: BaseException) -> str:
     """`` (at file:line: code)`` for the innermost frame of ``err``'s traceback outside torch and
     this package (see :func:`~.draws.user_line`)."""
@@ -243,10 +245,14 @@ def _unsupported_as_errors() -> Iterator[None]:
         ) from err
     except UnsupportedOperatorException as err:
         name = str(err.func)
+        # an ATen operator on a sparse tensor has no sparse meta kernel; anything else is an extension's
+        what = (
+            "no fake (meta) kernel for sparse tensors"
+            if "Sparse" in str(err.__cause__ or err.__context__ or "")
+            else "no fake (meta) implementation (a custom operator or a CUDA extension without a registered fake kernel)"
+        )
         raise EstimateUnsupported(
-            f"{name} has no fake (meta) implementation (a custom operator or a CUDA extension "
-            f"without a registered fake kernel); running its real kernel would allocate real "
-            f"memory. {REAL_PROFILER}",
+            f"{name} has {what}; running its real kernel would allocate real memory. {REAL_PROFILER}",
             name,
         ) from err
     except UnsupportedFakeTensorException as err:
