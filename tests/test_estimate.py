@@ -294,6 +294,37 @@ def test_the_users_model_and_process_are_left_as_they_were():
     assert not can_chain() or top_saved_tensors_hooks() is None  # torch < 2.8 cannot tell
 
 
+class RegistersWhenWalked(nn.Module):
+    """A module that registers its weight again whenever it is walked, as peft's LoRA over
+    ``nn.MultiheadAttention`` does in ``named_modules()`` (``nn.Parameter(weight.data)``): walked
+    inside the estimate's fake mode, the user's model would get a fake weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(16, 16)
+
+    def named_modules(self, *args, **kwargs):
+        weight = self.inner.weight
+        del self.inner.weight
+        self.inner.weight = nn.Parameter(weight.data, requires_grad=weight.requires_grad)
+        return super().named_modules(*args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # cuda: emulated where no GPU is here
+def test_a_model_that_acts_when_walked_is_read_not_walked(device):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    model = RegistersWhenWalked()
+    weight = model.inner.weight
+    est = estimate_memory(model, torch.zeros(8, 16), device=device, fit=False)
+    assert model.inner.weight is weight and not isinstance(model.inner.weight.data, FakeTensor)
+    assert est.weights == (16 * 16 + 16) * 4 if device == "cpu" else est.weights > 0
+    assert torch.isfinite(model(torch.ones(2, 16))).all()
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -49,6 +49,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..torch_versions import INDUCTOR_PLAN_MODELLED
+from .fake import walk_modules
 from .graph_breaks import graph_breaks, remembered_breaks
 from .inductor_plan import layout_optimized, channels_last_inputs, plan_graph, storage_key
 from .output_trees import from_tree, to_tree
@@ -468,7 +469,8 @@ class CompiledModules:
         set (torch leaves it out of a module's state): the source's modules, by name, say which
         were compiled and how.
         """
-        compiled = {name: compile_options(m) for name, m in source.named_modules() if is_compiled(m)} if source is not None else {}
+        # the user's model read without calling its methods (see :func:`.fake.walk_modules`)
+        compiled = {name: compile_options(m) for name, m in walk_modules(source) if is_compiled(m)} if source is not None else {}
         for name, module in list(model.named_modules()):
             if name not in compiled and is_compiled(module):
                 compiled[name] = compile_options(module)

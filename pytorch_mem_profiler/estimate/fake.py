@@ -190,6 +190,33 @@ def _on(tensor: torch.Tensor, device: torch.device) -> bool:
     return isinstance(tensor, FakeTensor) and dev.type == device.type and (dev.index or 0) == (device.index or 0)
 
 
+def walk_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model``'s modules with their names, in ``named_modules()``'s order, each once, read from
+    the modules' own ``_modules`` rather than by ``named_modules()``: a module may act when walked so
+    (peft's LoRA over ``nn.MultiheadAttention`` registers its weights again, as new parameters: inside
+    the fake mode, fake ones on the user's model), and the user's model is only read.
+
+    Example::
+
+        >>> [name for name, _ in walk_modules(nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU())))]
+        ['', '0', '1', '1.0']
+    """
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(name: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        out.append((name, module))
+        for child_name, child in module._modules.items():
+            if child is not None:
+                visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", model)
+    return out
+
+
 def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, owned: bool = False) -> nn.Module:
     """``model`` with fake parameters and buffers on ``device`` (call inside ``mode``).
 
@@ -200,15 +227,17 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
     ``device`` (one per storage, so tied weights stay tied); ``requires_grad`` is
     kept; tensors it keeps as plain attributes (a positional table assigned as
     ``self.pe = ...``) become fake tensors on their own device, where
-    ``model.to(device)`` leaves them. The user's model is never changed.
+    ``model.to(device)`` leaves them. The user's model is never changed: it is walked by
+    :func:`walk_modules`, which calls none of its methods.
     """
-    tensors = [*model.parameters(), *model.buffers()]
+    modules = [module for _, module in walk_modules(model)]
+    tensors = [t for m in modules for store in (m._parameters, m._buffers) for t in store.values() if t is not None]
     if owned and all(_on(t, device) for t in tensors):
         return model
     memo: dict[int, Any] = {}
     by_storage: dict[Any, torch.Tensor] = {}
     bases: dict[Any, torch.Tensor] = {}  # a larger storage that tensors are parts of, made once
-    for module in model.modules():
+    for module in modules:
         # tensors kept as plain attributes: a model built for the estimate's follow it to the device;
         # a user's stay on their own device, as model.to(device) leaves them (deepcopy of a real
         # tensor inside the fake mode fails, so each is made fake here)
