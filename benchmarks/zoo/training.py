@@ -28,34 +28,58 @@ from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytorch_mem_profiler.estimate.draws import SMALL_VALUE_NUMEL, at_an_end
 
 from .registry import ZooModel
 
 
-class UniformDrawsAt(TorchDispatchMode):
-    """Small uniform draws (``torch.rand``, ``rand_like``, ``uniform_``: up to ``SMALL_VALUE_NUMEL``
-    elements, the values a step reads in Python) at an end of their range, ``"top"`` or ``"bottom"``,
-    as ``estimate_memory`` gives them (:func:`~pytorch_mem_profiler.estimate.draws.at_an_end`)."""
+class UniformDrawsAt:
+    """Small uniform draws (``torch.rand``, ``torch.rand_like``, ``Tensor.uniform_``: up to
+    ``SMALL_VALUE_NUMEL`` elements, the values a step reads in Python) at an end of their range,
+    ``"top"`` or ``"bottom"``, as ``estimate_memory`` gives them
+    (:func:`~pytorch_mem_profiler.estimate.draws.at_an_end`). The three functions are wrapped for the
+    block's length, not intercepted by a dispatch mode: a mode changes which kernels run (cuDNN's
+    recurrent layers then copy their weights), and the measured step must be the user's."""
+
+    _WRAPPED = ((torch, "rand", torch.ops.aten.rand.default), (torch, "rand_like", torch.ops.aten.rand_like.default),
+                (torch.Tensor, "uniform_", torch.ops.aten.uniform_.default))  # fmt: skip
 
     def __init__(self, end: str = "top") -> None:
-        super().__init__()
         self.end = end
+        self._saved: list[tuple[Any, str, Any, bool]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and out.numel() <= SMALL_VALUE_NUMEL:
-            at_an_end(func, args, kwargs, out, self.end)
-        return out
+    def _wrap(self, original: Any, op: Any) -> Any:
+        end = self.end
+
+        def drawn(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.numel() <= SMALL_VALUE_NUMEL:
+                with torch.no_grad():
+                    at_an_end(op, args, kwargs, out, end)
+            return out
+
+        return drawn
+
+    def __enter__(self) -> UniformDrawsAt:
+        for owner, name, op in self._WRAPPED:
+            original = getattr(owner, name)
+            self._saved.append((owner, name, original, name in vars(owner)))
+            setattr(owner, name, self._wrap(original, op))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        while self._saved:
+            owner, name, original, own = self._saved.pop()
+            if own:
+                setattr(owner, name, original)
+            else:  # inherited (Tensor.uniform_ from TensorBase): the shadow taken away
+                delattr(owner, name)
 
 
 def draws_as_estimated(entry: ZooModel) -> contextlib.AbstractContextManager:
     """Around a real forward of ``entry``: its small uniform draws at the top of their range
-    (:class:`UniformDrawsAt`); a compiled model's draws are inside its graph, which a dispatch
-    mode would make run eagerly, so none there."""
+    (:class:`UniformDrawsAt`); a compiled model's draws are inside its graph, none there."""
     return UniformDrawsAt("top") if not entry.needs_compile else contextlib.nullcontext()
 
 
