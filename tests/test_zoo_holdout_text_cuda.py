@@ -39,14 +39,19 @@ pytestmark = pytest.mark.cuda
 #: attention added its mask in place as the device does (16 fits and 18 runs out, H200, 2026-11-28); the frozen
 #: encoder on its fused fast path once the estimate ran it as ATen does and asked for the efficient attention
 #: backward's own blocks (reserved -2.7%, peak -0.08%, 111 fits under 3.5 GiB and 123 runs out, H200,
-#: 2026-11-29); the weight-normed text CNN once a sum to another dtype took its copy (amax's backward sums
-#: the boolean mask of the maxima as int64: 256 MiB a convolution; reserved -8.7% to +0.00%, H200, 2026-11-30).
+#: 2026-11-29).
 KNOWN: dict[str, str] = {
     "wav2vec2": (
         "reserved -12.2% (up to -11.6% stated; peak -0.07%, stated bound 4.2%; H200, 2026-11-30, the estimate and "
         "the measured step both skipping no layer under its LayerDrop of 0.1): the feature extractor's and the "
         "positional convolution's cuDNN workspaces, a few MB above the rules' in each pass (325.6 MB where the rule "
         "gives 317.7 MB for the first forward, the H200's allocator history), take segments of their own"
+    ),
+    "normalized_cnn": (
+        "largest batch (H200, 2026-11-30): at its batch of 64 the peak and reserved are the device's to the byte since a "
+        "sum to another dtype took its copy (amax's backward sums the boolean mask of the maxima as int64, 256 MiB a "
+        "convolution; reserved was -8.7%), but under 2.75 GiB the predicted 181 fits and 1.1x of it, 200, fits too "
+        "(reserved 2,730.5 MB there; the estimate's replay reserves 2,900.4 MB at 181): the search is conservative here"
     ),
 }
 
@@ -73,8 +78,8 @@ UNSTEADY: dict[str, str] = {
 }
 
 
-#: the goal every entry listed above is listed for (``listed_goals``)
-LISTED_GOALS = ("reserved",)
+#: the goals an entry listed above is listed for (``listed_goals``): its text says which it misses
+LISTED_GOALS = ("reserved", "largest batch")
 
 
 @pytest.mark.parametrize("name", cases(HOLDOUT_TEXT, KNOWN, on_cpu=False, unsteady=UNSTEADY, raises=AssertionError))
