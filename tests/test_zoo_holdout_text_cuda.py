@@ -42,7 +42,7 @@ pytestmark = pytest.mark.cuda
 #: 2026-11-29).
 KNOWN: dict[str, str] = {
     "wav2vec2": (
-        "reserved -12.2% (up to -11.6% stated; peak -0.07%, stated bound 4.2%; H200, 2026-11-30, the estimate and "
+        "reserved -11.4% (up to -10.7% stated; peak -0.05%, stated bound 4.2%; H200, 2026-11-30, the estimate and "
         "the measured step both skipping no layer under its LayerDrop of 0.1): the feature extractor's and the "
         "positional convolution's cuDNN workspaces, a few MB above the rules' in each pass (325.6 MB where the rule "
         "gives 317.7 MB for the first forward, the H200's allocator history), take segments of their own"
