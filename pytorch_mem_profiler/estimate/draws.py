@@ -104,7 +104,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["SMALL_VALUE_NUMEL", "HOST_VALUE_NUMEL", "SEED", "EXTREMES", "Draws", "at_an_end", "user_line", "values_set_aside"]
+__all__ = ["SMALL_VALUE_NUMEL", "HOST_VALUE_NUMEL", "SEED", "Draws", "at_an_end", "user_line", "values_set_aside"]
 
 #: Tensors of at most this many elements that a step makes from nothing get real values.
 SMALL_VALUE_NUMEL = 256
@@ -121,8 +121,6 @@ _UNIFORM: dict[str, tuple[tuple[int, str, float], tuple[int, str, float]] | None
     "uniform_": ((1, "from", 0.0), (2, "to", 1.0)),
     "uniform": ((1, "from", 0.0), (2, "to", 1.0)),
 }
-#: the values :attr:`Draws.extreme` may take
-EXTREMES = ("top", "bottom")
 
 _CPU = torch.device("cpu")
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -677,9 +675,14 @@ def at_an_end(func: Any, args: tuple, kwargs: dict, out: Any, extreme: str) -> N
         high = float(args[j]) if len(args) > j else float(kwargs.get(key2, default2))
     if extreme == "bottom":
         out.fill_(low)
-    else:
-        value = torch.tensor(high - (high - low) * torch.finfo(out.dtype).eps, dtype=torch.float64).to(out.dtype)
-        out.fill_(max(value.item(), low) if value.item() < high else low)
+        return
+    # a step of the dtype's precision below the top, more where the top is far from zero
+    step = (high - low) * torch.finfo(out.dtype).eps
+    value = high
+    while value >= high and step < high - low:
+        value = torch.tensor(high - step, dtype=torch.float64).to(out.dtype).item()
+        step *= 2
+    out.fill_(max(value, low) if value < high else low)
 
 
 def _empty_as(real: Any, device: torch.device, fallback: Callable[..., Any]) -> Any:
