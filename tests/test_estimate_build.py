@@ -244,3 +244,35 @@ def test_a_model_built_by_function_keeps_the_memory_format_its_constructor_moves
     sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     estimate = estimate_memory(_channels_last_block, make_input(), optimizer=sgd, autocast=torch.bfloat16, device="cpu", fit=False)
     assert estimate.peak == measured_peak(_channels_last_block, make_input, sgd, autocast=torch.bfloat16)
+
+
+class SizedByBuffer(nn.Module):
+    """A layer that keeps a shape in a small integer buffer and reads it in Python (peft's FroD:
+    ``self.frod_s_size[adapter].tolist()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.register_buffer("size", torch.tensor([8, 8]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, cols = self.size.tolist()
+        return self.fc(x).reshape(x.shape[0], rows, cols).softmax(-1).flatten(1)
+
+
+def _cumulative_batch_norm() -> nn.Module:
+    # momentum=None: a cumulative average, its factor read from num_batches_tracked in every forward
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, momentum=None), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 2))
+
+
+@pytest.mark.parametrize("build, shape", [(SizedByBuffer, (16, 64)), (_cumulative_batch_norm, (4, 3, 16, 16))], ids=["size-table", "bn-momentum-none"])
+def test_a_models_small_integer_buffers_keep_their_values(build, shape):
+    x = torch.zeros(shape)
+    measured = measured_peak(build, lambda: x.clone(), torch.optim.Adam)
+    model = build()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    handed = estimate_memory(model, x, optimizer=torch.optim.Adam, device="cpu", fit=False)
+    by_function = estimate_memory(build, x, optimizer=torch.optim.Adam, device="cpu", fit=False)
+    assert handed.peak == by_function.peak == measured
+    assert all(torch.equal(before[name], b) for name, b in model.named_buffers())  # the user's buffers as they were
+    assert estimate_memory(build, x, optimizer=torch.optim.Adam, device="cuda", fit=False).peak > 0  # emulated where no GPU

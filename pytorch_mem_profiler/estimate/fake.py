@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 from ..measure.accounting import part_of_a_storage
 from ..measure.trees import tensors_in
 from .conv_workspace import memory_format
-from .draws import HOST_VALUE_NUMEL, Draws, value_sized, values_set_aside
+from .draws import HOST_VALUE_NUMEL, SMALL_VALUE_NUMEL, Draws, value_sized, values_set_aside
 from .scalar_overflow import check_fill_fits
 from .layouts import MAKES_SPARSE, foreach_as_loop, has_other_layout, sparse_rule
 from .kernel_fakes import KERNEL_RULES
@@ -256,10 +256,21 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
                     fake = _fake_part(t, to, bases, key[0]) if key is not None and part_of_a_storage(t) else fake_like(t, to)
                     if key is not None:
                         by_storage[key] = fake
+                    if store is module._buffers and _small_integers(t):
+                        # a size or index table the forward may read in Python (peft's FroD: .tolist())
+                        with no_dispatch():
+                            value = t.detach().to("cpu", copy=True)
+                        fake = mode.draws.placed(mode, fake, value) if isinstance(mode, EstimateFakeMode) else fake
                 if isinstance(t, nn.Parameter):
                     fake = nn.Parameter(fake, requires_grad=t.requires_grad)
                 memo[id(t)] = fake
     return copy.deepcopy(model, memo)
+
+
+def _small_integers(t: torch.Tensor) -> bool:
+    """A real integer buffer of at most ``SMALL_VALUE_NUMEL`` elements whose value the fake copy keeps."""
+    return (not isinstance(t, FakeTensor) and t.device.type != "meta" and t.layout is torch.strided
+            and not (t.is_floating_point() or t.is_complex()) and 0 < t.numel() <= SMALL_VALUE_NUMEL)
 
 
 def _fake_part(t: torch.Tensor, device: torch.device, bases: dict[Any, torch.Tensor], anchor: Any) -> torch.Tensor:
