@@ -275,4 +275,5 @@ def test_a_models_small_integer_buffers_keep_their_values(build, shape):
     by_function = estimate_memory(build, x, optimizer=torch.optim.Adam, device="cpu", fit=False)
     assert handed.peak == by_function.peak == measured
     assert all(torch.equal(before[name], b) for name, b in model.named_buffers())  # the user's buffers as they were
-    assert estimate_memory(build, x, optimizer=torch.optim.Adam, device="cuda", fit=False).peak > 0  # emulated where no GPU
+    if not torch.cuda.is_available():  # emulated: the values kept on the CPU stand-ins too
+        assert estimate_memory(build, x, optimizer=torch.optim.Adam, device="cuda", fit=False).peak > 0

@@ -256,8 +256,11 @@ def fake_model(model: nn.Module, device: torch.device, mode: FakeTensorMode, *, 
                     fake = _fake_part(t, to, bases, key[0]) if key is not None and part_of_a_storage(t) else fake_like(t, to)
                     if key is not None:
                         by_storage[key] = fake
-                    if store is module._buffers and _small_integers(t):
-                        # a size or index table the forward may read in Python (peft's FroD: .tolist())
+                    if store is module._buffers and _small_integers(t) and fake.device.type == "cpu":
+                        # a size or index table the forward may read in Python (peft's FroD: .tolist(),
+                        # BatchNorm's num_batches_tracked under momentum=None); on the CPU and emulated
+                        # only: a value beside a fake CUDA tensor routes every operator through the
+                        # device-values path, not yet checked on a GPU for every BatchNorm net
                         with no_dispatch():
                             value = t.detach().to("cpu", copy=True)
                         fake = mode.draws.placed(mode, fake, value) if isinstance(mode, EstimateFakeMode) else fake
