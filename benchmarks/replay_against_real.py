@@ -440,7 +440,6 @@ def frames_text(frames: Iterable[Mapping[str, Any]] | None, most: int = FRAMES_S
     follows after ``...``: the model's line that called the kernel."""
     out: list[str] = []
     shown_python = False
-    innermost_python = None
     for frame in frames or ():
         name = str(frame.get("name", ""))
         if any(part in name for part in RECORDING_FRAMES) or any(part in name for part in ALLOCATION_FRAMES):
@@ -448,13 +447,11 @@ def frames_text(frames: Iterable[Mapping[str, Any]] | None, most: int = FRAMES_S
         if len(out) < most:
             out.append(_frame_text(frame))
             shown_python = shown_python or _is_python(frame)
-        elif innermost_python is None and not shown_python and _is_python(frame):
-            innermost_python = frame
-            break
         elif shown_python:
             break
-    if innermost_python is not None:
-        out.append("... " + _frame_text(innermost_python))
+        elif _is_python(frame):  # the innermost Python frame after the kernel's
+            out.append("... " + _frame_text(frame))
+            break
     return " < ".join(out) if out else "(no frames recorded)"
 
 

@@ -42,7 +42,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
+from ..measure.accounting import non_overlapping_and_dense
 from .allocator import block_size
 
 __all__ = [
@@ -247,30 +249,19 @@ def reduction_cast_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> tupl
         dtype = tensor.dtype if tensor.is_floating_point() or tensor.is_complex() else torch.int64
     if dtype == tensor.dtype or (tensor.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32):
         return tensor.dtype, 0
-    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
-    return dtype, block_size(tensor.numel() * itemsize)
+    return dtype, block_size(tensor.numel() * dtype.itemsize)
 
 
-def copy_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
-    """The strides ``Tensor.to(dtype)`` gives its copy: the input's where they lay it out densely
+def copy_strides(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The strides ``tensor.to(dtype)`` gives its copy: the input's where they lay it out densely
     without overlap (any order of the dimensions), else contiguous ones.
 
     Example::
 
-        >>> copy_strides((4, 3), (1, 4)), copy_strides((4, 3), (6, 2))   # transposed; sliced
-        ((1, 4), (3, 1))
+        >>> base = torch.empty(3, 8, device="meta")
+        >>> copy_strides(base.t()), copy_strides(base[:, ::2].t())   # transposed; strided
+        ((1, 8), (3, 1))
     """
-    order = sorted(range(len(shape)), key=lambda d: (strides[d], shape[d]))
-    expected, dense = 1, True
-    for d in order:
-        if shape[d] != 1 and strides[d] != expected:
-            dense = False
-            break
-        expected *= shape[d]
-    if dense:
-        return tuple(strides)
-    out, step = [], 1
-    for size in reversed(shape):
-        out.append(step)
-        step *= size
-    return tuple(reversed(out))
+    if non_overlapping_and_dense(tensor):
+        return tuple(tensor.stride())
+    return tuple(make_contiguous_strides_for(tensor.shape))

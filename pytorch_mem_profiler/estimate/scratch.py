@@ -769,20 +769,18 @@ class KernelScratch:
             return ()
         # summed to another dtype: a copy of the input in it first (a boolean mask's sum: int64's)
         reduced, copy = reduction_cast_copy(tensor, kwargs.get("dtype"))  # dtype is keyword-only in every form
-        if reduced in REDUCED_DTYPES:
-            accumulator = PARTIAL_BYTES  # half precision summed to float32 too: read as it is
-        elif reduced in WIDE_ACCUMULATORS:
-            accumulator = 8
-        else:
+        if reduced not in REDUCED_DTYPES and reduced not in WIDE_ACCUMULATORS:
             return (copy,) if copy else ()  # the partial sums of other dtypes: not measured
+        # float32 partial sums for half precision (read as it is, summed to float32 too), 8 bytes for the wide
+        accumulator = max(PARTIAL_BYTES, reduced.itemsize)
         dims = args[1] if len(args) > 1 else kwargs.get("dim")
         if copy:  # the copy is laid out as the input where that is dense, else contiguously
-            strides, offset = copy_strides(tuple(tensor.shape), tuple(tensor.stride())), 0
+            strides, offset = copy_strides(tensor), 0
         else:
             strides, offset = tuple(tensor.stride()), tensor.storage_offset()
-        partial = reduction_scratch(tuple(tensor.shape), strides, dims, torch.empty((), dtype=reduced, device="meta").element_size(),
-                                    storage_offset=offset, multiprocessors=self.multiprocessors,
-                                    threads_per_multiprocessor=self.threads_per_multiprocessor, accumulator=accumulator)  # fmt: skip
+        partial = reduction_scratch(tuple(tensor.shape), strides, dims, reduced.itemsize, storage_offset=offset,
+                                    multiprocessors=self.multiprocessors, threads_per_multiprocessor=self.threads_per_multiprocessor,
+                                    accumulator=accumulator)  # fmt: skip
         return (copy, *partial) if copy else partial
 
     @staticmethod

@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "PLAIN_TENSORS",
+    "non_overlapping_and_dense",
     "tensor_bytes",
     "storage_parts",
     "storage_holder",
@@ -259,6 +260,24 @@ def _held_bytes(tensors: Sequence[torch.Tensor | None]) -> list[int]:
     if views:
         _whole_storages(sizes, tensors, views)
     return sizes
+
+
+def non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a block of memory once each, in some order of its dims
+    (``TensorImpl::is_non_overlapping_and_dense``), read from its shape and strides alone.
+
+    Example::
+
+        >>> base = torch.empty(3, 8, device="meta")
+        >>> non_overlapping_and_dense(base.t()), non_overlapping_and_dense(base[:, ::2])
+        (True, False)
+    """
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(tensor.shape, tensor.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def part_of_a_storage(tensor: torch.Tensor | None) -> bool:

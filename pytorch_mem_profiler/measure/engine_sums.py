@@ -62,23 +62,14 @@ from typing import Any
 
 import torch
 
+from .accounting import non_overlapping_and_dense
+
 __all__ = ["ENGINE_SUM", "ENGINE_SUM_IN_PLACE", "EngineAccumulation"]
 
 #: The operator the engine sums gradient pieces with when it cannot add in place.
 ENGINE_SUM = torch.ops.aten.add.Tensor
 #: The one it sums them with in place: what a mode runs for a sum :meth:`EngineAccumulation.in_place` answers.
 ENGINE_SUM_IN_PLACE = torch.ops.aten.add_.Tensor
-
-
-def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill a block of memory once each, in some order of its dims
-    (``TensorImpl::is_non_overlapping_and_dense``)."""
-    expected = 1
-    for stride, size in sorted((st, n) for n, st in zip(tensor.shape, tensor.stride()) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _storage_uses(tensor: torch.Tensor) -> int:
@@ -137,7 +128,7 @@ class EngineAccumulation:
             return False
         if old.is_nested or old._is_zerotensor() or new._is_zerotensor():
             return False
-        if not _non_overlapping_and_dense(old):
+        if not non_overlapping_and_dense(old):
             return False
         counts = (old._use_count(), _storage_uses(old))
         if self._calibrating:
